@@ -1,0 +1,3 @@
+from hf_dp_balance.cli import main
+
+raise SystemExit(main())

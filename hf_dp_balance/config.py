@@ -1,0 +1,148 @@
+"""One configuration object for the whole library.
+
+`DPBalanceConfig` is what every module reads. It is built from, in order of
+precedence: `HF_DP_BALANCE_*` environment variables (they pass through
+`accelerate launch` / `torchrun`, whose config files reject unknown keys), then
+explicit arguments (`DPBalanceArguments` fields on TrainingArguments, or the
+constructor), then the defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional
+
+ENV_PREFIX = "HF_DP_BALANCE_"
+
+_SYNC_CHOICES = ("auto", "step", "micro_batch")
+_FIT_MODES = ("auto", "per_rank", "step_max")
+
+
+@dataclass(frozen=True)
+class DPBalanceConfig:
+    """Settings of data-parallel compute balancing.
+
+    Immutable: derive a changed copy with `config.replace(...)`.
+    """
+
+    enabled: bool = True
+    """Balance the decoder's compute across data-parallel ranks."""
+
+    vision: bool = False
+    """Also balance the vision encoder (images move for the ViT, embeddings come back)."""
+
+    warmup_steps: int = 5
+    """Optimizer steps timed before the cost model is fitted and planning switches on."""
+
+    max_token_ratio: float = 1.2
+    """Hard per-rank (per micro-batch slot) token cap, as a multiple of the mean tokens per slot."""
+
+    max_tokens: Optional[int] = None
+    """Absolute hard token cap per slot (memory); overrides `max_token_ratio` when set."""
+
+    min_gain: float = 0.02
+    """Skip a step's plan when it would cut the slowest rank by less than this (relative)."""
+
+    move_tolerance: float = 0.005
+    """Among plans within this relative distance of the best makespan, prefer fewer moves."""
+
+    sync: str = "auto"
+    """`step` (DDP: ranks meet once per optimizer step), `micro_batch` (FSDP / ZeRO-3), or `auto`."""
+
+    refit_every: int = 0
+    """Refit the cost model every N optimizer steps after warm-up (0: never)."""
+
+    fit_mode: str = "auto"
+    """`per_rank` (clean per-rank compute times), `step_max` (only step times), or `auto`."""
+
+    timeout_s: float = 600.0
+    """Communication timeout of the side group: a dead or failing rank raises after this, never hangs."""
+
+    prefetch_steps: int = 2
+    """Optimizer steps planned and exchanged ahead by the background thread (bounded queue)."""
+
+    lookahead_steps: int = 0
+    """Plan outlier samples over a window of K upcoming steps (0: off). Changes data order within K steps."""
+
+    cost_model_path: Optional[str] = None
+    """JSON of a fitted cost model to start from (skips warm-up fitting when given)."""
+
+    verbose: bool = False
+    """Log a line per step on rank 0 in addition to the periodic metrics."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value, why: str) -> None:
+            raise ValueError(f"DPBalanceConfig.{name}={value!r}: {why}")
+
+        if self.warmup_steps < 0:
+            bad("warmup_steps", self.warmup_steps, "must be >= 0")
+        if not self.max_token_ratio >= 1.0:
+            bad("max_token_ratio", self.max_token_ratio, "must be >= 1.0 (a cap below the mean cannot hold every sample)")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            bad("max_tokens", self.max_tokens, "must be a positive token count or None")
+        if not 0.0 <= self.min_gain < 1.0:
+            bad("min_gain", self.min_gain, "must be in [0, 1)")
+        if not 0.0 <= self.move_tolerance < 1.0:
+            bad("move_tolerance", self.move_tolerance, "must be in [0, 1)")
+        if self.sync not in _SYNC_CHOICES:
+            bad("sync", self.sync, f"must be one of {_SYNC_CHOICES}")
+        if self.fit_mode not in _FIT_MODES:
+            bad("fit_mode", self.fit_mode, f"must be one of {_FIT_MODES}")
+        if self.refit_every < 0:
+            bad("refit_every", self.refit_every, "must be >= 0")
+        if not self.timeout_s > 0:
+            bad("timeout_s", self.timeout_s, "must be > 0 seconds")
+        if self.prefetch_steps < 1:
+            bad("prefetch_steps", self.prefetch_steps, "must be >= 1")
+        if self.lookahead_steps < 0:
+            bad("lookahead_steps", self.lookahead_steps, "must be >= 0")
+
+    def replace(self, **changes) -> "DPBalanceConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_env(cls, base: Optional["DPBalanceConfig"] = None, environ: Optional[Mapping[str, str]] = None) -> "DPBalanceConfig":
+        """`base` (or the defaults) overridden by every `HF_DP_BALANCE_<FIELD>` variable set."""
+        environ = os.environ if environ is None else environ
+        base = cls() if base is None else base
+        changes = {}
+        for f in fields(cls):
+            key = ENV_PREFIX + f.name.upper()
+            if key in environ:
+                changes[f.name] = _parse_field(f, environ[key], key)
+        return base.replace(**changes) if changes else base
+
+
+def _parse_field(f: dataclasses.Field, text: str, key: str):
+    """Parse an environment value by the field's declared type, with an error naming the variable."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    raw = text.strip()
+    try:
+        if "Optional" in kind and raw.lower() in ("", "none", "null"):
+            return None
+        if "bool" in kind:
+            low = raw.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected one of 1/0/true/false/yes/no/on/off")
+        if "int" in kind:
+            return int(raw)
+        if "float" in kind:
+            return float(raw)
+        return raw
+    except ValueError as exc:
+        raise ValueError(f"environment variable {key}={text!r}: {exc}") from None
+
+
+def config_field_names() -> tuple:
+    return tuple(f.name for f in fields(DPBalanceConfig))
+
+
+__all__ = ["DPBalanceConfig", "ENV_PREFIX", "config_field_names"]
