@@ -1,0 +1,183 @@
+"""DPBalanceCallback in a stock Trainer on 2 real gloo ranks: warm-up fit, logs, checkpoint and resume."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dist_harness import run_ranks
+from hf_dp_balance.callback import (CHECKPOINT_FILE, DPBalanceCallback, compute_imbalance, feature_row,
+                                    fit_from_records, resolve_config, segment_lengths)
+from hf_dp_balance.config import DPBalanceConfig
+from hf_dp_balance.cost import CostModel
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_segment_lengths_reads_packed_and_padded_batches():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert segment_lengths({"position_ids": pos}) == [3, 2, 4]
+    mrope = torch.stack([pos, pos * 0, pos * 0, pos * 0])  # [4, 1, T]: row 0 is the plain positions
+    assert segment_lengths({"position_ids": mrope}) == [3, 2, 4]
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert segment_lengths({"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": mask}) == [3, 2]
+    assert segment_lengths({"input_ids": torch.zeros(2, 5, dtype=torch.long)}) == [5, 5]
+
+
+def test_feature_row_and_imbalance():
+    np.testing.assert_allclose(feature_row([3, 4]), [25.0, 7.0, 2.0, 1.0])
+    assert compute_imbalance(np.array([[1.0, 1.0], [3.0, 1.0]])) == pytest.approx((0.0 + 0.5) / 2)
+
+
+def test_fit_from_records_recovers_a_known_model():
+    rng = np.random.default_rng(0)
+    true = CostModel(quadratic=2e-7, linear=1e-4, per_sample=1e-3, constant=0.05)
+    lengths = [[rng.integers(16, 2048, size=rng.integers(1, 8)) for _ in range(2)] for _ in range(12)]
+    feats = np.array([[feature_row(r) for r in step] for step in lengths])
+    times = true.predict(feats) * rng.normal(1.0, 0.01, size=(12, 2))
+    times[0] *= 5  # a slow first step: dropped
+    fitted = fit_from_records(feats, times, "per_rank").model
+    pred, ref = fitted.predict(feats[1:]), true.predict(feats[1:])
+    assert np.max(np.abs(pred / ref - 1)) < 0.05
+
+
+def test_config_precedence(monkeypatch):
+    class Args:
+        dp_balance = True
+        dp_balance_warmup_steps = 7
+
+    assert resolve_config(None, Args(), environ={}).warmup_steps == 7
+    assert resolve_config(DPBalanceConfig(warmup_steps=2), Args(), environ={}).warmup_steps == 2
+    env = {"HF_DP_BALANCE_WARMUP_STEPS": "4"}
+    assert resolve_config(DPBalanceConfig(warmup_steps=2), Args(), environ=env).warmup_steps == 4
+    assert resolve_config(None, object(), environ={}) == DPBalanceConfig()
+
+
+# --------------------------------------------------------------------------- Trainer on 2 gloo ranks
+
+
+class _TextSamples(torch.utils.data.Dataset):
+    """Unique text samples with long-tail lengths: tokens 1-2 encode the index."""
+
+    def __init__(self, n: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        lengths = np.clip(rng.lognormal(np.log(48), 1.0, size=n), 8, 400).astype(int)
+        self.items = []
+        for i, length in enumerate(lengths):
+            body = rng.integers(11, 512, size=int(length) - 3).tolist()
+            self.items.append({"input_ids": [2, 11 + i % 400, 11 + i // 400] + body})
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def _pack_text(samples):
+    """One packed row: positions restart per sample, each sample's first label masked."""
+    ids, pos, labels = [], [], []
+    for s in samples:
+        x = list(s["input_ids"])
+        ids += x
+        pos += list(range(len(x)))
+        labels += [-100] + x[1:]
+    t = lambda v: torch.tensor([v], dtype=torch.long)  # noqa: E731
+    return {"input_ids": t(ids), "position_ids": t(pos), "labels": t(labels)}
+
+
+def _record_segments(model, trainer_ref):
+    """Forward pre-hook: (step being computed, first 3 tokens of every packed sample)."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        ids, pos = kwargs["input_ids"][0].tolist(), kwargs["position_ids"][0].tolist()
+        starts = [i for i, p in enumerate(pos) if p == 0]
+        step = trainer_ref[0].state.global_step + 1
+        seen.extend((step, tuple(ids[s:s + 3])) for s in starts)
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def _trainer(out_dir, max_steps, save_steps):
+    from transformers import Trainer
+
+    from hf_dp_balance.arguments import DPBalanceTrainingArguments
+    from hf_dp_balance.data import make_model
+
+    args = DPBalanceTrainingArguments(
+        output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, max_steps=max_steps, logging_steps=1,
+        save_strategy="steps", save_steps=save_steps, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
+        dataloader_drop_last=True, learning_rate=1e-3, dp_balance=True, dp_balance_warmup_steps=3)
+    model = make_model("text", seed=0)
+    callback = DPBalanceCallback()
+    ref = [None]
+    seen = _record_segments(model, ref)
+    trainer = Trainer(model=model, args=args, train_dataset=_TextSamples(96), data_collator=_pack_text,
+                      callbacks=[callback])
+    ref[0] = trainer
+    return trainer, callback, seen
+
+
+def _train_save_resume(rank, world, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    first, cb1, seen1 = _trainer(out_dir, max_steps=8, save_steps=4)
+    first.train()
+    saved_path = os.path.join(out_dir, "checkpoint-4", CHECKPOINT_FILE)
+    dist.barrier()
+    second, cb2, seen2 = _trainer(out_dir, max_steps=8, save_steps=100)
+    second.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-4"))
+    return {
+        "log_history": first.state.log_history,
+        "callback_position": first.callback_handler.callbacks.index(cb1),
+        "fitted_step": cb1.fitted_step,
+        "model_after_first": cb1.decoder_model.to_dict() if cb1.decoder_model else None,
+        "saved": json.load(open(saved_path)) if rank == 0 else None,
+        "restored_from": getattr(cb2, "restored_from", None),
+        "model_after_resume": cb2.decoder_model.to_dict() if cb2.decoder_model else None,
+        "resume_fitted_step": cb2.fitted_step,
+        "seen1": seen1,
+        "seen2": seen2,
+    }
+
+
+def test_trainer_with_callback_fits_logs_checkpoints_and_resumes(tmp_path):
+    results = run_ranks(_train_save_resume, 2, str(tmp_path), timeout=240)
+    r0, r1 = results
+    # Warm-up of 3 steps, then one fit whose coefficients every rank shares.
+    assert r0["fitted_step"] == r1["fitted_step"] == 3
+    assert r0["model_after_first"] is not None and r0["model_after_first"] == r1["model_after_first"]
+    assert r0["callback_position"] == 1  # right after DefaultFlowCallback, before the reporters
+
+    # Metrics in Trainer's own log stream.
+    train_logs = [h for h in r0["log_history"] if "loss" in h]
+    assert [h["step"] for h in train_logs] == list(range(1, 9))
+    for h in train_logs:
+        assert h["dp_balance/fitted"] == (1.0 if h["step"] >= 3 else 0.0)
+        assert h["dp_balance/compute_imbalance"] >= 0.0
+        assert h["dp_balance/slowest_rank_compute_s"] > 0.0
+    assert all("dp_balance/cost_quadratic" in h for h in train_logs if h["step"] >= 3)
+
+    # The checkpoint holds the model; the resumed run starts from it without a new warm-up.
+    assert r0["saved"]["decoder"] == r0["model_after_first"]
+    for r in results:
+        assert r["restored_from"].endswith(os.path.join("checkpoint-4", CHECKPOINT_FILE))
+        assert r["model_after_resume"] == r0["model_after_first"]
+        assert r["resume_fitted_step"] == 4
+
+    # Resume continues exactly where the first run stopped: no sample trained twice, none skipped.
+    def by_step(seen_lists, steps):
+        return sorted(s for seen in seen_lists for (step, s) in seen if step in steps)
+
+    first_part = by_step([r0["seen1"], r1["seen1"]], range(1, 5))
+    second_part_original = by_step([r0["seen1"], r1["seen1"]], range(5, 9))
+    resumed = by_step([r0["seen2"], r1["seen2"]], range(5, 9))
+    assert resumed == second_part_original
+    assert not set(resumed) & set(first_part)
+    assert len(set(first_part)) == len(first_part)
