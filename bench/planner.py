@@ -1,0 +1,181 @@
+"""Planner benchmark: no balancing vs the published greedy vs plan_balance / plan_step, side by side.
+
+Instances: R ranks, M micro-batches per step, each micro-batch one 32K-token pack
+filled in stream order from a long-tail multimodal length mix (the starting mix
+of shared/WORKLOAD_STATS.md: 35% text-only, 55% one image, 10% video or
+multi-image, plus a 1% tail of long documents / videos near the pack length in
+the "long-tail" regime; nothing above 8K in the "bounded" regime).
+Cost per sample: a*L^2 + b*L + c for a 7B decoder, in token-equivalents
+(attention equals the linear layers near L = 53K; c = 64 per sample).
+
+For every method: slowest rank / lower bound, items moved, planning time
+(median of repeats, same process, same instances). Run:
+
+    /work/venv/bin/python bench/planner.py [--quick] [--write docs/bench_parts/planner.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from hf_dp_balance.planner import plan_balance, plan_step
+from hf_dp_balance.reference import plan_reference_greedy
+
+PACK = 32768
+COST_A = 1.0 / 53000.0
+COST_B = 1.0
+COST_C = 64.0
+
+
+def sample_lengths(rng: np.random.Generator, n: int, regime: str) -> np.ndarray:
+    """LLM tokens per sample: text + vision tokens, long-tail or bounded regime."""
+    text = rng.lognormal(np.log(300), 0.9, n)
+    kind = rng.random(n)
+    image = np.clip(rng.lognormal(np.log(700), 0.6, n), 64, 16384)
+    video = rng.lognormal(np.log(5000), 0.6, n)
+    vision = np.where(kind < 0.35, 0.0, np.where(kind < 0.90, image, video))
+    length = text + vision
+    if regime == "long-tail":
+        tail = rng.random(n) < 0.01
+        length = np.where(tail, rng.uniform(0.5, 1.0, n) * PACK, length)
+        return np.clip(np.round(length), 16, PACK)
+    return np.clip(np.round(length), 16, 8192)
+
+
+def packed_step(rng: np.random.Generator, num_ranks: int, num_mb: int, regime: str):
+    """(lengths, owners, micro_batches): R*M packs of <= 32K tokens filled in stream order."""
+    slots = num_ranks * num_mb
+    lengths = []
+    slot_of = []
+    s = 0
+    fill = 0.0
+    while s < slots:
+        for L in sample_lengths(rng, 4096, regime).tolist():
+            if fill + L > PACK:
+                s += 1
+                fill = 0.0
+                if s == slots:
+                    break
+            lengths.append(L)
+            slot_of.append(s)
+            fill += L
+    lengths = np.asarray(lengths)
+    slot_of = np.asarray(slot_of, dtype=np.int64)
+    # slot s -> (rank, micro-batch): consecutive packs go to consecutive ranks, as a sampler deals them
+    return lengths, slot_of % num_ranks, slot_of // num_ranks
+
+
+def sample_cost(lengths: np.ndarray) -> np.ndarray:
+    return COST_A * lengths ** 2 + COST_B * lengths + COST_C
+
+
+def timed(fn, repeats: int):
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return out, float(np.median(times))
+
+
+def bench_balance(rng, num_ranks, regime, repeats):
+    """One micro-batch per step: plan_balance vs the reference on the same instance."""
+    lengths, owners, _ = packed_step(rng, num_ranks, 1, regime)
+    costs = sample_cost(lengths)
+    cap = 1.2 * lengths.sum() / num_ranks
+    ours, t_ours = timed(lambda: plan_balance(costs, owners, num_ranks, tokens=lengths, max_tokens=cap,
+                                              min_gain=0.0), repeats)
+    ref_repeats = max(1, min(repeats, 3))
+    ref, t_ref = timed(lambda: plan_reference_greedy(costs, owners, num_ranks, tokens=lengths, max_token_ratio=1.2,
+                                                     skip_imbalance=0.0, skip_single_sample=False), ref_repeats)
+    lb = ours.lower_bound
+    return {
+        "n": lengths.size, "lb": lb,
+        "none": (ours.makespan_before / lb, 0, 0.0),
+        "reference": (ref.makespan_after / lb, ref.moved, t_ref),
+        "plan_balance": (ours.makespan_after / lb, ours.moved, t_ours),
+    }
+
+
+def bench_step(rng, num_ranks, num_mb, regime, repeats, sync):
+    """M micro-batches per step: plan_step vs the reference applied per micro-batch."""
+    lengths, owners, mbs = packed_step(rng, num_ranks, num_mb, regime)
+    costs = sample_cost(lengths)
+    cap = 1.2 * lengths.sum() / (num_ranks * num_mb)
+    ours, t_ours = timed(lambda: plan_step(costs, owners, mbs, num_ranks, num_mb, tokens=lengths, max_tokens=cap,
+                                           sync=sync, min_gain=0.0), repeats)
+
+    def reference_per_micro_batch():
+        rank = owners.copy()
+        for m in range(num_mb):
+            sel = np.flatnonzero(mbs == m)
+            p = plan_reference_greedy(costs[sel], owners[sel], num_ranks, tokens=lengths[sel], max_token_ratio=1.2,
+                                      skip_imbalance=0.0, skip_single_sample=False)
+            rank[sel] = p.dest
+        return rank
+
+    ref_rank, t_ref = timed(reference_per_micro_batch, max(1, min(repeats, 2)))
+    slot = np.bincount(ref_rank * num_mb + mbs, weights=costs, minlength=num_ranks * num_mb).reshape(num_ranks, num_mb)
+    ref_obj = float(slot.sum(axis=1).max()) if sync == "step" else float(slot.max(axis=0).sum())
+    lb = ours.lower_bound
+    return {
+        "n": lengths.size, "lb": lb,
+        "none": (ours.makespan_before / lb, 0, 0.0),
+        "reference": (ref_obj / lb, int(np.count_nonzero(ref_rank != owners)), t_ref),
+        "plan_step": (ours.makespan_after / lb, ours.moved, t_ours),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument("--write", metavar="PATH", help="also write the markdown table to PATH")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    repeats = 3 if args.quick else 7
+    sizes = [32, 512] if args.quick else [32, 128, 512]
+    rows = []
+    header = ("| regime | ranks | M | sync | items | method | slowest / lower bound | moved | plan time (ms) | speed-up vs reference |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
+    for regime in ("bounded", "long-tail"):
+        for R in sizes:
+            res = bench_balance(rng, R, regime, repeats)
+            rows += _rows(regime, R, 1, "-", res)
+            for sync in ("step", "micro_batch"):
+                res = bench_step(rng, R, 4, regime, repeats, sync)
+                rows += _rows(regime, R, 4, sync, res)
+            print("\n".join(rows[-9:]), flush=True)
+    table = header + "\n" + "\n".join(rows)
+    print(table)
+    if args.write:
+        cmd = "/work/venv/bin/python bench/planner.py" + (" --quick" if args.quick else "") + f" --write {args.write}"
+        with open(args.write, "w") as f:
+            f.write("# Planner benchmark\n\n")
+            f.write(f"Command: `{cmd}` (seed {args.seed}, median of {repeats} repeats for plan_balance/plan_step, "
+                    "up to 3 for the reference; one process, same instances side by side; 2 shared CPU cores).\n\n")
+            f.write("Instances: 32K-token packs of the long-tail multimodal mix (bench/planner.py docstring); "
+                    "token cap 1.2x the mean tokens per rank (per slot with M=4) for every method. "
+                    "With M=4 the reference is run per micro-batch.\n\n")
+            f.write(table + "\n")
+    return 0
+
+
+def _rows(regime, R, M, sync, res):
+    ref_time = res["reference"][2]
+    out = []
+    for method in [k for k in res if k not in ("n", "lb")]:
+        quality, moved, t = res[method]
+        speedup = "" if method in ("none", "reference") or t <= 0 else f"{ref_time / t:.0f}x"
+        out.append(f"| {regime} | {R} | {M} | {sync} | {res['n']} | {method} | {quality:.4f} | {moved} | "
+                   f"{1e3 * t:.2f} | {speedup} |")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
