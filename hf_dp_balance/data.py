@@ -614,6 +614,27 @@ def build_synthetic_dataset(family: str, num_samples: int, *, seed: int = 0, mix
         )
 
 
+def make_samples(family: str, kinds: tuple = ("text", "image", "multi_image", "video"), *, seed: int = 0,
+                 text_tokens: int = 24, vision_tokens: int = 48, max_tokens: int = 1 << 20) -> list[dict]:
+    """Per-sample dicts of tensors of chosen kinds (tests, examples): the same rendering as the dataset.
+
+    ``kinds``: "text", "image", "multi_image" (3 images), "video" (InternVL: frames as tiles).
+    ``vision_tokens``: LLM tokens per sample's vision part (split over the images of multi_image).
+    """
+    _check_family(family)
+    renderer = _Renderer(family)
+    out = []
+    for i, kind in enumerate(kinds):
+        if kind not in MIX_FRACTIONS:
+            raise ValueError(f"kinds[{i}]={kind!r}: expected one of {tuple(MIX_FRACTIONS)}")
+        vision = {"text": [], "image": [vision_tokens], "video": [vision_tokens],
+                  "multi_image": [max(1, vision_tokens // 3)] * 3}[kind]
+        plan = {"kind": kind, "text_tokens": text_tokens, "vision_tokens": vision, "long_tail": False}
+        row = renderer.render(plan, np.random.default_rng([seed, i]), i, max_tokens)
+        out.append(to_sample({k: v for k, v in row.items()}))
+    return out
+
+
 def to_sample(row: dict, *, keep_sample_id: bool = False) -> dict:
     """A dataset row (python, numpy or torch format) -> the per-sample dict of tensors `PackedCollator` takes.
 
