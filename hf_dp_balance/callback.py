@@ -500,14 +500,32 @@ def _vision_tower(model):
     return None
 
 
+def summarize_step_stats(stats: Sequence[Any]) -> Dict[str, float]:
+    """Loader statistics of the steps since the last log: mean predicted imbalance before / after,
+    steps applied / skipped, samples and bytes moved (sums)."""
+    if not stats:
+        return {}
+    before = [s.imbalance_before for s in stats if math.isfinite(s.imbalance_before)]
+    after = [s.imbalance_after for s in stats if math.isfinite(s.imbalance_after)]
+    out = {
+        "applied": float(sum(1 for s in stats if s.applied)),
+        "skipped": float(sum(1 for s in stats if not s.applied)),
+        "moved_samples": float(sum(s.moved_samples for s in stats)),
+        "moved_bytes": float(sum(s.moved_bytes for s in stats)),
+        "wait_s": float(sum(getattr(s, "wait_s", 0.0) for s in stats)),
+    }
+    if before:
+        out["imbalance_before"] = float(np.mean(before))
+    if after:
+        out["imbalance_after"] = float(np.mean(after))
+    return out
+
+
 def _loader_stats(loader) -> Dict[str, float]:
     """Counters of the balanced loader since the last call (empty without a loader)."""
-    if loader is None:
-        return {}
     take = getattr(loader, "pop_stats", None)
-    stats = take() if callable(take) else {}
-    return {k: float(v) for k, v in (stats or {}).items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+    return summarize_step_stats(take()) if callable(take) else {}
 
 
-__all__ = ["DPBalanceCallback", "CHECKPOINT_FILE", "segment_lengths", "feature_row", "compute_imbalance",
+__all__ = ["DPBalanceCallback", "CHECKPOINT_FILE", "summarize_step_stats", "segment_lengths", "feature_row", "compute_imbalance",
            "fit_from_records", "resolve_config", "load_checkpoint_models"]

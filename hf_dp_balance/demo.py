@@ -230,7 +230,9 @@ def _train_way(way: str, rank: int, world: int, samples: list, tokens: np.ndarra
     B = world * per_rank
     model = make_model("qwen2_vl", seed=opts["seed"], attn_implementation=register_varlen_attention())
     collator = PackedCollator(model.config)
-    key_to_id = {tuple(s["input_ids"].tolist()): i for i, s in enumerate(samples)}
+    key_to_id = {}
+    for i, s in enumerate(samples):  # a few tiny samples repeat their tokens: those share the first id
+        key_to_id.setdefault(tuple(s["input_ids"].tolist()), i)
     probe = _make_probe(model, key_to_id, progress)
     common = dict(output_dir=opts["workdir"], use_cpu=True, max_steps=steps, logging_steps=1, save_strategy="no",
                   report_to=[], disable_tqdm=True, seed=opts["seed"], learning_rate=1e-3, warmup_steps=0,

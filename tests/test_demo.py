@@ -1,0 +1,74 @@
+"""The demo: its pure parts, and a short run on 2 gloo ranks checking demo.json's structure and invariants."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hf_dp_balance.demo import (WAYS, batch_rebalance_layout, check_invariants, format_table, summarize_way,
+                                token_balanced_packs)
+
+
+def test_token_balanced_packs_cut_contiguously_into_equal_tokens():
+    tokens = [100, 10, 10, 80, 50, 50, 100]
+    packs = token_balanced_packs(tokens, 2)
+    assert [i for p in packs for i in p] == list(range(len(tokens)))
+    assert [sum(tokens[i] for i in p) for p in packs] == [200, 200]
+    packs = token_balanced_packs([1000, 1, 1, 1], 4)  # every pack gets a sample even when tokens are skewed
+    assert [len(p) for p in packs] == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="at least 4 samples"):
+        token_balanced_packs([1, 2], 4)
+
+
+def test_batch_rebalance_layout_makes_transformers_sampler_yield_the_schedule():
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    ranks, per_rank, steps = 3, 4, 5
+    n = ranks * per_rank * steps
+    layout = batch_rebalance_layout(n)
+    lengths = list(np.random.default_rng(0).integers(5, 500, size=n)[layout])  # dataset position p holds layout[p]
+    seen = {}
+    for r in range(ranks):
+        sampler = BatchRebalanceSampler(lengths, effective_batch_size=ranks * per_rank, dp_size=ranks, grad_accum=1,
+                                        rank=r)
+        for k, batch in enumerate(sampler):
+            seen.setdefault(k, []).extend(int(layout[p]) for p in batch)
+    for k in range(steps):  # global batch k = schedule samples [k*B, (k+1)*B)
+        assert sorted(seen[k]) == list(range(k * ranks * per_rank, (k + 1) * ranks * per_rank))
+
+
+def test_summary_and_invariants():
+    compute = np.array([[1.0, 3.0], [2.0, 2.0], [4.0, 1.0]])
+    run = summarize_way(compute, np.array([10, 20, 30]), [3.0, 2.0, 1.0], [[0, 1], [2, 3], [4]], 5, warmup=1)
+    assert run["slowest_rank_compute_s"] == 6.0 and run["mean_rank_compute_s"] == 4.5
+    assert run["samples_trained"] == 3 and run["tokens_per_s"] == pytest.approx(50 / 6.0)
+    other = dict(run, losses=[3.0, 2.0, 1.0 + 1e-3])
+    inv = check_invariants({"none": run, "x": other})
+    assert inv["same_samples"] and not inv["losses_equal"]
+    moved = dict(run, samples_per_step=[[0, 1], [2], [3, 4]])
+    assert not check_invariants({"none": run, "x": moved})["same_samples"]
+    assert "none" in format_table({"none": run})
+
+
+def test_demo_runs_three_ways_on_two_ranks(tmp_path):
+    from hf_dp_balance.cli import main
+
+    out, png = tmp_path / "demo.json", tmp_path / "demo.png"
+    code = main(["demo", "--steps", "2", "--warmup", "2", "--ranks", "2", "--samples-per-rank", "4",
+                 "--json", str(out), "--plot", str(png), "--no-progress"])
+    result = json.loads(out.read_text())
+    assert code == 0
+    assert set(result["runs"]) == set(WAYS)
+    for way, run in result["runs"].items():
+        for key in ("slowest_rank_compute_s", "mean_rank_compute_s", "samples_trained", "tokens_per_s",
+                    "moved_samples", "losses"):
+            assert key in run, (way, key)
+        assert len(run["losses"]) == 4 and len(run["per_step_slowest_s"]) == 4
+        assert run["slowest_rank_compute_s"] >= run["mean_rank_compute_s"] > 0
+        assert run["samples_trained"] == 2 * 2 * 4  # compared steps x ranks x samples per rank
+    inv = result["invariants"]
+    assert inv["same_samples"] and inv["losses_equal"], inv
+    ids = result["runs"]["none"]["samples_per_step"]  # ids of samples, identical token content sharing one
+    assert [len(s) for s in ids] == [8] * 4
+    assert all(0 <= i < (k + 1) * 8 for k, s in enumerate(ids) for i in s)  # step k: samples k*8.. (or a twin)
+    assert png.stat().st_size > 10_000
