@@ -32,6 +32,7 @@ which case fixing it is required.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Optional
 
@@ -223,233 +224,382 @@ def _lower_bound(c: np.ndarray, prior: np.ndarray, speeds: np.ndarray) -> float:
 # ----------------------------------------------------------------------------- core
 
 
-class _State:
-    """Mutable working placement of one planning call (local to the call, never shared)."""
+class _Infeasible(Exception):
+    """No placement found that meets the token cap / item counts; `where` says where it failed."""
 
-    def __init__(self, costs, owners, tokens, caps, prior, speeds, min_count):
-        num_ranks = speeds.shape[0]
+    def __init__(self, where):
+        super().__init__(where)
+        self.where = where
+
+
+class _State:
+    """Working placement of one planning call (local to the call, never shared).
+
+    R ranks with M slots each (micro-batches; M = 1 for plan_balance). Cost is
+    balanced per rank, tokens are capped per slot. Tokens per slot are tracked
+    under a cap, and with M > 1 (to spread arriving items over the slots; items
+    count 1 each when no tokens are given). Items per rank are tracked only when
+    ranks need a minimum count.
+    """
+
+    def __init__(self, costs, tokens, cap, speeds, dest, micro, num_slots, load, min_count):
+        R = speeds.shape[0]
         self.costs = costs
-        self.tokens = tokens
-        self.caps = caps  # float64 [R] or None
+        self.cap = cap  # tokens per slot, or None
         self.speeds = speeds
-        self.dest = owners.copy()
-        self.load = prior + np.bincount(owners, weights=costs, minlength=num_ranks)
-        self.ntok = None if tokens is None else np.bincount(owners, weights=tokens, minlength=num_ranks)
-        self.count = np.bincount(owners, minlength=num_ranks)
+        self.M = num_slots
+        self.dest = dest.copy()
+        self.micro = micro.copy()
+        self.load = load.copy()  # prior + costs per rank
+        track = cap is not None or num_slots > 1
+        self.tokens = tokens if tokens is not None else (np.ones(costs.shape[0]) if track else None)
+        self.slot_tok = (np.bincount(dest * num_slots + micro, weights=self.tokens, minlength=R * num_slots)
+                         .reshape(R, num_slots) if track else None)
+        self.count = None if min_count <= 0 else np.bincount(dest, minlength=R)
         self.min_count = min_count
 
-    def time(self) -> np.ndarray:
-        return self.load / self.speeds
-
-    def move(self, item: int, to: int) -> None:
-        frm = int(self.dest[item])
+    def move(self, item: int, to: int, slot: int) -> None:
+        frm, m = int(self.dest[item]), int(self.micro[item])
         c = self.costs[item]
         self.load[frm] -= c
         self.load[to] += c
-        if self.ntok is not None:
+        if self.slot_tok is not None:
             t = self.tokens[item]
-            self.ntok[frm] -= t
-            self.ntok[to] += t
-        self.count[frm] -= 1
-        self.count[to] += 1
+            self.slot_tok[frm, m] -= t
+            self.slot_tok[to, slot] += t
+        if self.count is not None:
+            self.count[frm] -= 1
+            self.count[to] += 1
         self.dest[item] = to
+        self.micro[item] = slot
 
 
-def _shed(state: _State, owners: np.ndarray, budget: np.ndarray, slack: np.ndarray) -> list:
-    """Items to take off every over-budget (or over-cap) rank; their loads are removed from `state`.
+def _remove(state: _State, items: np.ndarray) -> None:
+    """Take items off their ranks (dest becomes -1 until placed)."""
+    src = state.dest[items]
+    R = state.load.shape[0]
+    state.load -= np.bincount(src, weights=state.costs[items], minlength=R)
+    if state.slot_tok is not None:
+        flat = state.slot_tok.reshape(-1)
+        flat -= np.bincount(src * state.M + state.micro[items], weights=state.tokens[items], minlength=flat.size)
+    if state.count is not None:
+        state.count -= np.bincount(src, minlength=R)
+    state.dest[items] = -1
 
-    Per rank, items are visited heaviest first and taken when they fit into the
-    remaining excess (classic subset-sum greedy: few items, small remainder);
-    if more than `slack` remains, the lightest item not yet taken covers it.
-    A rank never drops below `state.min_count` items. Ranks over the token cap
-    then give up their largest-token items until they fit.
+
+def _group_starts(keys: np.ndarray) -> np.ndarray:
+    """Start offsets of the runs of equal values in a sorted array."""
+    if keys.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+
+
+def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_rounds: int = 16) -> np.ndarray:
+    """Items to take off every over-budget rank, chosen in vectorised rounds; removed from `state`.
+
+    Each round takes at most one item per rank that is still above budget + slack:
+    the lightest item that covers the remaining excess on its own (one move,
+    little overshoot), or, if none does, the heaviest item (fewest moves toward
+    it). Items heavier than the largest free room anywhere (budget - load of the
+    emptiest rank) are never taken: no rank could receive them without becoming
+    the new slowest. A rank keeps at least `state.min_count` items.
+    Cost: O(items on over ranks) numpy per round.
     """
-    costs, tokens = state.costs, state.tokens
-    over_cost = state.load > budget + slack
-    over_tok = (state.ntok > state.caps) if state.caps is not None else np.zeros_like(over_cost)
-    over = np.flatnonzero(over_cost | over_tok)
+    costs, owners = state.costs, state.dest
+    excess = state.load - budget
+    room = float(np.max(-excess))
+    over = excess > slack
+    if not over.any():
+        return np.zeros(0, dtype=np.int64)
+    sel = np.flatnonzero(over[owners])
+    so = owners[sel]
+    if so.size > 1 and np.any(so[1:] < so[:-1]):
+        order = np.argsort(so, kind="stable")  # items grouped by owner, index order inside
+        sel, so = sel[order], so[order]
+    sc = costs[sel]
+    movable = (sc > 0) & (sc <= room)
+    taken_all = []
+    starts = _group_starts(so)
+    ranks = so[starts]
+    rem = excess[ranks]
+    lim = slack[ranks]
+    left = state.count[ranks] - state.min_count if state.count is not None else np.full(ranks.size, sel.size)
+    for _ in range(max_rounds):
+        active = (rem > lim) & (left > 0)
+        if not active.all():
+            # keep only the ranks still over budget (smaller arrays for the next rounds)
+            keep_items = np.repeat(active, np.diff(np.append(starts, sel.size)))
+            sel, so, sc, movable = sel[keep_items], so[keep_items], sc[keep_items], movable[keep_items]
+            rem, lim, left, ranks = rem[active], lim[active], left[active], ranks[active]
+            if sel.size == 0:
+                break
+            starts = _group_starts(so)
+        group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, sel.size)))
+        need = (rem - lim)[group]
+        min_cover = np.minimum.reduceat(np.where(movable & (sc >= need), sc, np.inf), starts)
+        max_free = np.maximum.reduceat(np.where(movable, sc, -np.inf), starts)
+        pick = np.where(np.isfinite(min_cover), min_cover, max_free)
+        ok = np.isfinite(pick)
+        if not ok.any():
+            break
+        hit = np.flatnonzero(movable & (sc == pick[group]) & ok[group])
+        g = group[hit]
+        first = np.concatenate(([True], g[1:] != g[:-1]))  # lowest index wins ties
+        hit, g = hit[first], g[first]
+        taken_all.append(sel[hit])
+        movable[hit] = False
+        rem[g] -= sc[hit]
+        left[g] -= 1
+        left[~ok] = 0  # nothing movable left on these ranks
+    if not taken_all:
+        return np.zeros(0, dtype=np.int64)
+    pool = np.sort(np.concatenate(taken_all))
+    _remove(state, pool)
+    return pool
+
+
+def _shed_tokens(state: _State) -> np.ndarray:
+    """Items to take off every slot over the token cap (most tokens first); removed from `state`.
+
+    Only needed when the current placement already breaks the cap. Python over
+    the items of the offending slots.
+    """
+    if state.cap is None:
+        return np.zeros(0, dtype=np.int64)
+    over = np.flatnonzero(state.slot_tok.reshape(-1) > state.cap)
     if over.size == 0:
-        return []
-    n = costs.shape[0]
-    on_over = np.isin(owners, over)
-    idx = np.flatnonzero(on_over)
-    order = idx[np.lexsort((idx, -costs[idx], owners[idx]))]  # by rank, cost desc, index
-    bounds = np.searchsorted(owners[order], over, side="left")
-    ends = np.searchsorted(owners[order], over, side="right")
+        return np.zeros(0, dtype=np.int64)
+    slot_of = state.dest * state.M + state.micro
     pool = []
-    for r, lo, hi in zip(over.tolist(), bounds.tolist(), ends.tolist()):
-        items = order[lo:hi].tolist()
-        cs = costs[order[lo:hi]].tolist()
-        keep_min = state.min_count
-        left = len(items)
-        taken = [False] * len(items)
-        rem = float(state.load[r] - budget[r])
-        lim = float(slack[r])
-        if rem > lim:
-            for k, c in enumerate(cs):
-                if rem <= lim or left <= keep_min:
-                    break
-                if c <= rem and c > 0:
-                    taken[k] = True
-                    rem -= c
-                    left -= 1
-            if rem > lim and left > keep_min:
-                for k in range(len(items) - 1, -1, -1):  # lightest untaken item covers the rest
-                    if not taken[k] and cs[k] > 0:
-                        taken[k] = True
-                        rem -= cs[k]
-                        left -= 1
-                        break
-        if state.caps is not None:
-            tok_over = float(state.ntok[r] - state.caps[r]) - sum(
-                tokens[items[k]] for k in range(len(items)) if taken[k])
-            if tok_over > 0:
-                by_tokens = sorted((k for k in range(len(items)) if not taken[k]),
-                                   key=lambda k: (-tokens[items[k]], items[k]))
-                for k in by_tokens:
-                    if tok_over <= 0:
-                        break
-                    taken[k] = True
-                    tok_over -= tokens[items[k]]
-        for k in range(len(items)):
-            if taken[k]:
-                pool.append(items[k])
+    for s in over.tolist():
+        items = np.flatnonzero(slot_of == s)
+        items = items[np.lexsort((items, -state.tokens[items]))].tolist()
+        excess = float(state.slot_tok.reshape(-1)[s]) - state.cap
+        r = s // state.M
+        left = int(state.count[r]) - state.min_count if state.count is not None else len(items)
+        for i in items:
+            if excess <= 0:
+                break
+            if left <= 0:
+                raise _Infeasible(f"slot (rank {r}, micro-batch {s % state.M}) cannot shed tokens and keep "
+                                  f"{state.min_count} items")
+            pool.append(i)
+            excess -= float(state.tokens[i])
+            left -= 1
     pool = np.asarray(pool, dtype=np.int64)
-    # take the shed items off their ranks (they are re-placed by _place)
-    src = state.dest[pool]
-    np.subtract.at(state.load, src, costs[pool])
-    if state.ntok is not None:
-        np.subtract.at(state.ntok, src, tokens[pool])
-    np.subtract.at(state.count, src, 1)
-    state.dest[pool] = -1
-    return pool.tolist()
+    _remove(state, pool)
+    return pool
 
 
-def _place(state: _State, pool: list, owners: np.ndarray, evict: bool) -> None:
-    """Place shed items heaviest first on the earliest-finishing rank with token room.
+def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
+    """Place pooled items by best-fit decreasing on the ranks' rooms (limit - load).
 
-    A heap of (current time, rank) gives the least-loaded ranks in order; the
-    first few with token room are compared by finish time (speeds differ).
-    With `evict`, a receiver short of tokens hands back its cheapest-per-token
-    items to make room (they re-enter the pool); an item that fits nowhere goes
-    back to its owner.
+    Heaviest item first (ties: most tokens), onto the rank with the smallest
+    room that still holds it and whose emptiest slot holds its tokens; an item
+    that fits no room goes to the roomiest rank with token room (as LPT would).
+    On its rank an item goes to the slot with the fewest tokens. No rank with
+    token room at all -> _Infeasible. Rooms are kept in a sorted Python list
+    (bisect): O(log R) search plus an O(R) memmove per item.
     """
-    costs, tokens, speeds = state.costs, state.tokens, state.speeds
-    caps = state.caps
-    load = state.load
-    heap = [(float(t), r) for r, t in enumerate((load / speeds).tolist())]
-    heapq.heapify(heap)
-    # pool as a heap by (-cost, index): evicted items re-enter in cost order
-    work = [(-float(costs[i]), int(i)) for i in pool]
-    heapq.heapify(work)
-    look = 4
-    while work:
-        _, i = heapq.heappop(work)
-        c = float(costs[i])
-        t = float(tokens[i]) if caps is not None else 0.0
-        aside = []
-        best = -1
-        best_finish = np.inf
-        fitting = 0
-        while heap and fitting < look:
-            tr, r = heapq.heappop(heap)
-            if tr != float(load[r] / speeds[r]):
-                continue  # stale entry
-            aside.append((tr, r))
-            if caps is None or state.ntok[r] + t <= caps[r]:
-                fitting += 1
-                finish = (load[r] + c) / speeds[r]
-                if finish < best_finish:
-                    best_finish, best = finish, r
-        for entry in aside:
-            heapq.heappush(heap, entry)
-        if best < 0:
-            best = int(owners[i])
-            if caps is not None and state.ntok[best] + t > caps[best]:
-                raise _Infeasible(best)
-        state.load[best] += c
-        if caps is not None:
-            state.ntok[best] += t
-        state.count[best] += 1
-        state.dest[i] = best
-        heapq.heappush(heap, (float(load[best] / speeds[best]), best))
+    costs, tokens, cap = state.costs, state.tokens, state.cap
+    if tokens is None:
+        pool = pool[np.argsort(-costs[pool], kind="stable")]
+    else:
+        pool = pool[np.lexsort((pool, -tokens[pool], -costs[pool]))]
+    room = limit - state.load
+    order = np.argsort(room, kind="stable")
+    rooms = room[order].tolist()  # ascending
+    ranks = order.tolist()
+    item_cost = costs[pool].tolist()
+    dest = [0] * len(item_cost)
+    slots = [0] * len(item_cost)
+    last = len(rooms) - 1
+    tracked = state.slot_tok is not None
+    if tracked:
+        slot_tok = state.slot_tok.tolist()
+        item_tok = tokens[pool].tolist()
+        if cap is not None:
+            free = [cap - min(row) for row in slot_tok]
+    for k, c in enumerate(item_cost):
+        j = bisect_left(rooms, c)
+        if cap is not None:
+            t = item_tok[k]
+            while j <= last and free[ranks[j]] < t:
+                j += 1
+            if j > last:  # no room holds the cost: the roomiest rank with token room
+                j = last
+                while j >= 0 and free[ranks[j]] < t:
+                    j -= 1
+                if j < 0:
+                    raise _Infeasible(f"item {int(pool[k])} ({t:.0f} tokens) fits on no rank")
+        elif j > last:
+            j = last
+        r = ranks.pop(j)
+        left = rooms.pop(j) - c
+        j = bisect_left(rooms, left)
+        rooms.insert(j, left)
+        ranks.insert(j, r)
+        dest[k] = r
+        if tracked:
+            row = slot_tok[r]
+            m = row.index(min(row))
+            row[m] += item_tok[k]
+            slots[k] = m
+            if cap is not None:
+                free[r] = cap - min(row)
+    dest_arr = np.asarray(dest, dtype=np.int64)
+    R = state.load.shape[0]
+    state.load += np.bincount(dest_arr, weights=costs[pool], minlength=R)
+    if tracked:
+        state.slot_tok[:] = slot_tok
+        state.micro[pool] = slots
+    if state.count is not None:
+        state.count += np.bincount(dest_arr, minlength=R)
+    state.dest[pool] = dest_arr
 
 
-class _Infeasible(Exception):
-    def __init__(self, rank):
-        super().__init__(rank)
-        self.rank = rank
+class _Members:
+    """Items of each rank, built once (stable sort of dest) and patched on every move."""
+
+    def __init__(self, dest: np.ndarray, num_ranks: int):
+        self.order = np.argsort(dest, kind="stable")
+        self.bounds = np.searchsorted(dest[self.order], np.arange(num_ranks + 1))
+        self.cache = {}
+
+    def of(self, r: int) -> np.ndarray:
+        got = self.cache.get(r)
+        if got is None:
+            got = self.order[self.bounds[r]:self.bounds[r + 1]]
+            self.cache[r] = got
+        return got
+
+    def moved(self, item: int, frm: int, to: int) -> None:
+        src = self.of(frm)
+        self.cache[frm] = src[src != item]
+        dst = self.of(to)
+        self.cache[to] = np.sort(np.append(dst, item))  # index order keeps ties deterministic
 
 
 def _refine(state: _State, goal: float, max_iters: int, candidates: int = 4) -> None:
     """Best single move or swap between the slowest rank and the least-loaded ranks, until `goal`.
 
     Each iteration looks at the slowest rank h and the `candidates` fastest ranks
-    l, and applies the move (item of h to l) or swap (item a of h with item b of
-    l) that minimises max(new time of h, new time of l) while keeping both
-    under the token cap. Stops when h is at or under `goal` or nothing helps h.
+    l, and applies the move (item of h to l's emptiest slot) or swap (item a of
+    h with item b of l, each taking the other's slot) that minimises
+    max(new time of h, new time of l) within the token cap. Stops when h is at
+    or under `goal` or nothing helps h. O(items of h x items of l) per pair.
     """
-    costs, tokens, speeds, caps = state.costs, state.tokens, state.speeds, state.caps
+    costs, tokens, speeds, cap = state.costs, state.tokens, state.speeds, state.cap
+    members = None
     for _ in range(max_iters):
         times = state.load / speeds
         h = int(np.argmax(times))
         th = float(times[h])
         if th <= goal:
             return
-        mine = np.flatnonzero(state.dest == h)
+        if members is None:
+            members = _Members(state.dest, speeds.shape[0])
+        mine = members.of(h)
         if mine.size == 0:
             return
-        can_move = mine.size > state.min_count
+        can_move = state.count is None or mine.size > state.min_count
+        ca = costs[mine]
         order = np.argsort(times, kind="stable")
-        best = None  # (new_max, kind, a, b, l)
+        best = None  # (new_max, a, b or -1, l, slot of a on l)
         for l in order[:candidates].tolist():
             if l == h:
                 continue
-            ca = costs[mine]
-            # single moves h -> l
-            nh = (state.load[h] - ca) / speeds[h]
-            nl = (state.load[l] + ca) / speeds[l]
-            worst = np.maximum(nh, nl)
-            if caps is not None:
-                worst = np.where(state.ntok[l] + tokens[mine] <= caps[l], worst, np.inf)
-            k = int(np.argmin(worst))
-            if can_move and worst[k] < th and (best is None or worst[k] < best[0]):
-                best = (float(worst[k]), "move", int(mine[k]), -1, l)
-            theirs = np.flatnonzero(state.dest == l)
+            if can_move:
+                nh = (state.load[h] - ca) / speeds[h]
+                nl = (state.load[l] + ca) / speeds[l]
+                worst = np.maximum(nh, nl)
+                to_slot = int(np.argmin(state.slot_tok[l])) if state.slot_tok is not None else 0
+                if cap is not None:
+                    worst = np.where(state.slot_tok[l, to_slot] + tokens[mine] <= cap, worst, np.inf)
+                k = int(np.argmin(worst))
+                if worst[k] < th and (best is None or worst[k] < best[0]):
+                    best = (float(worst[k]), int(mine[k]), -1, l, to_slot)
+            theirs = members.of(l)
             if theirs.size == 0:
                 continue
-            cb = costs[theirs]
-            delta = ca[:, None] - cb[None, :]  # load leaving h
-            nh = (state.load[h] - delta) / speeds[h]
-            nl = (state.load[l] + delta) / speeds[l]
-            worst = np.maximum(nh, nl)
-            if caps is not None:
-                dt = tokens[mine][:, None] - tokens[theirs][None, :]
-                ok = (state.ntok[l] + dt <= caps[l]) & (state.ntok[h] - dt <= caps[h])
-                worst = np.where(ok, worst, np.inf)
+            delta = ca[:, None] - costs[theirs][None, :]  # load leaving h
+            worst = np.maximum((state.load[h] - delta) / speeds[h], (state.load[l] + delta) / speeds[l])
+            if cap is not None:
+                ta, tb = tokens[mine][:, None], tokens[theirs][None, :]
+                into_l = state.slot_tok[l, state.micro[theirs]][None, :] - tb + ta
+                into_h = state.slot_tok[h, state.micro[mine]][:, None] - ta + tb
+                worst = np.where((into_l <= cap) & (into_h <= cap), worst, np.inf)
             k = int(np.argmin(worst))
             a, b = divmod(k, theirs.size)
             if worst.flat[k] < th and (best is None or worst.flat[k] < best[0]):
-                best = (float(worst.flat[k]), "swap", int(mine[a]), int(theirs[b]), l)
+                best = (float(worst.flat[k]), int(mine[a]), int(theirs[b]), l, int(state.micro[theirs[b]]))
         if best is None:
             return
-        _, kind, a, b, l = best
-        state.move(a, l)
-        if kind == "swap":
-            state.move(b, h)
+        _, a, b, l, slot = best
+        if b >= 0:
+            state.move(b, h, int(state.micro[a]))
+            members.moved(b, l, h)
+        state.move(a, l, slot)
+        members.moved(a, h, l)
 
 
-def _balance(costs, owners, tokens, caps, prior, speeds, target, tolerance, min_count=0):
-    """Destination of every item: shed, place, refine (module docstring). Raises _Infeasible."""
-    state = _State(costs, owners, tokens, caps, prior, speeds, min_count)
-    budget = target * speeds
+def _fill_short_ranks(state: _State) -> None:
+    """Give every rank at least `min_count` items: a short rank takes the cheapest item (ties:
+    lowest index) of the rank with the most items that fits its emptiest slot."""
+    if state.count is None:
+        return
+    short = np.flatnonzero(state.count < state.min_count)
+    for r in short.tolist():
+        while state.count[r] < state.min_count:
+            donors = np.flatnonzero(state.count > state.min_count)
+            if donors.size == 0:
+                raise _Infeasible(f"rank {r} has {state.count[r]} items, no rank can spare one")
+            d = int(donors[np.argmax(state.count[donors])])
+            cand = np.flatnonzero(state.dest == d)
+            slot = int(np.argmin(state.slot_tok[r])) if state.slot_tok is not None else 0
+            if state.cap is not None:
+                cand = cand[state.slot_tok[r, slot] + state.tokens[cand] <= state.cap]
+                if cand.size == 0:
+                    raise _Infeasible(f"rank {r} has {state.count[r]} items and no token room for another")
+            i = int(cand[np.lexsort((cand, state.costs[cand]))[0]])
+            state.move(i, r, slot)
+
+
+def _fill_empty_slots(state: _State) -> None:
+    """On every rank with at least M items, give each empty slot one item: the fewest-token
+    item (ties: lowest index) of the rank's slot with the most items. Stays on the rank."""
+    R, M = state.load.shape[0], state.M
+    if M == 1:
+        return
+    slot_of = state.dest * M + state.micro
+    cnt = np.bincount(slot_of, minlength=R * M).reshape(R, M)
+    todo = np.flatnonzero((cnt == 0).any(axis=1) & (cnt.sum(axis=1) >= M))
+    for r in todo.tolist():
+        row = cnt[r]
+        for m in np.flatnonzero(row == 0).tolist():
+            donor = int(np.argmax(row))  # >= 2 items there: M items, an empty slot
+            items = np.flatnonzero(slot_of == r * M + donor)
+            i = int(items[np.lexsort((items, state.tokens[items]))[0]])
+            state.move(i, r, m)
+            slot_of[i] = r * M + m
+            row[donor] -= 1
+            row[m] += 1
+
+
+def _balance(state: _State, target: float, tolerance: float) -> _State:
+    """Shed, place, refine (module docstring), then the item-count fixes. Raises _Infeasible."""
+    budget = target * state.speeds
     slack = budget * (tolerance / 2.0)
-    pool = _shed(state, owners, budget, slack)
-    if pool:
-        _place(state, pool, owners, evict=False)
-    goal = target * (1.0 + tolerance)
-    _refine(state, goal, max_iters=2 * speeds.shape[0] + 16)
-    return state.dest
+    pool = _shed_rounds(state, budget, slack)
+    extra = _shed_tokens(state)
+    if extra.size:
+        pool = np.concatenate((pool, extra))
+    if pool.size:
+        _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0))
+    _refine(state, target * (1.0 + tolerance), max_iters=2 * state.speeds.shape[0] + 16)
+    _fill_short_ranks(state)
+    _fill_empty_slots(state)
+    return state
 
 
 # ----------------------------------------------------------------------------- plan_balance
@@ -459,19 +609,24 @@ def _pct(x: float) -> str:
     return f"{100.0 * x:.1f}%"
 
 
+def _first(mask: np.ndarray) -> Optional[int]:
+    idx = np.flatnonzero(mask)
+    return int(idx[0]) if idx.size else None
+
+
 def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prior_loads=None,
                  speeds=None, min_gain=0.02, tolerance=0.005) -> Plan:
     """Move few items so that the slowest rank finishes as early as possible.
 
     Objective: minimise ``max_r (prior_loads[r] + sum of costs on r) / speeds[r]``
-    under the hard cap ``sum of tokens on r <= max_tokens``. Among plans within
-    `tolerance` of the target it stops at the first found from the current
-    placement, so it moves few items. Kept only when it cuts the slowest rank by
-    at least `min_gain`, or when the current placement breaks the cap (then fixing
-    it is required; a cap that cannot be met raises ValueError).
+    under the hard cap ``sum of tokens on r <= max_tokens``. Starting from the
+    current placement it stops as soon as the slowest rank is within `tolerance`
+    of the lower bound, so it moves few items. Kept only when it cuts the slowest
+    rank by at least `min_gain`, or when the current placement breaks the cap
+    (then fixing it is required; a cap that cannot be met raises ValueError).
 
-    Cost: O(n log n) numpy plus Python work proportional to the ranks touched and
-    the items moved.
+    Cost: O(n) numpy plus Python steps proportional to the items moved (and,
+    only when refinement is needed, one O(n log n) sort).
     """
     num_ranks = _check_count(num_ranks, "num_ranks")
     c = _as_item_values(costs, "costs", None)
@@ -482,48 +637,41 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
     spd = _per_rank(speeds, "speeds", num_ranks, 1.0, positive=True)
     min_gain = _check_fraction(min_gain, "min_gain")
     tolerance = _check_fraction(tolerance, "tolerance")
-    caps = None if cap is None else np.full(num_ranks, cap)
-    return _plan_ranks(c, own, tok, caps, prior, spd, min_gain, tolerance, min_count=0)
 
-
-def _plan_ranks(c, own, tok, caps, prior, spd, min_gain, tolerance, min_count) -> Plan:
-    """plan_balance on validated arrays (caps per rank, or None)."""
-    num_ranks = spd.shape[0]
     loads_before = prior + np.bincount(own, weights=c, minlength=num_ranks)
     mk_before = float(np.max(loads_before / spd))
     lb = _lower_bound(c, prior, spd)
-    violated = _cap_violation(own, tok, caps)
-    short = _count_shortfall(own, num_ranks, min_count)
+    ntok = None if cap is None else np.bincount(own, weights=tok, minlength=num_ranks)
+    violated = None if cap is None else _first(ntok > cap)
 
     def keep(reason: str) -> Plan:
         return Plan(dest=own.copy(), applied=False, reason=reason, loads_before=loads_before,
                     loads_after=loads_before.copy(), lower_bound=lb, makespan_before=mk_before,
                     makespan_after=mk_before, moved=0)
 
-    if violated is None and short is None and (c.size == 0 or mk_before <= 0 or mk_before <= lb * (1.0 + 1e-12)):
-        return keep("nothing to balance" if c.size == 0 or mk_before <= 0 else "already at the lower bound")
+    if violated is None and (n == 0 or mk_before <= 0 or mk_before <= lb * (1.0 + 1e-12)):
+        return keep("nothing to balance" if n == 0 or mk_before <= 0 else "already at the lower bound")
+    state = _State(c, tok, cap, spd, own, np.zeros(n, dtype=np.int64), 1, loads_before, 0)
     try:
-        dest = _balance(c, own, tok, caps, prior, spd, lb, tolerance, min_count)
-        dest = _fill_short_ranks(c, dest, tok, caps, spd, prior, min_count)
+        _balance(state, lb, tolerance)
     except _Infeasible as exc:
-        if violated is None and short is None:
+        if violated is None:
             return keep("no feasible plan found; kept in place")
-        raise _cap_error(own, tok, caps, exc.rank) from None
+        raise _cap_error(ntok, cap, violated, exc.where) from None
+    dest = state.dest
+    if cap is not None:
+        still = _first(state.slot_tok[:, 0] > cap)
+        if still is not None:
+            if violated is None:
+                return keep("no feasible plan found; kept in place")
+            raise _cap_error(ntok, cap, violated, f"rank {still} still over the cap")
     loads_after = prior + np.bincount(dest, weights=c, minlength=num_ranks)
     mk_after = float(np.max(loads_after / spd))
-    still = _cap_violation(dest, tok, caps)
-    if still is not None:
-        if violated is None and short is None:
-            return keep("no feasible plan found; kept in place")
-        raise _cap_error(dest, tok, caps, still)
     moved = int(np.count_nonzero(dest != own))
     made = Plan(dest=dest, applied=True, reason="", loads_before=loads_before, loads_after=loads_after,
                 lower_bound=lb, makespan_before=mk_before, makespan_after=mk_after, moved=moved)
     if violated is not None:
-        ntok = np.bincount(own, weights=tok, minlength=num_ranks)
-        return _with_reason(made, f"required: rank {violated} holds {ntok[violated]:.0f} tokens > cap {caps[violated]:.0f}")
-    if short is not None:
-        return _with_reason(made, f"required: rank {short} has fewer than {min_count} items")
+        return _with_reason(made, f"required: rank {violated} holds {ntok[violated]:.0f} tokens > cap {cap:.0f}")
     if mk_after >= mk_before:
         return keep("no plan beats keeping in place")
     gain = 1.0 - mk_after / mk_before
@@ -532,63 +680,15 @@ def _plan_ranks(c, own, tok, caps, prior, spd, min_gain, tolerance, min_count) -
     return _with_reason(made, f"gain {_pct(gain)} >= min_gain {_pct(min_gain)}")
 
 
-def _with_reason(plan: Plan, reason: str) -> Plan:
-    return Plan(**{**plan.__dict__, "reason": reason})
+def _with_reason(plan, reason: str):
+    return type(plan)(**{**plan.__dict__, "reason": reason})
 
 
-def _cap_violation(dest, tok, caps) -> Optional[int]:
-    if caps is None:
-        return None
-    ntok = np.bincount(dest, weights=tok, minlength=caps.shape[0])
-    bad = np.flatnonzero(ntok > caps)
-    return int(bad[0]) if bad.size else None
-
-
-def _count_shortfall(dest, num_ranks, min_count) -> Optional[int]:
-    if min_count <= 0:
-        return None
-    bad = np.flatnonzero(np.bincount(dest, minlength=num_ranks) < min_count)
-    return int(bad[0]) if bad.size else None
-
-
-def _cap_error(dest, tok, caps, rank) -> ValueError:
-    ntok = np.bincount(dest, weights=tok, minlength=caps.shape[0])
+def _cap_error(ntok, cap, rank, detail="") -> ValueError:
     return ValueError(
-        f"token cap cannot be met: rank {rank} holds {ntok[rank]:.0f} tokens > cap {caps[rank]:.0f} "
-        f"(all ranks: {ntok.sum():.0f} tokens, total capacity {caps.sum():.0f})")
-
-
-def _fill_short_ranks(c, dest, tok, caps, spd, prior, min_count):
-    """Give every rank at least `min_count` items: ranks short of items take the cheapest
-    item of the rank with the most items (ties: lowest index) that fits their token room."""
-    if min_count <= 0:
-        return dest
-    num_ranks = spd.shape[0]
-    count = np.bincount(dest, minlength=num_ranks)
-    short = np.flatnonzero(count < min_count)
-    if short.size == 0:
-        return dest
-    dest = dest.copy()
-    ntok = None if caps is None else np.bincount(dest, weights=tok, minlength=num_ranks)
-    for r in short.tolist():
-        while count[r] < min_count:
-            donors = np.flatnonzero(count > min_count)
-            if donors.size == 0:
-                raise _Infeasible(r)
-            d = int(donors[np.argmax(count[donors])])
-            cand = np.flatnonzero(dest == d)
-            if caps is not None:
-                cand = cand[ntok[r] + tok[cand] <= caps[r]]
-                if cand.size == 0:
-                    raise _Infeasible(r)
-            i = int(cand[np.lexsort((cand, c[cand]))[0]])
-            dest[i] = r
-            count[d] -= 1
-            count[r] += 1
-            if ntok is not None:
-                ntok[d] -= tok[i]
-                ntok[r] += tok[i]
-    return dest
+        f"token cap cannot be met: rank {rank} holds {ntok[rank]:.0f} tokens > cap {cap:.0f} "
+        f"(all ranks: {ntok.sum():.0f} tokens, total capacity {cap * ntok.size:.0f})"
+        + (f"; {detail}" if detail else ""))
 
 
 # ----------------------------------------------------------------------------- plan_step
@@ -600,9 +700,11 @@ def _slot_loads(c, rank, mb, num_ranks, num_mb) -> np.ndarray:
 
 def _step_objective(slot_loads: np.ndarray, spd: np.ndarray, sync: str) -> float:
     times = slot_loads / spd[:, None]
+    if times.size == 0:
+        return 0.0
     if sync == "step":
-        return float(times.sum(axis=1).max()) if times.size else 0.0
-    return float(times.max(axis=0).sum()) if times.size else 0.0
+        return float(times.sum(axis=1).max())
+    return float(times.max(axis=0).sum())
 
 
 def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tokens=None, max_tokens=None,
@@ -610,12 +712,14 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
     """Assign every item of an optimizer step to a (rank, micro-batch) slot.
 
     `sync="step"` (DDP: ranks meet once per step) minimises the slowest rank's
-    total over the step; items keep their micro-batch unless the per-slot token
-    cap or an empty slot needs a change. `sync="micro_batch"` (FSDP / ZeRO-3:
-    ranks meet in every micro-batch) minimises sum over micro-batches of the
-    slowest slot, by balancing the R*M slots around a common level.
+    total over the step: items that stay on their rank keep their micro-batch,
+    arriving items go to the rank's slot with the fewest tokens.
+    `sync="micro_batch"` (FSDP / ZeRO-3: ranks meet in every micro-batch)
+    minimises the sum over micro-batches of the slowest slot, by balancing the
+    R*M slots around a common level (items heavier than that level stay alone).
     `max_tokens` caps every slot. Whenever n >= R*M every slot gets at least one
-    item. `moved` counts rank changes only.
+    item. `moved` counts rank changes only (a new micro-batch on the same rank
+    costs no communication).
     """
     num_ranks = _check_count(num_ranks, "num_ranks")
     num_mb = _check_count(num_micro_batches, "num_micro_batches")
@@ -630,12 +734,12 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
     if sync not in _SYNC_MODES:
         raise ValueError(f"sync={sync!r}: must be one of {_SYNC_MODES}")
 
-    need_all_slots = n >= num_ranks * num_mb
+    S = num_ranks * num_mb
+    need_all_slots = n >= S
     before = _slot_loads(c, own, mb, num_ranks, num_mb)
     mk_before = _step_objective(before, spd, sync)
-    zero = np.zeros(num_ranks)
     if sync == "step":
-        lb = _lower_bound(c, zero, spd)
+        lb = _lower_bound(c, np.zeros(num_ranks), spd)
     else:
         lb = max(float(c.sum()) / float(spd.sum()), float(c.max() / spd.max()) if n else 0.0)
 
@@ -645,24 +749,32 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
                         makespan_before=mk_before, makespan_after=mk_before, moved=0)
 
     slot = own * num_mb + mb
-    slot_tok = None if cap is None else np.bincount(slot, weights=tok, minlength=num_ranks * num_mb)
-    slot_count = np.bincount(slot, minlength=num_ranks * num_mb)
-    bad_cap = None if slot_tok is None else _first(slot_tok > cap)
-    bad_empty = _first(slot_count == 0) if need_all_slots else None
+    slot_tok = None if cap is None else np.bincount(slot, weights=tok, minlength=S)
+    bad_cap = None if cap is None else _first(slot_tok > cap)
+    bad_empty = _first(np.bincount(slot, minlength=S) == 0) if need_all_slots else None
     required = bad_cap is not None or bad_empty is not None
     if not required and (n == 0 or mk_before <= 0 or mk_before <= lb * (1.0 + 1e-12)):
         return keep("nothing to balance" if n == 0 or mk_before <= 0 else "already at the lower bound")
 
     try:
         if sync == "step":
-            rank, micro = _plan_step_ranks(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots)
+            state = _State(c, tok, cap, spd, own, mb, num_mb, before.sum(axis=1), num_mb if need_all_slots else 0)
+            _balance(state, lb, tolerance)
+            rank, micro = state.dest, state.micro
         else:
-            rank, micro = _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots)
+            rank, micro = _plan_step_slots(c, slot, tok, cap, spd, num_mb, tolerance, need_all_slots)
     except _Infeasible as exc:
         if not required:
             return keep("no feasible plan found; kept in place")
-        where = bad_cap if bad_cap is not None else bad_empty
-        raise _slot_error(where, slot_tok, cap, num_mb, exc) from None
+        raise _slot_error(bad_cap if bad_cap is not None else bad_empty, slot_tok, cap, num_mb, exc.where) from None
+    new_slot = rank * num_mb + micro
+    if cap is not None:
+        still = _first(np.bincount(new_slot, weights=tok, minlength=S) > cap)
+        if still is not None:
+            if not required:
+                return keep("no feasible plan found; kept in place")
+            raise _slot_error(bad_cap if bad_cap is not None else bad_empty, slot_tok, cap, num_mb,
+                              f"slot {divmod(still, num_mb)} still over the cap")
 
     after = _slot_loads(c, rank, micro, num_ranks, num_mb)
     mk_after = _step_objective(after, spd, sync)
@@ -672,157 +784,43 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
                     moved=moved)
     if bad_cap is not None:
         r, m = divmod(bad_cap, num_mb)
-        return _step_reason(made, f"required: slot (rank {r}, micro-batch {m}) holds {slot_tok[bad_cap]:.0f} tokens > cap {cap:.0f}")
+        return _with_reason(made, f"required: slot (rank {r}, micro-batch {m}) holds {slot_tok[bad_cap]:.0f} "
+                                  f"tokens > cap {cap:.0f}")
     if bad_empty is not None:
         r, m = divmod(bad_empty, num_mb)
-        return _step_reason(made, f"required: slot (rank {r}, micro-batch {m}) is empty")
+        return _with_reason(made, f"required: slot (rank {r}, micro-batch {m}) is empty")
     if mk_after >= mk_before:
         return keep("no plan beats keeping in place")
     gain = 1.0 - mk_after / mk_before
     if gain < min_gain:
         return keep(f"gain {_pct(gain)} < min_gain {_pct(min_gain)}")
-    return _step_reason(made, f"gain {_pct(gain)} >= min_gain {_pct(min_gain)}")
+    return _with_reason(made, f"gain {_pct(gain)} >= min_gain {_pct(min_gain)}")
 
 
-def _first(mask: np.ndarray) -> Optional[int]:
-    idx = np.flatnonzero(mask)
-    return int(idx[0]) if idx.size else None
-
-
-def _step_reason(plan: StepPlan, reason: str) -> StepPlan:
-    return StepPlan(**{**plan.__dict__, "reason": reason})
-
-
-def _slot_error(slot_index, slot_tok, cap, num_mb, exc) -> ValueError:
+def _slot_error(slot_index, slot_tok, cap, num_mb, detail) -> ValueError:
     r, m = divmod(int(slot_index), num_mb)
-    held = "" if slot_tok is None else f" holds {slot_tok[slot_index]:.0f} tokens (cap {cap:.0f}, all slots {slot_tok.sum():.0f} tokens)"
+    held = "" if slot_tok is None else (f" holds {slot_tok[slot_index]:.0f} tokens (cap {cap:.0f}, "
+                                        f"all slots {slot_tok.sum():.0f} tokens)")
     return ValueError(f"cannot make a valid step plan: slot (rank {r}, micro-batch {m}){held}; "
-                      f"no placement found that fixes it (failed at {exc.rank})")
+                      f"no placement found that fixes it ({detail})")
 
 
-def _plan_step_ranks(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots):
-    """sync="step": balance rank totals (cap M*max_tokens per rank), then fill each rank's slots.
-
-    If a rank's items cannot be packed into its M slots under the per-slot cap,
-    that rank's cap is tightened to M*cap - (M-1)*largest item (then any greedy
-    packing fits) and the rank-level plan is redone (at most 3 times).
-    """
-    num_ranks = spd.shape[0]
-    zero = np.zeros(num_ranks)
-    lb = _lower_bound(c, zero, spd)
-    caps = None if cap is None else np.full(num_ranks, cap * num_mb)
-    min_count = num_mb if need_all_slots else 0
-    for _ in range(4):
-        dest = _balance(c, own, tok, caps, zero, spd, lb, tolerance, min_count)
-        dest = _fill_short_ranks(c, dest, tok, caps, spd, zero, min_count)
-        micro, failed = _assign_slots(dest, own, mb, tok, cap, num_mb, need_all_slots)
-        if failed is None:
-            return dest, micro
-        tmax = float(tok[dest == failed].max())
-        caps[failed] = min(caps[failed], cap * num_mb - (num_mb - 1) * tmax)
-    raise _Infeasible(f"rank {failed}")
-
-
-def _assign_slots(dest, own, mb, tok, cap, num_mb, need_all_slots):
-    """Micro-batch of every item on its destination rank.
-
-    Items that stay keep their micro-batch; arriving items (and items evicted
-    from a slot over the cap, largest tokens first) go, largest tokens first, to
-    the slot with the fewest tokens. An empty slot then takes the lightest item
-    of the slot with the most items. Returns (micro, None) or (micro, failing rank).
-    """
-    micro = mb.copy()
-    stays = dest == own
-    moved_idx = np.flatnonzero(~stays)
-    num_ranks = int(dest.max()) + 1 if dest.size else 0
-    slot = dest * num_mb + micro
-    nslots = (max(num_ranks, int(own.max()) + 1 if own.size else 0)) * num_mb
-    weights = tok if tok is not None else np.ones(dest.shape[0])
-    stay_tok = np.bincount(slot[stays], weights=weights[stays], minlength=nslots)
-    stay_cnt = np.bincount(slot[stays], minlength=nslots)
-    work = np.zeros(max(num_ranks, 1), dtype=bool)
-    if moved_idx.size:
-        work[np.unique(dest[moved_idx])] = True
-    if cap is not None:
-        over = stay_tok > cap
-        work[np.unique(np.flatnonzero(over) // num_mb)] = True
-    if need_all_slots:
-        work[np.unique(np.flatnonzero(stay_cnt[: num_ranks * num_mb] == 0) // num_mb)] = True
-    ranks = np.flatnonzero(work[:num_ranks])
-    if ranks.size == 0:
-        return micro, None
-    order = np.lexsort((np.arange(dest.shape[0]), dest))
-    sorted_dest = dest[order]
-    lo = np.searchsorted(sorted_dest, ranks, side="left")
-    hi = np.searchsorted(sorted_dest, ranks, side="right")
-    limit = np.inf if cap is None else cap
-    for r, a, b in zip(ranks.tolist(), lo.tolist(), hi.tolist()):
-        items = order[a:b]
-        st = stays[items]
-        fill = [0.0] * num_mb
-        members = [[] for _ in range(num_mb)]
-        incoming = items[~st].tolist()
-        for i in items[st].tolist():
-            members[micro[i]].append(i)
-            fill[micro[i]] += float(weights[i])
-        if cap is not None:
-            for m in range(num_mb):
-                if fill[m] > limit:
-                    # evict largest-token items until the slot fits
-                    for i in sorted(members[m], key=lambda i: (-weights[i], i)):
-                        if fill[m] <= limit:
-                            break
-                        members[m].remove(i)
-                        fill[m] -= float(weights[i])
-                        incoming.append(i)
-        incoming.sort(key=lambda i: (-weights[i], i))
-        for i in incoming:
-            w = float(weights[i])
-            # empty slots first, then the fewest tokens; ties: lowest micro-batch
-            m = min(range(num_mb), key=lambda m: (len(members[m]) > 0, fill[m], m))
-            if fill[m] + w > limit:
-                m = min(range(num_mb), key=lambda m: (fill[m], m))
-                if fill[m] + w > limit:
-                    return micro, r
-            members[m].append(i)
-            fill[m] += w
-        if need_all_slots:
-            for m in range(num_mb):
-                if members[m]:
-                    continue
-                donor = max(range(num_mb), key=lambda d: (len(members[d]), -d))
-                if len(members[donor]) < 2:
-                    return micro, r
-                i = min(members[donor], key=lambda i: (weights[i], i))
-                members[donor].remove(i)
-                fill[donor] -= float(weights[i])
-                members[m].append(i)
-                fill[m] += float(weights[i])
-        for m in range(num_mb):
-            for i in members[m]:
-                micro[i] = m
-    return micro, None
-
-
-def _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots):
+def _plan_step_slots(c, slot, tok, cap, spd, num_mb, tolerance, need_all_slots):
     """sync="micro_batch": balance the R*M slots as ranks of their own (slot speed = rank speed).
 
     The target level is the water level of the step's load over all slots, with
     items heavier than that level treated as fixed (their slot holds them alone).
     """
-    num_ranks = spd.shape[0]
-    slot = own * num_mb + mb
     slot_spd = np.repeat(spd, num_mb)
-    zero = np.zeros(num_ranks * num_mb)
-    caps = None if cap is None else np.full(num_ranks * num_mb, cap)
+    S = slot_spd.shape[0]
+    zero = np.zeros(S)
     target = _water_level(float(c.sum()), zero, slot_spd)
     heavy = c > target * float(slot_spd.max())
     if heavy.any():
-        fixed = np.bincount(slot[heavy], weights=c[heavy], minlength=slot_spd.shape[0])
+        fixed = np.bincount(slot[heavy], weights=c[heavy], minlength=S)
         target = _water_level(float(c[~heavy].sum()), fixed, slot_spd)
-    min_count = 1 if need_all_slots else 0
-    dest = _balance(c, slot, tok, caps, zero, slot_spd, target, tolerance, min_count)
-    dest = _fill_short_ranks(c, dest, tok, caps, slot_spd, zero, min_count)
-    if caps is not None and _cap_violation(dest, tok, caps) is not None:
-        raise _Infeasible(f"slot {_cap_violation(dest, tok, caps)}")
-    return dest // num_mb, dest % num_mb
+    load = np.bincount(slot, weights=c, minlength=S)
+    state = _State(c, tok, cap, slot_spd, slot, np.zeros(c.shape[0], dtype=np.int64), 1, load,
+                   1 if need_all_slots else 0)
+    _balance(state, target, tolerance)
+    return state.dest // num_mb, state.dest % num_mb
