@@ -263,3 +263,28 @@ def test_sample_features_from_a_hand_built_sample(models):
     }
     f = sample_features(sample, config)
     assert f == SampleFeatures(tokens=ids.numel(), vision_items=(24, 4), vision_seqlens=(24, 4), label_tokens=3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_keys_are_arguments_of_the_model_forward(family, models, samples_of):
+    import inspect
+
+    model = models(family)
+    batch = PackedCollator(model.config)(samples_of(family))
+    params = inspect.signature(type(model).forward).parameters
+    assert set(batch) <= set(params), set(batch) - set(params)
+
+
+def test_qwen2_5_video_seconds_per_grid_shape_the_packed_positions(models, samples_of):
+    model = models("qwen2_5_vl")
+    samples = _to_double(samples_of("qwen2_5_vl"))
+    video = [i for i, s in enumerate(samples) if "video_grid_thw" in s]
+    assert video
+    timed = [dict(s, second_per_grid_ts=torch.tensor([0.5], dtype=torch.float64)) if i in video else s
+             for i, s in enumerate(samples)]
+    collator = PackedCollator(model.config)
+    batch, plain = collator(timed), collator(samples)
+    assert not torch.equal(batch["position_ids"], plain["position_ids"])  # the video's time axis moved
+    assert _relative_gap(model, timed, batch) < 1e-6
+    back = split_packed(batch, model.config)
+    assert torch.equal(back[video[0]]["second_per_grid_ts"], timed[video[0]]["second_per_grid_ts"])
