@@ -194,14 +194,19 @@ def _train_qwen2_vl(rank, world, outdir):
 
     class Install(TrainerCallback):
         loader = None
+        trainer = None  # set: trainer mode; None: dataloader mode (what a callback without the trainer does)
 
         def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
             cfg = DPBalanceConfig(timeout_s=60, min_gain=0.0)
-            self.loader = install_balanced_loader(train_dataloader, cfg, model_config=model.config,
-                                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                                  cost_model=CostModel(quadratic=1.0, linear=20.0))
+            cost = CostModel(quadratic=1.0, linear=20.0)
+            if self.trainer is not None:
+                self.loader = install_balanced_loader(self.trainer, cfg, cost_model=cost)
+            else:
+                self.loader = install_balanced_loader(train_dataloader, cfg, model_config=model.config,
+                                                      gradient_accumulation_steps=args.gradient_accumulation_steps,
+                                                      cost_model=cost)
 
-    def train(balanced):
+    def train(balanced, trainer_mode=False):
         model = make_model("qwen2_vl", seed=0)
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
         args = TrainingArguments(output_dir=f"{outdir}/{int(balanced)}", use_cpu=True, per_device_train_batch_size=3,
@@ -212,24 +217,31 @@ def _train_qwen2_vl(rank, world, outdir):
         cb = Install()
         trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=PackedCollator(model.config),
                           callbacks=[cb] if balanced else [])
+        cb.trainer = trainer if trainer_mode else None
         trainer.train()
         delta = {n: p.detach() - start[n] for n, p in model.named_parameters()}
         return {n: p.detach().clone() for n, p in model.named_parameters()}, delta, cb.loader
 
     ref, ref_delta, _ = train(False)
-    bal, bal_delta, loader = train(True)
-    stats = loader.pop_stats()
-    param_rel = max(float((bal[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)) for n in ref)
-    num = sum(float((bal_delta[n] - ref_delta[n]).norm() ** 2) for n in ref) ** 0.5
-    den = sum(float(ref_delta[n].norm() ** 2) for n in ref) ** 0.5
-    return param_rel, num / den, den, [(s.moved_samples, s.plan_hash) for s in stats]
+    out = []
+    for trainer_mode in (False, True):
+        bal, bal_delta, loader = train(True, trainer_mode)
+        stats = loader.pop_stats()
+        param_rel = max(float((bal[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)) for n in ref)
+        num = sum(float((bal_delta[n] - ref_delta[n]).norm() ** 2) for n in ref) ** 0.5
+        den = sum(float(ref_delta[n].norm() ** 2) for n in ref) ** 0.5
+        out.append((param_rel, num / den, den, [(s.moved_samples, s.plan_hash) for s in stats]))
+    return out
 
 
 def test_trainer_gradients_equal_with_and_without_balancing(tmp_path):
     results = run_ranks(_train_qwen2_vl, 2, str(tmp_path), timeout=220)
-    for param_rel, update_rel, update_norm, stats in results:
-        assert update_norm > 0  # the model did train
-        assert param_rel < 1e-5  # the spec's bound on the parameters
-        assert update_rel < 1e-5  # and on the update itself, a much stricter test
-    assert results[0][3] == results[1][3]  # identical plans on both ranks
-    assert sum(moved for moved, _ in results[0][3]) > 0  # balancing really moved samples
+    for mode in (0, 1):  # dataloader mode, trainer mode
+        for rank_result in results:
+            param_rel, update_rel, update_norm, stats = rank_result[mode]
+            assert update_norm > 0  # the model did train
+            assert param_rel < 1e-5  # the spec's bound on the parameters
+            assert update_rel < 1e-5  # and on the update itself, a much stricter test
+            assert len(stats) == 2  # trainer mode: no prefetch past max_steps
+        assert results[0][mode][3] == results[1][mode][3]  # identical plans on both ranks
+        assert sum(moved for moved, _ in results[0][mode][3]) > 0  # balancing really moved samples
