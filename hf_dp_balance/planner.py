@@ -41,6 +41,7 @@ import numpy as np
 __all__ = ["Plan", "StepPlan", "plan_balance", "plan_step", "lower_bound"]
 
 _SYNC_MODES = ("step", "micro_batch")
+_SCAN = 16  # best-fit positions tried before a full search for token room
 
 
 # ----------------------------------------------------------------------------- results
@@ -420,18 +421,27 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
         item_tok = tokens[pool].tolist()
         if cap is not None:
             free = [cap - min(row) for row in slot_tok]
+    if cap is not None:
+        free_arr = np.asarray(free)
+        room_arr = room.copy()
     for k, c in enumerate(item_cost):
         j = bisect_left(rooms, c)
         if cap is not None:
             t = item_tok[k]
-            while j <= last and free[ranks[j]] < t:
+            stop = min(last, j + _SCAN)
+            while j <= stop and free[ranks[j]] < t:
                 j += 1
-            if j > last:  # no room holds the cost: the roomiest rank with token room
-                j = last
-                while j >= 0 and free[ranks[j]] < t:
-                    j -= 1
-                if j < 0:
+            if j > stop:
+                # short of tokens near the best fit: search all ranks at once (numpy, O(R))
+                ok = free_arr >= t
+                if not ok.any():
                     raise _Infeasible(f"item {int(pool[k])} ({t:.0f} tokens) fits on no rank")
+                holds = ok & (room_arr >= c)
+                pick = np.where(holds, room_arr, np.inf) if holds.any() else np.where(ok, -room_arr, np.inf)
+                r0 = int(np.argmin(pick))  # smallest room that holds it, else the roomiest
+                j = bisect_left(rooms, float(room_arr[r0]))
+                while ranks[j] != r0:
+                    j += 1
         elif j > last:
             j = last
         r = ranks.pop(j)
@@ -447,6 +457,8 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
             slots[k] = m
             if cap is not None:
                 free[r] = cap - min(row)
+                free_arr[r] = free[r]
+                room_arr[r] = left
     dest_arr = np.asarray(dest, dtype=np.int64)
     R = state.load.shape[0]
     state.load += np.bincount(dest_arr, weights=costs[pool], minlength=R)
@@ -480,67 +492,84 @@ class _Members:
         self.cache[to] = np.sort(np.append(dst, item))  # index order keeps ties deterministic
 
 
-def _refine(state: _State, goal: float, max_iters: int, candidates: int = 4) -> None:
-    """Best single move or swap between the slowest rank and the least-loaded ranks, until `goal`.
+def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2) -> None:
+    """Best single move or swap between the fullest rank and the emptiest ranks, until `goal`.
 
-    Each iteration looks at the slowest rank h and the `candidates` fastest ranks
-    l, and applies the move (item of h to l's emptiest slot) or swap (item a of
-    h with item b of l, each taking the other's slot) that minimises
-    max(new time of h, new time of l) within the token cap. Stops when h is at
-    or under `goal` or nothing helps h. O(items of h x items of l) per pair.
+    Fullness is load / budget. Each iteration takes the fullest rank h and the
+    `candidates` emptiest ranks and applies, over all of them at once, the move
+    (an item of h to a candidate's emptiest slot) or swap (an item of h with an
+    item of a candidate, each taking the other's slot) that minimises the larger
+    fullness of the two ranks within the token cap. Stops when h is at or under
+    `goal` or nothing helps h. O(items of h x items of the candidates) per iteration.
     """
-    costs, tokens, speeds, cap = state.costs, state.tokens, state.speeds, state.cap
+    costs, tokens, cap = state.costs, state.tokens, state.cap
+    budget = np.maximum(budget, np.finfo(np.float64).tiny)  # a zero budget: any load is "very full"
     members = None
     for _ in range(max_iters):
-        times = state.load / speeds
-        h = int(np.argmax(times))
-        th = float(times[h])
-        if th <= goal:
+        full = state.load / budget
+        h = int(np.argmax(full))
+        fh = float(full[h])
+        if fh <= goal:
             return
         if members is None:
-            members = _Members(state.dest, speeds.shape[0])
+            members = _Members(state.dest, budget.shape[0])
         mine = members.of(h)
         if mine.size == 0:
             return
-        can_move = state.count is None or mine.size > state.min_count
+        pick = full.copy()
+        pick[h] = np.inf
+        cand = []
+        for _ in range(min(candidates, pick.size - 1)):  # the emptiest ranks, lowest index on ties
+            l = int(np.argmin(pick))
+            cand.append(l)
+            pick[l] = np.inf
+        cand = np.asarray(cand, dtype=np.int64)
+        if cand.size == 0:
+            return
         ca = costs[mine]
-        order = np.argsort(times, kind="stable")
-        best = None  # (new_max, a, b or -1, l, slot of a on l)
-        for l in order[:candidates].tolist():
-            if l == h:
-                continue
-            if can_move:
-                nh = (state.load[h] - ca) / speeds[h]
-                nl = (state.load[l] + ca) / speeds[l]
-                worst = np.maximum(nh, nl)
-                to_slot = int(np.argmin(state.slot_tok[l])) if state.slot_tok is not None else 0
+        left_h = state.load[h] - ca  # [a]
+        best_move = np.inf
+        if state.count is None or mine.size > state.min_count:
+            worst = np.maximum((left_h / budget[h])[:, None],
+                               (state.load[cand][None, :] + ca[:, None]) / budget[cand][None, :])  # [a, l]
+            if state.slot_tok is not None:
+                to_slot = np.argmin(state.slot_tok[cand], axis=1)
                 if cap is not None:
-                    worst = np.where(state.slot_tok[l, to_slot] + tokens[mine] <= cap, worst, np.inf)
-                k = int(np.argmin(worst))
-                if worst[k] < th and (best is None or worst[k] < best[0]):
-                    best = (float(worst[k]), int(mine[k]), -1, l, to_slot)
-            theirs = members.of(l)
-            if theirs.size == 0:
-                continue
+                    room = cap - state.slot_tok[cand, to_slot]
+                    worst = np.where(tokens[mine][:, None] <= room[None, :], worst, np.inf)
+            k_move = int(np.argmin(worst))
+            best_move = float(worst.flat[k_move])
+        groups = [members.of(int(l)) for l in cand]
+        theirs = np.concatenate(groups)
+        best_swap = np.inf
+        if theirs.size:
+            col_rank = np.repeat(cand, [g.size for g in groups])
             delta = ca[:, None] - costs[theirs][None, :]  # load leaving h
-            worst = np.maximum((state.load[h] - delta) / speeds[h], (state.load[l] + delta) / speeds[l])
+            worst_s = np.maximum((state.load[h] - delta) / budget[h],
+                                 (state.load[col_rank][None, :] + delta) / budget[col_rank][None, :])
             if cap is not None:
                 ta, tb = tokens[mine][:, None], tokens[theirs][None, :]
-                into_l = state.slot_tok[l, state.micro[theirs]][None, :] - tb + ta
+                into_l = state.slot_tok[col_rank, state.micro[theirs]][None, :] - tb + ta
                 into_h = state.slot_tok[h, state.micro[mine]][:, None] - ta + tb
-                worst = np.where((into_l <= cap) & (into_h <= cap), worst, np.inf)
-            k = int(np.argmin(worst))
-            a, b = divmod(k, theirs.size)
-            if worst.flat[k] < th and (best is None or worst.flat[k] < best[0]):
-                best = (float(worst.flat[k]), int(mine[a]), int(theirs[b]), l, int(state.micro[theirs[b]]))
-        if best is None:
+                worst_s = np.where((into_l <= cap) & (into_h <= cap), worst_s, np.inf)
+            k_swap = int(np.argmin(worst_s))
+            best_swap = float(worst_s.flat[k_swap])
+        if not min(best_move, best_swap) < fh:
             return
-        _, a, b, l, slot = best
-        if b >= 0:
-            state.move(b, h, int(state.micro[a]))
-            members.moved(b, l, h)
-        state.move(a, l, slot)
-        members.moved(a, h, l)
+        if best_move <= best_swap:
+            a, j = divmod(k_move, cand.size)
+            l = int(cand[j])
+            slot = int(to_slot[j]) if state.slot_tok is not None else 0
+            state.move(int(mine[a]), l, slot)
+            members.moved(int(mine[a]), h, l)
+        else:
+            a, j = divmod(k_swap, theirs.size)
+            item_a, item_b, l = int(mine[a]), int(theirs[j]), int(col_rank[j])
+            slot_a, slot_b = int(state.micro[item_a]), int(state.micro[item_b])
+            state.move(item_b, h, slot_a)
+            state.move(item_a, l, slot_b)
+            members.moved(item_b, l, h)
+            members.moved(item_a, h, l)
 
 
 def _fill_short_ranks(state: _State) -> None:
@@ -586,9 +615,9 @@ def _fill_empty_slots(state: _State) -> None:
             row[m] += 1
 
 
-def _balance(state: _State, target: float, tolerance: float) -> _State:
-    """Shed, place, refine (module docstring), then the item-count fixes. Raises _Infeasible."""
-    budget = target * state.speeds
+def _balance(state: _State, budget: np.ndarray, tolerance: float) -> _State:
+    """Shed, place, refine (module docstring) toward per-rank `budget` loads, then the
+    item-count fixes. Raises _Infeasible."""
     slack = budget * (tolerance / 2.0)
     pool = _shed_rounds(state, budget, slack)
     extra = _shed_tokens(state)
@@ -596,7 +625,7 @@ def _balance(state: _State, target: float, tolerance: float) -> _State:
         pool = np.concatenate((pool, extra))
     if pool.size:
         _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0))
-    _refine(state, target * (1.0 + tolerance), max_iters=2 * state.speeds.shape[0] + 16)
+    _refine(state, budget, 1.0 + tolerance, max_iters=2 * budget.shape[0] + 16)
     _fill_short_ranks(state)
     _fill_empty_slots(state)
     return state
@@ -653,7 +682,7 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
         return keep("nothing to balance" if n == 0 or mk_before <= 0 else "already at the lower bound")
     state = _State(c, tok, cap, spd, own, np.zeros(n, dtype=np.int64), 1, loads_before, 0)
     try:
-        _balance(state, lb, tolerance)
+        _balance(state, lb * spd, tolerance)
     except _Infeasible as exc:
         if violated is None:
             return keep("no feasible plan found; kept in place")
@@ -759,10 +788,10 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
     try:
         if sync == "step":
             state = _State(c, tok, cap, spd, own, mb, num_mb, before.sum(axis=1), num_mb if need_all_slots else 0)
-            _balance(state, lb, tolerance)
+            _balance(state, lb * spd, tolerance)
             rank, micro = state.dest, state.micro
         else:
-            rank, micro = _plan_step_slots(c, slot, tok, cap, spd, num_mb, tolerance, need_all_slots)
+            rank, micro = _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots)
     except _Infeasible as exc:
         if not required:
             return keep("no feasible plan found; kept in place")
@@ -805,22 +834,56 @@ def _slot_error(slot_index, slot_tok, cap, num_mb, detail) -> ValueError:
                       f"no placement found that fixes it ({detail})")
 
 
-def _plan_step_slots(c, slot, tok, cap, spd, num_mb, tolerance, need_all_slots):
-    """sync="micro_batch": balance the R*M slots as ranks of their own (slot speed = rank speed).
+def _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots):
+    """sync="micro_batch": balance the R*M slots as ranks of their own, toward per-micro-batch levels.
 
-    The target level is the water level of the step's load over all slots, with
-    items heavier than that level treated as fixed (their slot holds them alone).
+    1. Each rank orders its micro-batches by load, heaviest first (free: nothing
+       leaves the rank). Aligning the sorted slots minimises the sum over
+       micro-batches of the slowest slot for the given slot contents, and it
+       gathers the heavy samples of all ranks in the first micro-batches.
+    2. Items heavier than the flat water level are "heavy": micro-batch m cannot
+       finish before F_m = max_r heavy load of slot (r, m) / s_r. Levels
+       T_m = max(F_m, W), with W the common level at which all slots together
+       hold the light load: slots of a micro-batch that waits for a heavy item
+       anyway are filled up to it, the other micro-batches get less.
+    3. Shed / place / refine the slots toward budgets T_m * s_r.
     """
+    num_ranks = spd.shape[0]
+    S = num_ranks * num_mb
+    load = np.bincount(own * num_mb + mb, weights=c, minlength=S).reshape(num_ranks, num_mb)
+    perm = np.argsort(-load, axis=1, kind="stable")  # perm[r, k]: old micro-batch that becomes k
+    new_of_old = np.empty_like(perm)
+    np.put_along_axis(new_of_old, perm, np.arange(num_mb)[None, :], axis=1)
+    new_mb = new_of_old[own, mb]
+    slot = own * num_mb + new_mb
     slot_spd = np.repeat(spd, num_mb)
-    S = slot_spd.shape[0]
-    zero = np.zeros(S)
-    target = _water_level(float(c.sum()), zero, slot_spd)
-    heavy = c > target * float(slot_spd.max())
-    if heavy.any():
-        fixed = np.bincount(slot[heavy], weights=c[heavy], minlength=S)
-        target = _water_level(float(c[~heavy].sum()), fixed, slot_spd)
-    load = np.bincount(slot, weights=c, minlength=S)
-    state = _State(c, tok, cap, slot_spd, slot, np.zeros(c.shape[0], dtype=np.int64), 1, load,
-                   1 if need_all_slots else 0)
-    _balance(state, target, tolerance)
+    level = _water_level(float(c.sum()), np.zeros(S), slot_spd)
+    heavy = c > level * float(slot_spd.min())
+    fixed = np.bincount(slot[heavy], weights=c[heavy], minlength=S).reshape(num_ranks, num_mb)
+    floor = (fixed / spd[:, None]).max(axis=0)  # [M]
+    light = float(c[~heavy].sum())
+    if cap is not None:
+        # a slot holds at most `cap` tokens: light load it can take ~ its token room x light cost per token
+        heavy_tok = np.bincount(slot[heavy], weights=tok[heavy], minlength=S).reshape(num_ranks, num_mb)
+        light_tok = float(tok[~heavy].sum())
+        density = light / light_tok if light_tok > 0 else 0.0
+        token_limit = np.maximum(cap - heavy_tok, 0.0) * density
+    else:
+        token_limit = np.full((num_ranks, num_mb), np.inf)
+
+    def capacity(w):
+        t = np.maximum(floor, w)
+        return float(np.minimum(np.maximum(t[None, :] * spd[:, None] - fixed, 0.0), token_limit).sum())
+
+    lo, hi = 0.0, max(level, float(floor.max())) * 2.0 + 1.0
+    for _ in range(60):  # bisection on the common level W (capacity is increasing in W)
+        mid = 0.5 * (lo + hi)
+        if capacity(mid) >= light:
+            hi = mid
+        else:
+            lo = mid
+    budget = (np.maximum(floor, hi)[None, :] * spd[:, None]).reshape(-1)
+    state = _State(c, tok, cap, slot_spd, slot, np.zeros(c.shape[0], dtype=np.int64), 1, load.reshape(-1)[
+        (perm + (np.arange(num_ranks) * num_mb)[:, None]).reshape(-1)], 1 if need_all_slots else 0)
+    _balance(state, budget, tolerance)
     return state.dest // num_mb, state.dest % num_mb
