@@ -36,11 +36,12 @@ an initialised process group of size > 1 the wrapper does nothing.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -54,6 +55,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# Per-forward stats kept until popped; older ones are dropped if nobody pops them.
+_MAX_STATS = 1024
 
 
 # --------------------------------------------------------------------------- pure core
@@ -386,7 +389,7 @@ class VisionBalancer:
     embedding_bytes_moved (whole group, forward; the backward moves the
     embedding bytes again), imbalance_before / imbalance_after (slowest rank's
     predicted vision cost over the mean), makespan_before / makespan_after.
-    `remove()` takes the hooks off.
+    `remove()` takes the hooks off. Only the last 1024 forwards are kept.
     """
 
     def __init__(self, model, config=None, *, group=None, cost_model=None):
@@ -406,7 +409,7 @@ class VisionBalancer:
             group = dist.new_group(backend=dist.get_backend(),
                                    timeout=datetime.timedelta(seconds=self.config.timeout_s))
         self.group = group
-        self._stats: List[dict] = []
+        self._stats: Deque[dict] = collections.deque(maxlen=_MAX_STATS)
         self._pending_tie: Optional[torch.Tensor] = None
         self._handles = [
             self.inner.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -417,7 +420,8 @@ class VisionBalancer:
     # -- public -------------------------------------------------------------------
 
     def pop_stats(self) -> List[dict]:
-        stats, self._stats = self._stats, []
+        stats = list(self._stats)
+        self._stats.clear()
         return stats
 
     def remove(self) -> None:

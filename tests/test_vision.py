@@ -261,15 +261,36 @@ SCENARIOS = {family: [(SKEWED[family], {})] for family in FAMILIES}
 SCENARIOS["qwen3_vl"] += [(EVEN, {}), (SKEWED["qwen3_vl"], {"min_gain": 0.9})]
 
 
+def _ddp_rank(rank, world, family, items_by_rank):
+    """Balanced model inside DistributedDataParallel: its gradients (averaged) times world size."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_dp_balance import data
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.vision import balance_vision_encoder
+
+    model = balance_vision_encoder(data.make_model(family, seed=0, dtype=torch.float64), DPBalanceConfig(vision=True))
+    # find_unused_parameters: a rank without images leaves the tower unused, with or without balancing
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    batch = _batch(family, items_by_rank[rank], seed=100 + rank)
+    ddp(**batch).loss.backward()
+    (stats,) = model._dp_balance_vision.pop_stats()
+    return {"grads": {n: (p.grad * world).detach().numpy().copy() for n, p in model.named_parameters()
+                      if p.grad is not None}, "stats": stats}
+
+
 def _all_families_rank(rank, world, scenarios_by_family):
-    return {family: _equivalence_rank(rank, world, family, scenarios) for family, scenarios in scenarios_by_family.items()}
+    out = {family: _equivalence_rank(rank, world, family, scenarios) for family, scenarios in scenarios_by_family.items()}
+    out["ddp"] = _ddp_rank(rank, world, "qwen2_vl", SKEWED["qwen2_vl"])
+    return out
 
 
 @pytest.fixture(scope="module")
 def two_rank_results():
     """Every family on the same two gloo ranks (process start-up is most of the cost: pay it once)."""
     by_rank = run_ranks(_all_families_rank, 2, SCENARIOS, timeout=300)
-    return {family: [per_rank[family] for per_rank in by_rank] for family in FAMILIES}
+    return {key: [per_rank[key] for per_rank in by_rank] for key in FAMILIES + ("ddp",)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -282,6 +303,17 @@ def test_balanced_vision_equals_unbalanced_two_ranks(family, two_rank_results):
         assert stats["applied"] and stats["items_moved"] >= 1 and stats["pixel_bytes_moved"] > 0
         assert stats["imbalance_after"] < stats["imbalance_before"]
     assert skewed[1]["stats"][0]["local_items"] == 0 and skewed[1]["stats"][0]["computed_items"] >= 1
+
+
+def test_balanced_inside_ddp_gives_the_reference_gradient(two_rank_results):
+    """DDP's gradient all-reduce and the backward all_to_all (own process group) do not interfere."""
+    ddp = two_rank_results["ddp"]
+    reference = _scenario(two_rank_results["qwen2_vl"], 0)[0]["reference"]["grads"]
+    assert ddp[0]["stats"]["applied"]
+    for rank, res in enumerate(ddp):
+        assert res["grads"].keys() == reference.keys()
+        for name, g in res["grads"].items():
+            _assert_close(reference[name], g, f"rank {rank} DDP gradient {name}")
 
 
 @pytest.mark.parametrize("k, why", [(1, "already at the lower bound"), (2, "< min_gain 90.0%")])
@@ -307,3 +339,43 @@ def test_images_and_videos_four_ranks_with_an_idle_rank():
     assert all(s["applied"] for s in stats)
     idle = [r for r, s in enumerate(stats) if s["local_items"] == 0 and s["computed_items"] == 0]
     assert idle and set(idle) <= {1, 2}, f"expected an idle rank among 1, 2: {stats}"
+
+
+# ---------------------------------------------------------------------------- single process
+
+
+def test_without_process_group_the_wrapper_changes_nothing():
+    """No initialised group (or eval mode): the model runs exactly as before, no collective is attempted."""
+    import torch
+
+    from hf_dp_balance import data
+    from hf_dp_balance.vision import balance_vision_encoder
+
+    model = data.make_model("qwen2_vl", seed=0, dtype=torch.float64)
+    batch = _batch("qwen2_vl", SKEWED["qwen2_vl"][0][:2], seed=1)
+    before = model(**batch).loss.item()
+    assert balance_vision_encoder(model) is model
+    assert model(**batch).loss.item() == before
+    assert model._dp_balance_vision.pop_stats() == []
+    model._dp_balance_vision.remove()
+
+
+def test_bad_inputs_name_what_is_wrong():
+    import torch
+
+    from hf_dp_balance import data
+    from hf_dp_balance.vision import balance_vision_encoder
+
+    with pytest.raises(ValueError, match="no supported vision-language base model"):
+        balance_vision_encoder(data.make_model("text", seed=0))
+    model = balance_vision_encoder(data.make_model("qwen2_vl", seed=0))
+    tower = model._dp_balance_vision.tower
+    rows = torch.zeros(16, tower.row_width)
+    with pytest.raises(ValueError, match="rank 3: pixel_values has shape"):
+        tower.local_items({"pixel_values": rows, "image_grid_thw": torch.tensor([[1, 4, 2]])}, rank=3)
+    with pytest.raises(ValueError, match=r"rank 1: image_grid_thw\[0\]=\[1, 4, 3\] is not divisible"):
+        tower.local_items({"pixel_values": rows[:12], "image_grid_thw": torch.tensor([[1, 4, 3]])}, rank=1)
+    with pytest.raises(ValueError, match="rank 0: pixel_values_videos given without video_grid_thw"):
+        tower.local_items({"pixel_values_videos": rows}, rank=0)
+    items, used = tower.local_items({"pixel_values": rows, "image_grid_thw": torch.tensor([[1, 4, 4]])}, rank=0)
+    assert used == ["pixel_values"] and items.grids.tolist() == [[1, 4, 4]] and items.out_rows.tolist() == [4]
