@@ -44,11 +44,12 @@ import math
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
 
 from .config import DPBalanceConfig
@@ -216,6 +217,9 @@ class DPBalanceCallback(TrainerCallback):
         self._window: List[tuple] = []  # (features, time) since the last log, for the measured imbalance
         self._pending_logs: Dict[str, float] = {}
         self._hooks: list = []
+        self._vision = None
+        self._trainer_ref = None
+        self._installed_on = None
         self._active = False
 
     # -- wiring -------------------------------------------------------------------------
@@ -230,6 +234,10 @@ class DPBalanceCallback(TrainerCallback):
             others = [cb for cb in callbacks if cb is not self]
             at = 1 if others and isinstance(others[0], DefaultFlowCallback) else 0
             callbacks[:] = others[:at] + [self] + others[at:]
+        # Callbacks are never handed the Trainer; the balanced loader's trainer mode (which keeps
+        # Trainer's own resume / skip_first_batches) needs it, so find the Trainer that is calling us.
+        trainer = _calling_instance(Trainer)
+        self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         self.config = resolve_config(self._explicit_config, args)
@@ -259,14 +267,19 @@ class DPBalanceCallback(TrainerCallback):
                         self.decoder_model is not None)
 
     def _install_loader(self, train_dataloader, model, args):
-        """Put the balanced loader into the prepared dataloader (in place: Trainer holds that object)."""
+        """Balance the training data: through the Trainer when we found it (resume keeps Trainer's own
+        skip_first_batches), else in place in the prepared dataloader (the object Trainer iterates)."""
         try:
             from .integration import install_balanced_loader
         except ImportError as exc:  # the exchange part is not installed: time and fit, move nothing
             logger.warning("dp_balance: balanced loader unavailable (%s); measuring only", exc)
             return None
-        model_config = getattr(model, "config", None)
-        return install_balanced_loader(train_dataloader, self.config, model_config=model_config,
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        if trainer is not None and trainer.callback_handler.train_dataloader is train_dataloader:
+            self._installed_on = trainer
+            return install_balanced_loader(trainer, self.config)
+        self._installed_on = train_dataloader
+        return install_balanced_loader(train_dataloader, self.config, model_config=getattr(model, "config", None),
                                        gradient_accumulation_steps=args.gradient_accumulation_steps)
 
     def _install_vision(self, model) -> None:
@@ -276,6 +289,7 @@ class DPBalanceCallback(TrainerCallback):
             logger.warning("dp_balance: vision balancing unavailable (%s)", exc)
             return
         balance_vision_encoder(model, self.config, cost_model=self.vision_model)
+        self._vision = getattr(model, "_dp_balance_vision", None)
 
     def _install_hooks(self, model) -> None:
         rec = self._rec
@@ -306,6 +320,8 @@ class DPBalanceCallback(TrainerCallback):
         """Hand the current cost models to the loader and the vision wrapper (None: keep everything in place)."""
         if self.loader is not None and hasattr(self.loader, "set_cost_model"):
             self.loader.set_cost_model(self.decoder_model)
+        if self._vision is not None and self.vision_model is not None:
+            self._vision.cost_model = self.vision_model
 
     # -- timing -------------------------------------------------------------------------
 
@@ -419,6 +435,7 @@ class DPBalanceCallback(TrainerCallback):
                 logs["compute_imbalance"] = compute_imbalance(arr)
                 logs["slowest_rank_compute_s"] = float(arr.max(axis=1).sum())
         logs.update(_loader_stats(self.loader))
+        logs.update(_vision_stats(self._vision))
         if self.decoder_model is not None:
             for name, value in self.decoder_model.to_dict().items():
                 logs[f"cost_{name}"] = value
@@ -471,6 +488,11 @@ class DPBalanceCallback(TrainerCallback):
             self.fitted_step = state.global_step
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.loader is not None:
+            from .integration import uninstall_balanced_loader
+
+            uninstall_balanced_loader(self._installed_on)  # stops the exchange thread
+            self.loader, self._installed_on = None, None
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -485,6 +507,19 @@ def _synchronize() -> None:
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def _calling_instance(cls, max_depth: int = 8):
+    """The nearest `self` up the call stack that is an instance of `cls` (None if there is none)."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, cls):
+            return candidate
+    return None
 
 
 def _vision_tower(model):
@@ -518,6 +553,20 @@ def summarize_step_stats(stats: Sequence[Any]) -> Dict[str, float]:
         out["imbalance_before"] = float(np.mean(before))
     if after:
         out["imbalance_after"] = float(np.mean(after))
+    return out
+
+
+def _vision_stats(balancer) -> Dict[str, float]:
+    """Vision-tower balancing since the last call: forwards applied / skipped, images moved."""
+    take = getattr(balancer, "pop_stats", None)
+    stats = take() if callable(take) else []
+    if not stats:
+        return {}
+    out = {"vision_applied": float(sum(1 for s in stats if s.get("applied"))),
+           "vision_skipped": float(sum(1 for s in stats if not s.get("applied")))}
+    out["vision_moved_images"] = float(sum(s.get("items_moved", 0) for s in stats))
+    out["vision_moved_bytes"] = float(sum(s.get("pixel_bytes_moved", 0) + s.get("embedding_bytes_moved", 0)
+                                          for s in stats))
     return out
 
 

@@ -68,7 +68,8 @@ class _TextSamples(torch.utils.data.Dataset):
         self.items = []
         for i, length in enumerate(lengths):
             body = rng.integers(11, 512, size=int(length) - 3).tolist()
-            self.items.append({"input_ids": [2, 11 + i % 400, 11 + i // 400] + body})
+            ids = torch.tensor([2, 11 + i % 400, 11 + i // 400] + body)
+            self.items.append({"input_ids": ids, "labels": ids.clone()})
 
     def __len__(self):
         return len(self.items)
@@ -81,7 +82,7 @@ def _pack_text(samples):
     """One packed row: positions restart per sample, each sample's first label masked."""
     ids, pos, labels = [], [], []
     for s in samples:
-        x = list(s["input_ids"])
+        x = s["input_ids"].tolist()
         ids += x
         pos += list(range(len(x)))
         labels += [-100] + x[1:]
@@ -163,6 +164,13 @@ def test_trainer_with_callback_fits_logs_checkpoints_and_resumes(tmp_path):
         assert h["dp_balance/compute_imbalance"] >= 0.0
         assert h["dp_balance/slowest_rank_compute_s"] > 0.0
     assert all("dp_balance/cost_quadratic" in h for h in train_logs if h["step"] >= 3)
+    # The balanced loader plans only once the model is fitted: nothing moves in warm-up, then it balances.
+    applied = {h["step"]: h.get("dp_balance/applied", 0.0) + 0 for h in train_logs}
+    assert sum(applied[s] for s in (1, 2, 3)) == 0
+    assert sum(applied[s] for s in range(4, 9)) >= 1, applied
+    moved = sum(h.get("dp_balance/moved_samples", 0) for h in train_logs)
+    assert moved >= 1 and all(h["dp_balance/imbalance_after"] <= h["dp_balance/imbalance_before"] + 1e-9
+                              for h in train_logs if "dp_balance/imbalance_after" in h)
 
     # The checkpoint holds the model; the resumed run starts from it without a new warm-up.
     assert r0["saved"]["decoder"] == r0["model_after_first"]
