@@ -9,7 +9,7 @@ Cost per sample: a*L^2 + b*L + c for a 7B decoder, in token-equivalents
 (attention equals the linear layers near L = 53K; c = 64 per sample).
 
 For every method: slowest rank / lower bound, items moved, planning time
-(median of repeats, same process, same instances). Run:
+(median of repeats of this thread's CPU time, same process, same instances). Run:
 
     /work/venv/bin/python bench/planner.py [--quick] [--write docs/bench_parts/planner.md]
 """
@@ -74,12 +74,13 @@ def sample_cost(lengths: np.ndarray) -> np.ndarray:
 
 
 def timed(fn, repeats: int):
+    """(result, median seconds): this thread's CPU time, so other processes' load does not count."""
     out = fn()
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = time.thread_time()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(time.thread_time() - t)
     return out, float(np.median(times))
 
 
@@ -157,8 +158,9 @@ def main(argv=None) -> int:
         cmd = "/work/venv/bin/python bench/planner.py" + (" --quick" if args.quick else "") + f" --write {args.write}"
         with open(args.write, "w") as f:
             f.write("# Planner benchmark\n\n")
-            f.write(f"Command: `{cmd}` (seed {args.seed}, median of {repeats} repeats for plan_balance/plan_step, "
-                    "up to 3 for the reference; one process, same instances side by side; 2 shared CPU cores).\n\n")
+            f.write(f"Command: `{cmd}` (seed {args.seed}; plan time = median thread CPU time of {repeats} repeats "
+                    "for plan_balance / plan_step, up to 3 for the reference; one process, same instances side by "
+                    "side, `torch`-free numpy; a 2-core machine shared with other jobs).\n\n")
             f.write("Instances: 32K-token packs of the long-tail multimodal mix (bench/planner.py docstring); "
                     "token cap 1.2x the mean tokens per rank (per slot with M=4) for every method. "
                     "With M=4 the reference is run per micro-batch.\n\n")

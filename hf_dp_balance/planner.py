@@ -416,14 +416,15 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
     slots = [0] * len(item_cost)
     last = len(rooms) - 1
     tracked = state.slot_tok is not None
+    single = tracked and cap is not None and state.M == 1  # plan_balance: one slot per rank
     if tracked:
-        slot_tok = state.slot_tok.tolist()
         item_tok = tokens[pool].tolist()
-        if cap is not None:
-            free = [cap - min(row) for row in slot_tok]
-    if cap is not None:
-        free_arr = np.asarray(free)
-        room_arr = room.copy()
+        if single:
+            free = (cap - state.slot_tok[:, 0]).tolist()
+        else:
+            slot_tok = state.slot_tok.tolist()
+            if cap is not None:
+                free = [cap - min(row) for row in slot_tok]
     for k, c in enumerate(item_cost):
         j = bisect_left(rooms, c)
         if cap is not None:
@@ -433,6 +434,9 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
                 j += 1
             if j > stop:
                 # short of tokens near the best fit: search all ranks at once (numpy, O(R))
+                room_arr = np.empty(len(rooms))
+                room_arr[ranks] = rooms
+                free_arr = np.asarray(free)
                 ok = free_arr >= t
                 if not ok.any():
                     raise _Infeasible(f"item {int(pool[k])} ({t:.0f} tokens) fits on no rank")
@@ -450,19 +454,21 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
         rooms.insert(j, left)
         ranks.insert(j, r)
         dest[k] = r
-        if tracked:
+        if single:
+            free[r] -= item_tok[k]
+        elif tracked:
             row = slot_tok[r]
             m = row.index(min(row))
             row[m] += item_tok[k]
             slots[k] = m
             if cap is not None:
                 free[r] = cap - min(row)
-                free_arr[r] = free[r]
-                room_arr[r] = left
     dest_arr = np.asarray(dest, dtype=np.int64)
     R = state.load.shape[0]
     state.load += np.bincount(dest_arr, weights=costs[pool], minlength=R)
-    if tracked:
+    if single:
+        state.slot_tok[:, 0] = cap - np.asarray(free)
+    elif tracked:
         state.slot_tok[:] = slot_tok
         state.micro[pool] = slots
     if state.count is not None:
@@ -689,7 +695,7 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
         raise _cap_error(ntok, cap, violated, exc.where) from None
     dest = state.dest
     if cap is not None:
-        still = _first(state.slot_tok[:, 0] > cap)
+        still = _first(np.bincount(dest, weights=tok, minlength=num_ranks) > cap)  # exact, not the running sums
         if still is not None:
             if violated is None:
                 return keep("no feasible plan found; kept in place")
