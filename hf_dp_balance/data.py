@@ -624,7 +624,8 @@ def build_synthetic_dataset(family: str, num_samples: int, *, seed: int = 0, mix
     with tempfile.TemporaryDirectory(prefix="hf_dp_balance_ds_") as cache_dir:
         return hfds.Dataset.from_generator(
             _generate_rows,
-            gen_kwargs={"family": family, "plans": list(enumerate(plans)), "seed": seed, "cap": cap},
+            # a tuple, not a list: datasets shards list-valued gen_kwargs into one generator call per item
+            gen_kwargs={"family": family, "plans": tuple(enumerate(plans)), "seed": seed, "cap": cap},
             features=dataset_features(family),
             cache_dir=cache_dir,
             keep_in_memory=True,
