@@ -8,7 +8,7 @@ the same window in which it is trained:
 
 1. *Outliers* (a sample heavier than the window's average rank load, times
    `threshold`) are sorted by cost and grouped, heaviest first, at most one
-   per rank, into as few steps as possible: several outliers share a step,
+   per rank and within the step's token budget, into as few steps as possible: several outliers share a step,
    so only those steps are bounded by a single sample, and each group's bound
    is close to the cost of its own members (classic "sort, then chunk"
    minimises the sum of group maxima).
@@ -87,7 +87,7 @@ def plan_lookahead(
         raise ValueError(f"plan_lookahead: slack={slack} must be in (0, 1]")
     bad = np.flatnonzero(~np.isfinite(costs) | (costs < 0))
     if bad.size:
-        raise ValueError(f"plan_lookahead: sample {int(bad[0])} has cost {costs[bad[0]]!r} (must be finite, >= 0)")
+        raise ValueError(f"plan_lookahead: sample {int(bad[0])} has cost {float(costs[bad[0]])} (must be finite, >= 0)")
     bad = np.flatnonzero((tokens < 0) | (tokens > max_tokens))
     if bad.size:
         raise ValueError(f"plan_lookahead: sample {int(bad[0])} has {tokens[bad[0]]} tokens (cap {max_tokens})")
@@ -121,8 +121,10 @@ def _plan_window(costs, tokens, local_step, num_ranks, window, max_tokens, thres
 
     # 1. Outliers: heaviest first, in groups of at most num_ranks, one group per step.
     #    Group g goes to the step that already holds most of its members (fewest moves).
+    orig_tokens = np.bincount(local_step, weights=tokens, minlength=n_steps)
+    token_budget = min(float(orig_tokens.max()), slack * num_ranks * max_tokens)
     out_sorted = out_idx[np.argsort(-costs[out_idx], kind="stable")]
-    groups = np.array_split(out_sorted, -(-out_sorted.size // num_ranks))
+    groups = _chunk(out_sorted, tokens, num_ranks, token_budget)
     if len(groups) <= n_steps:
         free = np.ones(n_steps, dtype=bool)
         for g in groups:
@@ -138,8 +140,6 @@ def _plan_window(costs, tokens, local_step, num_ranks, window, max_tokens, thres
     np.maximum.at(bound, step[out_idx], costs[out_idx])
     level = _water_level(bound * num_ranks, float(costs.sum()))
     target_cost = np.maximum(bound * num_ranks, level)
-    orig_tokens = np.bincount(local_step, weights=tokens, minlength=n_steps)
-    token_budget = min(float(orig_tokens.max()), slack * num_ranks * max_tokens)
     load = np.bincount(step, weights=costs, minlength=n_steps)
     held_tokens = np.bincount(step, weights=tokens, minlength=n_steps)
 
@@ -173,6 +173,19 @@ def _plan_window(costs, tokens, local_step, num_ranks, window, max_tokens, thres
             held_tokens[k] -= tokens[i]
             held_tokens[j] += tokens[i]
     return step
+
+
+def _chunk(order: np.ndarray, tokens: np.ndarray, max_count: int, max_tokens: float) -> list:
+    """Split `order` into consecutive groups of at most `max_count` items and `max_tokens` tokens
+    (an item alone over `max_tokens` forms its own group)."""
+    groups, start, held = [], 0, 0.0
+    for pos, i in enumerate(order.tolist()):
+        if pos > start and (pos - start >= max_count or held + tokens[i] > max_tokens):
+            groups.append(order[start:pos])
+            start, held = pos, 0.0
+        held += float(tokens[i])
+    groups.append(order[start:])
+    return groups
 
 
 def assign_slots(tokens, old_steps, new_steps, old_slots, num_slots: int, max_tokens: int) -> np.ndarray:

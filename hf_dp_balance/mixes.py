@@ -317,7 +317,7 @@ def load_lengths(spec: str) -> np.ndarray:
         raise ValueError(f"--lengths-from: {source} holds no lengths")
     bad = np.flatnonzero(~np.isfinite(lengths) | (lengths < 1) | (lengths != np.round(lengths)))
     if bad.size:
-        raise ValueError(f"--lengths-from: {source}, sample {int(bad[0])} has length {lengths[bad[0]]!r} (need an integer >= 1)")
+        raise ValueError(f"--lengths-from: {source}, sample {int(bad[0])} has length {lengths[bad[0]]:g} (need an integer >= 1)")
     return lengths.astype(np.int64)
 
 
