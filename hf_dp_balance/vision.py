@@ -162,32 +162,6 @@ def rows_in_order(row_counts: Sequence[int], order: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- autograd pieces
 
 
-class _AllToAllRows(torch.autograd.Function):
-    """Uneven all_to_all of rows (dim 0); the backward sends the gradients the reverse way.
-
-    Could move to `exchange.py` once its differentiable all_to_all lands.
-    """
-
-    @staticmethod
-    def forward(ctx, rows, send_rows, recv_rows, group):
-        import torch.distributed as dist
-
-        ctx.send_rows, ctx.recv_rows, ctx.group = send_rows, recv_rows, group
-        out = rows.new_empty((sum(recv_rows),) + tuple(rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv_rows,
-                               input_split_sizes=send_rows, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-
-        grad_rows = grad.new_empty((sum(ctx.send_rows),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(grad_rows, grad.contiguous(), output_split_sizes=ctx.send_rows,
-                               input_split_sizes=ctx.recv_rows, group=ctx.group)
-        return grad_rows, None, None, None
-
-
 class _TieGradient(torch.autograd.Function):
     """Identity on `x` that makes `deps` part of x's autograd graph (their gradient is zero).
 
@@ -401,7 +375,6 @@ class VisionBalancer:
         self.config = config if config is not None else DPBalanceConfig()
         self.cost_model = cost_model if cost_model is not None else CostModel.default_vision()
         self.inner, self.tower = _find_inner(model)
-        self._forward_params = inspect.signature(self.inner.forward).parameters
         if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # An own communicator with the default group's ranks and backend: the
             # backward all_to_all then never interleaves with DDP's gradient
@@ -514,6 +487,7 @@ class VisionBalancer:
         """
         import torch.distributed as dist
 
+        from .exchange import all_to_all_rows
         from .planner import plan_balance
 
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -586,7 +560,7 @@ class VisionBalancer:
 
         # 5. embeddings back to their owners, gradients the reverse way in the backward
         if differentiable:
-            back = _AllToAllRows.apply(computed, route.send_out_rows, route.recv_out_rows, self.group)
+            back = all_to_all_rows(computed, route.send_out_rows, route.recv_out_rows, group=self.group)
         else:
             back = computed.new_empty((sum(route.recv_out_rows), self.tower.out_width))
             dist.all_to_all_single(back, computed.contiguous(), output_split_sizes=route.recv_out_rows,
