@@ -122,6 +122,9 @@ def _validate(sample: Mapping[str, Any], family: str, model_config, index: int) 
     for key in REQUIRED_KEYS[family]:
         if not _present(sample, key):
             bad(key, f"missing (a {family} sample needs {REQUIRED_KEYS[family]})")
+    for key in SAMPLE_TENSOR_KEYS[family]:
+        if _present(sample, key) and not isinstance(sample[key], torch.Tensor):
+            bad(key, f"expected a torch.Tensor, got {type(sample[key]).__name__} (see data.to_sample)")
     ids = sample["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.ndim != 1 or ids.numel() == 0:
         bad("input_ids", f"expected a non-empty 1-D tensor, got {getattr(ids, 'shape', type(ids))}")

@@ -211,6 +211,10 @@ def test_bad_input_names_the_sample_and_the_key(models, samples_of):
     with pytest.raises(ValueError, match=r"sample 0: key 'mm_token_type_ids': missing"):
         collator([no_types])
 
+    as_list = dict(good[1], pixel_values=good[1]["pixel_values"].tolist())
+    with pytest.raises(ValueError, match=r"sample 0: key 'pixel_values': expected a torch.Tensor"):
+        collator([as_list])
+
     longest = max(s["input_ids"].numel() for s in good)
     capped = PackedCollator(config, max_tokens=longest - 1)
     index = [s["input_ids"].numel() for s in good].index(longest)
