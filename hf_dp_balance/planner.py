@@ -31,7 +31,7 @@ which case fixing it is required.
 
 from __future__ import annotations
 
-import heapq
+import copy
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Optional
@@ -180,7 +180,7 @@ def _check_tokens(tokens, max_tokens, n: int):
     over = np.flatnonzero(tok > cap)
     if over.size:
         i = int(over[0])
-        raise ValueError(f"tokens[{i}]={float(tok[i])!r} exceeds max_tokens={max_tokens!r} on its own: no placement can hold it")
+        raise ValueError(f"tokens[{i}]={float(tok[i])!r} exceeds max_tokens={cap!r} on its own: no placement can hold it")
     return tok, cap
 
 
@@ -243,13 +243,15 @@ class _State:
     ranks need a minimum count.
     """
 
-    def __init__(self, costs, tokens, cap, speeds, dest, micro, num_slots, load, min_count):
+    def __init__(self, costs, tokens, cap, speeds, dest, micro, num_slots, load, min_count, fixed=None):
         R = speeds.shape[0]
+        self.fixed = np.zeros(R) if fixed is None else fixed  # load that cannot move (prior_loads)
         self.costs = costs
         self.cap = cap  # tokens per slot, or None
         self.speeds = speeds
         self.M = num_slots
         self.dest = dest.copy()
+        self.prev = dest.copy()  # rank an item was last taken from (its way back)
         self.micro = micro.copy()
         self.load = load.copy()  # prior + costs per rank
         track = cap is not None or num_slots > 1
@@ -285,6 +287,7 @@ def _remove(state: _State, items: np.ndarray) -> None:
         flat -= np.bincount(src * state.M + state.micro[items], weights=state.tokens[items], minlength=flat.size)
     if state.count is not None:
         state.count -= np.bincount(src, minlength=R)
+    state.prev[items] = src
     state.dest[items] = -1
 
 
@@ -295,13 +298,15 @@ def _group_starts(keys: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
 
 
-def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_rounds: int = 16) -> np.ndarray:
+def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_rounds: int = 64,
+                 relocate: bool = True) -> np.ndarray:
     """Items to take off every over-budget rank, chosen in vectorised rounds; removed from `state`.
 
     Each round takes at most one item per rank that is still above budget + slack:
     the lightest item that covers the remaining excess on its own (one move,
     little overshoot), or, if none does, the heaviest item (fewest moves toward
-    it). Items heavier than the largest free room anywhere (budget - load of the
+    it). With `relocate`, an item over its own rank's budget on its own (a long
+    sample on a slow rank) leaves first, if some rank's budget can hold it. Items heavier than the largest free room anywhere (budget - load of the
     emptiest rank) are never taken: no rank could receive them without becoming
     the new slowest. A rank keeps at least `state.min_count` items.
     Cost: O(items on over ranks) numpy per round.
@@ -325,6 +330,19 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
     rem = excess[ranks]
     lim = slack[ranks]
     left = state.count[ranks] - state.min_count if state.count is not None else np.full(ranks.size, sel.size)
+    # an item over its own rank's budget on its own, that fits the budget of some other rank
+    # (e.g. a long sample on a slow rank), leaves first whatever the free room says
+    misplaced = (sc > budget[so] + slack[so]) & (sc <= float(budget.max()))
+    if relocate and misplaced.any():
+        hit = np.flatnonzero(misplaced)
+        g = np.searchsorted(starts, hit, side="right") - 1
+        first = np.concatenate(([True], g[1:] != g[:-1]))  # one per rank (the lowest index)
+        hit, g = hit[first], g[first]
+        hit, g = hit[left[g] > 0], g[left[g] > 0]
+        taken_all.append(sel[hit])
+        movable[hit] = False
+        rem[g] -= sc[hit]
+        left[g] -= 1
     for _ in range(max_rounds):
         active = (rem > lim) & (left > 0)
         if not active.all():
@@ -408,6 +426,7 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
     else:
         pool = pool[np.lexsort((pool, -tokens[pool], -costs[pool]))]
     room = limit - state.load
+    claimed = state.fixed.copy()  # per rank: fixed load + long samples sent there by this call
     order = np.argsort(room, kind="stable")
     rooms = room[order].tolist()  # ascending
     ranks = order.tolist()
@@ -439,15 +458,23 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
                 free_arr = np.asarray(free)
                 ok = free_arr >= t
                 if not ok.any():
-                    raise _Infeasible(f"item {int(pool[k])} ({t:.0f} tokens) fits on no rank")
+                    home = int(state.prev[pool[k]])
+                    if free[home] + 0.0 < t:
+                        raise _Infeasible(f"item {int(pool[k])} ({t:.0f} tokens) fits on no rank")
+                    ok[home] = True  # back where it came from (its tokens left that rank)
                 holds = ok & (room_arr >= c)
-                pick = np.where(holds, room_arr, np.inf) if holds.any() else np.where(ok, -room_arr, np.inf)
-                r0 = int(np.argmin(pick))  # smallest room that holds it, else the roomiest
-                j = bisect_left(rooms, float(room_arr[r0]))
-                while ranks[j] != r0:
-                    j += 1
+                if holds.any():  # the smallest room that holds it
+                    r0 = int(np.argmin(np.where(holds, room_arr, np.inf)))
+                else:
+                    r0 = _no_room_host(limit, room_arr, claimed, ok, c)
+                    claimed[r0] += c
+                j = _position(rooms, ranks, float(room_arr[r0]), r0)
         elif j > last:
-            j = last
+            room_arr = np.empty(len(rooms))
+            room_arr[ranks] = rooms
+            r0 = _no_room_host(limit, room_arr, claimed, None, c)
+            claimed[r0] += c
+            j = _position(rooms, ranks, float(room_arr[r0]), r0)
         r = ranks.pop(j)
         left = rooms.pop(j) - c
         j = bisect_left(rooms, left)
@@ -474,6 +501,25 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
     if state.count is not None:
         state.count += np.bincount(dest_arr, minlength=R)
     state.dest[pool] = dest_arr
+
+
+def _no_room_host(limit: np.ndarray, room: np.ndarray, claimed: np.ndarray, ok, cost: float) -> int:
+    """Rank for an item that fits no room (a long sample): where it would finish first if the
+    rank kept only its fixed load and the long samples already sent there (`claimed`) — the
+    next shedding pass moves the rest away. Ties: least load, then lowest index."""
+    finish = (claimed + cost) / np.maximum(limit, np.finfo(np.float64).tiny)
+    if ok is not None:
+        finish = np.where(ok, finish, np.inf)
+    best = np.flatnonzero(finish == finish.min())
+    return int(best[np.argmax(room[best])])
+
+
+def _position(rooms: list, ranks: list, room: float, rank: int) -> int:
+    """Index of `rank` in the sorted room list."""
+    j = bisect_left(rooms, room)
+    while ranks[j] != rank:
+        j += 1
+    return j
 
 
 class _Members:
@@ -623,14 +669,54 @@ def _fill_empty_slots(state: _State) -> None:
 
 def _balance(state: _State, budget: np.ndarray, tolerance: float) -> _State:
     """Shed, place, refine (module docstring) toward per-rank `budget` loads, then the
-    item-count fixes. Raises _Infeasible."""
+    item-count fixes; returns the final state. Raises _Infeasible.
+
+    When some item is over its own rank's budget on its own (speeds or fixed loads
+    differ), relocating it to a faster rank is tried and so is leaving it; the
+    plan with the lower fullest rank wins (ties: fewer moves).
+    """
     slack = budget * (tolerance / 2.0)
-    pool = _shed_rounds(state, budget, slack)
+    heaviest = float(state.costs.max()) if state.costs.size else 0.0
+    misplaced = heaviest > float((budget + slack).min()) and bool(
+        np.any(state.costs > (budget + slack)[state.dest]))
+    if not misplaced:
+        return _balance_once(state, budget, slack, tolerance, relocate=False)
+    start = state.dest.copy()
+    other = _copy_state(state)
+    state = _balance_once(state, budget, slack, tolerance, relocate=True)
+    try:
+        other = _balance_once(other, budget, slack, tolerance, relocate=False)
+    except _Infeasible:
+        return state
+
+    def score(st):
+        return (float(np.max(st.load / np.maximum(budget, np.finfo(np.float64).tiny))),
+                int(np.count_nonzero(st.dest != start)))
+
+    return other if score(other) < score(state) else state
+
+
+def _copy_state(state: _State) -> _State:
+    twin = copy.copy(state)
+    for name in ("dest", "prev", "micro", "load", "slot_tok", "count"):
+        value = getattr(state, name)
+        setattr(twin, name, None if value is None else value.copy())
+    return twin
+
+
+def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
+                  relocate: bool) -> _State:
+    pool = _shed_rounds(state, budget, slack, relocate=relocate)
     extra = _shed_tokens(state)
     if extra.size:
         pool = np.concatenate((pool, extra))
     if pool.size:
         _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0))
+        if np.any(state.load > budget + slack):
+            # a second pass sheds what the first placement could not fit (e.g. the rank that took a long sample)
+            pool = _shed_rounds(state, budget, slack, relocate=False)  # long samples stay where pass 1 put them
+            if pool.size:
+                _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0))
     _refine(state, budget, 1.0 + tolerance, max_iters=2 * budget.shape[0] + 16)
     _fill_short_ranks(state)
     _fill_empty_slots(state)
@@ -686,9 +772,9 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
 
     if violated is None and (n == 0 or mk_before <= 0 or mk_before <= lb * (1.0 + 1e-12)):
         return keep("nothing to balance" if n == 0 or mk_before <= 0 else "already at the lower bound")
-    state = _State(c, tok, cap, spd, own, np.zeros(n, dtype=np.int64), 1, loads_before, 0)
+    state = _State(c, tok, cap, spd, own, np.zeros(n, dtype=np.int64), 1, loads_before, 0, fixed=prior)
     try:
-        _balance(state, lb * spd, tolerance)
+        state = _balance(state, lb * spd, tolerance)
     except _Infeasible as exc:
         if violated is None:
             return keep("no feasible plan found; kept in place")
@@ -794,7 +880,7 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
     try:
         if sync == "step":
             state = _State(c, tok, cap, spd, own, mb, num_mb, before.sum(axis=1), num_mb if need_all_slots else 0)
-            _balance(state, lb * spd, tolerance)
+            state = _balance(state, lb * spd, tolerance)
             rank, micro = state.dest, state.micro
         else:
             rank, micro = _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots)
@@ -891,5 +977,5 @@ def _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slot
     budget = (np.maximum(floor, hi)[None, :] * spd[:, None]).reshape(-1)
     state = _State(c, tok, cap, slot_spd, slot, np.zeros(c.shape[0], dtype=np.int64), 1, load.reshape(-1)[
         (perm + (np.arange(num_ranks) * num_mb)[:, None]).reshape(-1)], 1 if need_all_slots else 0)
-    _balance(state, budget, tolerance)
+    state = _balance(state, budget, tolerance)
     return state.dest // num_mb, state.dest % num_mb
