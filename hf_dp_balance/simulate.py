@@ -31,7 +31,7 @@ Model of one optimizer step (pure numpy, no torch):
 * TGS (tokens per GPU per second) = real tokens of all steps / (dp * total
   step time). Gain = TGS / TGS without balancing - 1.
 
-Steps per DP size: `--steps`, or by default clip(65536 // (dp * ga), 16, 256)
+Steps per DP size: `--steps`, or by default clip(32768 // (dp * ga), 16, 256)
 (fewer steps at larger DP: each holds more packs, and the maximum over ranks
 is what varies).
 """
@@ -173,6 +173,7 @@ class StepOutcome:
     move_seconds: Dict[str, float]
     moved: Dict[str, int]
     applied: Dict[str, bool]
+    over_cap: Dict[str, bool]
     lower_bound: float
     single_sample_bound: bool
     plan_seconds: Dict[str, float] = field(default_factory=dict)
@@ -232,7 +233,7 @@ def simulate_step(
     # Single-sample bound: the heaviest sample outweighs an average rank of the unit that
     # meets (the step for DDP, a micro-batch for FSDP / ZeRO-3).
     unit_mean = total / num_ranks if sync == "step" else total / (num_ranks * ga)
-    out = StepOutcome({}, {}, {}, {}, lower, heaviest > unit_mean)
+    out = StepOutcome({}, {}, {}, {}, {}, lower, heaviest > unit_mean)
     for method in methods:
         t0 = time.perf_counter()
         if method == "none":
@@ -263,6 +264,9 @@ def simulate_step(
         out.move_seconds[method] = move_seconds(nbytes, owners, dest_rank, num_ranks, bandwidth)
         out.moved[method] = int(np.count_nonzero(dest_rank != owners))
         out.applied[method] = applied
+        # The reference's own cap is 1.2x the average tokens: it may exceed the per-rank cap.
+        slot_tokens = rank_loads(tokens.astype(np.float64), dest_rank, dest_micro, num_ranks, ga)
+        out.over_cap[method] = bool(slot_tokens.max() > max_tokens) if tokens.size else False
     return out
 
 
@@ -277,8 +281,8 @@ def _step_plan_dest(plan, owners, micro):
 
 
 def default_steps(dp: int, ga: int) -> int:
-    """Steps simulated at one DP size when --steps is not given: clip(65536 // (dp*ga), 16, 256)."""
-    return int(min(256, max(16, 65536 // (dp * ga))))
+    """Steps simulated at one DP size when --steps is not given: clip(32768 // (dp*ga), 16, 256)."""
+    return int(min(256, max(16, 32768 // (dp * ga))))
 
 
 def draw_packed(source, n_packs: int, pack: int, rng: np.random.Generator):
@@ -322,6 +326,7 @@ def simulate_dp(
     sync: str = "step",
     bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS,
     overlap: bool = True,
+    max_tokens: Optional[int] = None,
     progress=None,
 ) -> dict:
     """Simulate `steps` steps at one DP size; returns the row of `results` for it."""
@@ -330,7 +335,7 @@ def simulate_dp(
     samples, pack_of = draw_packed(source, n_steps * dp * ga, pack, rng)
     return simulate_packed(
         samples, pack_of, dp, cost, pack=pack, ga=ga, lookahead=lookahead, sync=sync,
-        bandwidth_gbs=bandwidth_gbs, overlap=overlap, progress=progress,
+        bandwidth_gbs=bandwidth_gbs, overlap=overlap, max_tokens=max_tokens, progress=progress,
     )
 
 
@@ -346,13 +351,18 @@ def simulate_packed(
     sync: str = "step",
     bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS,
     overlap: bool = True,
+    max_tokens: Optional[int] = None,
     progress=None,
 ) -> dict:
     """The row of `results` for samples already packed (`pack_of`: pack index per sample,
     non-decreasing; pack j is step j // (dp*ga), micro-batch (j // dp) % ga, rank j % dp).
 
-    Every step must be complete (dp*ga packs each); `pack` is the per-rank token cap.
+    Every step must be complete (dp*ga packs each). `max_tokens` (default `pack`) is the
+    hard per-rank (per micro-batch) token cap of ours and of the look-ahead.
     """
+    cap = int(pack if max_tokens is None else max_tokens)
+    if cap < pack:
+        raise ValueError(f"--max-tokens {cap}: must be >= --pack {pack} (a pack must fit on its own rank)")
     pack_of = np.asarray(pack_of, dtype=np.int64)
     if pack_of.shape != (len(samples),) or (pack_of.size and np.any(np.diff(pack_of) < 0)):
         raise ValueError("simulate_packed: pack_of must give a non-decreasing pack index per sample")
@@ -375,22 +385,24 @@ def simulate_packed(
     moved = {m: 0 for m in methods + ["lookahead"]}
     applied = {m: 0 for m in methods + ["lookahead"]}
     exposed = {m: 0.0 for m in methods + ["lookahead"]}
+    over_cap = {m: 0 for m in methods + ["lookahead"]}
     plan_s = {m: 0.0 for m in methods + ["lookahead"]}
     single_bound = 0
     single_bound_la = 0
     bounds = np.searchsorted(step_of, np.arange(n_steps + 1))
 
+    def exposed_move(outcome: StepOutcome, method: str) -> float:
+        hidden = outcome.makespan[method] if overlap else 0.0  # the previous step's compute, about as long
+        return max(0.0, outcome.move_seconds[method] - hidden)
+
     def step_time(outcome: StepOutcome, method: str) -> float:
-        makespan = outcome.makespan[method]
-        move = outcome.move_seconds[method]
-        hidden = makespan if overlap else 0.0  # the previous step's compute, about as long
-        return makespan + cost.step_overhead + max(0.0, move - hidden)
+        return outcome.makespan[method] + cost.step_overhead + exposed_move(outcome, method)
 
     for s in range(n_steps):
         sl = slice(bounds[s], bounds[s + 1])
         o = simulate_step(
             costs[sl], tokens[sl], nbytes[sl], rank_of[sl], micro_of[sl], dp, ga,
-            max_tokens=pack, sync=sync, bandwidth=bandwidth, methods=methods,
+            max_tokens=cap, sync=sync, bandwidth=bandwidth, methods=methods,
         )
         for m in methods:
             t = step_time(o, m)
@@ -398,7 +410,8 @@ def simulate_packed(
             compute[m] += o.makespan[m]
             moved[m] += o.moved[m]
             applied[m] += int(o.applied[m])
-            exposed[m] += t - o.makespan[m] - cost.step_overhead
+            exposed[m] += exposed_move(o, m)
+            over_cap[m] += int(o.over_cap[m])
             plan_s[m] += o.plan_seconds[m]
         totals["lower_bound"] += o.lower_bound + cost.step_overhead
         single_bound += int(o.single_sample_bound)
@@ -407,8 +420,8 @@ def simulate_packed(
 
     if lookahead > 1:
         t0 = time.perf_counter()
-        new_step = plan_lookahead(costs, tokens, step_of, dp * ga, window=lookahead, max_tokens=pack)
-        slot = assign_slots(tokens, step_of, new_step, micro_of * dp + rank_of, dp * ga, pack)
+        new_step = plan_lookahead(costs, tokens, step_of, dp * ga, window=lookahead, max_tokens=cap)
+        slot = assign_slots(tokens, step_of, new_step, micro_of * dp + rank_of, dp * ga, cap)
         la_rank, la_micro = slot % dp, slot // dp
         plan_s["lookahead"] += time.perf_counter() - t0
         order = np.argsort(new_step, kind="stable")
@@ -417,14 +430,15 @@ def simulate_packed(
             idx = order[la_bounds[s]:la_bounds[s + 1]]
             o = simulate_step(
                 costs[idx], tokens[idx], nbytes[idx], la_rank[idx], la_micro[idx], dp, ga,
-                max_tokens=pack, sync=sync, bandwidth=bandwidth, methods=["ours"],
+                max_tokens=cap, sync=sync, bandwidth=bandwidth, methods=["ours"],
             )
             t = step_time(o, "ours")
             totals["lookahead"] += t
             compute["lookahead"] += o.makespan["ours"]
             moved["lookahead"] += o.moved["ours"]
             applied["lookahead"] += int(o.applied["ours"])
-            exposed["lookahead"] += t - o.makespan["ours"] - cost.step_overhead
+            exposed["lookahead"] += exposed_move(o, "ours")
+            over_cap["lookahead"] += int(o.over_cap["ours"])
             plan_s["lookahead"] += o.plan_seconds["ours"]
             single_bound_la += int(o.single_sample_bound)
             if progress is not None:
@@ -449,6 +463,8 @@ def simulate_packed(
         "applied_share_reference": applied["reference"] / n_steps,
         "applied_share_ours": applied["ours"] / n_steps,
         "moved_share_reference": moved["reference"] / len(samples),
+        "over_cap_share_reference": over_cap["reference"] / n_steps,
+        "over_cap_share_ours": over_cap["ours"] / n_steps,
         "moved_share_ours": moved["ours"] / len(samples),
         "exposed_move_s_per_step_ours": exposed["ours"] / n_steps,
         "exposed_move_s_per_step_reference": exposed["reference"] / n_steps,
@@ -482,6 +498,7 @@ def simulate(
     sync: str = "step",
     bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS,
     overlap: bool = True,
+    max_tokens: Optional[int] = None,
     progress: bool = False,
 ) -> dict:
     """Simulate every DP size; returns {"settings": {...}, "results": [row per DP size]}.
@@ -494,6 +511,8 @@ def simulate(
     """
     dp_sizes = [int(d) for d in dp_sizes]
     _check_settings(source, dp_sizes, pack, ga, steps, lookahead, sync, bandwidth_gbs)
+    if max_tokens is not None and int(max_tokens) < int(pack):
+        raise ValueError(f"--max-tokens {max_tokens}: must be >= --pack {pack} (a pack must fit on its own rank)")
     cost = load_cost(cost) if isinstance(cost, str) else cost
     per_dp_steps = [default_steps(d, ga) if steps is None else int(steps) for d in dp_sizes]
     bar = None
@@ -505,7 +524,7 @@ def simulate(
         results = [
             simulate_dp(
                 source, d, cost, pack=pack, ga=ga, steps=n, seed=seed, lookahead=lookahead, sync=sync,
-                bandwidth_gbs=bandwidth_gbs, overlap=overlap, progress=bar,
+                bandwidth_gbs=bandwidth_gbs, overlap=overlap, max_tokens=max_tokens, progress=bar,
             )
             for d, n in zip(dp_sizes, per_dp_steps)
         ]
@@ -517,12 +536,12 @@ def simulate(
         "dp": dp_sizes,
         "pack": pack,
         "ga": ga,
-        "steps": steps if steps is not None else "auto: clip(65536 // (dp*ga), 16, 256)",
+        "steps": steps if steps is not None else "auto: clip(32768 // (dp*ga), 16, 256)",
         "seed": seed,
         "lookahead": lookahead,
         "sync": sync,
         "cost": cost.to_dict(),
-        "max_tokens_per_rank": pack,
+        "max_tokens_per_rank": pack if max_tokens is None else int(max_tokens),
         "bandwidth_GBps": bandwidth_gbs,
         "exchange_overlapped": overlap,
         "bytes_per_token": BYTES_PER_TOKEN,
@@ -648,11 +667,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--lengths-from", default=None, metavar="SPEC",
                      help="your own lengths: dataset:PATH_OR_NAME:COLUMN (from disk) or a text file, one per line")
     parser.add_argument("--pack", type=_positive_int, default=32768, help="tokens per fixed-length pack (= per-rank cap)")
+    parser.add_argument("--max-tokens", type=_positive_int, default=None,
+                        help="hard per-rank token cap of plan_balance (default: --pack)")
     parser.add_argument("--ga", type=_positive_int, default=1, help="gradient-accumulation micro-batches per step")
     parser.add_argument("--cost", default="7b",
                         help=f"cost preset ({', '.join(COST_PRESETS)}) or a fitted CostModel JSON (seconds)")
     parser.add_argument("--steps", type=_positive_int, default=None,
-                        help="steps per DP size (default clip(65536 // (dp*ga), 16, 256))")
+                        help="steps per DP size (default clip(32768 // (dp*ga), 16, 256))")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lookahead", type=_non_negative_int, default=0, metavar="K",
                         help="also simulate look-ahead over windows of K steps (0/1 = off)")
@@ -678,7 +699,7 @@ def run(args: argparse.Namespace) -> int:
         result = simulate(
             source, args.dp, cost, pack=args.pack, ga=args.ga, steps=args.steps, seed=args.seed,
             lookahead=args.lookahead, sync=args.sync, bandwidth_gbs=args.bandwidth,
-            overlap=not args.no_overlap, progress=not args.no_progress,
+            overlap=not args.no_overlap, max_tokens=args.max_tokens, progress=not args.no_progress,
         )
     except ValueError as e:
         raise SystemExit(f"hf-dp-balance simulate: error: {e}") from None
