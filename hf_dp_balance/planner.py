@@ -410,12 +410,14 @@ def _shed_tokens(state: _State) -> np.ndarray:
     return pool
 
 
-def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
+def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host: bool = False) -> None:
     """Place pooled items by best-fit decreasing on the ranks' rooms (limit - load).
 
     Heaviest item first (ties: most tokens), onto the rank with the smallest
     room that still holds it and whose emptiest slot holds its tokens; an item
-    that fits no room goes to the roomiest rank with token room (as LPT would).
+    that fits no room goes to the roomiest rank with token room (as LPT would), or,
+    with `lpt_host` (long samples and unequal speeds), to the rank where it
+    finishes first counting only fixed load and long samples sent there.
     On its rank an item goes to the slot with the fewest tokens. No rank with
     token room at all -> _Infeasible. Rooms are kept in a sorted Python list
     (bisect): O(log R) search plus an O(R) memmove per item.
@@ -446,34 +448,36 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
                 free = [cap - min(row) for row in slot_tok]
     for k, c in enumerate(item_cost):
         j = bisect_left(rooms, c)
-        if cap is not None:
-            t = item_tok[k]
-            stop = min(last, j + _SCAN)
-            while j <= stop and free[ranks[j]] < t:
-                j += 1
-            if j > stop:
-                # short of tokens near the best fit: search all ranks at once (numpy, O(R))
-                room_arr = np.empty(len(rooms))
-                room_arr[ranks] = rooms
-                free_arr = np.asarray(free)
-                ok = free_arr >= t
-                if not ok.any():
-                    home = int(state.prev[pool[k]])
-                    if free[home] + 0.0 < t:
-                        raise _Infeasible(f"item {int(pool[k])} ({t:.0f} tokens) fits on no rank")
-                    ok[home] = True  # back where it came from (its tokens left that rank)
-                holds = ok & (room_arr >= c)
-                if holds.any():  # the smallest room that holds it
-                    r0 = int(np.argmin(np.where(holds, room_arr, np.inf)))
-                else:
-                    r0 = _no_room_host(limit, room_arr, claimed, ok, c)
-                    claimed[r0] += c
-                j = _position(rooms, ranks, float(room_arr[r0]), r0)
-        elif j > last:
+        if j > last and not lpt_host:
+            j = last  # fits no room: the roomiest rank (LPT)
+        t = item_tok[k] if cap is not None else 0.0
+        found = j <= last and (cap is None or free[ranks[j]] >= t)  # the common case
+        if not found and j <= last:
+            # the best fit lacks token room: try a few larger rooms (or, from the roomiest, smaller ones)
+            nearby = _scan_token_room(free, ranks, j, t, downward=j == last and rooms[j] < c)
+            if nearby is not None:
+                j, found = nearby, True
+        if not found:
+            # no rank near the best fit has token room, or a long sample needs an LPT host: numpy, O(R)
             room_arr = np.empty(len(rooms))
             room_arr[ranks] = rooms
-            r0 = _no_room_host(limit, room_arr, claimed, None, c)
-            claimed[r0] += c
+            ok = None
+            if cap is not None:
+                ok = np.asarray(free) >= t
+                if not ok.any():
+                    home = int(state.prev[pool[k]])
+                    if free[home] < t:
+                        raise _Infeasible(f"item {int(pool[k])} ({t:.0f} tokens) fits on no rank")
+                    ok[home] = True  # back where it came from (its tokens left that rank)
+            holds = room_arr >= c if ok is None else ok & (room_arr >= c)
+            if holds.any():  # the smallest room that holds it
+                r0 = int(np.argmin(np.where(holds, room_arr, np.inf)))
+            else:
+                if lpt_host:
+                    r0 = _no_room_host(limit, room_arr, claimed, ok, c)
+                else:  # the roomiest rank with token room
+                    r0 = int(np.argmax(room_arr if ok is None else np.where(ok, room_arr, -np.inf)))
+                claimed[r0] += c
             j = _position(rooms, ranks, float(room_arr[r0]), r0)
         r = ranks.pop(j)
         left = rooms.pop(j) - c
@@ -501,6 +505,19 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray) -> None:
     if state.count is not None:
         state.count += np.bincount(dest_arr, minlength=R)
     state.dest[pool] = dest_arr
+
+
+def _scan_token_room(free: list, ranks: list, j: int, t: float, downward: bool):
+    """The next position from j (up: larger rooms; or down from the roomiest) whose rank has
+    `t` tokens of room, within _SCAN steps; None if none."""
+    step = -1 if downward else 1
+    for _ in range(_SCAN):
+        j += step
+        if j < 0 or j >= len(ranks):
+            return None
+        if free[ranks[j]] >= t:
+            return j
+    return None
 
 
 def _no_room_host(limit: np.ndarray, room: np.ndarray, claimed: np.ndarray, ok, cost: float) -> int:
@@ -711,7 +728,7 @@ def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, toleranc
     if extra.size:
         pool = np.concatenate((pool, extra))
     if pool.size:
-        _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0))
+        _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0), lpt_host=relocate)
         if np.any(state.load > budget + slack):
             # a second pass sheds what the first placement could not fit (e.g. the rank that took a long sample)
             pool = _shed_rounds(state, budget, slack, relocate=False)  # long samples stay where pass 1 put them
