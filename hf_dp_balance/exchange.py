@@ -262,7 +262,8 @@ class SampleExchange:
     """Collectives of the sample exchange on one side gloo group (created once, reused every step).
 
     Call the methods in the same order on every rank (they are collectives);
-    they may run in a background thread. Every collective waits at most the
+    they may run in a background thread -- but only one thread may use the
+    group: other collectives (e.g. the vision exchange) need their own group. Every collective waits at most the
     group's timeout; then `ExchangeError` names the step, the phase and the
     ranks that reported a failure through the rendezvous store.
     """

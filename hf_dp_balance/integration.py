@@ -53,8 +53,8 @@ _INSTALLED_ATTR = "_hf_dp_balance_loader"
 class _BalancedBase:
     """Stands in for `DataLoaderShard.base_dataloader`: iterating yields packed, balanced micro-batches.
 
-    Everything else (dataset, batch_sampler, sampler, collate_fn, num_workers,
-    ...) is the original inner DataLoader's, so accelerate's wrapper keeps
+    Everything else (dataset, batch_sampler, sampler, num_workers, ...) is
+    the original inner DataLoader's, so accelerate's wrapper keeps
     working; `__class__` is reported as the inner loader's class, as
     accelerate's own adapter does.
     """
@@ -78,8 +78,20 @@ class _BalancedBase:
         setattr(self._raw, name, value)
 
     @property
+    def collate_fn(self):
+        # Only code that rebuilds the loader from its parts reads this (accelerate's
+        # skip_first_batches on resume): such a loader would feed unpacked lists to the model.
+        return _resume_unsupported
+
+    @property
     def __class__(self):  # isinstance(shard.base_dataloader, DataLoader) stays true
         return self._raw.__class__
+
+
+def _resume_unsupported(samples):
+    raise RuntimeError("hf_dp_balance: this train dataloader was rebuilt from a balanced one (Trainer resuming "
+                       "mid-epoch via skip_first_batches); dataloader mode cannot balance it. Install with "
+                       "install_balanced_loader(trainer, ...) (trainer mode) to resume mid-epoch.")
 
 
 def _check_loader_type(dataloader) -> None:

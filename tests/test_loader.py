@@ -190,11 +190,17 @@ def _train_qwen2_vl(rank, world, outdir):
     from hf_dp_balance.samples import PackedCollator
 
     transformers.logging.set_verbosity_error()
-    data = [to_sample(r) for r in build_synthetic_dataset("qwen2_vl", 24, seed=1, scale=1 / 32)]
+    data = [to_sample(r) for r in build_synthetic_dataset("qwen2_vl", 36, seed=1, scale=1 / 32)]  # 3 steps
+
+    at_step_2 = {}
 
     class Install(TrainerCallback):
         loader = None
         trainer = None  # set: trainer mode; None: dataloader mode (what a callback without the trainer does)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2 and self.trainer is not None and not at_step_2:
+                at_step_2.update({n: p.detach().clone() for n, p in self.trainer.model.named_parameters()})
 
         def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
             cfg = DPBalanceConfig(timeout_s=60, min_gain=0.0)
@@ -206,19 +212,26 @@ def _train_qwen2_vl(rank, world, outdir):
                                                       gradient_accumulation_steps=args.gradient_accumulation_steps,
                                                       cost_model=cost)
 
-    def train(balanced, trainer_mode=False):
+    def train(balanced, trainer_mode=False, resume=None):
         model = make_model("qwen2_vl", seed=0)
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        args = TrainingArguments(output_dir=f"{outdir}/{int(balanced)}", use_cpu=True, per_device_train_batch_size=3,
-                                 gradient_accumulation_steps=2, max_steps=2, optim="sgd", learning_rate=1.0,
-                                 max_grad_norm=0.0, report_to=[], save_strategy="no", logging_strategy="no",
+        save = dict(save_strategy="steps", save_steps=2) if trainer_mode else dict(save_strategy="no")
+        args = TrainingArguments(output_dir=f"{outdir}/{int(balanced)}{int(trainer_mode)}", use_cpu=True,
+                                 per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=3,
+                                 optim="sgd", learning_rate=1.0, max_grad_norm=0.0, report_to=[], logging_strategy="no",
                                  remove_unused_columns=False, train_sampling_strategy="sequential",
-                                 disable_tqdm=True, seed=0)
+                                 disable_tqdm=True, seed=0, **save)
         cb = Install()
         trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=PackedCollator(model.config),
                           callbacks=[cb] if balanced else [])
         cb.trainer = trainer if trainer_mode else None
-        trainer.train()
+        if resume is not None:
+            # transformers 5.24 reloads this tiny Qwen2-VL's checkpoint under mismatched key names (it would
+            # keep the fresh weights); the weights come from the uninterrupted run at step 2 instead. Optimizer,
+            # scheduler, RNG and the data position still come from the checkpoint.
+            model.load_state_dict(at_step_2, strict=False)
+            trainer._load_from_checkpoint = lambda *a, **k: None
+        trainer.train(resume_from_checkpoint=resume)
         delta = {n: p.detach() - start[n] for n, p in model.named_parameters()}
         return {n: p.detach().clone() for n, p in model.named_parameters()}, delta, cb.loader
 
@@ -231,17 +244,23 @@ def _train_qwen2_vl(rank, world, outdir):
         num = sum(float((bal_delta[n] - ref_delta[n]).norm() ** 2) for n in ref) ** 0.5
         den = sum(float(ref_delta[n].norm() ** 2) for n in ref) ** 0.5
         out.append((param_rel, num / den, den, [(s.moved_samples, s.plan_hash) for s in stats]))
-    return out
+    # trainer mode resumes mid-epoch (skip_first_batches): same parameters as the uninterrupted run
+    resumed, _, loader = train(True, True, resume=f"{outdir}/11/checkpoint-2")
+    resume_rel = max(float((resumed[n] - bal[n]).norm() / bal[n].norm().clamp_min(1e-12)) for n in bal)
+    return out, resume_rel, [(s.moved_samples, s.plan_hash) for s in loader.pop_stats()]
 
 
 def test_trainer_gradients_equal_with_and_without_balancing(tmp_path):
     results = run_ranks(_train_qwen2_vl, 2, str(tmp_path), timeout=220)
     for mode in (0, 1):  # dataloader mode, trainer mode
-        for rank_result in results:
+        for rank_result, _, _ in results:
             param_rel, update_rel, update_norm, stats = rank_result[mode]
             assert update_norm > 0  # the model did train
             assert param_rel < 1e-5  # the spec's bound on the parameters
             assert update_rel < 1e-5  # and on the update itself, a much stricter test
-            assert len(stats) == 2  # trainer mode: no prefetch past max_steps
-        assert results[0][mode][3] == results[1][mode][3]  # identical plans on both ranks
-        assert sum(moved for moved, _ in results[0][mode][3]) > 0  # balancing really moved samples
+            assert len(stats) == 3
+        assert results[0][0][mode][3] == results[1][0][mode][3]  # identical plans on both ranks
+        assert sum(moved for moved, _ in results[0][0][mode][3]) > 0  # balancing really moved samples
+    for _, resume_rel, resumed_stats in results:
+        assert resume_rel < 1e-6
+        assert resumed_stats == results[0][0][1][3][2:]  # the resumed step is the uninterrupted run's third step
