@@ -9,20 +9,23 @@ Objective of `plan_balance`: minimise the slowest rank's time
 ``sum of tokens on r <= max_tokens``, starting from the current placement so
 that few items move (moving a sample is the overhead that eats the gain).
 
-The method, from the current placement (zero moves):
+The method, from the current placement (zero moves), toward per-rank budgets
+(lower bound x speed; per-micro-batch levels for ``sync="micro_batch"``):
 
-1. *Target*: the lower bound T (water level of the total load over the
-   ranks' speeds, or the heaviest item on its best rank).
-2. *Shed*: every rank above ``T * (1 + tolerance / 2)`` gives away a small set
-   of items covering its excess: the largest items that fit into the
-   remaining excess first, then at most one item that overshoots it (few
-   moves, little overshoot, the heaviest items stay where they are).
-3. *Place*: the shed items, heaviest first, go to the rank that finishes
-   earliest among those with token room (LPT on the residual capacity).
-   A receiver without token room may hand back its cheapest-per-token items
-   (short samples) to make room; those are placed in turn.
-4. *Refine*: while the slowest rank is above ``T * (1 + tolerance)``, the best
-   single move or pairwise swap between it and the least-loaded ranks.
+1. *Shed* (vectorised rounds): every rank above ``budget * (1 + tolerance/2)``
+   gives away, per round, the lightest item that covers its remaining excess
+   on its own, else its heaviest item (few moves, little overshoot). Items
+   heavier than the largest free room anywhere stay, except a long sample over
+   its own slow rank's budget that a faster rank can hold (relocated; the plan
+   without relocation is made too and the better one kept).
+2. *Place* (best-fit decreasing): heaviest first onto the rank with the
+   smallest room that holds it and whose emptiest slot holds its tokens, else
+   the roomiest rank with token room. A second shed/place pass if needed.
+3. *Refine*: while the fullest rank is above ``budget * (1 + tolerance)``, the
+   best single move or 1-for-1 swap between it and the two emptiest ranks.
+
+Cost: O(n) numpy passes plus Python steps proportional to the moved items
+(refinement, when needed, adds one sort of the destinations).
 
 The plan is kept only if it beats keeping everything in place by at least
 `min_gain` (relative), unless the current placement breaks the token cap, in
@@ -32,7 +35,7 @@ which case fixing it is required.
 from __future__ import annotations
 
 import copy
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Optional
 
