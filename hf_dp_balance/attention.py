@@ -137,14 +137,14 @@ def varlen_attention_forward(
         if batch != 1:
             raise ValueError(f"{DEFAULT_NAME}: cu_seq_lens_q needs a single packed row, got batch size {batch}")
         bounds_per_row = [_boundaries_from_cu_seqlens(cu_seq_lens_q, q_len)]
-    elif position_ids is not None:
+    elif position_ids is not None and not (position_ids.ndim == 3 and position_ids.shape[0] != 4):
         positions = position_ids
-        if positions.ndim == 3:  # mrope [3 or 4, b, T]: row 0 carries the per-sample restarts when 4 rows
+        if positions.ndim == 3:  # [4, b, T]: row 0 holds the plain per-sample positions (Qwen-VL packing)
             positions = positions[0]
         if positions.shape[-1] != q_len:
             raise ValueError(f"{DEFAULT_NAME}: position_ids length {positions.shape[-1]} != query length {q_len}")
         bounds_per_row = segment_boundaries(positions.expand(batch, -1) if positions.shape[0] == 1 else positions)
-    else:
+    else:  # no positions, or mrope rows without the text row: one sequence per row, as transformers does
         bounds_per_row = [[0, q_len]] * batch
     if len(bounds_per_row) != batch:
         raise ValueError(f"{DEFAULT_NAME}: position_ids have {len(bounds_per_row)} rows for a batch of {batch}")

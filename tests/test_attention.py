@@ -220,3 +220,22 @@ def test_qwen2_vl_vision_tower_under_the_varlen_name_equals_sdpa():
     a = getattr(a, "pooler_output", a)
     b = getattr(b, "pooler_output", b)
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_mrope_positions_use_the_text_row_only():
+    """[4, b, T]: row 0 gives the restarts; [3, b, T] (no text row) is one sequence, as in transformers
+    (its temporal row is constant over an image and must not be read as restarts)."""
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, sum(LENGTHS), 8, generator=g, dtype=torch.float64)
+    text = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    mrope = torch.zeros(3, 1, sum(LENGTHS), dtype=torch.long)  # e.g. one image: constant temporal row
+    packed, _ = varlen_attention_forward(Module(), q, q, q, None, position_ids=text)
+    four_rows, _ = varlen_attention_forward(Module(), q, q, q, None, position_ids=torch.cat([text[None], mrope]))
+    three_rows, _ = varlen_attention_forward(Module(), q, q, q, None, position_ids=mrope)
+    whole, _ = varlen_attention_forward(Module(), q, q, q, None)
+    torch.testing.assert_close(four_rows, packed)
+    torch.testing.assert_close(three_rows, whole)
