@@ -36,6 +36,7 @@ def test_tiny_case_matches_hand_computation():
     # The reference skips: the 6-token sample (0.36) outweighs the average rank (0.305).
     assert row["tgs_reference"] == pytest.approx(row["tgs_none"])
     assert row["applied_share_reference"] == 0.0
+    assert row["tgs_reference_capped"] == pytest.approx(row["tgs_none"])
     # Lower bound: max(mean 0.305, heaviest 0.36) = 0.36; this step is single-sample bound.
     assert row["tgs_lower_bound"] == pytest.approx(13 / (2 * 0.46))
     assert row["single_sample_bound_share"] == 1.0
