@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 import numpy as np
 
 from .config import DPBalanceConfig
-from .exchange import ExchangeError, SampleExchange, encoded_nbytes, sample_entries, transfer_layout
+from .exchange import (H_FLAGS, H_NUM_MICRO, H_SPEED, ExchangeError, SampleExchange, encoded_nbytes, sample_entries,
+                       transfer_layout)
 
 logger = logging.getLogger(__name__)
 
@@ -365,8 +366,6 @@ class BalancedLoader:
                                   flags=FLAG_BALANCE if wants else 0, speed=self._speed, error=error,
                                   num_fields=F_WIDTH)
         t1 = time.perf_counter()
-        from .exchange import H_FLAGS, H_NUM_MICRO, H_SPEED
-
         num_micro = int(meta.headers[:, H_NUM_MICRO].max())
         if num_micro == 0:
             return None
@@ -454,20 +453,26 @@ class _StepStream:
             return None
 
     def _put(self, item: tuple) -> bool:
-        while not self._stop.is_set():
+        """Queue `item`; False only when the queue is full and the stream was closed.
+
+        The thread stops only here, never between collectives: ranks that consume
+        the same number of steps then all stop at the same step (the one that
+        found the queue full), and no rank is left waiting in a collective.
+        """
+        while True:
             try:
                 self._queue.put(item, timeout=0.1)
                 return True
             except queue.Full:
-                continue
-        return False
+                if self._stop.is_set():
+                    return False
 
     def _main(self) -> None:
         loader = self.loader
         step = 0
         pending: Optional[Tuple[BaseException, str]] = None  # a local failure, told to the peers at the next gather
         try:
-            while not self._stop.is_set() and (self.step_limit is None or step < self.step_limit):
+            while self.step_limit is None or step < self.step_limit:
                 prep = None
                 if pending is None:
                     try:
@@ -528,8 +533,10 @@ class _StepStream:
         return batches
 
     def close(self) -> None:
+        """Stop the thread at its next full-queue wait; waits for the step in flight (its peers finish it too)."""
         self._stop.set()
-        self._thread.join(timeout=1.0)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.loader.config.timeout_s + 5.0)
 
 
 __all__ = ["BalancedLoader", "StepStats", "list_collate", "plan_hash", "slot_loads", "step_imbalance", "token_cap",

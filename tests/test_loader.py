@@ -142,8 +142,15 @@ def _faulty_rank(rank, world):
 
     out = {}
     cfg = DPBalanceConfig(timeout_s=20, prefetch_steps=1)
+    # Stopping early on every rank (max_steps reached mid-epoch) leaves no collective in flight:
+    # the loaders below reuse the same side group.
+    first = BalancedLoader(micro_batches(-1), cfg, gradient_accumulation_steps=2, collator=_ids_collator,
+                           features_fn=_text_features, id_key="sample_id")
+    steps = first.iter_steps()
+    out["early"] = [next(steps)[0]["ids"] for _ in range(2)]
+    steps.close()
     loader = BalancedLoader(micro_batches(4), cfg, gradient_accumulation_steps=2, collator=_ids_collator,
-                            features_fn=_text_features, id_key="sample_id")
+                            features_fn=_text_features, id_key="sample_id", exchange=first.exchange)
     try:
         for _ in loader.iter_steps():
             pass
@@ -167,6 +174,7 @@ def _faulty_rank(rank, world):
 
 def test_bad_sample_and_thread_failures_reach_every_rank_with_clear_errors():
     results = run_ranks(_faulty_rank, 2, timeout=120)
+    assert [r["early"] for r in results] == [[[0, 1], [20, 21]], [[1000, 1001], [1020, 1021]]]
     # the bad sample: step 2 (micro-batch 4 with GA 2), rank 1, micro-batch 0, sample 1, its id and key
     own = results[1]["bad_sample"]
     assert "step 2, rank 1, micro-batch 0, sample 1 (sample_id=1041)" in own and "'meta'" in own
