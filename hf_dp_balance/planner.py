@@ -449,6 +449,7 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
             slot_tok = state.slot_tok.tolist()
             if cap is not None:
                 free = [cap - min(row) for row in slot_tok]
+    mirror, room_of, dirty = None, None, set()
     for k, c in enumerate(item_cost):
         j = bisect_left(rooms, c)
         if j > last and not lpt_host:
@@ -462,11 +463,20 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
                 j, found = nearby, True
         if not found:
             # no rank near the best fit has token room, or a long sample needs an LPT host: numpy, O(R)
-            room_arr = np.empty(len(rooms))
-            room_arr[ranks] = rooms
+            if mirror is None:  # numpy copies of rooms / token room, kept in sync lazily
+                mirror = [np.empty(len(rooms)), None if cap is None else np.asarray(free, dtype=np.float64)]
+                mirror[0][ranks] = rooms
+                room_of = mirror[0].tolist()
+            elif dirty:
+                idx = list(dirty)
+                mirror[0][idx] = [room_of[x] for x in idx]
+                if cap is not None:
+                    mirror[1][idx] = [free[x] for x in idx]
+                dirty.clear()
+            room_arr = mirror[0]
             ok = None
             if cap is not None:
-                ok = np.asarray(free) >= t
+                ok = mirror[1] >= t
                 if not ok.any():
                     home = int(state.prev[pool[k]])
                     if free[home] < t:
@@ -488,6 +498,9 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
         rooms.insert(j, left)
         ranks.insert(j, r)
         dest[k] = r
+        if mirror is not None:
+            room_of[r] = left
+            dirty.add(r)
         if single:
             free[r] -= item_tok[k]
         elif tracked:
@@ -687,7 +700,7 @@ def _fill_empty_slots(state: _State) -> None:
             row[m] += 1
 
 
-def _balance(state: _State, budget: np.ndarray, tolerance: float) -> _State:
+def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True) -> _State:
     """Shed, place, refine (module docstring) toward per-rank `budget` loads, then the
     item-count fixes; returns the final state. Raises _Infeasible.
 
@@ -697,7 +710,7 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float) -> _State:
     """
     slack = budget * (tolerance / 2.0)
     heaviest = float(state.costs.max()) if state.costs.size else 0.0
-    misplaced = heaviest > float((budget + slack).min()) and bool(
+    misplaced = relocate and heaviest > float((budget + slack).min()) and bool(
         np.any(state.costs > (budget + slack)[state.dest]))
     if not misplaced:
         return _balance_once(state, budget, slack, tolerance, relocate=False)
@@ -997,5 +1010,6 @@ def _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slot
     budget = (np.maximum(floor, hi)[None, :] * spd[:, None]).reshape(-1)
     state = _State(c, tok, cap, slot_spd, slot, np.zeros(c.shape[0], dtype=np.int64), 1, load.reshape(-1)[
         (perm + (np.arange(num_ranks) * num_mb)[:, None]).reshape(-1)], 1 if need_all_slots else 0)
-    state = _balance(state, budget, tolerance)
+    # heavy samples are placed by the levels above (their micro-batch waits for them anyway): no relocation
+    state = _balance(state, budget, tolerance, relocate=False)
     return state.dest // num_mb, state.dest % num_mb
