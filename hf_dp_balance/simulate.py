@@ -423,7 +423,10 @@ def simulate_packed(
 
     if lookahead > 1:
         t0 = time.thread_time()
-        new_step = plan_lookahead(costs, tokens, step_of, dp * ga, window=lookahead, max_tokens=cap)
+        # DDP meets once per step: a rank (its ga micro-batches together) is the unit that an
+        # outlier must not share. FSDP / ZeRO-3 meets every micro-batch: the unit is a slot.
+        units, unit_cap = (dp, cap * ga) if sync == "step" else (dp * ga, cap)
+        new_step = plan_lookahead(costs, tokens, step_of, units, window=lookahead, max_tokens=unit_cap)
         slot = assign_slots(tokens, step_of, new_step, micro_of * dp + rank_of, dp * ga, cap)
         la_rank, la_micro = slot % dp, slot // dp
         plan_s["lookahead"] += time.thread_time() - t0
