@@ -45,6 +45,7 @@ __all__ = ["Plan", "StepPlan", "plan_balance", "plan_step", "lower_bound"]
 
 _SYNC_MODES = ("step", "micro_batch")
 _SCAN = 16  # best-fit positions tried before a full search for token room
+_EXTRA_PASSES = 2  # shed / place passes after the first, before the (slower) pairwise refinement
 
 
 # ----------------------------------------------------------------------------- results
@@ -745,11 +746,14 @@ def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, toleranc
         pool = np.concatenate((pool, extra))
     if pool.size:
         _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0), lpt_host=relocate)
-        if np.any(state.load > budget + slack):
-            # a second pass sheds what the first placement could not fit (e.g. the rank that took a long sample)
+        for _ in range(_EXTRA_PASSES):
+            if not np.any(state.load > budget + slack):
+                break
+            # shed again what the placement could not fit (e.g. the rank that took a long sample)
             pool = _shed_rounds(state, budget, slack, relocate=False)  # long samples stay where pass 1 put them
-            if pool.size:
-                _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0))
+            if pool.size == 0:
+                break
+            _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0))
     _refine(state, budget, 1.0 + tolerance, max_iters=2 * budget.shape[0] + 16)
     _fill_short_ranks(state)
     _fill_empty_slots(state)
