@@ -22,9 +22,11 @@ the same window in which it is trained:
    has the token room.
 
 Guarantees: every sample is assigned exactly one step; it stays in its own
-window of K steps, so it moves by at most K-1 steps; no step ends with more
-tokens than the token budget (the fullest step of the window originally, at
-most ``slack * num_ranks * max_tokens``) unless it already had them before.
+window of K steps, so it moves by at most K-1 steps. The token budget of a
+step is the fullest step of the window originally, at most ``slack *
+num_ranks * max_tokens``: an ordinary sample is only sent to a step with room
+under it, and a step above it (after the outliers gather) sheds ordinary
+samples until it is within it, as long as another step has room.
 The within-step planner then places the samples on ranks under the hard
 per-rank cap.
 
