@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from hf_dp_balance.attention import register_varlen_attention
-from hf_dp_balance.cost import CostModel, features_of, features_of_ranks, fit_cost_model
+from hf_dp_balance.cost import features_of, fit_cost_model
 
 RANKS = 8
 
