@@ -177,6 +177,7 @@ class StepOutcome:
     lower_bound: float
     single_sample_bound: bool
     plan_seconds: Dict[str, float] = field(default_factory=dict)
+    failed: Dict[str, bool] = field(default_factory=dict)
 
 
 def rank_loads(costs: np.ndarray, ranks: np.ndarray, micro: np.ndarray, num_ranks: int, ga: int) -> np.ndarray:
@@ -251,14 +252,20 @@ def simulate_step(
                 dest_rank[sel] = np.asarray(plan.dest)
                 applied = applied or bool(plan.applied)
         elif method == "ours":
-            if ga == 1:
-                plan = plan_balance(costs, owners, num_ranks, tokens=tokens, max_tokens=max_tokens)
-                dest_rank, dest_micro, applied = np.asarray(plan.dest), micro, bool(plan.applied)
-            else:
-                plan = plan_step(
-                    costs, owners, micro, num_ranks, ga, tokens=tokens, max_tokens=max_tokens, sync=sync
-                )
-                dest_rank, dest_micro, applied = _step_plan_dest(plan, owners, micro)
+            try:
+                if ga == 1:
+                    plan = plan_balance(costs, owners, num_ranks, tokens=tokens, max_tokens=max_tokens)
+                    dest_rank, dest_micro = np.asarray(plan.dest), micro
+                else:
+                    plan = plan_step(
+                        costs, owners, micro, num_ranks, ga, tokens=tokens, max_tokens=max_tokens, sync=sync
+                    )
+                    dest_rank, dest_micro = np.asarray(plan.dest_rank), np.asarray(plan.dest_micro_batch)
+                applied = bool(plan.applied)
+            except ValueError:
+                # As in training: a planning failure keeps everything in place (counted).
+                dest_rank, dest_micro, applied = owners, micro, False
+                out.failed[method] = True
         else:
             raise ValueError(f"simulate_step: unknown method {method!r}")
         out.plan_seconds[method] = time.thread_time() - t0
@@ -271,13 +278,6 @@ def simulate_step(
         slot_tokens = rank_loads(tokens.astype(np.float64), dest_rank, dest_micro, num_ranks, ga)
         out.over_cap[method] = bool(slot_tokens.max() > max_tokens) if tokens.size else False
     return out
-
-
-def _step_plan_dest(plan, owners, micro):
-    """(rank, micro-batch) of every sample from a StepPlan."""
-    dest_rank = np.asarray(getattr(plan, "dest_rank", getattr(plan, "dest", owners)), dtype=np.int64)
-    dest_micro = np.asarray(getattr(plan, "dest_micro_batch", getattr(plan, "dest_micro", micro)), dtype=np.int64)
-    return dest_rank, dest_micro, bool(plan.applied)
 
 
 # --------------------------------------------------------------------------- one DP size
@@ -389,6 +389,7 @@ def simulate_packed(
     applied = {m: 0 for m in methods + ["lookahead"]}
     exposed = {m: 0.0 for m in methods + ["lookahead"]}
     over_cap = {m: 0 for m in methods + ["lookahead"]}
+    failed = {m: 0 for m in methods + ["lookahead"]}
     plan_s = {m: 0.0 for m in methods + ["lookahead"]}
     single_bound = 0
     single_bound_la = 0
@@ -415,6 +416,7 @@ def simulate_packed(
             applied[m] += int(o.applied[m])
             exposed[m] += exposed_move(o, m)
             over_cap[m] += int(o.over_cap[m])
+            failed[m] += int(o.failed.get(m, False))
             plan_s[m] += o.plan_seconds[m]
         totals["lower_bound"] += o.lower_bound + cost.step_overhead
         single_bound += int(o.single_sample_bound)
@@ -445,6 +447,7 @@ def simulate_packed(
             applied["lookahead"] += int(o.applied["ours"])
             exposed["lookahead"] += exposed_move(o, "ours")
             over_cap["lookahead"] += int(o.over_cap["ours"])
+            failed["lookahead"] += int(o.failed.get("ours", False))
             plan_s["lookahead"] += o.plan_seconds["ours"]
             single_bound_la += int(o.single_sample_bound)
             if progress is not None:
@@ -474,6 +477,7 @@ def simulate_packed(
         "over_cap_share_reference": over_cap["reference"] / n_steps,
         "over_cap_share_reference_capped": over_cap["reference_capped"] / n_steps,
         "over_cap_share_ours": over_cap["ours"] / n_steps,
+        "plan_failures_ours": failed["ours"],
         "moved_share_ours": moved["ours"] / len(samples),
         "exposed_move_s_per_step_ours": exposed["ours"] / n_steps,
         "exposed_move_s_per_step_reference": exposed["reference"] / n_steps,
@@ -487,6 +491,8 @@ def simulate_packed(
             "gain_lookahead": tgs["lookahead"] / tgs["none"] - 1.0,
             "single_sample_bound_share_lookahead": single_bound_la / n_steps,
             "moved_share_lookahead": moved["lookahead"] / len(samples),
+            "plan_failures_lookahead": failed["lookahead"],
+            "over_cap_share_lookahead": over_cap["lookahead"] / n_steps,
             "plan_ms_per_step_lookahead": 1e3 * plan_s["lookahead"] / n_steps,
         })
     return row
