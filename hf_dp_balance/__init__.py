@@ -18,6 +18,8 @@ _EXPORTS = {
     "CostModel": "cost",
     "fit_cost_model": "cost",
     "FitReport": "cost",
+    "FitResult": "cost",
+    "features_of": "cost",
     "PackedCollator": "samples",
     "sample_features": "samples",
     "split_packed": "samples",
