@@ -22,7 +22,7 @@ Reported, all measured in the same run:
   same deterministic data; target: at most a quarter;
 * per-step thread times: gather, plan, payload exchange, packing.
 
-Run:  /work/venv/bin/python bench/exchange.py [--ranks 4] [--steps 40] [--write docs/bench_parts/exchange.md]
+Run:  /work/venv/bin/python bench/exchange.py [--ranks 4] [--steps 40] [--compute sleep,busy] [--write docs/bench_parts/exchange.md]
 """
 
 from __future__ import annotations
@@ -85,7 +85,18 @@ def _pack_lengths(samples):
     return {"input_ids": ids[None], "lengths": [int(s["input_ids"].numel()) for s in samples]}
 
 
-def _rank_main(rank, world, steps, seed, prefetch):
+def _compute(seconds: float, mode: str, work) -> None:
+    """Simulated compute of known length: `sleep` (an accelerator: the CPU stays free) or `busy` (CPU
+    training: 128x128 matmuls until this thread has used `seconds` of CPU time)."""
+    if mode == "sleep":
+        time.sleep(seconds)
+        return
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        work[0] = work[0] @ work[1]
+
+
+def _rank_main(rank, world, steps, seed, prefetch, mode):
     import torch
     import torch.distributed as dist
 
@@ -105,10 +116,11 @@ def _rank_main(rank, world, steps, seed, prefetch):
                             features_fn=_features, cost_model=model)
     grad = torch.zeros(2_000_000)  # 8 MB "gradient" all-reduced per step on the training group
     rows = []
+    work = [torch.randn(128, 128) / 12.0, torch.randn(128, 128) / 12.0]
     t_prev = time.perf_counter()
     for step, batches in enumerate(loader.iter_steps()):
         for b in batches:  # the "accelerator": busy for the predicted cost of this packed micro-batch
-            time.sleep(SECONDS_PER_COST * float(model.sample_costs(np.array(b["lengths"] or [0])).sum()))
+            _compute(SECONDS_PER_COST * float(model.sample_costs(np.array(b["lengths"] or [0])).sum()), mode, work)
         dist.all_reduce(grad)
         (st,) = loader.pop_stats()
         now = time.perf_counter()
@@ -168,16 +180,42 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--compute", default="sleep,busy",
+                    help="comma-separated simulated compute modes: sleep (accelerator), busy (CPU matmuls)")
     ap.add_argument("--write", default=None, help="also write the markdown report to this file")
     args = ap.parse_args(argv)
 
     from dist_harness import run_ranks
 
-    t0 = time.perf_counter()
-    results = run_ranks(_rank_main, args.ranks, args.steps, args.seed, args.prefetch, timeout=900)
-    run_s = time.perf_counter() - t0
     offline = offline_bytes(args.ranks, args.steps, args.seed)
+    modes = args.compute.split(",")
+    lines = [
+        "# Exchange benchmark (bench/exchange.py)",
+        "",
+        f"Command: `/work/venv/bin/python bench/exchange.py --ranks {args.ranks} --steps {args.steps} "
+        f"--seed {args.seed} --prefetch {args.prefetch} --compute {args.compute}`",
+        "",
+        f"{args.ranks} gloo ranks on a shared 2-core CPU, GA={GA}, packs of {PACK} tokens (32K at scale 1/16, long-tail "
+        f"mix), Qwen2-VL-shaped pixel payloads, an 8 MB all_reduce per step on the training group. Simulated compute "
+        f"per packed micro-batch = its predicted cost: `sleep` models an accelerator (the CPU stays free for the "
+        f"exchange thread), `busy` is CPU training (matmuls for that much thread CPU time: {args.ranks} ranks' main "
+        f"threads and exchange threads share 2 cores). Steady state = steps {WARMUP}..{args.steps - 1}.",
+        "",
+    ]
+    for mode in modes:
+        t0 = time.perf_counter()
+        results = run_ranks(_rank_main, args.ranks, args.steps, args.seed, args.prefetch, mode, timeout=900)
+        lines += report(mode, results, offline, args, time.perf_counter() - t0)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.write:
+        with open(args.write, "w") as f:
+            f.write(text)
+    return 0
 
+
+def report(mode, results, offline, args, run_s):
+    """Markdown lines for one compute mode."""
     steady = slice(WARMUP, args.steps)
     for s in range(args.steps):
         hashes = {results[r][s]["hash"] for r in range(args.ranks)}
@@ -196,16 +234,8 @@ def main(argv=None) -> int:
     tot_b = np.array([o["total_bytes"] for o in offline[steady]], dtype=float)
     run_b = np.array([x["moved_bytes"] for x in r0], dtype=float)
     step_ms = 1000.0 * float(np.median([x["wall"] for x in r0]))
-    lines = [
-        f"# Exchange benchmark (bench/exchange.py)",
-        "",
-        f"Command: `/work/venv/bin/python bench/exchange.py --ranks {args.ranks} --steps {args.steps} "
-        f"--seed {args.seed} --prefetch {args.prefetch}`",
-        "",
-        f"{args.ranks} gloo ranks on a shared 2-core CPU, GA={GA}, packs of {PACK} tokens (32K at scale 1/16, long-tail "
-        f"mix), Qwen2-VL-shaped pixel payloads; simulated accelerator compute (sleep for the predicted cost) plus an "
-        f"8 MB all_reduce per step on the training group. Steady state = steps {WARMUP}..{args.steps - 1}; "
-        f"whole run {run_s:.0f} s including process start.",
+    return [
+        f"## compute = {mode} (whole run {run_s:.0f} s including process start)",
         "",
         "| metric | value |",
         "|---|---|",
@@ -227,13 +257,8 @@ def main(argv=None) -> int:
         f"{np.mean([x['moved'] for x in r0]):.1f} vs {np.mean([o['ref_moved'] for o in offline[steady]]):.1f} |",
         "",
         "Plans identical on every rank at every step (hash compared) and equal to the offline plan_step of the same data.",
+        "",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.write:
-        with open(args.write, "w") as f:
-            f.write(text)
-    return 0
 
 
 if __name__ == "__main__":

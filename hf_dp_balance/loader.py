@@ -199,7 +199,6 @@ class BalancedLoader:
         self._stats: List[StepStats] = []
         self._stats_lock = threading.Lock()
         self._active: Optional[_StepStream] = None
-        self._steps_done = 0
 
     # -- settings from the main thread (read by the thread at the start of each step) ----------
     def set_cost_model(self, cost_model: Any) -> None:
@@ -252,7 +251,7 @@ class BalancedLoader:
         clone = object.__new__(BalancedLoader)
         clone.__dict__.update(self.__dict__)
         clone.dataloader = skip_first_batches(self.dataloader, num_batches)
-        clone._active = None
+        clone._active, clone._stats, clone._stats_lock = None, [], threading.Lock()
         return clone
 
     def __iter__(self) -> Iterator[Any]:
@@ -416,7 +415,6 @@ class BalancedLoader:
     def _record(self, stats: StepStats) -> None:
         with self._stats_lock:
             self._stats.append(stats)
-        self._steps_done += 1
 
 
 class _StepStream:
