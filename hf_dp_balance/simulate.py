@@ -491,6 +491,7 @@ def simulate_packed(
             "gain_lookahead": tgs["lookahead"] / tgs["none"] - 1.0,
             "single_sample_bound_share_lookahead": single_bound_la / n_steps,
             "moved_share_lookahead": moved["lookahead"] / len(samples),
+            "step_changed_share_lookahead": float(np.mean(new_step != step_of)),
             "plan_failures_lookahead": failed["lookahead"],
             "over_cap_share_lookahead": over_cap["lookahead"] / n_steps,
             "plan_ms_per_step_lookahead": 1e3 * plan_s["lookahead"] / n_steps,
