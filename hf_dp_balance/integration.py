@@ -203,13 +203,17 @@ def _balanced_get_batch_samples(self, epoch_iterator, num_batches: int, device):
 
 
 def uninstall_balanced_loader(target) -> None:
-    """Stop the exchange thread (end of training); trainer mode also restores `get_batch_samples`."""
+    """Stop the exchange thread (end of training, on every rank); restore `get_batch_samples` (trainer mode)
+    or the shard's inner loader (dataloader mode). The collate stays `list_collate`."""
     loader = getattr(target, _INSTALLED_ATTR, None)
     if loader is None:
         return
     loader.close()
     if "get_batch_samples" in getattr(target, "__dict__", {}):
         del target.get_batch_samples
+    base = target.__dict__.get("base_dataloader") if hasattr(target, "__dict__") else None
+    if isinstance(base, _BalancedBase):
+        target.base_dataloader = base._raw
     try:
         delattr(target, _INSTALLED_ATTR)
     except AttributeError:

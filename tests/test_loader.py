@@ -194,17 +194,22 @@ def _train_qwen2_vl(rank, world, outdir):
 
     from hf_dp_balance.cost import CostModel
     from hf_dp_balance.data import build_synthetic_dataset, make_model, to_sample
-    from hf_dp_balance.integration import install_balanced_loader
+    from hf_dp_balance.integration import install_balanced_loader, uninstall_balanced_loader
     from hf_dp_balance.samples import PackedCollator
 
     transformers.logging.set_verbosity_error()
     data = [to_sample(r) for r in build_synthetic_dataset("qwen2_vl", 36, seed=1, scale=1 / 32)]  # 3 steps
 
-    at_step_2 = {}
+    at_step_2, uninstalled = {}, []
 
     class Install(TrainerCallback):
         loader = None
         trainer = None  # set: trainer mode; None: dataloader mode (what a callback without the trainer does)
+
+        def on_train_end(self, args, state, control, train_dataloader=None, **kwargs):
+            uninstall_balanced_loader(self.trainer if self.trainer is not None else train_dataloader)
+            uninstalled.append(type(train_dataloader.base_dataloader).__name__ == "DataLoader"
+                               and (self.trainer is None or "get_batch_samples" not in vars(self.trainer)))
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             if state.global_step == 2 and self.trainer is not None and not at_step_2:
@@ -255,6 +260,7 @@ def _train_qwen2_vl(rank, world, outdir):
     # trainer mode resumes mid-epoch (skip_first_batches): same parameters as the uninterrupted run
     resumed, _, loader = train(True, True, resume=f"{outdir}/11/checkpoint-2")
     resume_rel = max(float((resumed[n] - bal[n]).norm() / bal[n].norm().clamp_min(1e-12)) for n in bal)
+    assert uninstalled == [True, True, True]  # both modes undo their changes at the end of training
     return out, resume_rel, [(s.moved_samples, s.plan_hash) for s in loader.pop_stats()]
 
 
