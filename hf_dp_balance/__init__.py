@@ -24,6 +24,8 @@ _EXPORTS = {
     "sample_features": "samples",
     "split_packed": "samples",
     "register_varlen_attention": "attention",
+    "simulate": "simulate",
+    "plan_lookahead": "lookahead",
     # shell
     "BalancedLoader": "loader",
     "balance_vision_encoder": "vision",
