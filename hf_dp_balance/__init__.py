@@ -24,7 +24,6 @@ _EXPORTS = {
     "sample_features": "samples",
     "split_packed": "samples",
     "register_varlen_attention": "attention",
-    "simulate": "simulate",
     "plan_lookahead": "lookahead",
     # shell
     "BalancedLoader": "loader",
