@@ -43,7 +43,7 @@ from .exchange import (H_FLAGS, H_NUM_MICRO, H_SPEED, ExchangeError, SampleExcha
 logger = logging.getLogger(__name__)
 
 # Columns of the per-sample metadata rows gathered from every rank.
-F_MICRO, F_TOKENS, F_VISION, F_COST, F_NBYTES, F_WIDTH = range(6)
+F_MICRO, F_TOKENS, F_VISION, F_COST, F_NBYTES, F_STEP, F_WIDTH = range(7)  # F_STEP: step within a look-ahead window
 FLAG_BALANCE = 1  # this rank asks for balancing (enabled, past warm-up, has a cost model)
 
 
@@ -322,7 +322,7 @@ class BalancedLoader:
                     raise ValueError(f"{where}: negative features tokens={tokens}, vision_items={vision}")
                 samples.append(sample)
                 entries.append(ent)
-                rows.append((m, tokens, vision, 0.0, encoded_nbytes(ent)))
+                rows.append((m, tokens, vision, 0.0, encoded_nbytes(ent), 0))
         arr = np.array(rows, dtype=np.float64).reshape(-1, F_WIDTH)
         model = self._cost_model
         if model is not None and arr.shape[0]:
@@ -331,11 +331,13 @@ class BalancedLoader:
             arr[:, F_COST] = arr[:, F_TOKENS]  # for statistics only: no model, no planning
         return _Prepared(micro_batches, samples, entries, arr)
 
-    def _plan(self, step: int, rows: np.ndarray, owners: np.ndarray, num_micro: int, balance: bool,
-              speeds: np.ndarray):
-        """(dest_rank, dest_micro, applied, reason); never raises: a planner failure means no move."""
+    def _plan(self, step: int, rows: np.ndarray, owners: np.ndarray, micro: np.ndarray, num_micro: int,
+              balance: bool, speeds: np.ndarray, cap: Optional[int] = None):
+        """(dest_rank, dest_micro, applied, reason) from the start placement (owners, micro).
+
+        Never raises: a planner failure keeps the start placement (invariant 4).
+        """
         world = self._exchange.world_size
-        micro = rows[:, F_MICRO].astype(np.int64)
         if not balance:
             return owners, micro, False, "balancing off (warm-up, disabled or no cost model on some rank)"
         if world == 1 or rows.shape[0] == 0:
@@ -343,9 +345,10 @@ class BalancedLoader:
         try:
             plan_fn = self.plan_fn or _default_plan_fn()
             tokens = rows[:, F_TOKENS].astype(np.int64)
-            largest = int(slot_loads(tokens, owners, micro, world, num_micro).max())
-            plan = plan_fn(rows[:, F_COST], owners, micro, world, num_micro, tokens=tokens,
-                           max_tokens=token_cap(tokens, world * num_micro, self.config, largest),
+            if cap is None:
+                largest = int(slot_loads(tokens, owners, micro, world, num_micro).max())
+                cap = token_cap(tokens, world * num_micro, self.config, largest)
+            plan = plan_fn(rows[:, F_COST], owners, micro, world, num_micro, tokens=tokens, max_tokens=cap,
                            speeds=None if np.all(speeds == 1.0) else speeds, sync=self.sync,
                            min_gain=self.config.min_gain, tolerance=self.config.move_tolerance)
             dest_rank, dest_micro = validate_plan(plan.dest_rank, plan.dest_micro_batch, rows.shape[0], world, num_micro)
@@ -355,30 +358,44 @@ class BalancedLoader:
             logger.warning("hf_dp_balance: step %d: planning failed, no move this step: %r", step, exc)
             return owners, micro, False, f"planner failed: {exc!r}"
 
+    def _gather(self, step: int, prep: Optional[_Prepared], error: Optional[str]):
+        wants = prep is not None and self._balancing and self._cost_model is not None and self.config.enabled
+        meta = self._exchange.gather_metadata(
+            step, prep.rows if prep is not None else None,
+            num_micro_batches=len(prep.micro_batches) if prep is not None else 0,
+            flags=FLAG_BALANCE if wants else 0, speed=self._speed, error=error, num_fields=F_WIDTH)
+        balance = bool(np.all(meta.headers[:, H_FLAGS].astype(np.int64) & FLAG_BALANCE))
+        return meta, balance, meta.headers[:, H_SPEED].astype(np.float64)
+
     def _run_step(self, step: int, prep: Optional[_Prepared], error: Optional[str]):
         """Collective part of a step. Returns (packed micro-batches, stats) or None at the end of the data."""
-        ex = self._exchange
         t0 = time.perf_counter()
-        wants = prep is not None and self._balancing and self._cost_model is not None and self.config.enabled
-        meta = ex.gather_metadata(step, prep.rows if prep is not None else None,
-                                  num_micro_batches=len(prep.micro_batches) if prep is not None else 0,
-                                  flags=FLAG_BALANCE if wants else 0, speed=self._speed, error=error,
-                                  num_fields=F_WIDTH)
-        t1 = time.perf_counter()
+        meta, balance, speeds = self._gather(step, prep, error)
         num_micro = int(meta.headers[:, H_NUM_MICRO].max())
         if num_micro == 0:
             return None
-        rows, owners = meta.rows, meta.owners
-        balance = bool(np.all(meta.headers[:, H_FLAGS].astype(np.int64) & FLAG_BALANCE))
-        speeds = meta.headers[:, H_SPEED].astype(np.float64)
-        dest_rank, dest_micro, applied, reason = self._plan(step, rows, owners, num_micro, balance, speeds)
-        t2 = time.perf_counter()
+        micro = meta.rows[:, F_MICRO].astype(np.int64)
+        return self._finish_step(step, meta.rows, meta.owners, meta.owners, micro, num_micro, balance, speeds,
+                                 prep.samples, prep.entries, t0, time.perf_counter())
 
-        offset = int(np.searchsorted(owners, ex.rank))  # owners are rank-major
-        layout = transfer_layout(owners, dest_rank, rows[:, F_NBYTES].astype(np.int64), ex.rank, ex.world_size)
-        moved = owners != dest_rank
+    def _finish_step(self, step: int, rows: np.ndarray, holders: np.ndarray, start_rank: np.ndarray,
+                     start_micro: np.ndarray, num_micro: int, balance: bool, speeds: np.ndarray,
+                     samples: Sequence[dict], entries: Sequence[list], t0: float, t1: float,
+                     cap: Optional[int] = None, note: str = ""):
+        """Plan from the start placement, move samples from their holders, pack every slot.
+
+        `rows` are the step's samples in ascending global order (rank-major by
+        holder); `samples` / `entries` are this rank's held ones, in that order.
+        """
+        ex = self._exchange
+        dest_rank, dest_micro, applied, reason = self._plan(step, rows, start_rank, start_micro, num_micro,
+                                                            balance, speeds, cap)
+        t2 = time.perf_counter()
+        offset = int(np.searchsorted(holders, ex.rank))  # holders are rank-major
+        layout = transfer_layout(holders, dest_rank, rows[:, F_NBYTES].astype(np.int64), ex.rank, ex.world_size)
+        moved = holders != dest_rank
         moved_bytes = int(rows[moved, F_NBYTES].sum())
-        received = ex.exchange_payloads(step, prep.samples, offset, layout, prep.entries) if moved.any() else {}
+        received = ex.exchange_payloads(step, samples, offset, layout, entries) if moved.any() else {}
         t3 = time.perf_counter()
 
         # Assemble each slot in ascending global index, whatever the plan.
@@ -388,7 +405,7 @@ class BalancedLoader:
             by_slot[int(dest_micro[g])].append(int(g))
         batches, ids = [], [] if self.id_key else None
         for m, members in enumerate(by_slot):
-            slot = [received[g] if owners[g] != ex.rank else prep.samples[g - offset] for g in members]
+            slot = [received[g] if holders[g] != ex.rank else samples[g - offset] for g in members]
             if ids is not None:
                 ids.append([s.get(self.id_key) for s in slot])
             try:
@@ -399,11 +416,11 @@ class BalancedLoader:
         t4 = time.perf_counter()
 
         costs = rows[:, F_COST]
-        micro = rows[:, F_MICRO].astype(np.int64)
-        before = slot_loads(costs, owners, micro, ex.world_size, num_micro)
+        before = slot_loads(costs, start_rank, start_micro, ex.world_size, num_micro)
         after = slot_loads(costs, dest_rank, dest_micro, ex.world_size, num_micro)
         stats = StepStats(
-            step=step, num_micro_batches=num_micro, num_samples=int(rows.shape[0]), applied=applied, reason=reason,
+            step=step, num_micro_batches=num_micro, num_samples=int(rows.shape[0]),
+            applied=applied or bool(moved.any()), reason=note + reason,
             imbalance_before=step_imbalance(before, self.sync, speeds),
             imbalance_after=step_imbalance(after, self.sync, speeds),
             moved_samples=int(moved.sum()), moved_bytes=moved_bytes,
@@ -411,6 +428,62 @@ class BalancedLoader:
             plan_hash=plan_hash(dest_rank, dest_micro), gather_s=t1 - t0, plan_s=t2 - t1, exchange_s=t3 - t2,
             collate_s=t4 - t3, local_samples=[len(s) for s in by_slot], local_ids=ids)
         return batches, stats
+
+    def _run_window(self, step0: int, preps: List[_Prepared], error: Optional[str]):
+        """Look-ahead over len(preps) steps: yields (batches, stats) in step order, None at the end of the data.
+
+        One gather for the window. When every rank holds the full window and
+        balancing is on, `plan_lookahead` chooses each sample's step within the
+        window and `assign_slots` its start slot; then every step is planned and
+        exchanged as usual (samples move from the rank that holds them). Else
+        (warm-up, the end of the data) the steps run one by one.
+        """
+        from .lookahead import assign_slots, plan_lookahead
+
+        ex, ga, k = self._exchange, self.gradient_accumulation_steps, len(preps)
+        t0 = time.perf_counter()
+        rows = [p.rows.copy() for p in preps]
+        for j, r in enumerate(rows):
+            r[:, F_STEP] = j
+        window = _Prepared([mb for p in preps for mb in p.micro_batches], [s for p in preps for s in p.samples],
+                           [e for p in preps for e in p.entries], np.concatenate(rows, axis=0))
+        meta, balance, speeds = self._gather(step0, window, error)
+        full = bool(np.all(meta.headers[:, H_NUM_MICRO] == k * ga))
+        if not (full and balance and k > 1):
+            for j, prep in enumerate(preps):
+                result = self._run_step(step0 + j, prep, None)
+                yield result
+                if result is None:
+                    return
+            return
+        t1 = time.perf_counter()
+        rows, holders, world = meta.rows, meta.owners, ex.world_size
+        steps = rows[:, F_STEP].astype(np.int64)
+        micro = rows[:, F_MICRO].astype(np.int64)
+        tokens = rows[:, F_TOKENS].astype(np.int64)
+        cap = 0
+        for j in range(k):  # one cap for the window: keeping every step as it came stays feasible
+            sel = steps == j
+            largest = int(slot_loads(tokens[sel], holders[sel], micro[sel], world, ga).max())
+            cap = max(cap, token_cap(tokens[sel], world * ga, self.config, largest))
+        try:
+            # DDP meets once per step: a rank (its GA micro-batches) is the unit an outlier must not share;
+            # FSDP / ZeRO-3 meets every micro-batch: the unit is a slot.
+            units, unit_cap = (world, cap * ga) if self.sync == "step" else (world * ga, cap)
+            new_step = plan_lookahead(rows[:, F_COST], tokens, steps, units, window=k, max_tokens=unit_cap)
+            slot = assign_slots(tokens, steps, new_step, micro * world + holders, world * ga, cap)
+            start_rank, start_micro, note = slot % world, slot // world, ""
+        except Exception as exc:  # invariant 4
+            logger.warning("hf_dp_balance: steps %d..%d: look-ahead failed, steps kept: %r", step0, step0 + k - 1, exc)
+            new_step, start_rank, start_micro, note = steps, holders, micro, f"look-ahead failed: {exc!r}; "
+        my_first = int(np.searchsorted(holders, ex.rank))
+        for j in range(k):
+            idx = np.flatnonzero(new_step == j)  # ascending global index: still rank-major by holder
+            held = idx[holders[idx] == ex.rank] - my_first
+            yield self._finish_step(
+                step0 + j, rows[idx], holders[idx], start_rank[idx], start_micro[idx], ga, True, speeds,
+                [window.samples[i] for i in held], [window.entries[i] for i in held], t0 if j == 0 else t1, t1,
+                cap, note)
 
     def _record(self, stats: StepStats) -> None:
         with self._stats_lock:
@@ -471,10 +544,14 @@ class _StepStream:
         pending: Optional[Tuple[BaseException, str]] = None  # a local failure, told to the peers at the next gather
         try:
             while self.step_limit is None or step < self.step_limit:
-                prep = None
+                span = max(1, loader.config.lookahead_steps)  # steps prepared and gathered together
+                if self.step_limit is not None:
+                    span = min(span, self.step_limit - step)
+                preps: List[_Prepared] = []
                 if pending is None:
                     try:
-                        prep = loader._prepare(step, self._pull)
+                        for j in range(span):
+                            preps.append(loader._prepare(step + j, self._pull))
                     except Exception as exc:  # noqa: BLE001 - forwarded below
                         pending = (exc, traceback.format_exc())
                 if pending is not None:
@@ -484,19 +561,30 @@ class _StepStream:
                     except ExchangeError:
                         pass  # the gather raises on every rank; here the local cause is the better error
                     raise pending[0]
+                ended = False
                 try:
-                    result = loader._run_step(step, prep, None)
+                    if span == 1:
+                        result = loader._run_step(step, preps[0], None)
+                        results, ended = ([] if result is None else [result]), result is None
+                        results = iter(results)
+                    else:
+                        results = loader._run_window(step, preps, None)
+                    for result in results:
+                        if result is None:
+                            ended = True
+                            break
+                        if not self._put(("step", result[0], result[1])):
+                            return
+                        step += 1
                 except ExchangeError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - collation etc.: tell the peers at the next gather
+                    loader._exchange.report_failure(step, repr(exc))
                     pending = (exc, traceback.format_exc())
                     step += 1
                     continue
-                if result is None:
+                if ended:
                     break
-                if not self._put(("step", result[0], result[1])):
-                    return
-                step += 1
             if pending is not None:  # failed in the last step before the limit: the peers have stopped already
                 raise pending[0]
             self._put(("end",))

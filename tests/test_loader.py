@@ -90,7 +90,16 @@ def _exactly_once(rank, world, steps):
                     "moved": st.moved_samples, "bytes": st.moved_bytes, "sent": st.bytes_sent})
     pulled = [[s["sample_id"] for s in raw[i]] for i in range(len(raw))]
     lengths = [[int(s["input_ids"].numel()) for s in raw[i]] for i in range(len(raw))]
-    return out, pulled, lengths
+
+    # The same data with a look-ahead window of 3 steps (cost model on from the start).
+    ahead = BalancedLoader(DataLoader(raw, batch_size=None, collate_fn=list_collate), cfg.replace(lookahead_steps=3),
+                           gradient_accumulation_steps=GA, collator=_ids_collator, features_fn=_text_features,
+                           id_key="sample_id", cost_model=model, exchange=loader.exchange)
+    windowed = []
+    for batches in ahead.iter_steps():
+        (st,) = ahead.pop_stats()
+        windowed.append({"hash": st.plan_hash, "ids": [b["ids"] for b in batches], "after": st.imbalance_after})
+    return out, pulled, lengths, windowed
 
 
 def test_every_sample_trained_exactly_once_and_plans_identical_4_ranks():
@@ -99,7 +108,8 @@ def test_every_sample_trained_exactly_once_and_plans_identical_4_ranks():
     per_rank = [r[0] for r in results]
     step_lengths = [[n for r in results for mb in r[2][s * GA:(s + 1) * GA] for n in mb] for s in range(steps)]
     slot_max = [[max([sum(mb) for mb in r[2][s * GA:(s + 1) * GA]] or [0]) for s in range(steps)] for r in results]
-    results = [(a, b, step_lengths, slot_max) for a, b, _ in results]
+    windowed = [r[3] for r in results]
+    results = [(a, b, step_lengths, slot_max) for a, b, _, _ in results]
     assert all(len(p) == steps for p in per_rank)  # same number of steps on every rank, incl. the one that ran dry
     applied = 0
     for s in range(steps):
@@ -123,6 +133,22 @@ def test_every_sample_trained_exactly_once_and_plans_identical_4_ranks():
     assert len(per_rank[0][-1]["ids"]) == GA - 2  # the uneven last step
     assert not any(per_rank[0][s]["applied"] for s in range(5))  # warm-up: no cost model on every rank yet
     assert applied >= steps // 2
+
+    # look-ahead: every sample exactly once within its window of 3 steps; some samples change step
+    assert all(len(w) == steps for w in windowed)
+    changed = 0
+    for w0 in range(0, steps, 3):
+        span = range(w0, min(w0 + 3, steps))
+        assert all(len({w[s]["hash"] for w in windowed}) == 1 for s in span)
+        got = [i for w in windowed for s in span for mb in w[s]["ids"] for i in mb]
+        expected = {i for r in range(world) for s in span for mb in results[r][1][s * GA:(s + 1) * GA] for i in mb}
+        assert len(got) == len(set(got)) and set(got) == expected, f"window at step {w0}: samples lost or duplicated"
+        for s in span:
+            pulled_here = {i for r in range(world) for mb in results[r][1][s * GA:(s + 1) * GA] for i in mb}
+            changed += len({i for w in windowed for mb in w[s]["ids"] for i in mb} - pulled_here)
+    print("look-ahead: samples trained in another step than pulled:", changed, "mean imbalance after:",
+          np.mean([w["after"] for w in windowed[0][5:]]))
+    assert changed > 0
     print("applied", applied, "mean imbalance before/after",
           np.mean([p["before"] for p in per_rank[0][5:]]), np.mean([p["after"] for p in per_rank[0][5:]]))
 
