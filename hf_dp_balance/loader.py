@@ -20,6 +20,15 @@ row), which the training collectives need.
 Determinism: within a slot samples keep ascending global index (rank-major,
 then local order), whatever the plan, so a plan changes where a sample is
 computed, never which samples a step trains (invariant 1).
+
+Look-ahead (`lookahead_steps` = K > 1): the thread prepares K steps at once
+and gathers them in one go; when every rank holds the full window and
+balancing is on, `lookahead.plan_lookahead` picks each sample's step inside
+the window (outliers grouped into few steps) and `assign_slots` its start
+slot, then each step is planned and exchanged as above, samples moving from
+the rank that holds them. Samples then train up to K-1 steps earlier or later
+than the sampler yields them; each window still trains each of its samples
+exactly once.
 """
 
 from __future__ import annotations
