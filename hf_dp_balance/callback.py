@@ -294,18 +294,26 @@ class DPBalanceCallback(TrainerCallback):
     def _install_hooks(self, model) -> None:
         rec = self._rec
 
+        tower = _vision_tower(model)
+
         def before_forward(module, args, kwargs):
             inputs = dict(kwargs)
             rec.lengths.extend(segment_lengths(inputs))
-            rec.patches.extend(image_patches(inputs))
+            if tower is None:
+                rec.patches.extend(image_patches(inputs))
             return None
 
         self._hooks.append(model.register_forward_pre_hook(before_forward, with_kwargs=True))
-        tower = _vision_tower(model)
         if tower is not None:
             marks = {}
 
-            def tower_begin(module, args):
+            def tower_begin(module, args, kwargs):
+                # The images this rank's tower really computes (after vision balancing moved some).
+                grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+                if grid is not None:
+                    rec.patches.extend(image_patches({"image_grid_thw": grid}))
+                elif args and hasattr(args[0], "dim") and args[0].dim() == 4:  # InternVL tiles
+                    rec.patches.extend(image_patches({"pixel_values": args[0]}))
                 marks["t"] = time.thread_time()
 
             def tower_end(module, args, output):
@@ -313,7 +321,7 @@ class DPBalanceCallback(TrainerCallback):
                     # Backward of the tower costs ~2x its forward: 3x forward is its share of the step.
                     rec.vision_s += 3.0 * (time.thread_time() - marks.pop("t"))
 
-            self._hooks.append(tower.register_forward_pre_hook(tower_begin))
+            self._hooks.append(tower.register_forward_pre_hook(tower_begin, with_kwargs=True))
             self._hooks.append(tower.register_forward_hook(tower_end))
 
     def _publish_models(self) -> None:

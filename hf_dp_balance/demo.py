@@ -47,6 +47,7 @@ import numpy as np
 
 WAYS = ("none", "batch_rebalance", "hf_dp_balance")
 LOSS_RTOL = 1e-4  # per-step loss agreement across ways (float32 summation order differs)
+_PREFETCH_STEPS = 1  # hf_dp_balance's steps prepared ahead in the demo
 _BATCH_REBALANCE_SEED = 42  # transformers' BatchRebalanceSampler default (Trainer does not pass one)
 
 
@@ -73,6 +74,15 @@ def token_balanced_packs(tokens: Sequence[int], parts: int) -> List[List[int]]:
         cuts.append(j)
     cuts.append(n)
     return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+def fit_step(warmup: int, prefetch_steps: int) -> int:
+    """The callback's `warmup_steps` so that step `warmup + 1` is the first planned with the fitted model.
+
+    After the fit at the end of step w, the loader has steps w+1 .. w+1+prefetch already prepared
+    (the queue plus the one in hand); at least 2 timed steps are needed (the first is dropped).
+    """
+    return max(2, warmup - prefetch_steps - 1)
 
 
 def batch_rebalance_layout(num_samples: int, seed: int = _BATCH_REBALANCE_SEED, epoch: int = 0) -> np.ndarray:
@@ -150,10 +160,25 @@ def format_table(runs: Dict[str, dict]) -> str:
 # --------------------------------------------------------------------------- one rank
 
 
+class _Rows:
+    """The synthetic samples as per-sample dicts of tensors, converted on access (a rank reads only its own)."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        from .data import to_sample
+
+        return to_sample(self.ds[int(i)])
+
+
 class _Samples:
     """Map-style dataset over per-sample dicts (tensors) in a given order."""
 
-    def __init__(self, samples: list, order: Sequence[int]):
+    def __init__(self, samples, order: Sequence[int]):
         self.samples, self.order = samples, [int(i) for i in order]
 
     def __len__(self):
@@ -166,7 +191,7 @@ class _Samples:
 class _Packs:
     """Map-style dataset whose item k*ranks + r is rank r's fixed-length pack of step k, packed on access."""
 
-    def __init__(self, samples: list, packs: List[List[int]], collator):
+    def __init__(self, samples, packs: List[List[int]], collator):
         self.samples, self.packs, self.collator = samples, packs, collator
 
     def __len__(self):
@@ -215,7 +240,8 @@ def _make_probe(model, key_to_id: dict, progress):
     return Probe()
 
 
-def _train_way(way: str, rank: int, world: int, samples: list, tokens: np.ndarray, opts: dict, progress) -> dict:
+def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens: np.ndarray, opts: dict,
+               progress) -> dict:
     import torch
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
@@ -230,9 +256,6 @@ def _train_way(way: str, rank: int, world: int, samples: list, tokens: np.ndarra
     B = world * per_rank
     model = make_model("qwen2_vl", seed=opts["seed"], attn_implementation=register_varlen_attention())
     collator = PackedCollator(model.config)
-    key_to_id = {}
-    for i, s in enumerate(samples):  # a few tiny samples repeat their tokens: those share the first id
-        key_to_id.setdefault(tuple(s["input_ids"].tolist()), i)
     probe = _make_probe(model, key_to_id, progress)
     common = dict(output_dir=opts["workdir"], use_cpu=True, max_steps=steps, logging_steps=1, save_strategy="no",
                   report_to=[], disable_tqdm=True, seed=opts["seed"], learning_rate=1e-3, warmup_steps=0,
@@ -256,14 +279,18 @@ def _train_way(way: str, rank: int, world: int, samples: list, tokens: np.ndarra
         train = _Samples(samples, range(steps * B))
         args = TrainingArguments(per_device_train_batch_size=per_rank, train_sampling_strategy="sequential", **common)
         collate = collator
-        config = DPBalanceConfig(warmup_steps=warmup, max_token_ratio=opts["max_token_ratio"])
+        # The loader prepares `prefetch_steps` (+1 in hand) ahead: fit early enough that the first compared
+        # step is planned with the fitted model. The vision tower is balanced on its own from step 1: in this
+        # tiny model the ViT (4 patch rows per image token) is most of an image sample's compute.
+        config = DPBalanceConfig(warmup_steps=fit_step(warmup, _PREFETCH_STEPS), prefetch_steps=_PREFETCH_STEPS,
+                                 vision=opts["vision"], max_token_ratio=opts["max_token_ratio"])
         callbacks = [DPBalanceCallback(config), probe]
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # the demo's own progress bar and table replace the log lines
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     moved = sum(int(h.get("dp_balance/moved_samples", 0)) for h in trainer.state.log_history)
-    applied = sum(int(h.get("dp_balance/applied", 0)) for h in trainer.state.log_history)
+    applied = [int(h.get("dp_balance/applied", 0)) for h in trainer.state.log_history if "loss" in h]
     extra = {}
     if way == "hf_dp_balance":
         cb = callbacks[0]
@@ -287,14 +314,15 @@ def _rank_main(rank: int, world: int, port: int, ds_path: str, opts: dict, resul
         import datasets
         import transformers
 
-        from .data import to_sample
-
         transformers.logging.set_verbosity_error()
         datasets.disable_progress_bars()
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
         ds = datasets.load_from_disk(ds_path)
-        samples = [to_sample(ds[i]) for i in range(len(ds))]
-        tokens = np.array([int(s["input_ids"].numel()) for s in samples])
+        samples = _Rows(ds)
+        key_to_id = {}
+        for i, ids in enumerate(ds["input_ids"]):  # a few tiny samples repeat their tokens: they share the first id
+            key_to_id.setdefault(tuple(int(t) for t in ids), i)
+        tokens = np.array([len(ids) for ids in ds["input_ids"]])
         if rank == 0 and opts["progress"]:
             from tqdm.auto import tqdm
 
@@ -304,7 +332,7 @@ def _rank_main(rank: int, world: int, port: int, ds_path: str, opts: dict, resul
         for way in WAYS:
             if progress is not None:
                 progress.set_description(f"demo: {way}")
-            out[way] = _train_way(way, rank, world, samples, tokens, opts, progress)
+            out[way] = _train_way(way, rank, world, samples, key_to_id, tokens, opts, progress)
         out["tokens"] = tokens.tolist()
         results.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
@@ -327,8 +355,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_demo(steps: int = 20, ranks: int = 4, *, warmup: int = 5, samples_per_rank: int = 12, seed: int = 0,
-             mix: str = "long_tail", max_token_ratio: float = 1.5, progress: bool = True,
+def run_demo(steps: int = 20, ranks: int = 4, *, warmup: int = 6, samples_per_rank: int = 12, seed: int = 0,
+             mix: str = "long_tail", max_token_ratio: float = 1.5, vision: bool = True, progress: bool = True,
              timeout_s: float = 900.0) -> dict:
     """Run the three ways on `ranks` spawned gloo processes; returns the demo.json content."""
     import datasets
@@ -346,7 +374,7 @@ def run_demo(steps: int = 20, ranks: int = 4, *, warmup: int = 5, samples_per_ra
             print(f"building {total} synthetic samples (tiny Qwen2-VL, {mix} mix) ...", file=sys.stderr)
         datasets.disable_progress_bars()
         build_synthetic_dataset("qwen2_vl", total, seed=seed, mix=mix).save_to_disk(os.path.join(tmp, "ds"))
-        opts = {"steps": steps, "warmup": warmup, "samples_per_rank": samples_per_rank, "seed": seed,
+        opts = {"steps": steps, "warmup": warmup, "samples_per_rank": samples_per_rank, "seed": seed, "vision": vision,
                 "max_token_ratio": max_token_ratio, "progress": progress, "workdir": os.path.join(tmp, "out")}
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
@@ -436,7 +464,9 @@ def plot(result: dict, path: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="compared optimizer steps (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=5, help="warm-up steps (trained by every way, not compared)")
+    parser.add_argument("--warmup", type=int, default=6,
+                        help="steps trained by every way but not compared (hf_dp_balance times, fits, prefetches)")
+    parser.add_argument("--no-vision", action="store_true", help="hf_dp_balance without vision-tower balancing")
     parser.add_argument("--ranks", type=int, default=4, help="gloo ranks (processes, one thread each)")
     parser.add_argument("--samples-per-rank", type=int, default=12, help="samples per rank per step before balancing")
     parser.add_argument("--mix", choices=("long_tail", "bounded"), default="long_tail")
@@ -451,7 +481,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     result = run_demo(args.steps, args.ranks, warmup=args.warmup, samples_per_rank=args.samples_per_rank,
                       seed=args.seed, mix=args.mix, max_token_ratio=args.max_token_ratio,
-                      progress=not args.no_progress)
+                      vision=not args.no_vision, progress=not args.no_progress)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     if args.plot:

@@ -9,7 +9,8 @@ import torch
 
 from dist_harness import run_ranks
 from hf_dp_balance.callback import (CHECKPOINT_FILE, DPBalanceCallback, compute_imbalance, feature_row,
-                                    fit_from_records, resolve_config, segment_lengths)
+                                    fit_from_records, resolve_config, segment_lengths, summarize_step_stats)
+from hf_dp_balance.loader import StepStats
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.cost import CostModel
 
@@ -42,6 +43,18 @@ def test_fit_from_records_recovers_a_known_model():
     fitted = fit_from_records(feats, times, "per_rank").model
     pred, ref = fitted.predict(feats[1:]), true.predict(feats[1:])
     assert np.max(np.abs(pred / ref - 1)) < 0.05
+
+
+def test_loader_stats_summary():
+    def st(step, applied, before, after, moved):
+        return StepStats(step=step, num_micro_batches=1, num_samples=8, applied=applied, reason="", plan_hash="",
+                         imbalance_before=before, imbalance_after=after, moved_samples=moved, moved_bytes=10 * moved,
+                         bytes_sent=0, bytes_received=0)
+
+    out = summarize_step_stats([st(1, False, 0.1, 0.1, 0), st(2, True, 0.5, 0.1, 3)])
+    assert out["applied"] == 1 and out["skipped"] == 1 and out["moved_samples"] == 3 and out["moved_bytes"] == 30
+    assert out["imbalance_before"] == pytest.approx(0.3) and out["imbalance_after"] == pytest.approx(0.1)
+    assert summarize_step_stats([]) == {}
 
 
 def test_config_precedence(monkeypatch):

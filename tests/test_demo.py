@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from hf_dp_balance.demo import (WAYS, batch_rebalance_layout, check_invariants, format_table, summarize_way,
-                                token_balanced_packs)
+from hf_dp_balance.demo import (WAYS, batch_rebalance_layout, check_invariants, fit_step, format_table,
+                                summarize_way, token_balanced_packs)
 
 
 def test_token_balanced_packs_cut_contiguously_into_equal_tokens():
@@ -35,6 +35,11 @@ def test_batch_rebalance_layout_makes_transformers_sampler_yield_the_schedule():
             seen.setdefault(k, []).extend(int(layout[p]) for p in batch)
     for k in range(steps):  # global batch k = schedule samples [k*B, (k+1)*B)
         assert sorted(seen[k]) == list(range(k * ranks * per_rank, (k + 1) * ranks * per_rank))
+
+
+def test_fit_step_leaves_room_for_the_prefetched_steps():
+    assert fit_step(6, 1) == 4  # fit after step 4; steps 5, 6 already prepared; step 7 planned with the model
+    assert fit_step(3, 2) == 2  # never fewer than 2 timed steps
 
 
 def test_summary_and_invariants():
