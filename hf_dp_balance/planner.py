@@ -591,17 +591,19 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
     costs, tokens, cap = state.costs, state.tokens, state.cap
     budget = np.maximum(budget, np.finfo(np.float64).tiny)  # a zero budget: any load is "very full"
     members = None
+    stuck = np.zeros(budget.shape[0], dtype=bool)  # ranks nothing helped (skipped, the next fullest goes on)
     for _ in range(max_iters):
         full = state.load / budget
-        h = int(np.argmax(full))
+        h = int(np.argmax(np.where(stuck, -np.inf, full)))
         fh = float(full[h])
-        if fh <= goal:
+        if fh <= goal or stuck[h]:
             return
         if members is None:
             members = _Members(state.dest, budget.shape[0])
         mine = members.of(h)
         if mine.size == 0:
-            return
+            stuck[h] = True
+            continue
         pick = full.copy()
         pick[h] = np.inf
         cand = []
@@ -641,7 +643,8 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
             k_swap = int(np.argmin(worst_s))
             best_swap = float(worst_s.flat[k_swap])
         if not min(best_move, best_swap) < fh:
-            return
+            stuck[h] = True
+            continue
         if best_move <= best_swap:
             a, j = divmod(k_move, cand.size)
             l = int(cand[j])
@@ -701,7 +704,151 @@ def _fill_empty_slots(state: _State) -> None:
             row[m] += 1
 
 
+_REPACK_KEEP = (0.0,)  # share of its budget a rank keeps in place in the repack fallbacks
+
+
 def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True) -> _State:
+    """The incremental method, then, only if it stops above the goal, repacks that move more.
+
+    Repack with keep share q: every rank keeps its heaviest items while they fit in
+    q x its budget (and the token cap); the rest is placed by capped LPT, then refined.
+    q = 0.8, 0.5, 0 in turn, stopping at the first within the goal. The kept plan has
+    the lowest fullest rank; among plans within `tolerance` of it, the fewest moves.
+    Raises _Infeasible only when no attempt finds a feasible plan.
+    """
+    goal = 1.0 + tolerance
+    start = state.dest.copy()
+    origin = _copy_state(state)
+    tried = []
+    try:
+        tried.append(_balance_incremental(state, budget, tolerance, relocate))
+    except _Infeasible:
+        pass
+    if tried and _fullest(tried[0], budget) <= goal:
+        return tried[0]
+    failure = None
+    for keep in _REPACK_KEEP:
+        try:
+            tried.append(_repack(_copy_state(origin), budget, tolerance, keep))
+        except _Infeasible as exc:
+            failure = exc
+            continue
+        if _fullest(tried[-1], budget) <= goal:
+            break
+    if not tried:
+        raise failure
+    best = min(_fullest(st, budget) for st in tried)
+    near = [st for st in tried if _fullest(st, budget) <= best * (1.0 + tolerance)]
+    return min(near, key=lambda st: int(np.count_nonzero(st.dest != start)))  # first wins ties
+
+
+def _repack(state: _State, budget: np.ndarray, tolerance: float, keep: float) -> _State:
+    """Keep each rank's heaviest items up to `keep` x budget (and the cap), re-place the rest
+    by capped LPT (heaviest first to the rank that is least full, load / budget, among
+    those whose emptiest slot has token room), then refine / eject as the incremental method.
+    Cost: O(n log n) numpy + O(pooled items x log R) Python."""
+    costs = state.costs
+    n = costs.shape[0]
+    order = np.lexsort((np.arange(n), -costs, state.dest))  # by rank, heaviest first
+    od = state.dest[order]
+    starts = _group_starts(od)
+    sizes = np.diff(np.append(starts, n))
+    cum_c = np.cumsum(costs[order])
+    cum_c -= np.repeat(cum_c[starts] - costs[order][starts], sizes)
+    held = cum_c + state.fixed[od] <= keep * budget[od]
+    if state.cap is not None:
+        # tokens of the item's slot so far, in the same order (per rank, every slot counted)
+        cum_t = np.cumsum(state.tokens[order])
+        cum_t -= np.repeat(cum_t[starts] - state.tokens[order][starts], sizes)
+        held &= cum_t <= state.cap
+    pool = np.sort(order[~held])
+    if pool.size:
+        _remove(state, pool)
+        _place_lpt(state, pool, budget)
+        if not held.any():
+            _relabel(state, budget)
+    slack = budget * (tolerance / 2.0)
+    limit = budget * (1.0 + tolerance / 2.0)
+    _extra_passes(state, budget, slack, limit)
+    return _polish(state, budget, slack, tolerance)
+
+
+def _relabel(state: _State, budget: np.ndarray) -> None:
+    """Rename the ranks of a from-scratch placement so that most items stay on their owner.
+
+    Only when every rank has the same budget and no fixed load (then any renaming is
+    as good). A maximum-weight matching (scipy linear_sum_assignment) of bins to ranks,
+    weight = items of the bin already on the rank. O(n + R^3) worst case (fast in practice)."""
+    R = budget.shape[0]
+    if R < 2 or np.any(budget != budget[0]) or np.any(state.fixed != 0):
+        return
+    from scipy.optimize import linear_sum_assignment
+
+    kept = np.bincount(state.dest * R + state.prev, minlength=R * R).reshape(R, R)  # [bin, owner]
+    rows, cols = linear_sum_assignment(kept, maximize=True)
+    to = np.empty(R, dtype=np.int64)
+    to[rows] = cols
+    inverse = np.empty(R, dtype=np.int64)
+    inverse[cols] = rows
+    state.dest = to[state.dest]
+    state.load = state.load[inverse]
+    if state.slot_tok is not None:
+        state.slot_tok = state.slot_tok[inverse]
+    if state.count is not None:
+        state.count = state.count[inverse]
+
+
+def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray) -> None:
+    """Heaviest first (ties: lowest index) onto the least full rank (load / budget) whose
+    emptiest slot holds the item's tokens; a heap of ranks, O(log R) per item plus the ranks
+    skipped for token room. No rank with room -> _Infeasible."""
+    import heapq
+
+    costs, cap = state.costs, state.cap
+    pool = pool[np.lexsort((pool, -costs[pool]))]
+    safe = np.maximum(budget, np.finfo(np.float64).tiny)
+    R, M = state.load.shape[0], state.M
+    inv = (1.0 / safe).tolist()
+    load = state.load.tolist()
+    heap = [(load[r] * inv[r], r) for r in range(R)]
+    heapq.heapify(heap)
+    tracked = state.slot_tok is not None
+    slot_tok = state.slot_tok.tolist() if tracked else None
+    tok = state.tokens[pool].tolist() if tracked else None
+    dest, slots = [0] * pool.size, [0] * pool.size
+    for k, c in enumerate(costs[pool].tolist()):
+        aside = []
+        chosen = None
+        while heap:
+            entry = heapq.heappop(heap)
+            r = entry[1]
+            if cap is None or min(slot_tok[r]) + tok[k] <= cap:
+                chosen = r
+                break
+            aside.append(entry)
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        if chosen is None:
+            raise _Infeasible(f"item {int(pool[k])} fits on no rank")
+        load[chosen] += c
+        heapq.heappush(heap, (load[chosen] * inv[chosen], chosen))
+        dest[k] = chosen
+        if tracked:
+            row = slot_tok[chosen]
+            m = row.index(min(row))
+            row[m] += tok[k]
+            slots[k] = m
+    dest_arr = np.asarray(dest, dtype=np.int64)
+    state.load += np.bincount(dest_arr, weights=costs[pool], minlength=R)
+    if tracked:
+        state.slot_tok[:] = slot_tok
+        state.micro[pool] = slots
+    if state.count is not None:
+        state.count += np.bincount(dest_arr, minlength=R)
+    state.dest[pool] = dest_arr
+
+
+def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True) -> _State:
     """Shed, place, refine (module docstring) toward per-rank `budget` loads, then the
     item-count fixes; returns the final state. Raises _Infeasible.
 
@@ -738,26 +885,165 @@ def _copy_state(state: _State) -> _State:
     return twin
 
 
+def _extra_passes(state: _State, budget: np.ndarray, slack: np.ndarray, limit: np.ndarray) -> None:
+    """Up to _EXTRA_PASSES more shed / place passes while some rank is over budget + slack."""
+    for _ in range(_EXTRA_PASSES):
+        if not np.any(state.load > budget + slack):
+            return
+        # shed again what the placement could not fit (e.g. the rank that took a long sample)
+        pool = _shed_rounds(state, budget, slack, relocate=False)  # long samples stay where they are
+        if pool.size == 0:
+            return
+        _place_best_fit(state, pool, limit)
+
+
+def _fullest(state: _State, budget: np.ndarray) -> float:
+    return float(np.max(state.load / np.maximum(budget, np.finfo(np.float64).tiny)))
+
+
 def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
                   relocate: bool) -> _State:
+    limit = budget * (1.0 + tolerance / 2.0)
     pool = _shed_rounds(state, budget, slack, relocate=relocate)
     extra = _shed_tokens(state)
     if extra.size:
         pool = np.concatenate((pool, extra))
     if pool.size:
-        _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0), lpt_host=relocate)
-        for _ in range(_EXTRA_PASSES):
-            if not np.any(state.load > budget + slack):
+        _place_best_fit(state, pool, limit, lpt_host=relocate)
+        _extra_passes(state, budget, slack, limit)
+    return _polish(state, budget, slack, tolerance)
+
+
+def _polish(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float) -> _State:
+    """Refine, one-for-many exchanges while they help, then the item-count fixes."""
+    limit = budget * (1.0 + tolerance / 2.0)
+    goal = 1.0 + tolerance
+    refine_iters = 2 * budget.shape[0] + 16
+    _refine(state, budget, goal, max_iters=refine_iters)
+    # a heavy item that fits no other rank's room: one-for-many exchanges, each kept only if it
+    # lowers the fullest rank (bounded: every kept one lowers it, at most R of them)
+    for _ in range(budget.shape[0]):
+        now = _fullest(state, budget)
+        if now <= goal:
+            break
+        for wide in (False, True):
+            trial = _copy_state(state)
+            try:
+                if not _eject(trial, budget, limit, wide):
+                    continue
+                _extra_passes(trial, budget, slack, limit)
+                _refine(trial, budget, goal, max_iters=refine_iters)
+            except _Infeasible:
+                continue
+            if _fullest(trial, budget) < now:
+                state = trial
                 break
-            # shed again what the placement could not fit (e.g. the rank that took a long sample)
-            pool = _shed_rounds(state, budget, slack, relocate=False)  # long samples stay where pass 1 put them
-            if pool.size == 0:
-                break
-            _place_best_fit(state, pool, budget * (1.0 + tolerance / 2.0))
-    _refine(state, budget, 1.0 + tolerance, max_iters=2 * budget.shape[0] + 16)
+        else:
+            break  # neither exchange lowered the fullest rank
     _fill_short_ranks(state)
     _fill_empty_slots(state)
     return state
+
+
+def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> bool:
+    """One-for-many exchange for the fullest rank h (ranks by load / budget).
+
+    A heavy item `a` of h moves to a receiver rank r even though no rank has room
+    for it; r makes room by shedding its heaviest movable items (those that fit
+    the largest free room elsewhere) until its load and the tokens of the slot
+    that receives `a` are back within limit / cap; the shed items are then placed
+    by best fit. Candidates for `a`: the lightest item of h that brings h within
+    its limit alone, and h's heaviest item. The receiver is the rank that sheds
+    the fewest items (ties: the lowest load after, then the lowest index).
+    Applies the exchange and returns True, or returns False when no receiver
+    can make room. Cost: one O(n log n) sort plus O(n) numpy per candidate.
+    """
+    costs, cap = state.costs, state.cap
+    R, M = state.load.shape[0], state.M
+    safe = np.maximum(budget, np.finfo(np.float64).tiny)
+    h = int(np.argmax(state.load / safe))
+    mine = np.flatnonzero(state.dest == h)
+    if mine.size == 0 or (state.count is not None and state.count[h] - 1 < state.min_count):
+        return False
+    cm = costs[mine]
+    excess = float(state.load[h] - limit[h])
+    covering = np.flatnonzero(cm >= excess)
+    cands = [] if covering.size == 0 else [int(mine[covering[np.argmin(cm[covering])]])]
+    heaviest = int(mine[np.argmax(cm)])
+    if heaviest not in cands:
+        cands.append(heaviest)
+    tracked = state.slot_tok is not None
+    recv_slot = np.argmin(state.slot_tok, axis=1) if tracked else np.zeros(R, dtype=np.int64)
+    room = limit - state.load
+    room_h = room[h]
+    room[h] = -np.inf
+    best_other = float(np.max(room))
+    # items that could shed: not on h, in the slot of their rank that would receive `a`
+    pool = np.flatnonzero((state.dest != h) & (state.micro == recv_slot[state.dest]))
+    pool = pool[np.lexsort((pool, -costs[pool], state.dest[pool]))]  # by rank, heaviest first
+    owner = state.dest[pool]
+    best = None
+    for a in cands:
+        ca = float(costs[a])
+        if ca <= 0:
+            continue
+        # shed items must fit the rooms of other ranks (h's freed room takes at most one of them:
+        # counting on it lets r shed large items that end up back on r)
+        movable_up_to = max(best_other, room_h + ca) if wide or best_other <= 0 else best_other
+        sel = pool[costs[pool] <= movable_up_to]
+        sr = state.dest[sel]
+        need = state.load + ca - limit  # cost each rank must shed to take `a`
+        if tracked and cap is not None:
+            tneed = state.slot_tok[np.arange(R), recv_slot] + state.tokens[a] - cap
+        else:
+            tneed = np.full(R, -np.inf)
+        starts = _group_starts(sr)
+        ranks = sr[starts]
+        sizes = np.diff(np.append(starts, sel.size))
+        cum_c = np.cumsum(costs[sel])
+        cum_c -= np.repeat(cum_c[starts] - costs[sel][starts], sizes)  # cumulative within each rank
+        if tracked:
+            cum_t = np.cumsum(state.tokens[sel])
+            cum_t -= np.repeat(cum_t[starts] - state.tokens[sel][starts], sizes)
+        else:
+            cum_t = np.full(sel.size, np.inf)
+        done = (cum_c >= need[sr]) & (cum_t >= tneed[sr])
+        pos = np.arange(sel.size) - np.repeat(starts, sizes)  # index within the rank's list
+        k = np.full(R, np.inf)  # items r must shed (0 when it already has room)
+        if sel.size:
+            first = np.minimum.reduceat(np.where(done, pos, np.inf), starts)
+            k[ranks] = first + 1
+        k[(need <= 0) & (tneed <= 0)] = 0
+        k[h] = np.inf
+        if state.count is not None:
+            k[state.count + 1 - k < state.min_count] = np.inf
+        if not np.isfinite(k).any():
+            continue
+        kk = np.where(np.isfinite(k), k, 0).astype(np.int64)
+        gone = np.zeros(R)
+        if sel.size:
+            # load each rank sheds with its first k items
+            gather = starts[np.searchsorted(ranks, np.arange(R)).clip(0, max(ranks.size - 1, 0))]
+            has = np.isin(np.arange(R), ranks) & (kk > 0)
+            gone[has] = cum_c[gather[has] + kk[has] - 1]
+        after = np.where(np.isfinite(k), (state.load + ca - gone) / safe, np.inf)
+        r = int(np.lexsort((np.arange(R), after, k))[0])
+        # prefer the candidate that brings h within its limit, then fewer shed items
+        key = (0 if state.load[h] - ca <= limit[h] else 1, float(k[r]), float(after[r]))
+        if best is None or key < best[0]:
+            n_shed = int(k[r])
+            shed = sel[starts[np.searchsorted(ranks, r)]:][:n_shed] if n_shed else sel[:0]
+            best = (key, a, r, shed)
+    if best is None:
+        return False
+    _, a, r, shed = best
+    shed = np.sort(shed)
+    if shed.size:
+        _remove(state, shed)
+    state.move(a, r, int(recv_slot[r]))
+    if shed.size:
+        _place_best_fit(state, shed, limit)
+    return True
 
 
 # ----------------------------------------------------------------------------- plan_balance

@@ -338,3 +338,44 @@ def test_micro_batch_reordering_within_a_rank_is_free():
     plan = plan_step(costs, owners, mbs, 2, 2, sync="micro_batch")
     assert plan.applied and plan.moved == 0
     assert plan.makespan_before == 20.0 and plan.makespan_after == 11.0
+
+
+# ----------------------------------------------------------------------------- heavy items that fit no other rank
+
+
+def test_long_tail_simulator_step_reaches_the_bound():
+    # the reproducer of docs/bench_parts/simulate.md: DP64, step 7 (was 1.377 x the bound)
+    from hf_dp_balance import simulate as S
+
+    dp = 64
+    cost = S.load_cost("7b")
+    samples, pack_of = S.draw_packed("qwen2vl-sft", 8 * dp, 32768, np.random.default_rng([0, dp]))
+    m = pack_of // dp == 7
+    c, tok = cost.costs(samples)[m], samples.tokens[m]
+    plan = plan_balance(c, pack_of[m] % dp, dp, tokens=tok, max_tokens=32768)
+    assert plan.makespan_after <= plan.lower_bound * 1.005
+    assert rank_tokens(plan.dest, tok, dp).max() <= 32768
+    assert plan.moved <= c.size // 4
+
+
+def test_repack_fallback_reaches_the_bound_where_exchanges_stop():
+    # two heavy items on every one of several ranks and the rest full: exchanges alone cannot
+    # fix all of them; the capped-LPT fallback must still meet the bound and the cap
+    rng = np.random.default_rng(3)
+    R = 8
+    costs, owners = [], []
+    for r in range(R):
+        heavy = [0.6, 0.55] if r < 3 else []
+        costs += heavy
+        owners += [r] * len(heavy)
+        fill = sum(heavy)
+        while fill < 0.75:
+            c = float(rng.uniform(0.02, 0.1))
+            costs.append(c)
+            owners.append(r)
+            fill += c
+    costs, owners = np.asarray(costs), np.asarray(owners)
+    plan = plan_balance(costs, owners, R, tokens=np.ones(costs.size), max_tokens=float(costs.size))
+    assert plan.makespan_after <= plan.lower_bound * 1.005
+    again = plan_balance(costs, owners, R, tokens=np.ones(costs.size), max_tokens=float(costs.size))
+    assert np.array_equal(plan.dest, again.dest)
