@@ -707,7 +707,8 @@ def _fill_empty_slots(state: _State) -> None:
 _REPACK_KEEP = (0.0,)  # share of its budget a rank keeps in place in the repack fallbacks
 
 
-def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True) -> _State:
+def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
+             deep: bool = True) -> _State:
     """The incremental method, then, only if it stops above the goal, repacks that move more.
 
     Repack with keep share q: every rank keeps its heaviest items while they fit in
@@ -719,6 +720,8 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     goal = 1.0 + tolerance
     start = state.dest.copy()
     origin = _copy_state(state)
+    if not deep:  # sync="micro_batch": its per-micro-batch levels are loose; exchanges / repacks seldom pay
+        return _balance_incremental(state, budget, tolerance, relocate, deep=False)
     tried = []
     try:
         tried.append(_balance_incremental(state, budget, tolerance, relocate))
@@ -848,7 +851,8 @@ def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray) -> None:
     state.dest[pool] = dest_arr
 
 
-def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True) -> _State:
+def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
+                         deep: bool = True) -> _State:
     """Shed, place, refine (module docstring) toward per-rank `budget` loads, then the
     item-count fixes; returns the final state. Raises _Infeasible.
 
@@ -861,7 +865,7 @@ def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, re
     misplaced = relocate and heaviest > float((budget + slack).min()) and bool(
         np.any(state.costs > (budget + slack)[state.dest]))
     if not misplaced:
-        return _balance_once(state, budget, slack, tolerance, relocate=False)
+        return _balance_once(state, budget, slack, tolerance, relocate=False, deep=deep)
     start = state.dest.copy()
     other = _copy_state(state)
     state = _balance_once(state, budget, slack, tolerance, relocate=True)
@@ -902,7 +906,7 @@ def _fullest(state: _State, budget: np.ndarray) -> float:
 
 
 def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
-                  relocate: bool) -> _State:
+                  relocate: bool, deep: bool = True) -> _State:
     limit = budget * (1.0 + tolerance / 2.0)
     pool = _shed_rounds(state, budget, slack, relocate=relocate)
     extra = _shed_tokens(state)
@@ -911,10 +915,11 @@ def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, toleranc
     if pool.size:
         _place_best_fit(state, pool, limit, lpt_host=relocate)
         _extra_passes(state, budget, slack, limit)
-    return _polish(state, budget, slack, tolerance)
+    return _polish(state, budget, slack, tolerance, eject=deep)
 
 
-def _polish(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float) -> _State:
+def _polish(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
+            eject: bool = True) -> _State:
     """Refine, one-for-many exchanges while they help, then the item-count fixes."""
     limit = budget * (1.0 + tolerance / 2.0)
     goal = 1.0 + tolerance
@@ -922,7 +927,7 @@ def _polish(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: flo
     _refine(state, budget, goal, max_iters=refine_iters)
     # a heavy item that fits no other rank's room: one-for-many exchanges, each kept only if it
     # lowers the fullest rank (bounded: every kept one lowers it, at most R of them)
-    for _ in range(budget.shape[0]):
+    for _ in range(budget.shape[0] if eject else 0):
         now = _fullest(state, budget)
         if now <= goal:
             break
@@ -1301,5 +1306,5 @@ def _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slot
     state = _State(c, tok, cap, slot_spd, slot, np.zeros(c.shape[0], dtype=np.int64), 1, load.reshape(-1)[
         (perm + (np.arange(num_ranks) * num_mb)[:, None]).reshape(-1)], 1 if need_all_slots else 0)
     # heavy samples are placed by the levels above (their micro-batch waits for them anyway): no relocation
-    state = _balance(state, budget, tolerance, relocate=False)
+    state = _balance(state, budget, tolerance, relocate=False, deep=False)
     return state.dest // num_mb, state.dest % num_mb
