@@ -189,6 +189,7 @@ def main(argv=None) -> int:
 
     offline = offline_bytes(args.ranks, args.steps, args.seed)
     modes = args.compute.split(",")
+    version = _code_version()
     lines = [
         "# Exchange benchmark (bench/exchange.py)",
         "",
@@ -199,7 +200,8 @@ def main(argv=None) -> int:
         f"mix), Qwen2-VL-shaped pixel payloads, an 8 MB all_reduce per step on the training group. Simulated compute "
         f"per packed micro-batch = its predicted cost: `sleep` models an accelerator (the CPU stays free for the "
         f"exchange thread), `busy` is CPU training (matmuls for that much thread CPU time: {args.ranks} ranks' main "
-        f"threads and exchange threads share 2 cores). Steady state = steps {WARMUP}..{args.steps - 1}.",
+        f"threads and exchange threads share 2 cores). Steady state = steps {WARMUP}..{args.steps - 1}. "
+        f"Code: {version}.",
         "",
     ]
     for mode in modes:
@@ -212,6 +214,23 @@ def main(argv=None) -> int:
         with open(args.write, "w") as f:
             f.write(text)
     return 0
+
+
+def _code_version() -> str:
+    """HEAD commit, and whether the planner / loader / exchange differ from it (the numbers depend on them)."""
+    import subprocess
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "hf_dp_balance/planner.py",
+                                "hf_dp_balance/loader.py", "hf_dp_balance/exchange.py"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    changed = [d for d in dirty if d.endswith(".py")]
+    return f"commit {head}" + (f" with uncommitted changes in {', '.join(changed)}" if changed else "")
 
 
 def report(mode, results, offline, args, run_s):
