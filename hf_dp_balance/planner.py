@@ -704,24 +704,27 @@ def _fill_empty_slots(state: _State) -> None:
             row[m] += 1
 
 
-_REPACK_KEEP = (0.0,)  # share of its budget a rank keeps in place in the repack fallbacks
+_REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first partial repack
 
 
 def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
              deep: bool = True) -> _State:
     """The incremental method, then, only if it stops above the goal, repacks that move more.
 
-    Repack with keep share q: every rank keeps its heaviest items while they fit in
-    q x its budget (and the token cap); the rest is placed by capped LPT, then refined.
-    q = 0.8, 0.5, 0 in turn, stopping at the first within the goal. The kept plan has
-    the lowest fullest rank; among plans within `tolerance` of it, the fewest moves.
+    A repack pools every item of a set of ranks (those still above the goal and the
+    K emptiest), places them again by capped LPT on those ranks only, renames those
+    ranks so that most items stay with their owner, and polishes (refine, exchanges).
+    K = 2 x (over-full ranks) + 8, doubled until the plan is within the goal or the set
+    is every rank (a from-scratch LPT). The kept plan has the lowest fullest rank;
+    among plans within `tolerance` of it, the fewest moves (earlier attempts win ties).
     Raises _Infeasible only when no attempt finds a feasible plan.
     """
-    goal = 1.0 + tolerance
-    start = state.dest.copy()
-    origin = _copy_state(state)
     if not deep:  # sync="micro_batch": its per-micro-batch levels are loose; exchanges / repacks seldom pay
         return _balance_incremental(state, budget, tolerance, relocate, deep=False)
+    goal = 1.0 + tolerance
+    R = budget.shape[0]
+    start = state.dest.copy()
+    origin = _copy_state(state)
     tried = []
     try:
         tried.append(_balance_incremental(state, budget, tolerance, relocate))
@@ -729,15 +732,25 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
         pass
     if tried and _fullest(tried[0], budget) <= goal:
         return tried[0]
+    base = tried[0] if tried else origin
+    safe = np.maximum(budget, np.finfo(np.float64).tiny)
+    full = base.load / safe
+    over = int(np.count_nonzero(full > goal))
+    k = 2 * over + _REPACK_START
     failure = None
-    for keep in _REPACK_KEEP:
+    while True:
+        k = min(k, R)
+        # the over-full ranks and then the emptiest ones (ties: lowest index)
+        ranks = np.sort(np.lexsort((np.arange(R), -full))[:over].tolist() +
+                        [r for r in np.lexsort((np.arange(R), full)).tolist()
+                         if full[r] <= goal][:max(k - over, 0)])
         try:
-            tried.append(_repack(_copy_state(origin), budget, tolerance, keep))
+            tried.append(_repack(_copy_state(base if k < R else origin), budget, tolerance, ranks, start))
         except _Infeasible as exc:
             failure = exc
-            continue
-        if _fullest(tried[-1], budget) <= goal:
+        if (len(tried) and _fullest(tried[-1], budget) <= goal) or k >= R:
             break
+        k *= 2
     if not tried:
         raise failure
     best = min(_fullest(st, budget) for st in tried)
@@ -745,63 +758,58 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     return min(near, key=lambda st: int(np.count_nonzero(st.dest != start)))  # first wins ties
 
 
-def _repack(state: _State, budget: np.ndarray, tolerance: float, keep: float) -> _State:
-    """Keep each rank's heaviest items up to `keep` x budget (and the cap), re-place the rest
-    by capped LPT (heaviest first to the rank that is least full, load / budget, among
-    those whose emptiest slot has token room), then refine / eject as the incremental method.
-    Cost: O(n log n) numpy + O(pooled items x log R) Python."""
-    costs = state.costs
-    n = costs.shape[0]
-    order = np.lexsort((np.arange(n), -costs, state.dest))  # by rank, heaviest first
-    od = state.dest[order]
-    starts = _group_starts(od)
-    sizes = np.diff(np.append(starts, n))
-    cum_c = np.cumsum(costs[order])
-    cum_c -= np.repeat(cum_c[starts] - costs[order][starts], sizes)
-    held = cum_c + state.fixed[od] <= keep * budget[od]
-    if state.cap is not None:
-        # tokens of the item's slot so far, in the same order (per rank, every slot counted)
-        cum_t = np.cumsum(state.tokens[order])
-        cum_t -= np.repeat(cum_t[starts] - state.tokens[order][starts], sizes)
-        held &= cum_t <= state.cap
-    pool = np.sort(order[~held])
+def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarray,
+            start: np.ndarray) -> _State:
+    """Re-place every item of `ranks` by capped LPT onto `ranks` (heaviest first to the least
+    full, load / budget, whose emptiest slot has token room), rename those ranks toward the
+    items' owners in `start`, then shed / place, refine and exchange as the incremental
+    method. Cost: O(n) numpy + O(pooled items x log |ranks|) Python + the matching."""
+    inside = np.zeros(budget.shape[0], dtype=bool)
+    inside[ranks] = True
+    pool = np.flatnonzero(inside[state.dest])
     if pool.size:
         _remove(state, pool)
-        _place_lpt(state, pool, budget)
-        if not held.any():
-            _relabel(state, budget)
+        _place_lpt(state, pool, budget, ranks)
+        _relabel(state, budget, ranks, pool, start)
     slack = budget * (tolerance / 2.0)
     limit = budget * (1.0 + tolerance / 2.0)
     _extra_passes(state, budget, slack, limit)
     return _polish(state, budget, slack, tolerance)
 
 
-def _relabel(state: _State, budget: np.ndarray) -> None:
-    """Rename the ranks of a from-scratch placement so that most items stay on their owner.
-
-    Only when every rank has the same budget and no fixed load (then any renaming is
-    as good). A maximum-weight matching (scipy linear_sum_assignment) of bins to ranks,
-    weight = items of the bin already on the rank. O(n + R^3) worst case (fast in practice)."""
-    R = budget.shape[0]
-    if R < 2 or np.any(budget != budget[0]) or np.any(state.fixed != 0):
+def _relabel(state: _State, budget: np.ndarray, ranks: np.ndarray, pool: np.ndarray, start: np.ndarray) -> None:
+    """Rename `ranks` (whose items are `pool`, freshly placed) so that most items go back to
+    their owner in `start`: a maximum-weight matching (scipy linear_sum_assignment) of the
+    new contents to the ranks, weight = items already owned by the rank. Only when those
+    ranks have the same budget and no fixed load (then a renaming changes no time).
+    O(pool + K^3) for K ranks (fast in practice)."""
+    K = ranks.shape[0]
+    if K < 2 or np.any(budget[ranks] != budget[ranks[0]]) or np.any(state.fixed[ranks] != 0):
         return
     from scipy.optimize import linear_sum_assignment
 
-    kept = np.bincount(state.dest * R + state.prev, minlength=R * R).reshape(R, R)  # [bin, owner]
-    rows, cols = linear_sum_assignment(kept, maximize=True)
-    to = np.empty(R, dtype=np.int64)
-    to[rows] = cols
-    inverse = np.empty(R, dtype=np.int64)
-    inverse[cols] = rows
-    state.dest = to[state.dest]
-    state.load = state.load[inverse]
+    local = np.full(budget.shape[0], -1, dtype=np.int64)
+    local[ranks] = np.arange(K)
+    owner = local[start[pool]]
+    mine = owner >= 0
+    kept = np.bincount(local[state.dest[pool[mine]]] * K + owner[mine], minlength=K * K).reshape(K, K)
+    rows, cols = linear_sum_assignment(kept, maximize=True)  # new contents `rows` -> rank `cols`
+    to = np.arange(budget.shape[0])
+    to[ranks[rows]] = ranks[cols]
+    state.dest[pool] = to[state.dest[pool]]
+    src = ranks[rows]
+    dst = ranks[cols]
+    load = state.load.copy()
+    state.load[dst] = load[src]
     if state.slot_tok is not None:
-        state.slot_tok = state.slot_tok[inverse]
+        slot_tok = state.slot_tok.copy()
+        state.slot_tok[dst] = slot_tok[src]
     if state.count is not None:
-        state.count = state.count[inverse]
+        count = state.count.copy()
+        state.count[dst] = count[src]
 
 
-def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray) -> None:
+def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.ndarray) -> None:
     """Heaviest first (ties: lowest index) onto the least full rank (load / budget) whose
     emptiest slot holds the item's tokens; a heap of ranks, O(log R) per item plus the ranks
     skipped for token room. No rank with room -> _Infeasible."""
@@ -813,7 +821,7 @@ def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray) -> None:
     R, M = state.load.shape[0], state.M
     inv = (1.0 / safe).tolist()
     load = state.load.tolist()
-    heap = [(load[r] * inv[r], r) for r in range(R)]
+    heap = [(load[r] * inv[r], r) for r in ranks.tolist()]
     heapq.heapify(heap)
     tracked = state.slot_tok is not None
     slot_tok = state.slot_tok.tolist() if tracked else None

@@ -379,3 +379,46 @@ def test_repack_fallback_reaches_the_bound_where_exchanges_stop():
     assert plan.makespan_after <= plan.lower_bound * 1.005
     again = plan_balance(costs, owners, R, tokens=np.ones(costs.size), max_tokens=float(costs.size))
     assert np.array_equal(plan.dest, again.dest)
+
+
+@st.composite
+def heavy_tail_case(draw):
+    """Several ranks with heavy items and every rank filled with small ones: the exchange and
+    repack paths run (the incremental method alone stops above the bound)."""
+    num_ranks = draw(st.integers(2, 12))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    costs, owners = [], []
+    for r in range(num_ranks):
+        heavy = rng.uniform(0.3, 0.7, size=int(rng.integers(0, 3))).tolist()
+        fill = sum(heavy)
+        costs += heavy
+        owners += [r] * len(heavy)
+        while fill < 1.0:
+            c = float(rng.uniform(0.01, 0.12))
+            costs.append(c)
+            owners.append(r)
+            fill += c
+    costs = np.asarray(costs)
+    tokens = np.round(costs * 1000) + 1
+    cap = float(np.bincount(owners, weights=tokens, minlength=num_ranks).max()) * draw(st.floats(1.0, 1.3))
+    return costs, np.asarray(owners), num_ranks, tokens, cap
+
+
+@SETTINGS
+@given(heavy_tail_case())
+def test_exchanges_and_repacks_keep_the_guarantees(case):
+    costs, owners, R, tokens, cap = case
+    plan = plan_balance(costs, owners, R, tokens=tokens, max_tokens=cap, min_gain=0.0)
+    assert plan.dest.shape == costs.shape and plan.dest.min() >= 0 and plan.dest.max() < R
+    assert rank_tokens(plan.dest, tokens, R).max() <= cap
+    assert plan.makespan_after <= plan.makespan_before
+    assert np.allclose(plan.loads_after, np.bincount(plan.dest, weights=costs, minlength=R))
+    again = plan_balance(costs, owners, R, tokens=tokens, max_tokens=cap, min_gain=0.0)
+    assert np.array_equal(plan.dest, again.dest)
+    step = plan_step(costs, owners, np.zeros(costs.size, dtype=np.int64) + (np.arange(costs.size) % 2), R, 2,
+                     tokens=tokens, max_tokens=cap, sync="step", min_gain=0.0)
+    slot_tok = np.bincount(step.dest_rank * 2 + step.dest_micro_batch, weights=tokens, minlength=2 * R)
+    assert slot_tok.max() <= cap
+    assert (np.bincount(step.dest_rank * 2 + step.dest_micro_batch, minlength=2 * R) > 0).all()
+    assert step.makespan_after <= step.makespan_before
