@@ -21,11 +21,26 @@ The method, from the current placement (zero moves), toward per-rank budgets
 2. *Place* (best-fit decreasing): heaviest first onto the rank with the
    smallest room that holds it and whose emptiest slot holds its tokens, else
    the roomiest rank with token room. A second shed/place pass if needed.
-3. *Refine*: while the fullest rank is above ``budget * (1 + tolerance)``, the
-   best single move or 1-for-1 swap between it and the two emptiest ranks.
+3. *Refine*: while a rank is above ``budget * (1 + tolerance)``, the best
+   single move or 1-for-1 swap between the fullest rank that can still be
+   helped and the two emptiest ranks (a rank nothing helps is skipped).
+4. *Exchange* (one-for-many), while the fullest rank is above the goal: a heavy
+   item of it that fits no other rank's room moves to the rank that makes room
+   by shedding the fewest of its own items (those fitting rooms elsewhere);
+   they are placed by best fit, then refine again. Kept only if the fullest
+   rank drops.
+5. *Repack fallback*, only if still above the goal: the over-full ranks and
+   the K emptiest give up all their items, which go back by capped LPT onto
+   those ranks only; the ranks are renamed by a maximum-weight matching
+   (scipy ``linear_sum_assignment``) so most items stay with their owner; then
+   steps 3-4. K doubles until the goal is met or every rank is in (a
+   from-scratch LPT). Among all attempts: the lowest fullest rank, and among
+   those within ``tolerance`` of it, the fewest moves.
 
 Cost: O(n) numpy passes plus Python steps proportional to the moved items
-(refinement, when needed, adds one sort of the destinations).
+(refinement adds one sort of the destinations; each exchange one O(n log n)
+sort; a repack O(pooled items x log K) plus the matching). ``sync="micro_batch"``
+runs steps 1-3 only (its per-micro-batch levels are loose, so 4-5 rarely pay).
 
 The plan is kept only if it beats keeping everything in place by at least
 `min_gain` (relative), unless the current placement breaks the token cap, in
@@ -585,8 +600,10 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
     `candidates` emptiest ranks and applies, over all of them at once, the move
     (an item of h to a candidate's emptiest slot) or swap (an item of h with an
     item of a candidate, each taking the other's slot) that minimises the larger
-    fullness of the two ranks within the token cap. Stops when h is at or under
-    `goal` or nothing helps h. O(items of h x items of the candidates) per iteration.
+    fullness of the two ranks within the token cap. A rank nothing helps is skipped
+    (the next fullest goes on: the exchanges of `_polish` need the others within
+    reach of their budgets); stops when the fullest rank not skipped is at or
+    under `goal`. O(items of h x items of the candidates) per iteration.
     """
     costs, tokens, cap = state.costs, state.tokens, state.cap
     budget = np.maximum(budget, np.finfo(np.float64).tiny)  # a zero budget: any load is "very full"
@@ -1082,8 +1099,9 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
     rank by at least `min_gain`, or when the current placement breaks the cap
     (then fixing it is required; a cap that cannot be met raises ValueError).
 
-    Cost: O(n) numpy plus Python steps proportional to the items moved (and,
-    only when refinement is needed, one O(n log n) sort).
+    Cost: O(n) numpy plus Python steps proportional to the items moved; only
+    when that stops above the goal, exchanges (one O(n log n) sort each) and
+    partial repacks (module docstring).
     """
     num_ranks = _check_count(num_ranks, "num_ranks")
     c = _as_item_values(costs, "costs", None)
