@@ -209,8 +209,11 @@ def plan_digest(seed: int) -> str:
     plan = plan_balance(costs, owners, 64, tokens=tokens, max_tokens=1.2 * tokens.sum() / 64, min_gain=0.0)
     step = plan_step(costs, owners, mbs, 64, 2, tokens=tokens, max_tokens=1.2 * tokens.sum() / 128,
                      sync="micro_batch", min_gain=0.0)
+    costs, owners = heavy_pairs_instance()  # exchanges, partial repacks and the matching
+    heavy = plan_balance(costs, owners, 8, tokens=np.ones(costs.size), max_tokens=float(costs.size))
     h = hashlib.sha256()
-    for arr in (plan.dest, plan.loads_after, step.dest_rank, step.dest_micro_batch, step.loads_after):
+    for arr in (plan.dest, plan.loads_after, step.dest_rank, step.dest_micro_batch, step.loads_after,
+                heavy.dest, heavy.loads_after):
         h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()
 
@@ -358,11 +361,10 @@ def test_long_tail_simulator_step_reaches_the_bound():
     assert plan.moved <= c.size // 4
 
 
-def test_repack_fallback_reaches_the_bound_where_exchanges_stop():
-    # two heavy items on every one of several ranks and the rest full: exchanges alone cannot
-    # fix all of them; the capped-LPT fallback must still meet the bound and the cap
-    rng = np.random.default_rng(3)
-    R = 8
+def heavy_pairs_instance(R=8, seed=3):
+    """Two heavy items on each of 3 ranks, the rest filled with small ones: exchanges alone
+    cannot fix all of them (the partial-repack fallback runs)."""
+    rng = np.random.default_rng(seed)
     costs, owners = [], []
     for r in range(R):
         heavy = [0.6, 0.55] if r < 3 else []
@@ -374,7 +376,13 @@ def test_repack_fallback_reaches_the_bound_where_exchanges_stop():
             costs.append(c)
             owners.append(r)
             fill += c
-    costs, owners = np.asarray(costs), np.asarray(owners)
+    return np.asarray(costs), np.asarray(owners)
+
+
+def test_repack_fallback_reaches_the_bound_where_exchanges_stop():
+    # the capped-LPT fallback must still meet the bound and the cap
+    costs, owners = heavy_pairs_instance()
+    R = 8
     plan = plan_balance(costs, owners, R, tokens=np.ones(costs.size), max_tokens=float(costs.size))
     assert plan.makespan_after <= plan.lower_bound * 1.005
     again = plan_balance(costs, owners, R, tokens=np.ones(costs.size), max_tokens=float(costs.size))
