@@ -325,7 +325,8 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
     the lightest item that covers the remaining excess on its own (one move,
     little overshoot), or, if none does, the heaviest item (fewest moves toward
     it). With `relocate`, an item over its own rank's budget on its own (a long
-    sample on a slow rank) leaves first, if some rank's budget can hold it. Items heavier than the largest free room anywhere (budget - load of the
+    sample on a slow rank) leaves first, if some rank's budget can hold it.
+    Items heavier than the largest free room anywhere (budget - load of the
     emptiest rank) are never taken: no rank could receive them without becoming
     the new slowest. A rank keeps at least `state.min_count` items.
     Cost: O(items on over ranks) numpy per round.
@@ -835,7 +836,7 @@ def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.nd
     costs, cap = state.costs, state.cap
     pool = pool[np.lexsort((pool, -costs[pool]))]
     safe = np.maximum(budget, np.finfo(np.float64).tiny)
-    R, M = state.load.shape[0], state.M
+    R = state.load.shape[0]
     inv = (1.0 / safe).tolist()
     load = state.load.tolist()
     heap = [(load[r] * inv[r], r) for r in ranks.tolist()]
@@ -989,7 +990,7 @@ def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> 
     can make room. Cost: one O(n log n) sort plus O(n) numpy per candidate.
     """
     costs, cap = state.costs, state.cap
-    R, M = state.load.shape[0], state.M
+    R = state.load.shape[0]
     safe = np.maximum(budget, np.finfo(np.float64).tiny)
     h = int(np.argmax(state.load / safe))
     mine = np.flatnonzero(state.dest == h)
@@ -1011,7 +1012,6 @@ def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> 
     # items that could shed: not on h, in the slot of their rank that would receive `a`
     pool = np.flatnonzero((state.dest != h) & (state.micro == recv_slot[state.dest]))
     pool = pool[np.lexsort((pool, -costs[pool], state.dest[pool]))]  # by rank, heaviest first
-    owner = state.dest[pool]
     best = None
     for a in cands:
         ca = float(costs[a])
