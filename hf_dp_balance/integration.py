@@ -41,13 +41,34 @@ which must not happen in the exchange thread.
 
 from __future__ import annotations
 
+import functools
 import types
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .config import DPBalanceConfig
 from .loader import BalancedLoader, list_collate
 
-_INSTALLED_ATTR = "_hf_dp_balance_loader"
+_INSTALLED_ATTR = "_hf_dp_balance_installation"
+_MISSING = object()  # "this attribute was not there before install"
+
+
+@dataclass
+class _Installation:
+    """What one `install_balanced_loader` changed, so that uninstall can put back exactly that.
+
+    Lives on the target (Trainer or shard) under `_INSTALLED_ATTR` while installed.
+    `dataloader` is the prepared loader balanced by this installation: in trainer mode a later
+    `train()` builds a new one, and an installation on an older loader is stale.
+    """
+
+    loader: BalancedLoader
+    dataloader: Any                    # the prepared loader (DataLoaderShard) this installation balances
+    inner: Any                         # the torch DataLoader whose collate was deferred
+    collate_fn: Any                    # inner.collate_fn before install
+    device: Any = _MISSING             # trainer mode: dataloader.device before install
+    get_batch_samples: Any = _MISSING  # trainer mode: the instance's own get_batch_samples before install
+    base_dataloader: Any = _MISSING    # dataloader mode: the shard's inner loader before install
 
 
 class _BalancedBase:
@@ -102,15 +123,25 @@ def _check_loader_type(dataloader) -> None:
                          "(accelerator_config={'dispatch_batches': False})")
 
 
-def _defer_collate(dataloader) -> Any:
-    """Make the (inner) torch DataLoader return lists of sample dicts; returns that inner loader."""
+def _inner_loader(dataloader) -> Any:
+    """The (inner) torch DataLoader whose collate is deferred: the shard's `base_dataloader`, or `dataloader`."""
     inner = getattr(dataloader, "base_dataloader", dataloader)
     if isinstance(inner, _BalancedBase):
         raise ValueError("install_balanced_loader: this dataloader is already balanced")
     if not hasattr(inner, "collate_fn"):
         raise ValueError(f"install_balanced_loader: {type(inner).__name__} has no collate_fn to defer")
-    inner.collate_fn = list_collate
     return inner
+
+
+def _installation(target) -> Optional[_Installation]:
+    # The target's own attribute only: accelerate's DataLoaderShard forwards unknown names to its inner loader.
+    return vars(target).get(_INSTALLED_ATTR) if hasattr(target, "__dict__") else None
+
+
+def installed_loader(target) -> Optional[BalancedLoader]:
+    """The `BalancedLoader` installed on `target` (Trainer or prepared dataloader), or None."""
+    record = _installation(target)
+    return record.loader if record is not None else None
 
 
 def _default_sync(trainer, config: DPBalanceConfig) -> Optional[str]:
@@ -135,7 +166,11 @@ def install_balanced_loader(target, config: Optional[DPBalanceConfig] = None, *,
     dataloader exists and before the first step) or the prepared train
     dataloader (`DataLoaderShard`, dataloader mode; e.g. `train_dataloader`
     in `on_train_begin`). Must run on every rank (it creates the side gloo
-    group: a collective). Idempotent per target.
+    group: a collective). Idempotent: on a target that already balances its
+    current train dataloader it returns that loader. An installation left
+    over from an earlier `train()` (which built another dataloader and never
+    uninstalled, e.g. it raised) is uninstalled and replaced, so a second
+    `train()` is balanced too. Undo with `uninstall_balanced_loader(target)`.
 
     `config`: `DPBalanceConfig` (default: from `HF_DP_BALANCE_*`).
     `model_config`: the model's config, for `PackedCollator` / features (trainer
@@ -145,13 +180,17 @@ def install_balanced_loader(target, config: Optional[DPBalanceConfig] = None, *,
     `DPBalanceCallback` after warm-up). Further keywords go to `BalancedLoader`.
     """
     config = config if config is not None else DPBalanceConfig.from_env()
-    existing = getattr(target, _INSTALLED_ATTR, None)
-    if existing is not None:
-        return existing
     is_trainer = hasattr(target, "get_batch_samples") and hasattr(target, "callback_handler")
+    dataloader = target.callback_handler.train_dataloader if is_trainer else target
+    existing = _installation(target)
+    if existing is not None:
+        if existing.dataloader is dataloader:
+            return existing.loader  # still balancing the loader Trainer iterates: install is idempotent
+        # A stale installation: a new train() built a new train dataloader after a run that never
+        # uninstalled (it raised, or nobody called uninstall). Undo it, then balance the new loader.
+        uninstall_balanced_loader(target)
     if is_trainer:
         trainer = target
-        dataloader = trainer.callback_handler.train_dataloader
         if dataloader is None:
             raise ValueError("install_balanced_loader(trainer): the trainer has no train dataloader yet; call it "
                              "from on_train_begin or after get_train_dataloader()")
@@ -159,37 +198,39 @@ def install_balanced_loader(target, config: Optional[DPBalanceConfig] = None, *,
         model_config = model_config if model_config is not None else model.config
         ga = gradient_accumulation_steps or trainer.args.gradient_accumulation_steps
     else:
-        trainer, dataloader = None, target
+        trainer = None
         if gradient_accumulation_steps is None:
             raise ValueError("install_balanced_loader(dataloader): pass gradient_accumulation_steps (args.gradient_accumulation_steps)")
         ga = gradient_accumulation_steps
     _check_loader_type(dataloader)
-    inner = _defer_collate(dataloader)
+    inner = _inner_loader(dataloader)
+    if not is_trainer and inner is dataloader:
+        raise ValueError("install_balanced_loader(dataloader): expected accelerate's prepared DataLoaderShard "
+                         "(Trainer's train dataloader); wrap a plain DataLoader with BalancedLoader(...) instead")
     sync = loader_kwargs.pop("sync", None) or _default_sync(trainer, config)
-
+    # Built before anything is changed: a bad argument leaves the target untouched.
+    loader = BalancedLoader(dataloader if is_trainer else inner, config, gradient_accumulation_steps=ga,
+                            model_config=model_config, collator=collator, cost_model=cost_model, sync=sync,
+                            **loader_kwargs)
+    record = _Installation(loader=loader, dataloader=dataloader, inner=inner, collate_fn=inner.collate_fn)
+    inner.collate_fn = list_collate
     if is_trainer:
         if getattr(dataloader, "device", None) is not None:
+            record.device = dataloader.device
             dataloader.device = None  # raw samples stay on CPU for the exchange; Trainer moves packed rows
-        loader = BalancedLoader(dataloader, config, gradient_accumulation_steps=ga, model_config=model_config,
-                                collator=collator, cost_model=cost_model, sync=sync, **loader_kwargs)
-        trainer.get_batch_samples = types.MethodType(_balanced_get_batch_samples, trainer)
+        record.get_batch_samples = vars(trainer).get("get_batch_samples", _MISSING)
+        # Bound to this installation, not looked up on the trainer: a stale patch can never reach a newer loader.
+        trainer.get_batch_samples = types.MethodType(functools.partial(_balanced_get_batch_samples, loader=loader),
+                                                     trainer)
     else:
-        loader = BalancedLoader(inner, config, gradient_accumulation_steps=ga, model_config=model_config,
-                                collator=collator, cost_model=cost_model, sync=sync, **loader_kwargs)
-        if inner is dataloader:
-            raise ValueError("install_balanced_loader(dataloader): expected accelerate's prepared DataLoaderShard "
-                             "(Trainer's train dataloader); wrap a plain DataLoader with BalancedLoader(...) instead")
+        record.base_dataloader = inner
         dataloader.base_dataloader = _BalancedBase(inner, loader)
-    try:
-        setattr(target, _INSTALLED_ATTR, loader)
-    except AttributeError:
-        pass
+    setattr(target, _INSTALLED_ATTR, record)
     return loader
 
 
-def _balanced_get_batch_samples(self, epoch_iterator, num_batches: int, device):
+def _balanced_get_batch_samples(self, epoch_iterator, num_batches: int, device, *, loader: BalancedLoader):
     """Trainer.get_batch_samples over the balanced stream: packed micro-batches, then Trainer's own item count."""
-    loader: BalancedLoader = getattr(self, _INSTALLED_ATTR)
     state = getattr(self, "state", None)
     limit = None
     if state is not None and getattr(state, "max_steps", 0) and state.max_steps > 0:
@@ -203,21 +244,30 @@ def _balanced_get_batch_samples(self, epoch_iterator, num_batches: int, device):
 
 
 def uninstall_balanced_loader(target) -> None:
-    """Stop the exchange thread (end of training, on every rank); restore `get_batch_samples` (trainer mode)
-    or the shard's inner loader (dataloader mode). The collate stays `list_collate`."""
-    loader = getattr(target, _INSTALLED_ATTR, None)
-    if loader is None:
+    """Undo `install_balanced_loader(target)` (end of training, on every rank); a no-op when not installed.
+
+    Stops the exchange thread, then puts back exactly what install changed: the
+    inner loader's collate, the shard's device (trainer mode) or inner loader
+    (dataloader mode), the instance's `get_batch_samples`, and removes the
+    installation record, so the next `install_balanced_loader` builds a fresh
+    loader. The target is restored even when stopping the thread fails.
+    """
+    record = _installation(target)
+    if record is None:
         return
-    loader.close()
-    if "get_batch_samples" in getattr(target, "__dict__", {}):
-        del target.get_batch_samples
-    base = target.__dict__.get("base_dataloader") if hasattr(target, "__dict__") else None
-    if isinstance(base, _BalancedBase):
-        target.base_dataloader = base._raw
     try:
+        record.loader.close()
+    finally:
         delattr(target, _INSTALLED_ATTR)
-    except AttributeError:
-        pass
+        if record.base_dataloader is not _MISSING:
+            record.dataloader.base_dataloader = record.base_dataloader
+        record.inner.collate_fn = record.collate_fn
+        if record.device is not _MISSING:
+            record.dataloader.device = record.device
+        if record.get_batch_samples is not _MISSING:
+            target.get_batch_samples = record.get_batch_samples
+        elif "get_batch_samples" in vars(target):
+            del target.get_batch_samples
 
 
-__all__ = ["install_balanced_loader", "uninstall_balanced_loader"]
+__all__ = ["install_balanced_loader", "installed_loader", "uninstall_balanced_loader"]
