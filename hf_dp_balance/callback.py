@@ -23,8 +23,11 @@ What it does, by Trainer event:
   all-reduce), so the fit uses the step maximum (`step_max`).
 * After `warmup_steps` steps, and then every `refit_every` steps: every rank
   gathers the (features, time) records of all ranks over a side gloo group,
-  rank 0 fits `fit_cost_model` and broadcasts the coefficients, and every rank
-  hands the same model to its loader (planning switches on).
+  rank 0 fits `fit_cost_model` (decoder; and the vision tower when it was
+  timed) and broadcasts the coefficients, and every rank hands the same models
+  to its loader (planning switches on). Without vision-tower balancing the
+  loader plans each sample at decoder + vision-encoder cost (its images are
+  encoded where it goes); with it, at decoder cost only.
 * `on_log`: adds `dp_balance/*` metrics (imbalance before / after, applied /
   skipped steps, moved samples / bytes, measured compute imbalance, the cost
   coefficients) to Trainer's own log stream.
@@ -327,7 +330,10 @@ class DPBalanceCallback(TrainerCallback):
     def _publish_models(self) -> None:
         """Hand the current cost models to the loader and the vision wrapper (None: keep everything in place)."""
         if self.loader is not None and hasattr(self.loader, "set_cost_model"):
-            self.loader.set_cost_model(self.decoder_model)
+            # Without vision-tower balancing a sample's images are encoded where the sample goes, so
+            # the loader plans with decoder + vision cost; with it, the tower is balanced per image.
+            vision = None if self.config.vision else self.vision_model
+            self.loader.set_cost_model(self.decoder_model, vision=vision)
         if self._vision is not None and self.vision_model is not None:
             self._vision.cost_model = self.vision_model
 
@@ -421,7 +427,7 @@ class DPBalanceCallback(TrainerCallback):
         payload = {"decoder": result.model.to_dict(), "report": result.report.to_dict()}
         vfeats = np.stack([g[2][-steps:] for g in gathered], axis=1)
         vtimes = np.stack([g[3][-steps:] for g in gathered], axis=1)
-        if self.config.vision and (vtimes > 0).sum() >= 8:
+        if (vtimes > 0).sum() >= 8:  # the tower was timed: fit it (the loader or the vision wrapper uses it)
             try:
                 payload["vision"] = fit_cost_model(vfeats, vtimes, mode="per_rank").model.to_dict()
             except (ValueError, RuntimeError, FloatingPointError) as exc:

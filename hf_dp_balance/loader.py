@@ -3,8 +3,10 @@
 Per optimizer step the background thread
   1. pulls the step's gradient-accumulation micro-batches (lists of sample
      dicts: the wrapped dataloader's collate is deferred),
-  2. computes per-sample features (tokens, vision items) and costs (current
-     `CostModel`) and the exact encoded size of each sample,
+  2. computes per-sample features (tokens, patches of each image) and costs
+     (`planning_costs`: the current decoder `CostModel`, plus the vision
+     encoder's cost of the sample's images when the vision tower is not
+     balanced on its own) and the exact encoded size of each sample,
   3. gathers that metadata from every rank (side gloo group, one fixed-shape
      all_gather, with a failure flag),
   4. plans the whole step with `plan_step` -- pure numpy on identical gathered
@@ -84,6 +86,31 @@ class StepStats:
 def list_collate(samples: Sequence[Any]) -> list:
     """Collate that defers packing: a micro-batch stays a list of per-sample dicts."""
     return list(samples)
+
+
+def planning_costs(tokens: np.ndarray, vision_patches: Sequence[Sequence[int]], decoder: Any,
+                   vision: Any = None) -> np.ndarray:
+    """Each sample's cost on the rank that trains it: decoder cost of its tokens, plus (when `vision`
+    is given) the vision encoder's cost of its images, sum over items of vision.sample_costs(patches).
+
+    Pass `vision` when the vision tower is NOT balanced on its own: a sample's images are then encoded
+    on the rank the sample goes to, and in a small model they can be most of the sample's compute.
+    With vision-tower balancing on, pass None: the tower's load is spread per image separately.
+    `vision_patches[i]` lists the patch rows of sample i's images / videos (t*h*w each; InternVL: one
+    entry per tile), the same unit the callback fits the vision model on. Cost O(samples + items).
+    """
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    costs = np.asarray(decoder.sample_costs(tokens), dtype=np.float64).reshape(-1).copy()
+    if vision is not None:
+        if len(vision_patches) != tokens.size:
+            raise ValueError(f"planning_costs: {len(vision_patches)} vision patch lists for {tokens.size} samples")
+        counts = np.array([len(v) for v in vision_patches], dtype=np.int64)
+        if counts.sum():
+            flat = np.concatenate([np.asarray(v, dtype=np.int64).reshape(-1) for v in vision_patches if len(v)])
+            owner = np.repeat(np.arange(tokens.size), counts)
+            costs += np.bincount(owner, weights=np.asarray(vision.sample_costs(flat), dtype=np.float64),
+                                 minlength=tokens.size)
+    return costs
 
 
 def plan_hash(dest_rank: np.ndarray, dest_micro: np.ndarray) -> str:
@@ -168,8 +195,10 @@ class BalancedLoader:
 
     Collaborators are injectable (tests use plain text samples): `collator`
     (list of sample dicts -> packed batch; default `PackedCollator(model_config,
-    config.max_tokens)`), `features_fn` (sample -> (tokens, vision_items);
-    default `sample_features`), `plan_fn` (default `planner.plan_step`).
+    config.max_tokens)`), `features_fn` (sample -> (tokens, vision) where vision is
+    the patch rows of each image / video (a sequence) or just their count (an int:
+    then no vision cost can be planned); default `sample_features`), `plan_fn`
+    (default `planner.plan_step`).
     """
 
     def __init__(self, dataloader: Iterable, config: Optional[DPBalanceConfig] = None, *,
@@ -194,14 +223,14 @@ class BalancedLoader:
             if features_fn is None:
                 def features_fn(sample, _cfg=model_config):
                     f = sample_features(sample, _cfg)
-                    return int(f.tokens), len(f.vision_items)
+                    return int(f.tokens), tuple(f.vision_items)
         self.collator = collator
         self.features_fn = features_fn
         self.plan_fn = plan_fn
         sync = sync or self.config.sync
         self.sync = "step" if sync == "auto" else sync  # `auto` without a framework to ask: DDP semantics
         self.id_key = id_key
-        self._cost_model = cost_model
+        self._models = (cost_model, None)  # (decoder, vision): one tuple, swapped atomically for the thread
         self._balancing = bool(balancing)
         self._speed = float(speed)
         self._exchange = exchange if exchange is not None else SampleExchange(self.config.timeout_s)
@@ -210,9 +239,11 @@ class BalancedLoader:
         self._active: Optional[_StepStream] = None
 
     # -- settings from the main thread (read by the thread at the start of each step) ----------
-    def set_cost_model(self, cost_model: Any) -> None:
-        """Use this model's `sample_costs(tokens)` for the steps prepared from now on."""
-        self._cost_model = cost_model
+    def set_cost_model(self, cost_model: Any, vision: Any = None) -> None:
+        """Plan the steps prepared from now on with `cost_model.sample_costs(tokens)` per sample, plus
+        `vision`'s cost of the sample's images when given (see `planning_costs`: give it when the vision
+        tower is not balanced on its own). None as `cost_model` switches planning off."""
+        self._models = (cost_model, vision)
 
     def set_balancing(self, enabled: bool) -> None:
         self._balancing = bool(enabled)
@@ -225,7 +256,11 @@ class BalancedLoader:
 
     @property
     def cost_model(self):
-        return self._cost_model
+        return self._models[0]
+
+    @property
+    def vision_cost_model(self):
+        return self._models[1]
 
     @property
     def exchange(self) -> SampleExchange:
@@ -316,7 +351,7 @@ class BalancedLoader:
                                  f"{type(mb).__name__}, not a list of sample dicts; its collate_fn must defer "
                                  f"packing (hf_dp_balance.loader.list_collate)")
             micro_batches.append(list(mb))
-        samples, entries, rows = [], [], []
+        samples, entries, rows, patches = [], [], [], []
         for m, mb in enumerate(micro_batches):
             for p, sample in enumerate(mb):
                 where = f"step {step}, rank {rank}, micro-batch {m}, sample {p}"
@@ -327,15 +362,18 @@ class BalancedLoader:
                     tokens, vision = self.features_fn(sample)
                 except Exception as exc:  # name the sample, keep the cause
                     raise ValueError(f"{where}: cannot compute its features: {exc}") from exc
-                if not (tokens >= 0 and vision >= 0):
-                    raise ValueError(f"{where}: negative features tokens={tokens}, vision_items={vision}")
+                items = () if isinstance(vision, (int, np.integer)) else tuple(int(v) for v in vision)
+                count = int(vision) if isinstance(vision, (int, np.integer)) else len(items)
+                if not (tokens >= 0 and count >= 0 and all(v >= 0 for v in items)):
+                    raise ValueError(f"{where}: negative features tokens={tokens}, vision={vision}")
                 samples.append(sample)
                 entries.append(ent)
-                rows.append((m, tokens, vision, 0.0, encoded_nbytes(ent), 0))
+                patches.append(items)
+                rows.append((m, tokens, count, 0.0, encoded_nbytes(ent), 0))
         arr = np.array(rows, dtype=np.float64).reshape(-1, F_WIDTH)
-        model = self._cost_model
-        if model is not None and arr.shape[0]:
-            arr[:, F_COST] = np.asarray(model.sample_costs(arr[:, F_TOKENS].astype(np.int64)), dtype=np.float64)
+        decoder, vision_model = self._models
+        if decoder is not None and arr.shape[0]:
+            arr[:, F_COST] = planning_costs(arr[:, F_TOKENS].astype(np.int64), patches, decoder, vision_model)
         else:
             arr[:, F_COST] = arr[:, F_TOKENS]  # for statistics only: no model, no planning
         return _Prepared(micro_batches, samples, entries, arr)
@@ -368,7 +406,7 @@ class BalancedLoader:
             return owners, micro, False, f"planner failed: {exc!r}"
 
     def _gather(self, step: int, prep: Optional[_Prepared], error: Optional[str]):
-        wants = prep is not None and self._balancing and self._cost_model is not None and self.config.enabled
+        wants = prep is not None and self._balancing and self._models[0] is not None and self.config.enabled
         meta = self._exchange.gather_metadata(
             step, prep.rows if prep is not None else None,
             num_micro_batches=len(prep.micro_batches) if prep is not None else 0,
@@ -634,5 +672,5 @@ class _StepStream:
             self._thread.join(timeout=self.loader.config.timeout_s + 5.0)
 
 
-__all__ = ["BalancedLoader", "StepStats", "list_collate", "plan_hash", "slot_loads", "step_imbalance", "token_cap",
+__all__ = ["BalancedLoader", "StepStats", "list_collate", "planning_costs", "plan_hash", "slot_loads", "step_imbalance", "token_cap",
            "validate_plan"]
