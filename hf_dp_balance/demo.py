@@ -49,6 +49,15 @@ WAYS = ("none", "batch_rebalance", "hf_dp_balance")
 LOSS_RTOL = 1e-4  # per-step loss agreement across ways (float32 summation order differs)
 _PREFETCH_STEPS = 1  # hf_dp_balance's steps prepared ahead in the demo
 _BATCH_REBALANCE_SEED = 42  # transformers' BatchRebalanceSampler default (Trainer does not pass one)
+# The demo's decoder: bigger than `data.tiny_config`'s (hidden 64, 2 layers), so that a step's compute is
+# dominated by the model (dense layers ~ L, attention ~ sum(L^2), ViT ~ patches) rather than by fixed
+# per-step Python work (Trainer, hooks, gloo calls), as on a real cluster where a step takes seconds.
+# head_dim 32: the 16 rotary frequencies split t/h/w as 4/6/6. The vision merger outputs the decoder width.
+DEMO_HIDDEN = 256
+DEMO_TEXT_CONFIG = dict(hidden_size=DEMO_HIDDEN, intermediate_size=2 * DEMO_HIDDEN, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=4,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
+DEMO_VISION_CONFIG = dict(hidden_size=DEMO_HIDDEN)
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -254,7 +263,8 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
 
     steps, warmup, per_rank = opts["steps"] + opts["warmup"], opts["warmup"], opts["samples_per_rank"]
     B = world * per_rank
-    model = make_model("qwen2_vl", seed=opts["seed"], attn_implementation=register_varlen_attention())
+    model = make_model("qwen2_vl", seed=opts["seed"], attn_implementation=register_varlen_attention(),
+                       text_config=DEMO_TEXT_CONFIG, vision_config=DEMO_VISION_CONFIG)
     collator = PackedCollator(model.config)
     probe = _make_probe(model, key_to_id, progress)
     common = dict(output_dir=opts["workdir"], use_cpu=True, max_steps=steps, logging_steps=1, save_strategy="no",
@@ -280,8 +290,9 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
         args = TrainingArguments(per_device_train_batch_size=per_rank, train_sampling_strategy="sequential", **common)
         collate = collator
         # The loader prepares `prefetch_steps` (+1 in hand) ahead: fit early enough that the first compared
-        # step is planned with the fitted model. The vision tower is balanced on its own from step 1: in this
-        # tiny model the ViT (4 patch rows per image token) is most of an image sample's compute.
+        # step is planned with the fitted model. Without vision-tower balancing (the default here) the loader
+        # plans each sample at decoder + ViT cost (its images are encoded where it goes); with it
+        # (`vision_tower`), the tower is balanced per image from step 1 and the loader plans decoder cost.
         config = DPBalanceConfig(warmup_steps=fit_step(warmup, _PREFETCH_STEPS), prefetch_steps=_PREFETCH_STEPS,
                                  vision=opts["vision"], max_token_ratio=opts["max_token_ratio"])
         callbacks = [DPBalanceCallback(config), probe]
@@ -295,6 +306,8 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
     if way == "hf_dp_balance":
         cb = callbacks[0]
         extra = {"cost_model": cb.decoder_model.to_dict() if cb.decoder_model else None,
+                 "vision_cost_model": cb.vision_model.to_dict() if cb.vision_model else None,
+                 "vision_tower_balanced": bool(opts["vision"]),
                  "fit_reports": cb.fit_reports, "applied_steps": applied,
                  "balanced_loader": cb.loader is not None}
     torch.distributed.barrier()
@@ -356,7 +369,7 @@ def _free_port() -> int:
 
 
 def run_demo(steps: int = 20, ranks: int = 4, *, warmup: int = 6, samples_per_rank: int = 12, seed: int = 0,
-             mix: str = "long_tail", max_token_ratio: float = 1.5, vision: bool = True, progress: bool = True,
+             mix: str = "long_tail", max_token_ratio: float = 1.5, vision: bool = False, progress: bool = True,
              timeout_s: float = 900.0) -> dict:
     """Run the three ways on `ranks` spawned gloo processes; returns the demo.json content."""
     import datasets
@@ -421,13 +434,15 @@ def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samp
         runs[way] = summarize_way(compute, step_tokens, by_rank[0][way]["losses"], samples,
                                   by_rank[0][way]["moved"], warmup)
     hf = by_rank[0]["hf_dp_balance"]
-    runs["hf_dp_balance"].update({k: hf[k] for k in ("cost_model", "fit_reports", "applied_steps",
-                                                      "balanced_loader") if k in hf})
+    runs["hf_dp_balance"].update({k: hf[k] for k in ("cost_model", "vision_cost_model", "vision_tower_balanced",
+                                                      "fit_reports", "applied_steps", "balanced_loader") if k in hf})
     none, br, ours = (runs[w]["slowest_rank_compute_s"] for w in WAYS)
     return {
         "settings": {"ranks": ranks, "steps": steps, "warmup_steps": warmup, "samples_per_rank": samples_per_rank,
                      "samples_per_step": ranks * samples_per_rank, "seed": seed, "mix": mix,
-                     "model": "tiny Qwen2-VL (random weights), varlen attention, gloo, 1 thread per rank",
+                     "model": f"tiny Qwen2-VL (random weights; decoder hidden {DEMO_HIDDEN}, "
+                              f"{DEMO_TEXT_CONFIG['num_hidden_layers']} layers), varlen attention, gloo, "
+                              "1 thread per rank",
                      "compute": "thread CPU time of forward+backward+optimizer per rank per step"},
         "runs": runs,
         "gain": {"vs_none": 1.0 - ours / none, "vs_batch_rebalance": 1.0 - ours / br,
@@ -466,7 +481,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="compared optimizer steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=6,
                         help="steps trained by every way but not compared (hf_dp_balance times, fits, prefetches)")
-    parser.add_argument("--no-vision", action="store_true", help="hf_dp_balance without vision-tower balancing")
+    parser.add_argument("--vision-tower", action="store_true",
+                        help="hf_dp_balance also balances the vision tower per image (default: the loader plans "
+                             "each sample at decoder + vision cost, its images encoded where it goes)")
     parser.add_argument("--ranks", type=int, default=4, help="gloo ranks (processes, one thread each)")
     parser.add_argument("--samples-per-rank", type=int, default=12, help="samples per rank per step before balancing")
     parser.add_argument("--mix", choices=("long_tail", "bounded"), default="long_tail")
@@ -481,7 +498,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     result = run_demo(args.steps, args.ranks, warmup=args.warmup, samples_per_rank=args.samples_per_rank,
                       seed=args.seed, mix=args.mix, max_token_ratio=args.max_token_ratio,
-                      vision=not args.no_vision, progress=not args.no_progress)
+                      vision=args.vision_tower, progress=not args.no_progress)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     if args.plot:
