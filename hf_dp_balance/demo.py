@@ -138,6 +138,22 @@ def summarize_way(compute: np.ndarray, tokens_per_step: np.ndarray, losses: Sequ
     }
 
 
+def placement_bound(costs: np.ndarray, samples_per_step: Sequence[Sequence[int]], ranks: int) -> List[float]:
+    """Per step: the least slowest-rank excess over the mean any placement of its samples can reach.
+
+    max(heaviest sample, total / ranks) / (total / ranks) - 1, with `costs` per sample id (the fitted
+    models' prediction). Above 0 only where one sample outweighs a rank's whole share: then no per-step
+    balancing can go lower (only moving samples to other steps could). O(samples).
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    out = []
+    for ids in samples_per_step:
+        c = costs[np.asarray(ids, dtype=np.int64)] if len(ids) else np.zeros(1)
+        share = c.sum() / ranks
+        out.append(float(max(c.max(), share) / share - 1.0) if share > 0 else 0.0)
+    return out
+
+
 def check_invariants(runs: Dict[str, dict], reference: str = "none", rtol: float = LOSS_RTOL) -> dict:
     """Same sample ids in every step of every way; per-step losses equal to the reference's within `rtol`."""
     ref = runs[reference]
@@ -347,6 +363,9 @@ def _rank_main(rank: int, world: int, port: int, ds_path: str, opts: dict, resul
                 progress.set_description(f"demo: {way}")
             out[way] = _train_way(way, rank, world, samples, key_to_id, tokens, opts, progress)
         out["tokens"] = tokens.tolist()
+        if rank == 0:  # patch rows of each sample's images / videos: the fitted vision model's unit
+            out["patches"] = [[int(np.prod(g)) for g in (img or [])] + [int(np.prod(g)) for g in (vid or [])]
+                              for img, vid in zip(ds["image_grid_thw"], ds["video_grid_thw"])]
         results.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
         import traceback
@@ -368,7 +387,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_demo(steps: int = 20, ranks: int = 4, *, warmup: int = 6, samples_per_rank: int = 12, seed: int = 0,
+def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_rank: int = 16, seed: int = 0,
              mix: str = "long_tail", max_token_ratio: float = 1.5, vision: bool = False, progress: bool = True,
              timeout_s: float = 900.0) -> dict:
     """Run the three ways on `ranks` spawned gloo processes; returns the demo.json content."""
@@ -437,6 +456,17 @@ def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samp
     runs["hf_dp_balance"].update({k: hf[k] for k in ("cost_model", "vision_cost_model", "vision_tower_balanced",
                                                       "fit_reports", "applied_steps", "balanced_loader") if k in hf})
     none, br, ours = (runs[w]["slowest_rank_compute_s"] for w in WAYS)
+    bound = None
+    if hf.get("cost_model") and hf.get("vision_cost_model") and "patches" in by_rank[0]:
+        from .cost import CostModel
+        from .loader import planning_costs
+
+        costs = planning_costs(tokens, by_rank[0]["patches"], CostModel.from_dict(hf["cost_model"]),
+                               CostModel.from_dict(hf["vision_cost_model"]))
+        per_step = placement_bound(costs, runs["none"]["samples_per_step"], ranks)
+        compared = np.asarray(per_step[warmup:])
+        bound = {"per_step_excess": per_step, "compared_steps_bound_by_one_sample": int((compared > 0.02).sum()),
+                 "compared_steps": int(compared.size)}
     return {
         "settings": {"ranks": ranks, "steps": steps, "warmup_steps": warmup, "samples_per_rank": samples_per_rank,
                      "samples_per_step": ranks * samples_per_rank, "seed": seed, "mix": mix,
@@ -448,6 +478,7 @@ def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samp
         "gain": {"vs_none": 1.0 - ours / none, "vs_batch_rebalance": 1.0 - ours / br,
                  "batch_rebalance_vs_none": 1.0 - br / none},
         "invariants": check_invariants(runs),
+        "placement_bound": bound,
         "wall_s": wall_s,
     }
 
@@ -478,14 +509,14 @@ def plot(result: dict, path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=20, help="compared optimizer steps (after the warm-up)")
+    parser.add_argument("--steps", type=int, default=15, help="compared optimizer steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=6,
                         help="steps trained by every way but not compared (hf_dp_balance times, fits, prefetches)")
     parser.add_argument("--vision-tower", action="store_true",
                         help="hf_dp_balance also balances the vision tower per image (default: the loader plans "
                              "each sample at decoder + vision cost, its images encoded where it goes)")
     parser.add_argument("--ranks", type=int, default=4, help="gloo ranks (processes, one thread each)")
-    parser.add_argument("--samples-per-rank", type=int, default=12, help="samples per rank per step before balancing")
+    parser.add_argument("--samples-per-rank", type=int, default=16, help="samples per rank per step before balancing")
     parser.add_argument("--mix", choices=("long_tail", "bounded"), default="long_tail")
     parser.add_argument("--max-token-ratio", type=float, default=1.5,
                         help="hf_dp_balance's hard per-rank token cap, as a multiple of the mean")
@@ -508,11 +539,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nslowest-rank compute: {100 * g['vs_none']:.1f}% lower than none, "
           f"{100 * g['vs_batch_rebalance']:.1f}% lower than batch_rebalance "
           f"(steps {args.warmup + 1}..{args.warmup + args.steps}; {args.warmup} warm-up steps not compared)")
+    bound = result.get("placement_bound")
+    if bound:
+        print(f"{bound['compared_steps_bound_by_one_sample']} of {bound['compared_steps']} compared steps hold a "
+              f"sample heavier than a rank's share (fitted costs): no placement within the step gets their "
+              f"slowest rank down to the mean (placement_bound in the JSON)")
     print(f"same samples in every step: {inv['same_samples']}; per-step losses equal (rtol {inv['loss_rtol']:g}): "
           f"{inv['losses_equal']} (max rel. diff {inv['max_loss_rel_diff']:.2e})")
     print(f"wrote {args.json}" + (f" and {args.plot}" if args.plot else "") + f" in {result['wall_s']:.0f}s")
     return 0 if inv["same_samples"] and inv["losses_equal"] else 1
 
 
-__all__ = ["add_arguments", "run", "run_demo", "token_balanced_packs", "batch_rebalance_layout", "summarize_way",
+__all__ = ["add_arguments", "run", "run_demo", "token_balanced_packs", "placement_bound", "batch_rebalance_layout", "summarize_way",
            "check_invariants", "assemble", "plot", "format_table"]

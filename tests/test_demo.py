@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hf_dp_balance.demo import (WAYS, batch_rebalance_layout, check_invariants, fit_step, format_table,
-                                summarize_way, token_balanced_packs)
+                                placement_bound, summarize_way, token_balanced_packs)
 
 
 def test_token_balanced_packs_cut_contiguously_into_equal_tokens():
@@ -40,6 +40,13 @@ def test_batch_rebalance_layout_makes_transformers_sampler_yield_the_schedule():
 def test_fit_step_leaves_room_for_the_prefetched_steps():
     assert fit_step(6, 1) == 4  # fit after step 4; steps 5, 6 already prepared; step 7 planned with the model
     assert fit_step(3, 2) == 2  # never fewer than 2 timed steps
+
+
+def test_placement_bound_is_set_by_a_sample_heavier_than_a_ranks_share():
+    costs = np.array([1.0, 1.0, 1.0, 1.0, 6.0, 1.0, 1.0])
+    bound = placement_bound(costs, [[0, 1, 2, 3], [4, 5, 6]], ranks=2)
+    assert bound[0] == pytest.approx(0.0)  # 4 equal samples on 2 ranks: perfect balance possible
+    assert bound[1] == pytest.approx(6.0 / 4.0 - 1.0)  # the 6.0 sample alone exceeds the share of 4.0
 
 
 def test_summary_and_invariants():
