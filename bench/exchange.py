@@ -22,7 +22,7 @@ Reported, all measured in the same run:
   same deterministic data; target: at most a quarter;
 * per-step thread times: gather, plan, payload exchange, packing.
 
-Run:  /work/venv/bin/python bench/exchange.py [--ranks 4] [--steps 40] [--compute sleep,busy] [--write docs/bench_parts/exchange.md]
+Run:  python bench/exchange.py [--ranks 4] [--steps 40] [--compute sleep,busy] [--write docs/benchmarks/exchange.md]
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     lines = [
         "# Exchange benchmark (bench/exchange.py)",
         "",
-        f"Command: `/work/venv/bin/python bench/exchange.py --ranks {args.ranks} --steps {args.steps} "
+        f"Command: `python bench/exchange.py --ranks {args.ranks} --steps {args.steps} "
         f"--seed {args.seed} --prefetch {args.prefetch} --compute {args.compute}`",
         "",
         f"{args.ranks} gloo ranks on a shared 2-core CPU, GA={GA}, packs of {PACK} tokens (32K at scale 1/16, long-tail "

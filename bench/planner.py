@@ -11,7 +11,7 @@ Cost per sample: a*L^2 + b*L + c for a 7B decoder, in token-equivalents
 For every method: slowest rank / lower bound, items moved, planning time
 (median of repeats of this thread's CPU time, same process, same instances). Run:
 
-    /work/venv/bin/python bench/planner.py [--quick] [--write docs/bench_parts/planner.md]
+    python bench/planner.py [--quick] [--write docs/benchmarks/planner.md]
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     table = header + "\n" + "\n".join(rows)
     print(table)
     if args.write:
-        cmd = "/work/venv/bin/python bench/planner.py" + (" --quick" if args.quick else "") + f" --write {args.write}"
+        cmd = "python bench/planner.py" + (" --quick" if args.quick else "") + f" --write {args.write}"
         with open(args.write, "w") as f:
             f.write("# Planner benchmark\n\n")
             f.write(f"Command: `{cmd}` (seed {args.seed}; plan time = median thread CPU time of {repeats} repeats "

@@ -2,7 +2,7 @@
 
 Per step, side by side in one process: plan_balance and the reference greedy held to the same cap
 (skip rules off); counts the exchange tries and repacks by wrapping the private helpers, and prints
-the markdown table of docs/bench_parts/planner.md. Run: python bench/planner_fallback.py
+the markdown table of docs/benchmarks/planner.md. Run: python bench/planner_fallback.py
 """
 import time
 import numpy as np

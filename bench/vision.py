@@ -17,7 +17,7 @@ for other ranks costs no CPU. A step's time is its slowest rank. Embeddings of
 both runs are checked equal. The planner uses the tower's FLOP-shaped prior
 (`CostModel.from_flops` with the tower's parameters, width and depth).
 
-    /work/venv/bin/python bench/vision.py [--family qwen2_vl] [--steps 4] [--write docs/bench_parts/vision.md]
+    python bench/vision.py [--family qwen2_vl] [--steps 4] [--write docs/benchmarks/vision.md]
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        command = "/work/venv/bin/python bench/vision.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        command = "python bench/vision.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
         with open(args.write, "w") as f:
             f.write("## Vision encoder balancing\n\n")
             f.write(f"Command (from the repository root):\n\n    {command}\n\n")

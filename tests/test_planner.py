@@ -347,7 +347,7 @@ def test_micro_batch_reordering_within_a_rank_is_free():
 
 
 def test_long_tail_simulator_step_reaches_the_bound():
-    # the reproducer of docs/bench_parts/simulate.md: DP64, step 7 (was 1.377 x the bound)
+    # the reproducer of docs/benchmarks/simulate.md: DP64, step 7 (was 1.377 x the bound)
     from hf_dp_balance import simulate as S
 
     dp = 64
