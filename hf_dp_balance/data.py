@@ -104,15 +104,6 @@ def tiny_config(family: str, **overrides: Any):
                 depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64,
                 window_size=56, fullatt_block_indexes=[1], tokens_per_second=2,
             )
-        cfg = AutoConfig.for_model(
-            family,
-            text_config={**text, **text_over},
-            vision_config={**vision, **vision_over},
-            image_token_id=IMAGE_PAD_ID,
-            video_token_id=VIDEO_PAD_ID,
-            vision_start_token_id=VISION_START_ID,
-            vision_end_token_id=VISION_END_ID,
-        )
     elif family == "qwen3_vl":
         text.update(head_dim=16)
         text["rope_parameters"] = {
@@ -122,6 +113,7 @@ def tiny_config(family: str, **overrides: Any):
             depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, temporal_patch_size=2,
             spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=256, deepstack_visual_indexes=[0],
         )
+    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         cfg = AutoConfig.for_model(
             family,
             text_config={**text, **text_over},
@@ -131,7 +123,7 @@ def tiny_config(family: str, **overrides: Any):
             vision_start_token_id=VISION_START_ID,
             vision_end_token_id=VISION_END_ID,
         )
-    else:  # internvl
+    elif family == "internvl":
         text.update(model_type="qwen2")
         vision = dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

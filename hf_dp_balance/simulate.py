@@ -647,34 +647,24 @@ def _dp_list(text: str) -> List[int]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+def _checked_number(cast, kind: str, ok, requirement: str):
+    """An argparse `type` that parses with `cast` and accepts only values with `ok(value)`."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{value} must be {requirement}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{value} must be a positive number")
-    return value
+_positive_int = _checked_number(int, "an integer", lambda v: v >= 1, ">= 1")
+_non_negative_int = _checked_number(int, "an integer", lambda v: v >= 0, ">= 0")
+_positive_float = _checked_number(float, "a number", lambda v: v > 0 and math.isfinite(v), "a positive number")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
