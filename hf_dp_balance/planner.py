@@ -66,8 +66,18 @@ _EXTRA_PASSES = 2  # shed / place passes after the first, before the (slower) pa
 # ----------------------------------------------------------------------------- results
 
 
+class _GainMixin:
+    """`gain` of a plan result: the relative cut of the slowest rank, 1 - after / before (0 when skipped)."""
+
+    @property
+    def gain(self) -> float:
+        if not self.applied or self.makespan_before <= 0:
+            return 0.0
+        return 1.0 - self.makespan_after / self.makespan_before
+
+
 @dataclass(frozen=True)
-class Plan:
+class Plan(_GainMixin):
     """Destination rank of every item, with the loads that justify it.
 
     Loads are in cost units (not divided by speed); makespans and the lower
@@ -84,16 +94,9 @@ class Plan:
     makespan_after: float
     moved: int
 
-    @property
-    def gain(self) -> float:
-        """Relative cut of the slowest rank: 1 - after / before (0 when skipped)."""
-        if not self.applied or self.makespan_before <= 0:
-            return 0.0
-        return 1.0 - self.makespan_after / self.makespan_before
-
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepPlan(_GainMixin):
     """Destination (rank, micro-batch) slot of every item of one optimizer step.
 
     `moved` counts items whose rank changes: moving between micro-batches of one
@@ -110,12 +113,6 @@ class StepPlan:
     makespan_before: float
     makespan_after: float
     moved: int
-
-    @property
-    def gain(self) -> float:
-        if not self.applied or self.makespan_before <= 0:
-            return 0.0
-        return 1.0 - self.makespan_after / self.makespan_before
 
 
 # ----------------------------------------------------------------------------- validation
