@@ -295,6 +295,9 @@ class DPBalanceCallback(TrainerCallback):
         self._vision = getattr(model, "_dp_balance_vision", None)
 
     def _install_hooks(self, model) -> None:
+        # A previous train() that raised never reached on_train_end: drop its hooks, or every
+        # forward would be recorded twice.
+        self._remove_hooks()
         rec = self._rec
 
         tower = _vision_tower(model)
@@ -507,10 +510,13 @@ class DPBalanceCallback(TrainerCallback):
 
             uninstall_balanced_loader(self._installed_on)  # stops the exchange thread
             self.loader, self._installed_on = None, None
+        self._remove_hooks()
+        self._active = False
+
+    def _remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self._active = False
 
 
 # --------------------------------------------------------------------------- small shell helpers

@@ -202,3 +202,18 @@ def test_trainer_with_callback_fits_logs_checkpoints_and_resumes(tmp_path):
     assert resumed == second_part_original
     assert not set(resumed) & set(first_part)
     assert len(set(first_part)) == len(first_part)
+
+
+def test_hooks_are_not_doubled_when_a_run_raised_before_train_end():
+    # A train() that raises never reaches on_train_end; the next on_train_begin installs the hooks again.
+    from hf_dp_balance.callback import DPBalanceCallback
+    from hf_dp_balance.data import make_model
+
+    model = make_model("qwen2_vl")
+    cb = DPBalanceCallback()
+    cb._install_hooks(model)
+    counts = (len(model._forward_pre_hooks), len(model.model.visual._forward_pre_hooks), len(model.model.visual._forward_hooks))
+    assert counts[0] >= 1 and counts[1] >= 1
+    cb._install_hooks(model)
+    assert (len(model._forward_pre_hooks), len(model.model.visual._forward_pre_hooks),
+            len(model.model.visual._forward_hooks)) == counts
