@@ -82,18 +82,25 @@ class VisionRoute:
     """Where one rank's rows go and come from, for one balanced forward.
 
     Items are numbered globally rank-major (all items of rank 0, then rank 1...).
-    A rank computes the items planned to it in global order, which is also the
-    order they arrive in (by source rank, then the source's local order).
+    Items planned to stay on their owner (kept) take no part in either
+    all_to_all: their pixel rows are used in place and their embeddings never
+    leave the rank. Only moved items are exchanged. A rank computes its kept
+    items first (local order), then the received ones in arrival order (by
+    source rank, then the source's local order); the tower's result per item
+    does not depend on which other items share the call.
 
-    send_order:      local item indices in the order they are sent (stable by destination)
-    send_in_rows:    pixel rows sent to each rank            (forward, pixels)
+    kept_items:      local indices of the items computed where they are, in local order
+    send_order:      local indices of the moved items in the order they are sent (stable by destination)
+    send_in_rows:    pixel rows sent to each rank            (forward, pixels; moved items only)
     recv_in_rows:    pixel rows received from each rank      (forward, pixels)
-    computed_items:  global indices of the items this rank computes, in compute order
-    send_out_rows:   embedding rows sent back to each rank   (= rows of computed items per owner)
-    recv_out_rows:   embedding rows received from each rank  (= rows of own items per computing rank)
-    restore_rows:    row index that puts the received embedding rows back in local item order
+    computed_items:  global indices of the items this rank computes, in compute order (kept, then received)
+    send_out_rows:   embedding rows sent back to each rank   (= rows of received items per owner)
+    recv_out_rows:   embedding rows received from each rank  (= rows of own moved items per computing rank)
+    restore_rows:    row index into [kept items' embedding rows; received embedding rows] that
+                     gives this rank's embedding rows in local item order
     """
 
+    kept_items: np.ndarray
     send_order: np.ndarray
     send_in_rows: List[int]
     recv_in_rows: List[int]
@@ -102,6 +109,11 @@ class VisionRoute:
     recv_out_rows: List[int]
     restore_rows: np.ndarray
 
+    @property
+    def exchanges(self) -> bool:
+        """Whether this rank sends or receives any row (it still joins every collective)."""
+        return bool(sum(self.send_in_rows) or sum(self.recv_in_rows))
+
 
 def route_items(item_rank: np.ndarray, item_dest: np.ndarray, in_rows: np.ndarray, out_rows: np.ndarray,
                 rank: int, num_ranks: int) -> VisionRoute:
@@ -109,7 +121,8 @@ def route_items(item_rank: np.ndarray, item_dest: np.ndarray, in_rows: np.ndarra
 
     `item_rank` (owner of each global item) must be non-decreasing (rank-major
     numbering); `item_dest` the planned rank; `in_rows` / `out_rows` the pixel
-    rows and embedding rows of each item.
+    rows and embedding rows of each item. Kept items (dest == owner) are
+    left out of the exchanges, so the bytes sent are those of moved items only.
     """
     item_rank = np.asarray(item_rank, dtype=np.int64)
     item_dest = np.asarray(item_dest, dtype=np.int64)
@@ -128,35 +141,75 @@ def route_items(item_rank: np.ndarray, item_dest: np.ndarray, in_rows: np.ndarra
 
     mine = np.nonzero(item_rank == rank)[0]
     my_dest = item_dest[mine]
-    send_order = np.argsort(my_dest, kind="stable")
-    send_in_rows = np.bincount(my_dest, weights=in_rows[mine], minlength=num_ranks).astype(np.int64)
-    recv_out_rows = np.bincount(my_dest, weights=out_rows[mine], minlength=num_ranks).astype(np.int64)
+    kept = np.nonzero(my_dest == rank)[0]
+    moved = np.nonzero(my_dest != rank)[0]
+    send_order = moved[np.argsort(my_dest[moved], kind="stable")]
+    send_in_rows = np.bincount(my_dest[moved], weights=in_rows[mine[moved]], minlength=num_ranks).astype(np.int64)
+    recv_out_rows = np.bincount(my_dest[moved], weights=out_rows[mine[moved]], minlength=num_ranks).astype(np.int64)
 
-    computed = np.nonzero(item_dest == rank)[0]
-    src = item_rank[computed]
-    recv_in_rows = np.bincount(src, weights=in_rows[computed], minlength=num_ranks).astype(np.int64)
-    send_out_rows = np.bincount(src, weights=out_rows[computed], minlength=num_ranks).astype(np.int64)
+    received = np.nonzero((item_dest == rank) & (item_rank != rank))[0]
+    src = item_rank[received]
+    recv_in_rows = np.bincount(src, weights=in_rows[received], minlength=num_ranks).astype(np.int64)
+    send_out_rows = np.bincount(src, weights=out_rows[received], minlength=num_ranks).astype(np.int64)
 
-    # Rows come back grouped by computing rank, each group in send order; map
-    # each local item (original order) to its row range in that buffer.
+    # Embedding rows of this rank's items sit in [kept rows (local order); rows
+    # back from the computing ranks (grouped by rank, each group in send order)].
     my_out = out_rows[mine]
-    arrival_start = np.zeros(mine.shape[0], dtype=np.int64)
-    arrival_start[send_order] = np.concatenate([[0], np.cumsum(my_out[send_order])[:-1]]) if mine.size else []
-    restore_rows = (np.concatenate([np.arange(s, s + k) for s, k in zip(arrival_start, my_out)])
-                    if mine.size else np.zeros(0, dtype=np.int64)).astype(np.int64)
-    return VisionRoute(send_order=send_order.astype(np.int64), send_in_rows=send_in_rows.tolist(),
-                       recv_in_rows=recv_in_rows.tolist(), computed_items=computed.astype(np.int64),
+    start = np.zeros(mine.shape[0], dtype=np.int64)
+    kept_total = int(my_out[kept].sum())
+    start[kept] = np.cumsum(my_out[kept]) - my_out[kept]
+    start[send_order] = kept_total + np.cumsum(my_out[send_order]) - my_out[send_order]
+    restore_rows = _ranges(start, my_out)
+    return VisionRoute(kept_items=kept.astype(np.int64), send_order=send_order.astype(np.int64),
+                       send_in_rows=send_in_rows.tolist(), recv_in_rows=recv_in_rows.tolist(),
+                       computed_items=np.concatenate([mine[kept], received]).astype(np.int64),
                        send_out_rows=send_out_rows.tolist(), recv_out_rows=recv_out_rows.tolist(),
                        restore_rows=restore_rows)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated aranges [starts[i], starts[i] + counts[i]) (vectorised)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    # position within the output minus the offset of its range, plus the range's start
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(starts - offsets, counts) + np.arange(total, dtype=np.int64)
 
 
 def rows_in_order(row_counts: Sequence[int], order: np.ndarray) -> np.ndarray:
     """Row index gathering whole items (each `row_counts[i]` consecutive rows) in `order`."""
     counts = np.asarray(row_counts, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    if len(order) == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in order]).astype(np.int64)
+    starts = np.cumsum(counts) - counts
+    order = np.asarray(order, dtype=np.int64)
+    return _ranges(starts[order], counts[order])
+
+
+def _take_rows(parts: Sequence[torch.Tensor], rows: np.ndarray, empty: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of the row-wise concatenation of `parts`, without building that concatenation.
+
+    A run of consecutive rows inside one part is a view (no copy); other runs
+    are one index_select each; the pieces are joined by one cat only when there
+    are several. `empty` is returned when `rows` is empty.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        return empty
+    ends = np.cumsum([p.shape[0] for p in parts])
+    part_of = np.searchsorted(ends, rows, side="right")
+    cuts = np.concatenate([[0], np.nonzero(np.diff(part_of))[0] + 1, [rows.size]])
+    pieces = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        k = int(part_of[a])
+        part = parts[k]
+        local = rows[a:b] - (ends[k] - part.shape[0])
+        if local[-1] - local[0] + 1 == local.size and (local.size == 1 or (np.diff(local) == 1).all()):
+            pieces.append(part[int(local[0]):int(local[-1]) + 1])
+        else:
+            pieces.append(part.index_select(0, torch.from_numpy(local).to(part.device)))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 # --------------------------------------------------------------------------- autograd pieces
@@ -186,7 +239,7 @@ class _TieGradient(torch.autograd.Function):
 class _LocalItems:
     """The vision items of one rank's forward, in the model's order (images, then videos)."""
 
-    pixels: torch.Tensor  # [rows, row_width] in the tower's dtype
+    pixel_parts: List[torch.Tensor]  # [rows, row_width] each in the tower's dtype (images, videos): never joined
     grids: np.ndarray  # [n, 3] int64
     in_rows: np.ndarray  # pixel rows per item
     out_rows: np.ndarray  # embedding rows per item
@@ -236,8 +289,8 @@ class _QwenTower:
         if not parts:
             return None, used
         grid = np.concatenate(grids)
-        pixels = torch.cat([p.to(self.module.dtype) for p in parts]) if len(parts) > 1 else parts[0].to(self.module.dtype)
-        return _LocalItems(pixels=pixels, grids=grid, in_rows=grid.prod(axis=1),
+        # no torch.cat here: rows are gathered straight from each part where needed
+        return _LocalItems(pixel_parts=[p.to(self.module.dtype) for p in parts], grids=grid, in_rows=grid.prod(axis=1),
                            out_rows=self.out_rows(grid), kinds=kinds), used
 
     def out_rows(self, grids: np.ndarray) -> np.ndarray:
@@ -307,7 +360,7 @@ class _InternVLTower:
                              f"{', '.join(map(str, self.tile_shape))})")
         n = pix.shape[0]
         grids = np.tile(np.asarray(self.grid, dtype=np.int64), (n, 1))
-        return _LocalItems(pixels=pix.to(self.inner.dtype).reshape(n, self.row_width), grids=grids,
+        return _LocalItems(pixel_parts=[pix.to(self.inner.dtype).reshape(n, self.row_width)], grids=grids,
                            in_rows=np.ones(n, dtype=np.int64), out_rows=self.out_rows(grids),
                            kinds=["image"] * n), ["pixel_values"]
 
@@ -525,31 +578,38 @@ class VisionBalancer:
             return None
 
         dest = np.asarray(plan.dest, dtype=np.int64)
+        moved = dest != item_rank
+        if not moved.any():  # same plan on every rank: every rank skips the payload exchange alike
+            stats["imbalance_after"] = stats["imbalance_before"]
+            self._stats.append({**stats, "reason": "plan moves no item"})
+            return None
         in_rows = grids.prod(axis=1) if self.tower.family != "internvl" else np.ones(len(grids), dtype=np.int64)
         out_rows = self.tower.out_rows(grids)
         route = route_items(item_rank, dest, in_rows, out_rows, rank, world)
-        moved = dest != item_rank
         dtype = self.tower.module.dtype
         elem = torch.empty((), dtype=dtype).element_size()
         stats.update(applied=True, items_moved=int(moved.sum()), computed_items=int(route.computed_items.size),
                      pixel_bytes_moved=int(in_rows[moved].sum()) * self.tower.row_width * elem,
                      embedding_bytes_moved=int(out_rows[moved].sum()) * self.tower.out_width * elem)
 
-        # 3. pixels to the planned ranks (no gradient: pixels are inputs)
+        # 3. moved items' pixels to the planned ranks (no gradient: pixels are inputs);
+        #    kept items' rows are used in place
         device = self.tower.module.device if hasattr(self.tower.module, "device") else self._comm_device()
+        no_rows = torch.zeros((0, self.tower.row_width), dtype=dtype, device=device)
         if items is not None:
-            local_in = items.in_rows
-            send = items.pixels[torch.as_tensor(rows_in_order(local_in, route.send_order), device=items.pixels.device)]
+            send = _take_rows(items.pixel_parts, rows_in_order(items.in_rows, route.send_order), no_rows)
+            kept = _take_rows(items.pixel_parts, rows_in_order(items.in_rows, route.kept_items), no_rows)
         else:
-            send = torch.zeros((0, self.tower.row_width), dtype=dtype, device=device)
+            send, kept = no_rows, no_rows
         received = send.new_empty((sum(route.recv_in_rows), self.tower.row_width))
         dist.all_to_all_single(received, send.contiguous(), output_split_sizes=route.recv_in_rows,
                                input_split_sizes=route.send_in_rows, group=self.group)
 
-        # 4. the real tower on the balanced items
+        # 4. the real tower on the balanced items: kept first, then received
         differentiable = torch.is_grad_enabled() and any(p.requires_grad for p in self.tower.module.parameters())
         if route.computed_items.size:
-            computed = self.tower.compute(received, grids[route.computed_items], kwargs)
+            pixels = received if kept.shape[0] == 0 else kept if received.shape[0] == 0 else torch.cat([kept, received])
+            computed = self.tower.compute(pixels, grids[route.computed_items], kwargs)
         else:
             computed = torch.zeros((0, self.tower.out_width), dtype=dtype, device=device)
         if computed.shape[1] != self.tower.out_width:
@@ -557,19 +617,24 @@ class VisionBalancer:
         if differentiable and not computed.requires_grad:
             # Nothing computed here: a leaf keeps this rank in the backward all_to_all.
             computed = computed.detach().requires_grad_(True)
+        kept_out_rows = int(items.out_rows[route.kept_items].sum()) if items is not None else 0
+        kept_out, moved_out = computed[:kept_out_rows], computed[kept_out_rows:]
 
-        # 5. embeddings back to their owners, gradients the reverse way in the backward
+        # 5. moved items' embeddings back to their owners, gradients the reverse way in the backward
         if differentiable:
-            back = all_to_all_rows(computed, route.send_out_rows, route.recv_out_rows, group=self.group)
+            back = all_to_all_rows(moved_out, route.send_out_rows, route.recv_out_rows, group=self.group)
         else:
-            back = computed.new_empty((sum(route.recv_out_rows), self.tower.out_width))
-            dist.all_to_all_single(back, computed.contiguous(), output_split_sizes=route.recv_out_rows,
+            back = moved_out.new_empty((sum(route.recv_out_rows), self.tower.out_width))
+            dist.all_to_all_single(back, moved_out.contiguous(), output_split_sizes=route.recv_out_rows,
                                    input_split_sizes=route.send_out_rows, group=self.group)
         self._stats.append(stats)
         tie = back if differentiable else None
         if items is None:
             return {}, used, tie
-        rows = back[torch.as_tensor(route.restore_rows, device=back.device)]
+        rows = back if kept_out.shape[0] == 0 else kept_out if back.shape[0] == 0 else torch.cat([kept_out, back])
+        restore = route.restore_rows
+        if not (restore.size == rows.shape[0] and (restore == np.arange(restore.size)).all()):
+            rows = rows.index_select(0, torch.from_numpy(restore).to(rows.device))
         return self.tower.encoder_outputs(rows, items), used, tie
 
 
