@@ -15,6 +15,13 @@ ranks * samples_per_rank), on the real `Trainer`, from the same initial weights:
   (sequential sampler, `samples_per_rank` samples per rank before balancing):
   warm-up timing, cost model fit, then samples exchanged between ranks.
 
+The three ways run at the same time (3 x ranks processes, one gloo group per
+way) and wait for each other after every step, outside the timed window: step
+k of every way runs in the same state of the shared machine, so drift (other
+jobs, clock changes) cannot favour the way that happened to run in a quiet
+minute. Run one after the other, the mean rank compute of the three ways (the
+same samples: the same work) differed by up to 17% between ways.
+
 Every rank packs its micro-batch into one row (`PackedCollator`) and runs the
 varlen attention (cost sum(L^2) on CPU, as flash-attn varlen on GPUs). A
 rank's compute is the CPU time of its main thread from `on_step_begin` to
@@ -154,6 +161,29 @@ def placement_bound(costs: np.ndarray, samples_per_step: Sequence[Sequence[int]]
     return out
 
 
+def reachable_cut(costs: np.ndarray, none_rank_samples: Sequence[Sequence[Sequence[int]]],
+                  ranks: int, step_constant: float = 0.0) -> dict:
+    """How far below fixed-length packs any per-step placement can bring the slowest rank (predicted).
+
+    `none_rank_samples[k][r]`: sample ids rank r trained in step k under fixed-length packs; `costs`
+    per sample id and `step_constant` per rank-step come from the fitted models. Returns
+    ``none_predicted_s`` (sum over steps of none's slowest rank), ``bound_s`` (sum over steps of
+    max(heaviest sample, share) + constant: no placement of a step's samples does better) and
+    ``ceiling`` = 1 - bound_s / none_predicted_s, the largest cut per-step balancing can make on
+    these steps. Both sums use the same model, so its error mostly cancels in the ratio. O(samples).
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    none_s = bound_s = 0.0
+    for per_rank in none_rank_samples:
+        loads = np.array([costs[np.asarray(ids, dtype=np.int64)].sum() if len(ids) else 0.0 for ids in per_rank])
+        ids = [i for r in per_rank for i in r]
+        heaviest = float(costs[np.asarray(ids, dtype=np.int64)].max()) if ids else 0.0
+        none_s += float(loads.max()) + step_constant
+        bound_s += max(heaviest, float(loads.sum()) / ranks) + step_constant
+    return {"none_predicted_s": none_s, "bound_s": bound_s,
+            "ceiling": 1.0 - bound_s / none_s if none_s > 0 else 0.0}
+
+
 def check_invariants(runs: Dict[str, dict], reference: str = "none", rtol: float = LOSS_RTOL) -> dict:
     """Same sample ids in every step of every way; per-step losses equal to the reference's within `rtol`."""
     ref = runs[reference]
@@ -226,12 +256,28 @@ class _Packs:
         return self.collator([self.samples[j] for j in self.packs[i]])
 
 
+class _RowsCollator:
+    """Dataset rows (python lists, a "length" column) -> per-sample tensors -> the packing collator."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, rows):
+        from .data import to_sample
+
+        return self.collator([to_sample({k: v for k, v in r.items() if k != "length"}) for r in rows])
+
+
 def _first(batch):
     return batch[0]
 
 
-def _make_probe(model, key_to_id: dict, progress):
-    """A TrainerCallback timing this rank's compute per step and reading which samples it computed."""
+def _make_probe(model, key_to_id: dict, on_step_done):
+    """A TrainerCallback timing this rank's compute per step and reading which samples it computed.
+
+    `on_step_done(step)` runs after the step's time is taken (outside the timed window): the demo
+    reports progress there and waits for the other ways, so the three ways run their steps in lockstep.
+    """
     from transformers import TrainerCallback
 
     class Probe(TrainerCallback):
@@ -259,14 +305,13 @@ def _make_probe(model, key_to_id: dict, progress):
         def on_step_end(self, args, state, control, **kw):
             self.compute.append(time.thread_time() - self._t0)
             self.samples.append(self._current)
-            if progress is not None:
-                progress.update(1)
+            on_step_done(len(self.compute))
 
     return Probe()
 
 
 def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens: np.ndarray, opts: dict,
-               progress) -> dict:
+               on_step_done) -> dict:
     import torch
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
@@ -282,7 +327,7 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
     model = make_model("qwen2_vl", seed=opts["seed"], attn_implementation=register_varlen_attention(),
                        text_config=DEMO_TEXT_CONFIG, vision_config=DEMO_VISION_CONFIG)
     collator = PackedCollator(model.config)
-    probe = _make_probe(model, key_to_id, progress)
+    probe = _make_probe(model, key_to_id, on_step_done)
     common = dict(output_dir=opts["workdir"], use_cpu=True, max_steps=steps, logging_steps=1, save_strategy="no",
                   report_to=[], disable_tqdm=True, seed=opts["seed"], learning_rate=1e-3, warmup_steps=0,
                   remove_unused_columns=False, dataloader_drop_last=True, ddp_find_unused_parameters=True,
@@ -297,10 +342,13 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
         args = TrainingArguments(per_device_train_batch_size=1, train_sampling_strategy="sequential", **common)
         collate = _first
     elif way == "batch_rebalance":
-        train = _Samples(samples, batch_rebalance_layout(steps * B))
+        # A `datasets.Dataset` with a "length" column, as a Trainer user would give it: Trainer then reads the
+        # sampler's lengths from the column instead of loading (and image-processing) every sample on every rank.
+        layout = batch_rebalance_layout(steps * B)
+        train = samples.ds.select(layout).add_column("length", [int(tokens[i]) for i in layout])
         args = TrainingArguments(per_device_train_batch_size=per_rank, train_sampling_strategy="batch_rebalance",
                                  **common)
-        collate = collator
+        collate = _RowsCollator(collator)
     else:
         train = _Samples(samples, range(steps * B))
         args = TrainingArguments(per_device_train_batch_size=per_rank, train_sampling_strategy="sequential", **common)
@@ -330,15 +378,25 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
     return {"compute": probe.compute, "samples": probe.samples, "losses": losses, "moved": moved, **extra}
 
 
-def _rank_main(rank: int, world: int, port: int, ds_path: str, opts: dict, results) -> None:
+def _rank_main(way: str, rank: int, world: int, port: int, ds_path: str, opts: dict, results, lockstep) -> None:
+    """One rank of one way: its own gloo group (`port`); `lockstep` is shared by every rank of every way."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-                       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+                       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                       # DDP's C++ "find_unused_parameters ... did not find any unused parameters" warning, once
+                       # per rank: the flag is needed (text-only packs leave the vision tower unused), the
+                       # warning is noise in the demo's output. Read when torch loads, which is below.
+                       "TORCH_CPP_LOG_LEVEL": "ERROR"})
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    progress = None
+
+    def step_done(step: int) -> None:
+        if rank == 0:
+            results.put(("step", way, rank, step))
+        lockstep.wait(timeout=opts["step_timeout_s"])  # thread CPU time is not spent while waiting
+
     try:
         import datasets
         import transformers
@@ -347,33 +405,19 @@ def _rank_main(rank: int, world: int, port: int, ds_path: str, opts: dict, resul
         datasets.disable_progress_bars()
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
         ds = datasets.load_from_disk(ds_path)
-        samples = _Rows(ds)
         key_to_id = {}
         for i, ids in enumerate(ds["input_ids"]):  # a few tiny samples repeat their tokens: they share the first id
             key_to_id.setdefault(tuple(int(t) for t in ids), i)
         tokens = np.array([len(ids) for ids in ds["input_ids"]])
-        if rank == 0 and opts["progress"]:
-            from tqdm.auto import tqdm
-
-            progress = tqdm(total=len(WAYS) * (opts["steps"] + opts["warmup"]), desc="demo", unit="step",
-                            file=sys.stderr)
-        out = {}
-        for way in WAYS:
-            if progress is not None:
-                progress.set_description(f"demo: {way}")
-            out[way] = _train_way(way, rank, world, samples, key_to_id, tokens, opts, progress)
-        out["tokens"] = tokens.tolist()
-        if rank == 0:  # patch rows of each sample's images / videos: the fitted vision model's unit
-            out["patches"] = [[int(np.prod(g)) for g in (img or [])] + [int(np.prod(g)) for g in (vid or [])]
-                              for img, vid in zip(ds["image_grid_thw"], ds["video_grid_thw"])]
-        results.put((rank, True, out))
+        lockstep.wait(timeout=opts["step_timeout_s"])  # every way starts step 1 together
+        out = _train_way(way, rank, world, _Rows(ds), key_to_id, tokens, opts, step_done)
+        results.put(("done", way, rank, True, out))
     except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
         import traceback
 
-        results.put((rank, False, traceback.format_exc()))
+        lockstep.abort()  # the other ways stop waiting for this one
+        results.put(("done", way, rank, False, traceback.format_exc()))
     finally:
-        if progress is not None:
-            progress.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -390,7 +434,7 @@ def _free_port() -> int:
 def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_rank: int = 16, seed: int = 0,
              mix: str = "long_tail", max_token_ratio: float = 1.5, vision: bool = False, progress: bool = True,
              timeout_s: float = 900.0) -> dict:
-    """Run the three ways on `ranks` spawned gloo processes; returns the demo.json content."""
+    """Run the three ways at once, each on `ranks` spawned gloo processes, in lockstep; returns demo.json's content."""
     import datasets
     import torch.multiprocessing as mp
 
@@ -405,39 +449,68 @@ def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_ra
         if progress:
             print(f"building {total} synthetic samples (tiny Qwen2-VL, {mix} mix) ...", file=sys.stderr)
         datasets.disable_progress_bars()
-        build_synthetic_dataset("qwen2_vl", total, seed=seed, mix=mix).save_to_disk(os.path.join(tmp, "ds"))
+        ds = build_synthetic_dataset("qwen2_vl", total, seed=seed, mix=mix)
+        ds.save_to_disk(os.path.join(tmp, "ds"))
+        tokens = [len(ids) for ids in ds["input_ids"]]
+        # patch rows of each sample's images / videos: the fitted vision model's unit
+        patches = [[int(np.prod(g)) for g in (img or [])] + [int(np.prod(g)) for g in (vid or [])]
+                   for img, vid in zip(ds["image_grid_thw"], ds["video_grid_thw"])]
         opts = {"steps": steps, "warmup": warmup, "samples_per_rank": samples_per_rank, "seed": seed, "vision": vision,
-                "max_token_ratio": max_token_ratio, "progress": progress, "workdir": os.path.join(tmp, "out")}
+                "max_token_ratio": max_token_ratio, "workdir": os.path.join(tmp, "out"), "step_timeout_s": timeout_s}
+        # The three ways run at the same time, each on its own `ranks` processes and gloo group, and meet
+        # after every step (a barrier outside the timed window): step k of every way runs while the
+        # machine is in the same state, so a slower minute of the shared cores slows all three alike.
         ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, os.path.join(tmp, "ds"), opts, results),
-                             daemon=True) for r in range(ranks)]
-        for p in procs:
+        results, lockstep = ctx.Queue(), ctx.Barrier(len(WAYS) * ranks)
+        procs = {}
+        for way in WAYS:
+            port = _free_port()
+            for r in range(ranks):
+                procs[way, r] = ctx.Process(target=_rank_main, daemon=True,
+                                            args=(way, r, ranks, port, os.path.join(tmp, "ds"), opts, results, lockstep))
+        for p in procs.values():
             p.start()
-        got = {}
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=steps + warmup, desc=f"demo: {', '.join(WAYS)} in lockstep", unit="step", file=sys.stderr)
+        got: Dict[tuple, dict] = {}
+        failures: Dict[tuple, str] = {}
         deadline = time.monotonic() + timeout_s
         try:
-            while len(got) < ranks:
+            while len(got) + len(failures) < len(procs):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"demo: ranks {sorted(set(range(ranks)) - set(got))} did not finish "
-                                       f"within {timeout_s:.0f}s")
+                    late = sorted(set(procs) - set(got) - set(failures))
+                    raise RuntimeError(f"demo: {late} (way, rank) did not finish within {timeout_s:.0f}s")
                 try:
-                    rank, ok, value = results.get(timeout=1.0)
+                    msg = results.get(timeout=1.0)
                 except Exception:  # queue.Empty
-                    dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
+                    dead = [k for k, p in procs.items() if k not in got and k not in failures and not p.is_alive()]
                     if dead:
-                        raise RuntimeError(f"demo: rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
+                        failures[dead[0]] = f"exited with code {procs[dead[0]].exitcode}"
+                        lockstep.abort()
                     continue
-                if not ok:
-                    raise RuntimeError(f"demo: rank {rank} failed:\n{value}")
-                got[rank] = value
+                if msg[0] == "step":
+                    _, way, _, step = msg
+                    if bar is not None and way == WAYS[0]:
+                        bar.update(step - bar.n)
+                    continue
+                _, way, rank, ok, value = msg
+                (got if ok else failures)[way, rank] = value
+            if failures:  # the first real error, not a way that stopped because another one broke the barrier
+                key = next((k for k, v in failures.items() if "BrokenBarrierError" not in v), next(iter(failures)))
+                raise RuntimeError(f"demo: {key[0]} rank {key[1]} failed:\n{failures[key]}")
         finally:
-            for p in procs:
+            if bar is not None:
+                bar.close()
+            for p in procs.values():
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-    return assemble(got, ranks, steps, warmup, samples_per_rank, seed, mix, time.perf_counter() - started)
+    by_rank = {r: {way: got[way, r] for way in WAYS} for r in range(ranks)}
+    by_rank[0].update(tokens=tokens, patches=patches)
+    return assemble(by_rank, ranks, steps, warmup, samples_per_rank, seed, mix, time.perf_counter() - started)
 
 
 def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samples_per_rank: int, seed: int,
@@ -465,8 +538,12 @@ def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samp
                                CostModel.from_dict(hf["vision_cost_model"]))
         per_step = placement_bound(costs, runs["none"]["samples_per_step"], ranks)
         compared = np.asarray(per_step[warmup:])
+        constant = hf["cost_model"].get("constant", 0.0) + hf["vision_cost_model"].get("constant", 0.0)
+        none_rank_samples = [[by_rank[r]["none"]["samples"][k] for r in range(ranks)]
+                             for k in range(warmup, len(per_step))]
         bound = {"per_step_excess": per_step, "compared_steps_bound_by_one_sample": int((compared > 0.02).sum()),
-                 "compared_steps": int(compared.size)}
+                 "compared_steps": int(compared.size),
+                 **reachable_cut(costs, none_rank_samples, ranks, constant)}
     return {
         "settings": {"ranks": ranks, "steps": steps, "warmup_steps": warmup, "samples_per_rank": samples_per_rank,
                      "samples_per_step": ranks * samples_per_rank, "seed": seed, "mix": mix,
@@ -544,11 +621,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"{bound['compared_steps_bound_by_one_sample']} of {bound['compared_steps']} compared steps hold a "
               f"sample heavier than a rank's share (fitted costs): no placement within the step gets their "
               f"slowest rank down to the mean (placement_bound in the JSON)")
+        if "ceiling" in bound:
+            got = g["vs_none"] / bound["ceiling"] if bound["ceiling"] > 0 else float("nan")
+            print(f"reachable by any per-step placement of these steps (fitted costs): {100 * bound['ceiling']:.1f}% "
+                  f"below none; hf_dp_balance measured {100 * g['vs_none']:.1f}% ({100 * got:.0f}% of it)")
     print(f"same samples in every step: {inv['same_samples']}; per-step losses equal (rtol {inv['loss_rtol']:g}): "
           f"{inv['losses_equal']} (max rel. diff {inv['max_loss_rel_diff']:.2e})")
     print(f"wrote {args.json}" + (f" and {args.plot}" if args.plot else "") + f" in {result['wall_s']:.0f}s")
     return 0 if inv["same_samples"] and inv["losses_equal"] else 1
 
 
-__all__ = ["add_arguments", "run", "run_demo", "token_balanced_packs", "placement_bound", "batch_rebalance_layout", "summarize_way",
+__all__ = ["add_arguments", "run", "run_demo", "token_balanced_packs", "placement_bound", "reachable_cut", "batch_rebalance_layout", "summarize_way",
            "check_invariants", "assemble", "plot", "format_table"]

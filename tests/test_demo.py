@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hf_dp_balance.demo import (WAYS, batch_rebalance_layout, check_invariants, fit_step, format_table,
-                                placement_bound, summarize_way, token_balanced_packs)
+                                placement_bound, reachable_cut, summarize_way, token_balanced_packs)
 
 
 def test_token_balanced_packs_cut_contiguously_into_equal_tokens():
@@ -47,6 +47,16 @@ def test_placement_bound_is_set_by_a_sample_heavier_than_a_ranks_share():
     bound = placement_bound(costs, [[0, 1, 2, 3], [4, 5, 6]], ranks=2)
     assert bound[0] == pytest.approx(0.0)  # 4 equal samples on 2 ranks: perfect balance possible
     assert bound[1] == pytest.approx(6.0 / 4.0 - 1.0)  # the 6.0 sample alone exceeds the share of 4.0
+
+
+def test_reachable_cut_sums_none_slowest_rank_and_the_per_step_bound():
+    costs = np.array([1.0, 1.0, 1.0, 3.0, 6.0, 1.0, 1.0])
+    # step 0: none's loads 2 | 4, a perfect split gives 3; step 1: the 6.0 sample sets the step either way
+    out = reachable_cut(costs, [[[0, 1], [2, 3]], [[4], [5, 6]]], ranks=2, step_constant=0.5)
+    assert out["none_predicted_s"] == pytest.approx(4.5 + 6.5)
+    assert out["bound_s"] == pytest.approx(3.5 + 6.5)
+    assert out["ceiling"] == pytest.approx(1.0 - 10.0 / 11.0)
+    assert reachable_cut(costs, [[[4], [5, 6]]], ranks=2)["ceiling"] == pytest.approx(0.0)
 
 
 def test_summary_and_invariants():
