@@ -184,14 +184,31 @@ def reachable_cut(costs: np.ndarray, none_rank_samples: Sequence[Sequence[Sequen
             "ceiling": 1.0 - bound_s / none_s if none_s > 0 else 0.0}
 
 
-def check_invariants(runs: Dict[str, dict], reference: str = "none", rtol: float = LOSS_RTOL) -> dict:
-    """Same sample ids in every step of every way; per-step losses equal to the reference's within `rtol`."""
+def check_invariants(runs: Dict[str, dict], reference: str = "none", rtol: float = LOSS_RTOL,
+                     window: int = 1, window_from: Optional[int] = None, windowed: Sequence[str] = ()) -> dict:
+    """Same sample ids in every step of every way; per-step losses equal to the reference's within `rtol`.
+
+    With look-ahead (`window` K > 1) the ways in `windowed` may train a sample in another step of its
+    window (aligned windows of K steps from step index `window_from`): from there on their samples are
+    compared per window and their losses are not compared (a reordered step trains other samples, and
+    every later step starts from other weights). Steps before `window_from` are compared as usual.
+    """
     ref = runs[reference]
     out = {"same_samples": True, "losses_equal": True, "max_loss_rel_diff": 0.0, "loss_rtol": rtol}
+    if window > 1:
+        out.update(window=window, windows_from_step=window_from, windowed=list(windowed))
     for name, run in runs.items():
-        if run["samples_per_step"] != ref["samples_per_step"]:
-            out["same_samples"] = False
         a, b = np.asarray(run["losses"]), np.asarray(ref["losses"])
+        mine, theirs = run["samples_per_step"], ref["samples_per_step"]
+        if window > 1 and name in windowed:
+            cut = int(window_from)
+            a, b = a[:cut], b[:cut]
+            same = mine[:cut] == theirs[:cut] and len(mine) == len(theirs) and all(
+                sorted(i for s in mine[w:w + window] for i in s) == sorted(i for s in theirs[w:w + window] for i in s)
+                for w in range(cut, len(theirs), window))
+        else:
+            same = mine == theirs
+        out["same_samples"] = out["same_samples"] and same
         if a.shape != b.shape:
             out["losses_equal"] = False
             continue
@@ -357,7 +374,11 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
         # step is planned with the fitted model. Without vision-tower balancing (the default here) the loader
         # plans each sample at decoder + ViT cost (its images are encoded where it goes); with it
         # (`vision_tower`), the tower is balanced per image from step 1 and the loader plans decoder cost.
-        config = DPBalanceConfig(warmup_steps=fit_step(warmup, _PREFETCH_STEPS), prefetch_steps=_PREFETCH_STEPS,
+        # Look-ahead prepares a whole window of K steps at once, as soon as the previous window is queued:
+        # fit one step earlier so that the first compared window is planned with the model.
+        k = opts["lookahead"]
+        config = DPBalanceConfig(warmup_steps=fit_step(warmup, _PREFETCH_STEPS + (1 if k > 1 else 0)),
+                                 prefetch_steps=_PREFETCH_STEPS, lookahead_steps=k,
                                  vision=opts["vision"], max_token_ratio=opts["max_token_ratio"])
         callbacks = [DPBalanceCallback(config), probe]
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=callbacks)
@@ -425,6 +446,17 @@ def _rank_main(way: str, rank: int, world: int, port: int, ds_path: str, opts: d
 # --------------------------------------------------------------------------- the command
 
 
+def settings_problem(steps: int, ranks: int, warmup: int, samples_per_rank: int, lookahead: int) -> Optional[str]:
+    """What is wrong with these demo settings, or None."""
+    if steps < 1 or ranks < 2 or warmup < 1 or samples_per_rank < 1 or lookahead < 0:
+        return (f"need steps >= 1, ranks >= 2, warmup >= 1, samples_per_rank >= 1, lookahead >= 0; got steps={steps}, "
+                f"ranks={ranks}, warmup={warmup}, samples_per_rank={samples_per_rank}, lookahead={lookahead}")
+    if lookahead > 1 and warmup % lookahead:
+        return (f"--warmup {warmup} must be a multiple of --lookahead {lookahead} (the loader's windows start at "
+                f"step 1, and the compared steps must start a window)")
+    return None
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -432,17 +464,17 @@ def _free_port() -> int:
 
 
 def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_rank: int = 16, seed: int = 0,
-             mix: str = "long_tail", max_token_ratio: float = 1.5, vision: bool = False, progress: bool = True,
-             timeout_s: float = 900.0) -> dict:
+             mix: str = "long_tail", max_token_ratio: float = 1.5, vision: bool = False, lookahead: int = 0,
+             progress: bool = True, timeout_s: float = 900.0) -> dict:
     """Run the three ways at once, each on `ranks` spawned gloo processes, in lockstep; returns demo.json's content."""
     import datasets
     import torch.multiprocessing as mp
 
     from .data import build_synthetic_dataset
 
-    if steps < 1 or ranks < 2 or warmup < 1 or samples_per_rank < 1:
-        raise ValueError(f"demo: need steps >= 1, ranks >= 2, warmup >= 1, samples_per_rank >= 1; "
-                         f"got steps={steps}, ranks={ranks}, warmup={warmup}, samples_per_rank={samples_per_rank}")
+    problem = settings_problem(steps, ranks, warmup, samples_per_rank, lookahead)
+    if problem:
+        raise ValueError(f"demo: {problem}")
     total = (steps + warmup) * ranks * samples_per_rank
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hf_dp_balance_demo_") as tmp:
@@ -456,7 +488,7 @@ def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_ra
         patches = [[int(np.prod(g)) for g in (img or [])] + [int(np.prod(g)) for g in (vid or [])]
                    for img, vid in zip(ds["image_grid_thw"], ds["video_grid_thw"])]
         opts = {"steps": steps, "warmup": warmup, "samples_per_rank": samples_per_rank, "seed": seed, "vision": vision,
-                "max_token_ratio": max_token_ratio, "workdir": os.path.join(tmp, "out"), "step_timeout_s": timeout_s}
+                "max_token_ratio": max_token_ratio, "lookahead": lookahead, "workdir": os.path.join(tmp, "out"), "step_timeout_s": timeout_s}
         # The three ways run at the same time, each on its own `ranks` processes and gloo group, and meet
         # after every step (a barrier outside the timed window): step k of every way runs while the
         # machine is in the same state, so a slower minute of the shared cores slows all three alike.
@@ -510,11 +542,12 @@ def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_ra
                     p.kill()
     by_rank = {r: {way: got[way, r] for way in WAYS} for r in range(ranks)}
     by_rank[0].update(tokens=tokens, patches=patches)
-    return assemble(by_rank, ranks, steps, warmup, samples_per_rank, seed, mix, time.perf_counter() - started)
+    return assemble(by_rank, ranks, steps, warmup, samples_per_rank, seed, mix, time.perf_counter() - started,
+                    lookahead=lookahead)
 
 
 def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samples_per_rank: int, seed: int,
-             mix: str, wall_s: float) -> dict:
+             mix: str, wall_s: float, lookahead: int = 0) -> dict:
     """Combine the ranks' records into demo.json's content (pure)."""
     tokens = np.asarray(by_rank[0]["tokens"])
     runs = {}
@@ -547,6 +580,7 @@ def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samp
     return {
         "settings": {"ranks": ranks, "steps": steps, "warmup_steps": warmup, "samples_per_rank": samples_per_rank,
                      "samples_per_step": ranks * samples_per_rank, "seed": seed, "mix": mix,
+                     "lookahead_steps": lookahead,
                      "model": f"tiny Qwen2-VL (random weights; decoder hidden {DEMO_HIDDEN}, "
                               f"{DEMO_TEXT_CONFIG['num_hidden_layers']} layers), varlen attention, gloo, "
                               "1 thread per rank",
@@ -554,7 +588,7 @@ def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samp
         "runs": runs,
         "gain": {"vs_none": 1.0 - ours / none, "vs_batch_rebalance": 1.0 - ours / br,
                  "batch_rebalance_vs_none": 1.0 - br / none},
-        "invariants": check_invariants(runs),
+        "invariants": check_invariants(runs, window=lookahead, window_from=warmup, windowed=["hf_dp_balance"]),
         "placement_bound": bound,
         "wall_s": wall_s,
     }
@@ -597,6 +631,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mix", choices=("long_tail", "bounded"), default="long_tail")
     parser.add_argument("--max-token-ratio", type=float, default=1.5,
                         help="hf_dp_balance's hard per-rank token cap, as a multiple of the mean")
+    parser.add_argument("--lookahead", type=int, default=0, metavar="K",
+                        help="hf_dp_balance also moves samples between the steps of windows of K steps (the "
+                             "library's lookahead_steps): then its samples match none's per window, not per step, "
+                             "and its losses after the warm-up are not compared; --warmup must be a multiple of K")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="demo.json", help="where to write the results")
     parser.add_argument("--plot", default="demo.png", help="where to write the plot (PNG); '' for none")
@@ -604,9 +642,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = settings_problem(args.steps, args.ranks, args.warmup, args.samples_per_rank, args.lookahead)
+    if problem:
+        print(f"hf-dp-balance demo: error: {problem}", file=sys.stderr)
+        return 2
     result = run_demo(args.steps, args.ranks, warmup=args.warmup, samples_per_rank=args.samples_per_rank,
                       seed=args.seed, mix=args.mix, max_token_ratio=args.max_token_ratio,
-                      vision=args.vision_tower, progress=not args.no_progress)
+                      vision=args.vision_tower, lookahead=args.lookahead, progress=not args.no_progress)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     if args.plot:
@@ -625,8 +667,15 @@ def run(args: argparse.Namespace) -> int:
             got = g["vs_none"] / bound["ceiling"] if bound["ceiling"] > 0 else float("nan")
             print(f"reachable by any per-step placement of these steps (fitted costs): {100 * bound['ceiling']:.1f}% "
                   f"below none; hf_dp_balance measured {100 * g['vs_none']:.1f}% ({100 * got:.0f}% of it)")
-    print(f"same samples in every step: {inv['same_samples']}; per-step losses equal (rtol {inv['loss_rtol']:g}): "
-          f"{inv['losses_equal']} (max rel. diff {inv['max_loss_rel_diff']:.2e})")
+    if inv.get("window", 1) > 1:
+        print(f"look-ahead K={inv['window']}: hf_dp_balance may train a sample in another step of its window, so "
+              f"the per-step bound above does not hold for it; same samples in every step before step "
+              f"{inv['windows_from_step'] + 1} and in every window of {inv['window']} steps from there: "
+              f"{inv['same_samples']}; losses equal before step {inv['windows_from_step'] + 1} "
+              f"(rtol {inv['loss_rtol']:g}): {inv['losses_equal']} (max rel. diff {inv['max_loss_rel_diff']:.2e})")
+    else:
+        print(f"same samples in every step: {inv['same_samples']}; per-step losses equal (rtol {inv['loss_rtol']:g}): "
+              f"{inv['losses_equal']} (max rel. diff {inv['max_loss_rel_diff']:.2e})")
     print(f"wrote {args.json}" + (f" and {args.plot}" if args.plot else "") + f" in {result['wall_s']:.0f}s")
     return 0 if inv["same_samples"] and inv["losses_equal"] else 1
 

@@ -72,6 +72,45 @@ def test_summary_and_invariants():
     assert "none" in format_table({"none": run})
 
 
+def test_invariants_with_lookahead_compare_windows_after_the_warmup_and_nothing_else():
+    def run(samples, losses):
+        return {"samples_per_step": samples, "losses": losses}
+
+    none = run([[0, 1], [2, 3], [4, 5], [6, 7]], [4.0, 3.0, 2.0, 1.0])
+    # step 1 is warm-up; steps 1..2 (0-based) and 3 form windows of 2 from step index 1
+    moved_in_window = run([[0, 1], [2], [3, 4, 5], [6, 7]], [4.0, 9.0, 9.0, 9.0])
+    inv = check_invariants({"none": none, "hf_dp_balance": moved_in_window}, window=2, window_from=1,
+                           windowed=["hf_dp_balance"])
+    assert inv["same_samples"] and inv["losses_equal"] and inv["window"] == 2
+    across_windows = run([[0, 1], [2, 3, 6], [4, 5], [7]], [4.0, 9.0, 9.0, 9.0])
+    assert not check_invariants({"none": none, "hf_dp_balance": across_windows}, window=2, window_from=1,
+                                windowed=["hf_dp_balance"])["same_samples"]
+    warmup_differs = run([[0, 1], [2, 3], [4, 5], [6, 7]], [4.5, 3.0, 2.0, 1.0])
+    assert not check_invariants({"none": none, "hf_dp_balance": warmup_differs}, window=2, window_from=1,
+                                windowed=["hf_dp_balance"])["losses_equal"]
+    # a way not in `windowed` is still held to every step
+    assert not check_invariants({"none": none, "batch_rebalance": moved_in_window}, window=2, window_from=1,
+                                windowed=["hf_dp_balance"])["same_samples"]
+
+
+def test_demo_with_lookahead_keeps_every_window_s_samples(tmp_path):
+    from hf_dp_balance.cli import main
+
+    out = tmp_path / "demo.json"
+    code = main(["demo", "--steps", "4", "--warmup", "2", "--lookahead", "2", "--ranks", "2", "--samples-per-rank",
+                 "4", "--json", str(out), "--plot", "", "--no-progress"])
+    result = json.loads(out.read_text())
+    inv = result["invariants"]
+    assert code == 0 and inv["same_samples"] and inv["losses_equal"] and inv["window"] == 2, inv
+    assert result["settings"]["lookahead_steps"] == 2
+    # every sample of the run trained exactly once, whichever step of its window
+    ours = sorted(i for s in result["runs"]["hf_dp_balance"]["samples_per_step"] for i in s)
+    assert ours == sorted(i for s in result["runs"]["none"]["samples_per_step"] for i in s)
+    # the compared steps must start a window: refused before anything starts
+    assert main(["demo", "--warmup", "3", "--lookahead", "2", "--json", str(tmp_path / "no.json")]) == 2
+    assert not (tmp_path / "no.json").exists()
+
+
 def test_demo_runs_three_ways_on_two_ranks(tmp_path):
     from hf_dp_balance.cli import main
 
