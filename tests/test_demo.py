@@ -127,6 +127,9 @@ def test_demo_runs_three_ways_on_two_ranks(tmp_path):
         assert len(run["losses"]) == 4 and len(run["per_step_slowest_s"]) == 4
         assert run["slowest_rank_compute_s"] >= run["mean_rank_compute_s"] > 0
         assert run["samples_trained"] == 2 * 2 * 4  # compared steps x ranks x samples per rank
+    none = result["runs"]["none"]
+    assert result["gain"]["perfect_balance_vs_none"] == pytest.approx(
+        1 - none["mean_rank_compute_s"] / none["slowest_rank_compute_s"])
     inv = result["invariants"]
     assert inv["same_samples"] and inv["losses_equal"], inv
     ids = result["runs"]["none"]["samples_per_step"]  # ids of samples, identical token content sharing one
