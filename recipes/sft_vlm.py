@@ -32,6 +32,8 @@ Start it (see recipes/README.md for every launcher):
     # 4 CPU ranks (gloo), tiny model, synthetic data
     torchrun --nproc_per_node 4 recipes/sft_vlm.py --model tiny:qwen2_vl --data synthetic \
         --output_dir /tmp/out --use_cpu --max_steps 20 --per_device_train_batch_size 8 --dp_balance
+    # resume: the same command plus --resume_from_checkpoint /tmp/out/checkpoint-10 (weights are loaded
+    # with from_pretrained, see load_model; Trainer restores the rest and the callback its cost model)
 """
 
 from __future__ import annotations
@@ -76,15 +78,25 @@ def _attention(requested: Optional[str]) -> str:
     return register_varlen_attention()
 
 
-def load_model(name: str, attn: str, dtype):
-    """The model (and processor, None for tiny models) for a hub id / path or `tiny:<family>`."""
+def load_model(name: str, attn: str, dtype, weights: Optional[str] = None):
+    """The model (and processor, None for tiny models) for a hub id / path or `tiny:<family>`.
+
+    `weights`: a Trainer checkpoint to take the weights from (resume). Built with `from_pretrained`
+    on purpose: transformers 5.24 writes Qwen2-VL / Qwen2.5-VL / InternVL checkpoints under the hub's
+    legacy key names and `Trainer(resume_from_checkpoint=...)` does not map them back (it only warns and
+    keeps the fresh weights; huggingface/transformers#43701); `from_pretrained` does map them.
+    """
     if name.startswith("tiny:"):
         from hf_dp_balance.data import make_model
 
-        return make_model(name.split(":", 1)[1], seed=0, attn_implementation=attn), None
+        model = make_model(name.split(":", 1)[1], seed=0, attn_implementation=attn)
+        if weights:
+            model = type(model).from_pretrained(weights, attn_implementation=attn)
+            model.train()
+        return model, None
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model = AutoModelForImageTextToText.from_pretrained(name, attn_implementation=attn, dtype=dtype)
+    model = AutoModelForImageTextToText.from_pretrained(weights or name, attn_implementation=attn, dtype=dtype)
     return model, AutoProcessor.from_pretrained(name)
 
 
@@ -141,7 +153,8 @@ def main(argv=None) -> None:
     script, args = parser.parse_args_into_dataclasses(argv)
     args.remove_unused_columns = False  # samples carry pixel / grid keys the collator needs
     dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
-    model, processor = load_model(script.model, _attention(script.attn_implementation), dtype)
+    resume = args.resume_from_checkpoint  # --resume_from_checkpoint out/checkpoint-500
+    model, processor = load_model(script.model, _attention(script.attn_implementation), dtype, weights=resume)
     if script.data == "synthetic":
         train = synthetic_dataset(model, script.synthetic_samples, script.max_samples)
     else:
@@ -155,7 +168,7 @@ def main(argv=None) -> None:
         data_collator=PackedCollator(model.config, max_tokens=script.max_length),  # used as is without --dp_balance
         callbacks=[DPBalanceCallback()],  # reads --dp_balance*; HF_DP_BALANCE_* env variables override
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)  # optimizer, scheduler, RNG, data position, cost model
     if args.should_save:
         trainer.save_model(os.path.join(args.output_dir, "final"))
 
