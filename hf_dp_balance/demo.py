@@ -603,19 +603,20 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     colors = {"none": "tab:red", "batch_rebalance": "tab:orange", "hf_dp_balance": "tab:green"}
     warmup = result["settings"]["warmup_steps"]
     for way, run in result["runs"].items():
         x = np.arange(1, len(run["per_step_slowest_s"]) + 1)
         ax.plot(x, run["per_step_slowest_s"], "-", color=colors.get(way), label=f"{way}: slowest rank")
         ax.plot(x, run["per_step_mean_s"], "--", color=colors.get(way), alpha=0.6, label=f"{way}: mean rank")
-    ax.axvspan(0.5, warmup + 0.5, color="0.9", label="warm-up (not compared)")
+    ax.axvspan(0.5, warmup + 0.5, color="0.9",
+               label="warm-up, not compared (hf_dp_balance: sampler order until its cost model is fitted)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("rank compute per step (s, thread CPU time)")
     s = result["settings"]
     ax.set_title(f"tiny Qwen2-VL, {s['ranks']} gloo ranks, {s['mix']} mix: slowest vs mean rank")
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.13))  # below: the lines stay clear
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
