@@ -32,6 +32,10 @@ What it does, by Trainer event:
   skipped steps, moved samples / bytes, measured compute imbalance, the cost
   coefficients) to Trainer's own log stream.
 * `on_save`: writes `dp_balance_cost_model.json` into `checkpoint-N/`.
+* With `lookahead_steps` = K > 1, `on_step_end` holds a checkpoint that falls
+  inside a look-ahead window until the window ends (`on_epoch_end` at the
+  latest): samples change step within a window, so only its end is a point
+  from which a resume trains every sample exactly once.
 
 Cost: one `thread_time` pair per step and one tiny forward pre-hook per
 micro-batch; collectives only at log steps and fit steps, on the side group.
@@ -224,6 +228,8 @@ class DPBalanceCallback(TrainerCallback):
         self._trainer_ref = None
         self._installed_on = None
         self._active = False
+        self._save_held = False  # a checkpoint waits for the end of a look-ahead window
+        self._hold_warned = False
 
     # -- wiring -------------------------------------------------------------------------
 
@@ -374,6 +380,36 @@ class DPBalanceCallback(TrainerCallback):
             self._fit(step)
         if control.should_log:
             self._prepare_logs()
+        self._checkpoint_on_window_boundary(state, control)
+
+    def _checkpoint_on_window_boundary(self, state, control) -> None:
+        """With look-ahead, a checkpoint due inside a window is written at the window's end instead.
+
+        Inside a window some samples of later steps are already trained and some of earlier steps are
+        not: a resume from there would train samples twice and skip others. The final step of the run
+        still saves where it falls (nothing is left to train).
+        """
+        loader = self.loader
+        if loader is None or self.config.lookahead_steps <= 1 or not hasattr(loader, "at_window_boundary"):
+            return
+        boundary = loader.at_window_boundary()
+        if control.should_save and not boundary and state.global_step < state.max_steps:
+            control.should_save = False
+            if not self._hold_warned:
+                self._hold_warned = True
+                logger.warning("dp_balance: checkpoint of step %d held to the end of its look-ahead window "
+                               "(lookahead_steps=%d; said once): a resume from inside a window would train "
+                               "samples twice; save_steps a multiple of it avoids the shift",
+                               state.global_step, self.config.lookahead_steps)
+            self._save_held = True
+        elif self._save_held and boundary:
+            control.should_save = True
+            self._save_held = False
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self._save_held:  # a pass over the data ends its last window
+            control.should_save = True
+            self._save_held = False
 
     def _gather(self, obj):
         """All ranks' `obj`, in rank order (side group); [obj] on a single process."""

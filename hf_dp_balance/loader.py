@@ -266,6 +266,17 @@ class BalancedLoader:
     def exchange(self) -> SampleExchange:
         return self._exchange
 
+    def at_window_boundary(self) -> bool:
+        """Whether the steps consumed so far end a look-ahead window (always, without look-ahead).
+
+        With `lookahead_steps` = K > 1 the samples of a window of K steps may train in any of its steps,
+        so a checkpoint inside a window would resume with some samples trained twice and others never
+        (Trainer skips whole sampler steps). Windows start at the first step of each pass over the data.
+        """
+        k = self.config.lookahead_steps
+        stream = self._active
+        return k <= 1 or stream is None or stream._done or stream.consumed % k == 0
+
     def pop_stats(self) -> List[StepStats]:
         """Statistics of the steps consumed since the last call (oldest first)."""
         with self._stats_lock:
@@ -547,6 +558,7 @@ class _StepStream:
         self._queue: "queue.Queue[tuple]" = queue.Queue(maxsize=loader.config.prefetch_steps)
         self._stop = threading.Event()
         self._done = False
+        self.consumed = 0  # steps handed to the consumer so far (the stream's step index of the next one)
         self._first_error: Optional[BaseException] = None
         # First pull in the caller's thread (see BalancedLoader.open_stream).
         self._peeked: List[Any] = []
@@ -662,6 +674,7 @@ class _StepStream:
                                f"--- thread traceback ---\n{tb}") from exc
         _, batches, stats = item
         stats.wait_s = wait
+        self.consumed = stats.step + 1
         self.loader._record(stats)
         return batches
 

@@ -117,7 +117,7 @@ def _record_segments(model, trainer_ref):
     return seen
 
 
-def _trainer(out_dir, max_steps, save_steps):
+def _trainer(out_dir, max_steps, save_steps, cost_model=None, **dp_fields):
     from transformers import Trainer
 
     from hf_dp_balance.arguments import DPBalanceTrainingArguments
@@ -126,9 +126,9 @@ def _trainer(out_dir, max_steps, save_steps):
     args = DPBalanceTrainingArguments(
         output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, max_steps=max_steps, logging_steps=1,
         save_strategy="steps", save_steps=save_steps, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
-        dataloader_drop_last=True, learning_rate=1e-3, dp_balance=True, dp_balance_warmup_steps=3)
+        dataloader_drop_last=True, learning_rate=1e-3, dp_balance=True, dp_balance_warmup_steps=3, **dp_fields)
     model = make_model("text", seed=0)
-    callback = DPBalanceCallback()
+    callback = DPBalanceCallback(cost_model=cost_model)
     ref = [None]
     seen = _record_segments(model, ref)
     trainer = Trainer(model=model, args=args, train_dataset=_TextSamples(96), data_collator=_pack_text,
@@ -202,6 +202,48 @@ def test_trainer_with_callback_fits_logs_checkpoints_and_resumes(tmp_path):
     assert resumed == second_part_original
     assert not set(resumed) & set(first_part)
     assert len(set(first_part)) == len(first_part)
+
+
+def _lookahead_save_resume(rank, world, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # A given, attention-heavy cost model: windows are re-planned from step 1 and the long samples of
+    # the long-tail lengths are outliers that gather in a few steps. No refit: both runs plan alike.
+    kw = dict(cost_model=CostModel(quadratic=1e-6, linear=1e-5, per_sample=0.0, constant=0.0),
+              dp_balance_lookahead_steps=3, dp_balance_refit_every=0)
+    first, _, seen1 = _trainer(out_dir, max_steps=8, save_steps=4, **kw)
+    first.train()
+    dist.barrier()
+    saved = sorted(int(d.split("-")[1]) for d in os.listdir(out_dir) if d.startswith("checkpoint-"))
+    second, _, seen2 = _trainer(out_dir, max_steps=8, save_steps=100, **kw)
+    second.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{saved[0]}"))
+    return {"saved": saved, "seen1": seen1, "seen2": seen2,
+            "log_history": [h for h in first.state.log_history if "loss" in h]}
+
+
+def test_lookahead_holds_checkpoints_to_window_ends_so_resume_trains_every_sample_once(tmp_path):
+    r0, r1 = run_ranks(_lookahead_save_resume, 2, str(tmp_path), timeout=240)
+    # save_steps=4 asks for steps 4 and 8; windows of 3 steps end after steps 3, 6, 9: step 4's checkpoint
+    # is written after step 6; step 8 is the run's last step and saves where it falls.
+    assert r0["saved"] == r1["saved"] == [6, 8]
+
+    def per_step(seen_lists):
+        out = {}
+        for seen in seen_lists:
+            for step, s in seen:
+                out.setdefault(step, []).append(s)
+        return {k: sorted(v) for k, v in out.items()}
+
+    first, resumed = per_step([r0["seen1"], r1["seen1"]]), per_step([r0["seen2"], r1["seen2"]])
+    assert sorted(first) == list(range(1, 9)) and sorted(resumed) == [7, 8]
+    # look-ahead did move samples between steps (8 per step without it)
+    assert sorted({len(v) for v in first.values()}) != [8], {k: len(v) for k, v in first.items()}
+    trained_before = [s for k in range(1, 7) for s in first[k]]
+    assert len(set(trained_before)) == len(trained_before)
+    again = resumed[7] + resumed[8]
+    assert not set(again) & set(trained_before)  # nothing of steps 1..6 trained twice
+    assert sorted(again) == sorted(first[7] + first[8])  # and the resumed steps train what the first run did
 
 
 def test_hooks_are_not_doubled_when_a_run_raised_before_train_end():
