@@ -446,11 +446,14 @@ def _rank_main(way: str, rank: int, world: int, port: int, ds_path: str, opts: d
 # --------------------------------------------------------------------------- the command
 
 
-def settings_problem(steps: int, ranks: int, warmup: int, samples_per_rank: int, lookahead: int) -> Optional[str]:
-    """What is wrong with these demo settings, or None."""
+def settings_problem(steps: int, ranks: int, warmup: int, samples_per_rank: int, lookahead: int,
+                     max_token_ratio: float = 1.5) -> Optional[str]:
+    """What is wrong with these demo settings, or None (checked before any process starts)."""
     if steps < 1 or ranks < 2 or warmup < 1 or samples_per_rank < 1 or lookahead < 0:
         return (f"need steps >= 1, ranks >= 2, warmup >= 1, samples_per_rank >= 1, lookahead >= 0; got steps={steps}, "
                 f"ranks={ranks}, warmup={warmup}, samples_per_rank={samples_per_rank}, lookahead={lookahead}")
+    if not max_token_ratio >= 1.0:
+        return f"--max-token-ratio {max_token_ratio}: must be >= 1.0 (a cap below the mean cannot hold every sample)"
     if lookahead > 1 and warmup % lookahead:
         return (f"--warmup {warmup} must be a multiple of --lookahead {lookahead} (the loader's windows start at "
                 f"step 1, and the compared steps must start a window)")
@@ -472,7 +475,7 @@ def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_ra
 
     from .data import build_synthetic_dataset
 
-    problem = settings_problem(steps, ranks, warmup, samples_per_rank, lookahead)
+    problem = settings_problem(steps, ranks, warmup, samples_per_rank, lookahead, max_token_ratio)
     if problem:
         raise ValueError(f"demo: {problem}")
     total = (steps + warmup) * ranks * samples_per_rank
@@ -645,7 +648,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = settings_problem(args.steps, args.ranks, args.warmup, args.samples_per_rank, args.lookahead)
+    problem = settings_problem(args.steps, args.ranks, args.warmup, args.samples_per_rank, args.lookahead,
+                               args.max_token_ratio)
     if problem:
         print(f"hf-dp-balance demo: error: {problem}", file=sys.stderr)
         return 2

@@ -108,6 +108,7 @@ def test_demo_with_lookahead_keeps_every_window_s_samples(tmp_path):
     assert ours == sorted(i for s in result["runs"]["none"]["samples_per_step"] for i in s)
     # the compared steps must start a window: refused before anything starts
     assert main(["demo", "--warmup", "3", "--lookahead", "2", "--json", str(tmp_path / "no.json")]) == 2
+    assert main(["demo", "--max-token-ratio", "0.5", "--json", str(tmp_path / "no.json")]) == 2
     assert not (tmp_path / "no.json").exists()
 
 
