@@ -662,9 +662,12 @@ def run(args: argparse.Namespace) -> int:
         plot(result, args.plot)
     print(format_table(result["runs"]))
     g, inv = result["gain"], result["invariants"]
-    print(f"\nslowest-rank compute: {100 * g['vs_none']:.1f}% lower than none, "
-          f"{100 * g['vs_batch_rebalance']:.1f}% lower than batch_rebalance "
-          f"(steps {args.warmup + 1}..{args.warmup + args.steps}; {args.warmup} warm-up steps not compared)")
+
+    def cut(x: float) -> str:
+        return f"{100 * abs(x):.1f}% {'lower' if x >= 0 else 'higher'}"
+
+    print(f"\nslowest-rank compute: {cut(g['vs_none'])} than none, {cut(g['vs_batch_rebalance'])} than "
+          f"batch_rebalance (steps {args.warmup + 1}..{args.warmup + args.steps}; {args.warmup} warm-up steps not compared)")
     print(f"perfect balance (every rank at none's mean rank compute, the same work) would be "
           f"{100 * g['perfect_balance_vs_none']:.1f}% lower than none")
     bound = result.get("placement_bound")
