@@ -204,6 +204,24 @@ def test_trainer_with_callback_fits_logs_checkpoints_and_resumes(tmp_path):
     assert len(set(first_part)) == len(first_part)
 
 
+def _refits(rank, world, out_dir):
+    torch.set_num_threads(1)
+    trainer, cb, _ = _trainer(out_dir, max_steps=7, save_steps=100, dp_balance_refit_every=2)
+    trainer.train()
+    return {"fit_steps": [r["step"] for r in cb.fit_reports], "observations": [r["n_observations"] for r in cb.fit_reports],
+            "model": cb.decoder_model.to_dict(), "fitted_step": cb.fitted_step,
+            "logged_quadratic": [h.get("dp_balance/cost_quadratic") for h in trainer.state.log_history if "loss" in h]}
+
+
+def test_the_cost_model_is_refitted_as_training_goes_on(tmp_path):
+    r0, r1 = run_ranks(_refits, 2, str(tmp_path), timeout=240)
+    # warm-up fit after step 3, then every 2 steps on all records so far (2 ranks per step, the first dropped)
+    assert r0["fit_steps"] == r1["fit_steps"] == [3, 5, 7]
+    assert r0["observations"][0] < r0["observations"][1] < r0["observations"][2]
+    assert r0["model"] == r1["model"] and r0["fitted_step"] == 7  # every rank plans with the same coefficients
+    assert r0["logged_quadratic"][-1] == pytest.approx(r0["model"]["quadratic"], rel=1e-3)
+
+
 def _lookahead_save_resume(rank, world, out_dir):
     import torch.distributed as dist
 
