@@ -107,7 +107,8 @@ def main():
         k_cols = [f"{100 * (1 - np.array([r[3][j] for r in rows]) / none).mean():.1f}%" if j < len(windows) else "-"
                   for j in range(len(ks))]
         print(f"| {mix} | {ranks} | {spr} | {wname} ({4 * vision.linear * scale / decoder.linear:.2f}) | "
-              f"{100 * (none / mean - 1).mean():.1f}% | {100 * (1 - mean / none).mean():.1f}% | {100 * cut.mean():.1f}% | "
+              f"{100 * (none / mean - 1).mean():.1f}% | {100 * (1 - mean / none).mean():.1f}% | "
+              f"{100 * cut.mean():.1f}% | "
               f"{100 * cut_b.mean():.1f}% | {100 * (cut.mean() / cut_b.mean()):.0f}% | " + " | ".join(k_cols) + " |",
               flush=True)
 

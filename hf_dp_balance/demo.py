@@ -491,7 +491,8 @@ def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_ra
         patches = [[int(np.prod(g)) for g in (img or [])] + [int(np.prod(g)) for g in (vid or [])]
                    for img, vid in zip(ds["image_grid_thw"], ds["video_grid_thw"])]
         opts = {"steps": steps, "warmup": warmup, "samples_per_rank": samples_per_rank, "seed": seed, "vision": vision,
-                "max_token_ratio": max_token_ratio, "lookahead": lookahead, "workdir": os.path.join(tmp, "out"), "step_timeout_s": timeout_s}
+                "max_token_ratio": max_token_ratio, "lookahead": lookahead, "workdir": os.path.join(tmp, "out"),
+                "step_timeout_s": timeout_s}
         # The three ways run at the same time, each on its own `ranks` processes and gloo group, and meet
         # after every step (a barrier outside the timed window): step k of every way runs while the
         # machine is in the same state, so a slower minute of the shared cores slows all three alike.
@@ -501,8 +502,8 @@ def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_ra
         for way in WAYS:
             port = _free_port()
             for r in range(ranks):
-                procs[way, r] = ctx.Process(target=_rank_main, daemon=True,
-                                            args=(way, r, ranks, port, os.path.join(tmp, "ds"), opts, results, lockstep))
+                args = (way, r, ranks, port, os.path.join(tmp, "ds"), opts, results, lockstep)
+                procs[way, r] = ctx.Process(target=_rank_main, args=args, daemon=True)
         for p in procs.values():
             p.start()
         bar = None
@@ -667,7 +668,8 @@ def run(args: argparse.Namespace) -> int:
         return f"{100 * abs(x):.1f}% {'lower' if x >= 0 else 'higher'}"
 
     print(f"\nslowest-rank compute: {cut(g['vs_none'])} than none, {cut(g['vs_batch_rebalance'])} than "
-          f"batch_rebalance (steps {args.warmup + 1}..{args.warmup + args.steps}; {args.warmup} warm-up steps not compared)")
+          f"batch_rebalance (steps {args.warmup + 1}..{args.warmup + args.steps}; {args.warmup} warm-up steps "
+          f"not compared)")
     print(f"perfect balance (every rank at none's mean rank compute, the same work) would be "
           f"{100 * g['perfect_balance_vs_none']:.1f}% lower than none")
     bound = result.get("placement_bound")
@@ -692,5 +694,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if inv["same_samples"] and inv["losses_equal"] else 1
 
 
-__all__ = ["add_arguments", "run", "run_demo", "token_balanced_packs", "placement_bound", "reachable_cut", "batch_rebalance_layout", "summarize_way",
-           "check_invariants", "assemble", "plot", "format_table"]
+__all__ = ["add_arguments", "run", "run_demo", "token_balanced_packs", "placement_bound", "reachable_cut",
+           "batch_rebalance_layout", "summarize_way", "check_invariants", "settings_problem", "assemble", "plot",
+           "format_table"]

@@ -208,7 +208,8 @@ def _refits(rank, world, out_dir):
     torch.set_num_threads(1)
     trainer, cb, _ = _trainer(out_dir, max_steps=7, save_steps=100, dp_balance_refit_every=2)
     trainer.train()
-    return {"fit_steps": [r["step"] for r in cb.fit_reports], "observations": [r["n_observations"] for r in cb.fit_reports],
+    return {"fit_steps": [r["step"] for r in cb.fit_reports],
+            "observations": [r["n_observations"] for r in cb.fit_reports],
             "model": cb.decoder_model.to_dict(), "fitted_step": cb.fitted_step,
             "logged_quadratic": [h.get("dp_balance/cost_quadratic") for h in trainer.state.log_history if "loss" in h]}
 
