@@ -34,7 +34,8 @@ class DPBalanceConfig:
     """Also balance the vision encoder (images move for the ViT, embeddings come back)."""
 
     warmup_steps: int = 5
-    """Optimizer steps timed before the cost model is fitted and planning switches on."""
+    """Optimizer steps timed before the cost model is fitted. The first step planned with it is step
+    warmup_steps + prefetch_steps + 2: the steps already prepared when the fit lands keep their placement."""
 
     max_token_ratio: float = 1.2
     """Hard per-rank (per micro-batch slot) token cap, as a multiple of the mean tokens per slot."""
