@@ -171,10 +171,11 @@ def _default_plan_fn():
 class _Prepared:
     """One rank's side of a step before the gather."""
 
-    __slots__ = ("micro_batches", "samples", "entries", "rows")
+    __slots__ = ("micro_batches", "samples", "entries", "rows", "costed")
 
-    def __init__(self, micro_batches, samples, entries, rows):
+    def __init__(self, micro_batches, samples, entries, rows, costed: bool = False):
         self.micro_batches, self.samples, self.entries, self.rows = micro_batches, samples, entries, rows
+        self.costed = costed  # rows' costs come from a cost model (not the token stand-in)
 
 
 class BalancedLoader:
@@ -387,7 +388,7 @@ class BalancedLoader:
             arr[:, F_COST] = planning_costs(arr[:, F_TOKENS].astype(np.int64), patches, decoder, vision_model)
         else:
             arr[:, F_COST] = arr[:, F_TOKENS]  # for statistics only: no model, no planning
-        return _Prepared(micro_batches, samples, entries, arr)
+        return _Prepared(micro_batches, samples, entries, arr, costed=decoder is not None)
 
     def _plan(self, step: int, rows: np.ndarray, owners: np.ndarray, micro: np.ndarray, num_micro: int,
               balance: bool, speeds: np.ndarray, cap: Optional[int] = None):
@@ -417,7 +418,9 @@ class BalancedLoader:
             return owners, micro, False, f"planner failed: {exc!r}"
 
     def _gather(self, step: int, prep: Optional[_Prepared], error: Optional[str]):
-        wants = prep is not None and self._balancing and self._models[0] is not None and self.config.enabled
+        # Balance only when every rank's rows were costed by a model: a model that lands while a rank is
+        # preparing must not mix its costs with another rank's token stand-ins in one plan.
+        wants = prep is not None and prep.costed and self._balancing and self.config.enabled
         meta = self._exchange.gather_metadata(
             step, prep.rows if prep is not None else None,
             num_micro_batches=len(prep.micro_batches) if prep is not None else 0,
@@ -504,7 +507,8 @@ class BalancedLoader:
         for j, r in enumerate(rows):
             r[:, F_STEP] = j
         window = _Prepared([mb for p in preps for mb in p.micro_batches], [s for p in preps for s in p.samples],
-                           [e for p in preps for e in p.entries], np.concatenate(rows, axis=0))
+                           [e for p in preps for e in p.entries], np.concatenate(rows, axis=0),
+                           costed=all(p.costed for p in preps))
         meta, balance, speeds = self._gather(step0, window, error)
         full = bool(np.all(meta.headers[:, H_NUM_MICRO] == k * ga))
         if not (full and balance and k > 1):
