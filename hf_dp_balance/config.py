@@ -35,7 +35,8 @@ class DPBalanceConfig:
 
     warmup_steps: int = 5
     """Optimizer steps timed before the cost model is fitted. The first step planned with it is step
-    warmup_steps + prefetch_steps + 2: the steps already prepared when the fit lands keep their placement."""
+    warmup_steps + 2: the step already prepared when the fit lands keeps its placement (until a model is
+    set the loader prepares one step ahead only, whatever `prefetch_steps`)."""
 
     max_token_ratio: float = 1.2
     """Hard per-rank (per micro-batch slot) token cap, as a multiple of the mean tokens per slot."""

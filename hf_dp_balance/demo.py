@@ -54,7 +54,6 @@ import numpy as np
 
 WAYS = ("none", "batch_rebalance", "hf_dp_balance")
 LOSS_RTOL = 1e-4  # per-step loss agreement across ways (float32 summation order differs)
-_PREFETCH_STEPS = 1  # hf_dp_balance's steps prepared ahead in the demo
 _BATCH_REBALANCE_SEED = 42  # transformers' BatchRebalanceSampler default (Trainer does not pass one)
 # The demo's decoder: bigger than `data.tiny_config`'s (hidden 64, 2 layers), so that a step's compute is
 # dominated by the model (dense layers ~ L, attention ~ sum(L^2), ViT ~ patches) rather than by fixed
@@ -92,13 +91,14 @@ def token_balanced_packs(tokens: Sequence[int], parts: int) -> List[List[int]]:
     return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
 
 
-def fit_step(warmup: int, prefetch_steps: int) -> int:
+def fit_step(warmup: int) -> int:
     """The callback's `warmup_steps` so that step `warmup + 1` is the first planned with the fitted model.
 
-    After the fit at the end of step w, the loader has steps w+1 .. w+1+prefetch already prepared
-    (the queue plus the one in hand); at least 2 timed steps are needed (the first is dropped).
+    Until a model is set the loader stays one step ahead: after the fit at the end of step w, step w+1
+    is already prepared without it and step w+2 is the first planned (with look-ahead too: the next
+    window is prepared only once its previous step is taken). At least 2 timed steps (the first is dropped).
     """
-    return max(2, warmup - prefetch_steps - 1)
+    return max(2, warmup - 1)
 
 
 def batch_rebalance_layout(num_samples: int, seed: int = _BATCH_REBALANCE_SEED, epoch: int = 0) -> np.ndarray:
@@ -374,11 +374,7 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
         # step is planned with the fitted model. Without vision-tower balancing (the default here) the loader
         # plans each sample at decoder + ViT cost (its images are encoded where it goes); with it
         # (`vision_tower`), the tower is balanced per image from step 1 and the loader plans decoder cost.
-        # Look-ahead prepares a whole window of K steps at once, as soon as the previous window is queued:
-        # fit one step earlier so that the first compared window is planned with the model.
-        k = opts["lookahead"]
-        config = DPBalanceConfig(warmup_steps=fit_step(warmup, _PREFETCH_STEPS + (1 if k > 1 else 0)),
-                                 prefetch_steps=_PREFETCH_STEPS, lookahead_steps=k,
+        config = DPBalanceConfig(warmup_steps=fit_step(warmup), lookahead_steps=opts["lookahead"],
                                  vision=opts["vision"], max_token_ratio=opts["max_token_ratio"])
         callbacks = [DPBalanceCallback(config), probe]
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=callbacks)

@@ -601,12 +601,30 @@ class _StepStream:
                 if self._stop.is_set():
                     return False
 
+    def _wait_for_model_or_consumer(self) -> bool:
+        """Until a cost model is set, stay one step ahead only; False when the stream was closed meanwhile.
+
+        Without a model nothing is planned, so running `prefetch_steps` ahead would only mean more steps
+        prepared without it when the fit lands: planning then starts with step warmup_steps + 2 instead
+        of warmup_steps + prefetch_steps + 2. Every rank consumes the same steps, so every rank's thread
+        leaves this wait for the same step, and a closed stream stops every rank at the same step (as in
+        `_put`).
+        """
+        loader = self.loader
+        while loader._balancing and loader.config.enabled and loader.cost_model is None and not self._queue.empty():
+            if self._stop.is_set():
+                return False
+            time.sleep(0.002)
+        return True
+
     def _main(self) -> None:
         loader = self.loader
         step = 0
         pending: Optional[Tuple[BaseException, str]] = None  # a local failure, told to the peers at the next gather
         try:
             while self.step_limit is None or step < self.step_limit:
+                if not self._wait_for_model_or_consumer():
+                    return
                 span = max(1, loader.config.lookahead_steps)  # steps prepared and gathered together
                 if self.step_limit is not None:
                     span = min(span, self.step_limit - step)

@@ -37,9 +37,9 @@ def test_batch_rebalance_layout_makes_transformers_sampler_yield_the_schedule():
         assert sorted(seen[k]) == list(range(k * ranks * per_rank, (k + 1) * ranks * per_rank))
 
 
-def test_fit_step_leaves_room_for_the_prefetched_steps():
-    assert fit_step(6, 1) == 4  # fit after step 4; steps 5, 6 already prepared; step 7 planned with the model
-    assert fit_step(3, 2) == 2  # never fewer than 2 timed steps
+def test_fit_step_leaves_room_for_the_prepared_step():
+    assert fit_step(6) == 5  # fit after step 5; step 6 already prepared; step 7 planned with the model
+    assert fit_step(2) == 2  # never fewer than 2 timed steps
 
 
 def test_placement_bound_is_set_by_a_sample_heavier_than_a_ranks_share():

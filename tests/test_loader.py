@@ -102,6 +102,36 @@ def _exactly_once(rank, world, steps):
     return out, pulled, lengths, windowed
 
 
+def _first_planned_step(rank, world, fit_after):
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from hf_dp_balance.cost import CostModel
+    from hf_dp_balance.loader import BalancedLoader, list_collate
+
+    torch.set_num_threads(1)
+    raw = _rank_micro_batches(rank, world, 14, seed=5)[: 12 * GA]
+    loader = BalancedLoader(DataLoader(raw, batch_size=None, collate_fn=list_collate),
+                            DPBalanceConfig(timeout_s=60, prefetch_steps=2, min_gain=0.0),
+                            gradient_accumulation_steps=GA, collator=_ids_collator, features_fn=_text_features)
+    planned = []
+    for step, _ in enumerate(loader.iter_steps()):
+        time.sleep(0.05)  # "training": time for the thread to fill its queue if it runs ahead
+        (st,) = loader.pop_stats()
+        planned.append(not st.reason.startswith("balancing off"))
+        if step == fit_after:  # what the callback does at on_step_end of the fit step
+            loader.set_cost_model(CostModel(quadratic=1.0, linear=200.0))
+    return planned
+
+
+def test_planning_starts_two_steps_after_the_model_whatever_the_prefetch():
+    # Before the model nothing is planned, so the thread stays one step ahead: the step prepared during
+    # the fit step is the only one without the model (with prefetch_steps=2 ahead it would be three).
+    for planned in run_ranks(_first_planned_step, 2, 3, timeout=120):
+        assert planned.index(True) == 3 + 2 and all(planned[5:]), planned
+
+
 def test_every_sample_trained_exactly_once_and_plans_identical_4_ranks():
     world, steps = 4, 110
     results = run_ranks(_exactly_once, world, steps, timeout=200)
