@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 # Columns of the per-sample metadata rows gathered from every rank.
 F_MICRO, F_TOKENS, F_VISION, F_COST, F_NBYTES, F_STEP, F_WIDTH = range(7)  # F_STEP: step within a look-ahead window
 FLAG_BALANCE = 1  # this rank asks for balancing (enabled, past warm-up, has a cost model)
+_MODEL_VERSION_SHIFT = 8  # flags >> 8: which cost model costed the rows (ranks must agree to balance)
 
 
 @dataclass
@@ -171,11 +172,12 @@ def _default_plan_fn():
 class _Prepared:
     """One rank's side of a step before the gather."""
 
-    __slots__ = ("micro_batches", "samples", "entries", "rows", "costed")
+    __slots__ = ("micro_batches", "samples", "entries", "rows", "costed", "model_version")
 
-    def __init__(self, micro_batches, samples, entries, rows, costed: bool = False):
+    def __init__(self, micro_batches, samples, entries, rows, costed: bool = False, model_version: int = 0):
         self.micro_batches, self.samples, self.entries, self.rows = micro_batches, samples, entries, rows
         self.costed = costed  # rows' costs come from a cost model (not the token stand-in)
+        self.model_version = model_version  # which set_cost_model call it was
 
 
 class BalancedLoader:
@@ -231,7 +233,9 @@ class BalancedLoader:
         sync = sync or self.config.sync
         self.sync = "step" if sync == "auto" else sync  # `auto` without a framework to ask: DDP semantics
         self.id_key = id_key
-        self._models = (cost_model, None)  # (decoder, vision): one tuple, swapped atomically for the thread
+        # (decoder, vision, version): one tuple, swapped atomically for the thread; version counts the
+        # set_cost_model calls, equal on every rank (the same broadcast fits, in the same order)
+        self._models = (cost_model, None, 0)
         self._balancing = bool(balancing)
         self._speed = float(speed)
         self._exchange = exchange if exchange is not None else SampleExchange(self.config.timeout_s)
@@ -243,8 +247,11 @@ class BalancedLoader:
     def set_cost_model(self, cost_model: Any, vision: Any = None) -> None:
         """Plan the steps prepared from now on with `cost_model.sample_costs(tokens)` per sample, plus
         `vision`'s cost of the sample's images when given (see `planning_costs`: give it when the vision
-        tower is not balanced on its own). None as `cost_model` switches planning off."""
-        self._models = (cost_model, vision)
+        tower is not balanced on its own). None as `cost_model` switches planning off.
+
+        Every rank must make the same calls in the same order (the callback does: one broadcast fit):
+        a step is balanced only when every rank costed its rows with the same call's models."""
+        self._models = (cost_model, vision, self._models[2] + 1)
 
     def set_balancing(self, enabled: bool) -> None:
         self._balancing = bool(enabled)
@@ -383,12 +390,12 @@ class BalancedLoader:
                 patches.append(items)
                 rows.append((m, tokens, count, 0.0, encoded_nbytes(ent), 0))
         arr = np.array(rows, dtype=np.float64).reshape(-1, F_WIDTH)
-        decoder, vision_model = self._models
+        decoder, vision_model, version = self._models  # one read: costs and version always match
         if decoder is not None and arr.shape[0]:
             arr[:, F_COST] = planning_costs(arr[:, F_TOKENS].astype(np.int64), patches, decoder, vision_model)
         else:
             arr[:, F_COST] = arr[:, F_TOKENS]  # for statistics only: no model, no planning
-        return _Prepared(micro_batches, samples, entries, arr, costed=decoder is not None)
+        return _Prepared(micro_batches, samples, entries, arr, costed=decoder is not None, model_version=version)
 
     def _plan(self, step: int, rows: np.ndarray, owners: np.ndarray, micro: np.ndarray, num_micro: int,
               balance: bool, speeds: np.ndarray, cap: Optional[int] = None):
@@ -421,11 +428,15 @@ class BalancedLoader:
         # Balance only when every rank's rows were costed by a model: a model that lands while a rank is
         # preparing must not mix its costs with another rank's token stand-ins in one plan.
         wants = prep is not None and prep.costed and self._balancing and self.config.enabled
+        flags = (FLAG_BALANCE | (prep.model_version << _MODEL_VERSION_SHIFT)) if wants else 0
         meta = self._exchange.gather_metadata(
             step, prep.rows if prep is not None else None,
             num_micro_batches=len(prep.micro_batches) if prep is not None else 0,
-            flags=FLAG_BALANCE if wants else 0, speed=self._speed, error=error, num_fields=F_WIDTH)
-        balance = bool(np.all(meta.headers[:, H_FLAGS].astype(np.int64) & FLAG_BALANCE))
+            flags=flags, speed=self._speed, error=error, num_fields=F_WIDTH)
+        gathered = meta.headers[:, H_FLAGS].astype(np.int64)
+        # and every rank's costs from the same model (a refit can land while ranks prepare this step)
+        versions = set((gathered >> _MODEL_VERSION_SHIFT).tolist())
+        balance = bool(np.all(gathered & FLAG_BALANCE)) and len(versions) == 1
         return meta, balance, meta.headers[:, H_SPEED].astype(np.float64)
 
     def _run_step(self, step: int, prep: Optional[_Prepared], error: Optional[str]):
@@ -508,7 +519,8 @@ class BalancedLoader:
             r[:, F_STEP] = j
         window = _Prepared([mb for p in preps for mb in p.micro_batches], [s for p in preps for s in p.samples],
                            [e for p in preps for e in p.entries], np.concatenate(rows, axis=0),
-                           costed=all(p.costed for p in preps))
+                           costed=all(p.costed for p in preps) and len({p.model_version for p in preps}) == 1,
+                           model_version=preps[-1].model_version)
         meta, balance, speeds = self._gather(step0, window, error)
         full = bool(np.all(meta.headers[:, H_NUM_MICRO] == k * ga))
         if not (full and balance and k > 1):

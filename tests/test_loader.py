@@ -132,6 +132,40 @@ def test_planning_starts_two_steps_after_the_model_whatever_the_prefetch():
         assert planned.index(True) == 3 + 2 and all(planned[5:]), planned
 
 
+def _model_versions(rank, world):
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from hf_dp_balance.cost import CostModel
+    from hf_dp_balance.loader import BalancedLoader, list_collate
+
+    torch.set_num_threads(1)
+    raw = _rank_micro_batches(rank, world, 24, seed=7)[: 22 * GA]
+    loader = BalancedLoader(DataLoader(raw, batch_size=None, collate_fn=list_collate),
+                            DPBalanceConfig(timeout_s=60, prefetch_steps=2, min_gain=0.0),
+                            gradient_accumulation_steps=GA, collator=_ids_collator, features_fn=_text_features)
+    first, refit = CostModel(quadratic=1.0, linear=200.0), CostModel(quadratic=2.0, linear=100.0)
+    out = []
+    for step, _ in enumerate(loader.iter_steps()):
+        time.sleep(0.03)
+        (st,) = loader.pop_stats()
+        out.append((st.plan_hash, not st.reason.startswith("balancing off")))
+        if step == 2:
+            loader.set_cost_model(first)
+        if step == (3 if rank == 0 else 12):  # the refit reaches rank 1 nine steps late
+            loader.set_cost_model(refit)
+    return out
+
+
+def test_a_step_costed_with_different_models_on_different_ranks_is_not_balanced():
+    r0, r1 = run_ranks(_model_versions, 2, timeout=120)
+    assert [h for h, _ in r0] == [h for h, _ in r1]  # same plans on both ranks, every step
+    balanced = [b for _, b in r0]
+    assert not any(balanced[7:13]), balanced  # rank 0 costs with the refit, rank 1 with the first model
+    assert all(balanced[16:]), balanced  # both on the refit: balanced again
+
+
 def test_every_sample_trained_exactly_once_and_plans_identical_4_ranks():
     world, steps = 4, 110
     results = run_ranks(_exactly_once, world, steps, timeout=200)
