@@ -172,12 +172,12 @@ def _default_plan_fn():
 class _Prepared:
     """One rank's side of a step before the gather."""
 
-    __slots__ = ("micro_batches", "samples", "entries", "rows", "costed", "model_version")
+    __slots__ = ("micro_batches", "samples", "entries", "rows", "model_version")
 
-    def __init__(self, micro_batches, samples, entries, rows, costed: bool = False, model_version: int = 0):
+    def __init__(self, micro_batches, samples, entries, rows, model_version: Optional[int] = None):
         self.micro_batches, self.samples, self.entries, self.rows = micro_batches, samples, entries, rows
-        self.costed = costed  # rows' costs come from a cost model (not the token stand-in)
-        self.model_version = model_version  # which set_cost_model call it was
+        # which set_cost_model call's models costed the rows; None: no model (costs are token stand-ins)
+        self.model_version = model_version
 
 
 class BalancedLoader:
@@ -395,7 +395,7 @@ class BalancedLoader:
             arr[:, F_COST] = planning_costs(arr[:, F_TOKENS].astype(np.int64), patches, decoder, vision_model)
         else:
             arr[:, F_COST] = arr[:, F_TOKENS]  # for statistics only: no model, no planning
-        return _Prepared(micro_batches, samples, entries, arr, costed=decoder is not None, model_version=version)
+        return _Prepared(micro_batches, samples, entries, arr, model_version=version if decoder is not None else None)
 
     def _plan(self, step: int, rows: np.ndarray, owners: np.ndarray, micro: np.ndarray, num_micro: int,
               balance: bool, speeds: np.ndarray, cap: Optional[int] = None):
@@ -427,7 +427,7 @@ class BalancedLoader:
     def _gather(self, step: int, prep: Optional[_Prepared], error: Optional[str]):
         # Balance only when every rank's rows were costed by a model: a model that lands while a rank is
         # preparing must not mix its costs with another rank's token stand-ins in one plan.
-        wants = prep is not None and prep.costed and self._balancing and self.config.enabled
+        wants = prep is not None and prep.model_version is not None and self._balancing and self.config.enabled
         flags = (FLAG_BALANCE | (prep.model_version << _MODEL_VERSION_SHIFT)) if wants else 0
         meta = self._exchange.gather_metadata(
             step, prep.rows if prep is not None else None,
@@ -517,10 +517,10 @@ class BalancedLoader:
         rows = [p.rows.copy() for p in preps]
         for j, r in enumerate(rows):
             r[:, F_STEP] = j
+        versions = {p.model_version for p in preps}  # one model for the whole window, or it is not planned
         window = _Prepared([mb for p in preps for mb in p.micro_batches], [s for p in preps for s in p.samples],
                            [e for p in preps for e in p.entries], np.concatenate(rows, axis=0),
-                           costed=all(p.costed for p in preps) and len({p.model_version for p in preps}) == 1,
-                           model_version=preps[-1].model_version)
+                           model_version=versions.pop() if len(versions) == 1 else None)
         meta, balance, speeds = self._gather(step0, window, error)
         full = bool(np.all(meta.headers[:, H_NUM_MICRO] == k * ga))
         if not (full and balance and k > 1):
