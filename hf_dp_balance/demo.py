@@ -370,8 +370,8 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
         train = _Samples(samples, range(steps * B))
         args = TrainingArguments(per_device_train_batch_size=per_rank, train_sampling_strategy="sequential", **common)
         collate = collator
-        # The loader prepares `prefetch_steps` (+1 in hand) ahead: fit early enough that the first compared
-        # step is planned with the fitted model. Without vision-tower balancing (the default here) the loader
+        # Fit one step before the last warm-up step: the step prepared during the fit step keeps its
+        # placement, so the first compared step is the first planned with the fitted model. Without vision-tower balancing (the default here) the loader
         # plans each sample at decoder + ViT cost (its images are encoded where it goes); with it
         # (`vision_tower`), the tower is balanced per image from step 1 and the loader plans decoder cost.
         config = DPBalanceConfig(warmup_steps=fit_step(warmup), lookahead_steps=opts["lookahead"],
