@@ -102,7 +102,9 @@ def _exactly_once(rank, world, steps):
     return out, pulled, lengths, windowed
 
 
-def _first_planned_step(rank, world, fit_after):
+def _planned_steps(rank, world, steps, seed, step_s, calls):
+    """(plan hash, planned at all) per step; `calls[rank][step]` = (quadratic, linear): set_cost_model
+    after taking that step, as the callback does at on_step_end of a fit step."""
     import time
 
     from torch.utils.data import DataLoader
@@ -111,55 +113,34 @@ def _first_planned_step(rank, world, fit_after):
     from hf_dp_balance.loader import BalancedLoader, list_collate
 
     torch.set_num_threads(1)
-    raw = _rank_micro_batches(rank, world, 14, seed=5)[: 12 * GA]
+    raw = _rank_micro_batches(rank, world, steps + 2, seed=seed)[: steps * GA]
     loader = BalancedLoader(DataLoader(raw, batch_size=None, collate_fn=list_collate),
                             DPBalanceConfig(timeout_s=60, prefetch_steps=2, min_gain=0.0),
                             gradient_accumulation_steps=GA, collator=_ids_collator, features_fn=_text_features)
-    planned = []
+    out = []
     for step, _ in enumerate(loader.iter_steps()):
-        time.sleep(0.05)  # "training": time for the thread to fill its queue if it runs ahead
+        time.sleep(step_s)  # "training": time for the thread to fill its queue if it runs ahead
         (st,) = loader.pop_stats()
-        planned.append(not st.reason.startswith("balancing off"))
-        if step == fit_after:  # what the callback does at on_step_end of the fit step
-            loader.set_cost_model(CostModel(quadratic=1.0, linear=200.0))
-    return planned
+        out.append((st.plan_hash, not st.reason.startswith("balancing off")))
+        if step in calls[rank]:
+            quadratic, linear = calls[rank][step]
+            loader.set_cost_model(CostModel(quadratic=quadratic, linear=linear))
+    return out
 
 
 def test_planning_starts_two_steps_after_the_model_whatever_the_prefetch():
     # Before the model nothing is planned, so the thread stays one step ahead: the step prepared during
     # the fit step is the only one without the model (with prefetch_steps=2 ahead it would be three).
-    for planned in run_ranks(_first_planned_step, 2, 3, timeout=120):
+    calls = {r: {3: (1.0, 200.0)} for r in range(2)}
+    for out in run_ranks(_planned_steps, 2, 12, 5, 0.05, calls, timeout=120):
+        planned = [b for _, b in out]
         assert planned.index(True) == 3 + 2 and all(planned[5:]), planned
 
 
-def _model_versions(rank, world):
-    import time
-
-    from torch.utils.data import DataLoader
-
-    from hf_dp_balance.cost import CostModel
-    from hf_dp_balance.loader import BalancedLoader, list_collate
-
-    torch.set_num_threads(1)
-    raw = _rank_micro_batches(rank, world, 24, seed=7)[: 22 * GA]
-    loader = BalancedLoader(DataLoader(raw, batch_size=None, collate_fn=list_collate),
-                            DPBalanceConfig(timeout_s=60, prefetch_steps=2, min_gain=0.0),
-                            gradient_accumulation_steps=GA, collator=_ids_collator, features_fn=_text_features)
-    first, refit = CostModel(quadratic=1.0, linear=200.0), CostModel(quadratic=2.0, linear=100.0)
-    out = []
-    for step, _ in enumerate(loader.iter_steps()):
-        time.sleep(0.03)
-        (st,) = loader.pop_stats()
-        out.append((st.plan_hash, not st.reason.startswith("balancing off")))
-        if step == 2:
-            loader.set_cost_model(first)
-        if step == (3 if rank == 0 else 12):  # the refit reaches rank 1 nine steps late
-            loader.set_cost_model(refit)
-    return out
-
-
 def test_a_step_costed_with_different_models_on_different_ranks_is_not_balanced():
-    r0, r1 = run_ranks(_model_versions, 2, timeout=120)
+    first, refit = (1.0, 200.0), (2.0, 100.0)
+    calls = {0: {2: first, 3: refit}, 1: {2: first, 12: refit}}  # the refit reaches rank 1 nine steps late
+    r0, r1 = run_ranks(_planned_steps, 2, 22, 7, 0.03, calls, timeout=120)
     assert [h for h, _ in r0] == [h for h, _ in r1]  # same plans on both ranks, every step
     balanced = [b for _, b in r0]
     assert not any(balanced[7:13]), balanced  # rank 0 costs with the refit, rank 1 with the first model
