@@ -278,6 +278,16 @@ def warmup_table(title: str, timed: Timed, train_packs: int, draws: int, seed: i
 # --------------------------------------------------------------------------- main
 
 
+def report(key: str, title: str, lengths, samples: np.ndarray, args, record: dict) -> None:
+    """Print the noise, the fit comparison and the warm-up table of one module's timings; fill `record`."""
+    timed = Timed(lengths, np.stack([features_of(p) for p in lengths]), samples.min(axis=1))
+    print(f"\n{key} timing noise: {noise_summary(samples)}")
+    record[key] = {"lengths": lengths, "times": timed.times.tolist(), "samples": samples.tolist()}
+    record[f"{key}_results"] = compare(title, timed, args.fit_packs, args.train_packs, args.warmup_steps, args.draws,
+                                       args.seed)
+    record[f"{key}_warmup"] = warmup_table(title, timed, args.train_packs, args.draws, args.seed)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="issue sizes: 4 layers, packs of 4096-8192 tokens / patches")
@@ -319,12 +329,7 @@ def main(argv=None) -> int:
     packs = pack_compositions(rng, n_packs, min_tokens, max_tokens, min_len=128)
     print(f"decoder: Qwen2 hidden {hidden}, {layers} layers, varlen attention, 1 thread; {n_packs} packs of "
           f"{min_tokens}-{max_tokens} tokens", file=sys.stderr)
-    samples = time_decoder(packs, hidden, layers, args.repeats)
-    decoder = Timed(packs, np.stack([features_of(p) for p in packs]), samples.min(axis=1))
-    print(f"\ndecoder timing noise: {noise_summary(samples)}")
-    record["decoder"] = {"lengths": packs, "times": decoder.times.tolist(), "samples": samples.tolist()}
-    record["decoder_results"] = compare("Decoder", decoder, args.fit_packs, args.train_packs, args.warmup_steps, args.draws, args.seed)
-    record["decoder_warmup"] = warmup_table("Decoder", decoder, args.train_packs, args.draws, args.seed)
+    report("decoder", "Decoder", packs, time_decoder(packs, hidden, layers, args.repeats), args, record)
 
     if not args.skip_vision:
         # images of 64..4096 patches; a "pack" is one rank's images (total patches like the decoder's tokens)
@@ -334,18 +339,14 @@ def main(argv=None) -> int:
         vlengths = [g.prod(dim=1).tolist() for g in grids]
         print(f"vision: Qwen2-VL tower embed {vision_embed}, depth {vision_depth}, sdpa per image; "
               f"{n_packs} sets of images of {min_patches}-{max_patches} patches", file=sys.stderr)
-        vsamples = time_vision(vlengths, vision_embed, vision_depth, args.repeats)
-        vision = Timed(vlengths, np.stack([features_of(p) for p in vlengths]), vsamples.min(axis=1))
-        print(f"\nvision timing noise: {noise_summary(vsamples)}")
-        record["vision"] = {"lengths": vlengths, "times": vision.times.tolist(), "samples": vsamples.tolist()}
-        record["vision_results"] = compare("Vision tower", vision, args.fit_packs, args.train_packs, args.warmup_steps, args.draws, args.seed)
-        record["vision_warmup"] = warmup_table("Vision tower", vision, args.train_packs, args.draws, args.seed)
+        report("vision", "Vision tower", vlengths, time_vision(vlengths, vision_embed, vision_depth, args.repeats),
+               args, record)
 
     print(f"\nwall time {time.perf_counter() - wall:.0f} s (timings are thread CPU time; the machine was shared)")
     if args.save:
         # `hf-dp-balance fit` input: one rank per pack, steps of one rank
         record["lengths"] = [[p] for p in packs]
-        record["times"] = [[x] for x in decoder.times.tolist()]
+        record["times"] = [[x] for x in record["decoder"]["times"]]
         with open(args.save, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1, default=float)
         print(f"wrote {args.save}")
