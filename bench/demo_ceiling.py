@@ -26,6 +26,7 @@ import numpy as np
 from hf_dp_balance.cost import CostModel
 from hf_dp_balance.data import plan_samples
 from hf_dp_balance.demo import token_balanced_packs
+from hf_dp_balance.loader import planning_costs
 from hf_dp_balance.lookahead import plan_lookahead
 from hf_dp_balance.planner import plan_balance
 
@@ -33,20 +34,15 @@ DEFAULT_DECODER = CostModel(quadratic=9.8e-8, linear=3.0e-4, per_sample=0.0, con
 DEFAULT_VISION = CostModel(quadratic=4.3e-9, linear=1.6e-5, per_sample=0.0, constant=0.023)
 
 
-def sample_costs(plans, decoder, vision, vit_scale):
-    tokens = np.array([p["text_tokens"] + sum(p["vision_tokens"]) for p in plans], dtype=np.int64)
-    costs = decoder.sample_costs(tokens).astype(np.float64)
-    for i, p in enumerate(plans):
-        if p["vision_tokens"]:
-            costs[i] += vit_scale * float(vision.sample_costs(4 * np.asarray(p["vision_tokens"])).sum())
-    return tokens, costs
-
-
 def one_setting(mix, ranks, spr, vit_scale, windows, steps, seed, decoder, vision, ratio=1.5):
-    """Sums over `steps` of the slowest rank: none, ours, bound (per step), [ours with look-ahead K] per K."""
+    """Sums over `steps` of the slowest rank: none, ours, bound (per step), [ours with look-ahead K] per K,
+    and of the mean rank (the same for every way: total cost / ranks + constant)."""
     b = ranks * spr
-    tokens, costs = sample_costs(plan_samples(steps * b, seed=seed, mix=mix), decoder, vision, vit_scale)
-    constant = decoder.constant + vit_scale * vision.constant
+    plans = plan_samples(steps * b, seed=seed, mix=mix)
+    tokens = np.array([p["text_tokens"] + sum(p["vision_tokens"]) for p in plans], dtype=np.int64)
+    vit = CostModel(*(vit_scale * vision.coefficients))  # the ViT at the given weight
+    costs = planning_costs(tokens, [[4 * v for v in p["vision_tokens"]] for p in plans], decoder, vit)
+    constant = decoder.constant + vit.constant
     step_of = np.repeat(np.arange(steps), b)
     caps = []
     none = ours = bound = 0.0
@@ -71,7 +67,7 @@ def one_setting(mix, ranks, spr, vit_scale, windows, steps, seed, decoder, visio
             total += plan_balance(costs[ids], owners, ranks, tokens=tokens[ids],
                                   max_tokens=max(max(caps), int(tokens[ids].max()))).loads_after.max() + constant
         ours_k.append(total)
-    return none, ours, bound, ours_k
+    return none, ours, bound, ours_k, costs.sum() / ranks + steps * constant
 
 
 def main():
@@ -98,11 +94,7 @@ def main():
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(ks))
     for mix, ranks, spr, (wname, scale), windows in settings:
         rows = [one_setting(mix, ranks, spr, scale, windows, args.steps, s, decoder, vision) for s in range(args.seeds)]
-        none, ours, bound = (np.array([r[i] for r in rows]) for i in range(3))
-        # the mean rank per step is the same for every way: total cost / ranks (+ constant)
-        tokens, costs = zip(*(sample_costs(plan_samples(args.steps * ranks * spr, seed=s, mix=mix), decoder, vision,
-                                           scale) for s in range(args.seeds)))
-        mean = np.array([c.sum() / ranks + args.steps * (decoder.constant + scale * vision.constant) for c in costs])
+        none, ours, bound, mean = (np.array([r[i] for r in rows]) for i in (0, 1, 2, 4))
         cut, cut_b = 1 - ours / none, 1 - bound / none
         k_cols = [f"{100 * (1 - np.array([r[3][j] for r in rows]) / none).mean():.1f}%" if j < len(windows) else "-"
                   for j in range(len(ks))]
