@@ -1,7 +1,7 @@
 """Does the fitted cost model predict real compute? Timed forward+backward, side by side.
 
 Decoder: a small Qwen2 (random weights, one thread, the varlen attention of
-hf_dp_balance.attention, so a pack costs sum(L^2) and not T^2) on packs of
+hf_dp_balance.runtime.attention, so a pack costs sum(L^2) and not T^2) on packs of
 many compositions (one long sample ... many short ones, mixed). Vision: a tiny
 Qwen2-VL vision tower called directly with pixel rows and grid_thw, on sets of
 images of 64..4096 patches. Compute of a pack = its thread CPU time
@@ -34,8 +34,8 @@ from typing import List
 import numpy as np
 import torch
 
-from hf_dp_balance.attention import register_varlen_attention
-from hf_dp_balance.cost import features_of, fit_cost_model
+from hf_dp_balance.runtime.attention import register_varlen_attention
+from hf_dp_balance.core.cost import features_of, fit_cost_model
 
 RANKS = 8
 

@@ -23,12 +23,12 @@ import json
 
 import numpy as np
 
-from hf_dp_balance.cost import CostModel
-from hf_dp_balance.data import plan_samples
-from hf_dp_balance.demo import token_balanced_packs
-from hf_dp_balance.loader import planning_costs
-from hf_dp_balance.lookahead import plan_lookahead
-from hf_dp_balance.planner import plan_balance
+from hf_dp_balance.core.cost import CostModel
+from hf_dp_balance.testing.data import plan_samples
+from hf_dp_balance.apps.demo import token_balanced_packs
+from hf_dp_balance.runtime.loader import planning_costs
+from hf_dp_balance.core.lookahead import plan_lookahead
+from hf_dp_balance.core.planner import plan_balance
 
 DEFAULT_DECODER = CostModel(quadratic=9.8e-8, linear=3.0e-4, per_sample=0.0, constant=0.0)
 DEFAULT_VISION = CostModel(quadratic=4.3e-9, linear=1.6e-5, per_sample=0.0, constant=0.023)

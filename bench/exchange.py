@@ -34,7 +34,6 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 PACK = 2048
 GA = 2
@@ -46,7 +45,7 @@ SECONDS_PER_COST = 0.25 / (PACK * 1.05)  # a pack of 2048 tokens computes in abo
 
 def rank_packs(rank: int, steps: int, seed: int):
     """Deterministic packs of one rank: list of micro-batches, each a list of (text_tokens, vision_tokens)."""
-    from hf_dp_balance.data import plan_samples
+    from hf_dp_balance.testing.data import plan_samples
 
     plans = plan_samples(steps * GA * 40, seed=seed * 1000 + rank, mix="long_tail", scale=1 / 16)
     packs, cur, used, k = [], [], 0, 0
@@ -101,8 +100,8 @@ def _rank_main(rank, world, steps, seed, prefetch, mode):
     import torch.distributed as dist
 
     from hf_dp_balance.config import DPBalanceConfig
-    from hf_dp_balance.cost import CostModel
-    from hf_dp_balance.loader import BalancedLoader
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.runtime.loader import BalancedLoader
 
     packs = rank_packs(rank, steps, seed)
 
@@ -134,12 +133,12 @@ def _rank_main(rank, world, steps, seed, prefetch, mode):
 
 def offline_bytes(world: int, steps: int, seed: int):
     """Per step: (our plan's hash and moved bytes, the reference greedy's moved bytes), from the same data."""
-    from hf_dp_balance.cost import CostModel
-    from hf_dp_balance.exchange import encoded_nbytes, sample_entries
-    from hf_dp_balance.loader import plan_hash, slot_loads, token_cap
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.runtime.exchange import encoded_nbytes, sample_entries
+    from hf_dp_balance.runtime.loader import plan_hash, slot_loads, token_cap
     from hf_dp_balance.config import DPBalanceConfig
-    from hf_dp_balance.planner import plan_step
-    from hf_dp_balance.reference import plan_reference_greedy
+    from hf_dp_balance.core.planner import plan_step
+    from hf_dp_balance.apps.reference import plan_reference_greedy
 
     model = CostModel(**COST)
     cfg = DPBalanceConfig()
@@ -185,7 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write", default=None, help="also write the markdown report to this file")
     args = ap.parse_args(argv)
 
-    from dist_harness import run_ranks
+    from hf_dp_balance.testing.spawn import run_ranks
 
     offline = offline_bytes(args.ranks, args.steps, args.seed)
     modes = args.compute.split(",")
@@ -224,8 +223,8 @@ def _code_version() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "hf_dp_balance/planner.py",
-                                "hf_dp_balance/loader.py", "hf_dp_balance/exchange.py"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "hf_dp_balance/core/planner",
+                                "hf_dp_balance/runtime/loader.py", "hf_dp_balance/runtime/exchange.py"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from hf_dp_balance.planner import plan_balance, plan_step
-from hf_dp_balance.reference import plan_reference_greedy
+from hf_dp_balance.core.planner import plan_balance, plan_step
+from hf_dp_balance.apps.reference import plan_reference_greedy
 
 PACK = 32768
 COST_A = 1.0 / 53000.0

@@ -7,9 +7,9 @@ the markdown table of docs/benchmarks/planner.md. Run: python bench/planner_fall
 import time
 import numpy as np
 import scipy.optimize  # noqa: F401  (imported once by the first repack; excluded from the per-plan times)
-import hf_dp_balance.planner as P
-from hf_dp_balance import simulate as S
-from hf_dp_balance.reference import plan_reference_greedy
+import hf_dp_balance.core.planner as P
+from hf_dp_balance.apps import simulate as S
+from hf_dp_balance.apps.reference import plan_reference_greedy
 
 calls = {"repack": 0, "eject": 0}
 for name in calls:

@@ -29,7 +29,6 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 RANKS = 4
 # Vision tower of the benchmark: wider and deeper than the test configs so that a
@@ -62,7 +61,7 @@ def skewed_mix(step: int, ranks: int, seed: int):
 def _make_batch(family, items, seed):
     import torch
 
-    from hf_dp_balance import data
+    from hf_dp_balance.testing import data
 
     cfg = data.tiny_config(family).vision_config
     width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
@@ -124,10 +123,10 @@ def _bench_rank(rank, world, family, steps, seed):
     import torch
     import torch.distributed as dist
 
-    from hf_dp_balance import data
+    from hf_dp_balance.testing import data
     from hf_dp_balance.config import DPBalanceConfig
-    from hf_dp_balance.cost import CostModel
-    from hf_dp_balance.vision import balance_vision_encoder
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.runtime.vision import balance_vision_encoder
 
     model = data.make_model(family, seed=0, vision_config=TOWER[family])
     inner = model.model
@@ -165,7 +164,7 @@ def _bench_rank(rank, world, family, steps, seed):
 
 
 def main(argv=None) -> int:
-    from dist_harness import run_ranks
+    from hf_dp_balance.testing.spawn import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen2_vl", choices=sorted(TOWER))

@@ -11,28 +11,28 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     # functional core
-    "plan_balance": "planner",
-    "plan_step": "planner",
-    "Plan": "planner",
-    "StepPlan": "planner",
-    "CostModel": "cost",
-    "fit_cost_model": "cost",
-    "FitReport": "cost",
-    "FitResult": "cost",
-    "features_of": "cost",
-    "PackedCollator": "samples",
-    "sample_features": "samples",
-    "split_packed": "samples",
-    "register_varlen_attention": "attention",
-    "plan_lookahead": "lookahead",
+    "plan_balance": "core.planner",
+    "plan_step": "core.planner",
+    "Plan": "core.planner",
+    "StepPlan": "core.planner",
+    "CostModel": "core.cost",
+    "fit_cost_model": "core.cost",
+    "FitReport": "core.cost",
+    "FitResult": "core.cost",
+    "features_of": "core.cost",
+    "PackedCollator": "core.packing",
+    "sample_features": "core.packing",
+    "split_packed": "core.packing",
+    "register_varlen_attention": "runtime.attention",
+    "plan_lookahead": "core.lookahead",
     # shell
-    "BalancedLoader": "loader",
-    "balance_vision_encoder": "vision",
-    "DPBalanceCallback": "callback",
+    "BalancedLoader": "runtime.loader",
+    "balance_vision_encoder": "runtime.vision",
+    "DPBalanceCallback": "integrations.callback",
     # configuration
     "DPBalanceConfig": "config",
-    "DPBalanceArguments": "arguments",
-    "DPBalanceTrainingArguments": "arguments",
+    "DPBalanceArguments": "integrations.arguments",
+    "DPBalanceTrainingArguments": "integrations.arguments",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,3 +1,3 @@
-from hf_dp_balance.cli import main
+from hf_dp_balance.apps.cli import main
 
 raise SystemExit(main())

@@ -21,7 +21,7 @@ Data (`--data`): a JSONL file, one conversation per line::
                   {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
 
 Only the assistant's last turn is trained (everything before it is label -100).
-`--data synthetic` uses `hf_dp_balance.data.build_synthetic_dataset` (tiny models only).
+`--data synthetic` uses `hf_dp_balance.testing.data.build_synthetic_dataset` (tiny models only).
 
 Start it (see recipes/README.md for every launcher):
 
@@ -47,7 +47,7 @@ import torch
 from transformers import HfArgumentParser, Trainer
 
 from hf_dp_balance import DPBalanceCallback, PackedCollator, register_varlen_attention
-from hf_dp_balance.arguments import DPBalanceTrainingArguments
+from hf_dp_balance.integrations.arguments import DPBalanceTrainingArguments
 
 IGNORE_INDEX = -100
 
@@ -87,7 +87,7 @@ def load_model(name: str, attn: str, dtype, weights: Optional[str] = None):
     keeps the fresh weights; huggingface/transformers#43701); `from_pretrained` does map them.
     """
     if name.startswith("tiny:"):
-        from hf_dp_balance.data import make_model
+        from hf_dp_balance.testing.data import make_model
 
         model = make_model(name.split(":", 1)[1], seed=0, attn_implementation=attn)
         if weights:
@@ -134,7 +134,7 @@ class ConversationDataset(torch.utils.data.Dataset):
 
 
 def synthetic_dataset(model, n: int, max_samples: Optional[int]):
-    from hf_dp_balance.data import build_synthetic_dataset, to_sample
+    from hf_dp_balance.testing.data import build_synthetic_dataset, to_sample
 
     ds = build_synthetic_dataset(model.config.model_type, max_samples or n, seed=0, mix="long_tail")
 

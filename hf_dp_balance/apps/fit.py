@@ -1,0 +1,63 @@
+"""`hf-dp-balance fit`: fit a cost model from recorded timings (JSON or NPZ) and write it as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Tuple
+
+import numpy as np
+
+from hf_dp_balance.core.cost import _MODES, features_of_ranks, fit_cost_model
+
+
+def load_timings(path: str) -> Tuple[np.ndarray, np.ndarray]:
+    """Read recorded timings: JSON or NPZ with `times` and either `features`
+    [steps, ranks, 4] or `lengths` (per step, per rank, a list of item lengths)."""
+    if str(path).endswith(".npz"):
+        with np.load(path, allow_pickle=False) as data:
+            record = {k: data[k] for k in data.files}
+    else:
+        with open(path, "r", encoding="utf-8") as f:
+            record = json.load(f)
+    if not isinstance(record, dict) or "times" not in record:
+        raise ValueError(f"{path}: expected an object with 'times' and 'features' (or 'lengths')")
+    if "features" in record:
+        features = np.asarray(record["features"], dtype=np.float64)
+    elif "lengths" in record:
+        features = np.stack([features_of_ranks(step) for step in record["lengths"]])
+    else:
+        raise ValueError(f"{path}: needs 'features' [steps, ranks, 4] or 'lengths' [steps][ranks][items]")
+    return features, np.asarray(record["times"], dtype=np.float64)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", help="JSON or NPZ with 'times' and 'features' [steps, ranks, 4] or 'lengths'")
+    parser.add_argument("-o", "--output", help="write the fitted CostModel (and report) as JSON here")
+    parser.add_argument("--mode", choices=_MODES, default="auto")
+    parser.add_argument("--holdout", type=float, default=0.25, help="fraction of steps held out for R^2 / MAPE")
+    parser.add_argument("--temperature", type=float, default=None, help="step-max soft-max temperature (relative)")
+    parser.add_argument("--no-robust", dest="robust", action="store_false", help="plain least squares, keep outliers")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the held-out step choice")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        features, times = load_timings(args.input)
+        result = fit_cost_model(
+            features, times, mode=args.mode, holdout=args.holdout, temperature=args.temperature,
+            robust=args.robust, seed=args.seed,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"hf-dp-balance fit: {exc}", file=sys.stderr)
+        return 2
+    m = result.model
+    print(f"cost = {m.quadratic:.6g}*sum(L^2) + {m.linear:.6g}*sum(L) + {m.per_sample:.6g}*n + {m.constant:.6g}")
+    print(result.report.summary())
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(result.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        print(f"wrote {args.output}")
+    return 0

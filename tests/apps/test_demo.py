@@ -1,0 +1,139 @@
+"""The demo: its pure parts, and a short run on 2 gloo ranks checking demo.json's structure and invariants."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hf_dp_balance.apps.demo import (WAYS, batch_rebalance_layout, check_invariants, fit_step, format_table,
+                                placement_bound, reachable_cut, summarize_way, token_balanced_packs)
+
+
+def test_token_balanced_packs_cut_contiguously_into_equal_tokens():
+    tokens = [100, 10, 10, 80, 50, 50, 100]
+    packs = token_balanced_packs(tokens, 2)
+    assert [i for p in packs for i in p] == list(range(len(tokens)))
+    assert [sum(tokens[i] for i in p) for p in packs] == [200, 200]
+    packs = token_balanced_packs([1000, 1, 1, 1], 4)  # every pack gets a sample even when tokens are skewed
+    assert [len(p) for p in packs] == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="at least 4 samples"):
+        token_balanced_packs([1, 2], 4)
+
+
+def test_batch_rebalance_layout_makes_transformers_sampler_yield_the_schedule():
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    ranks, per_rank, steps = 3, 4, 5
+    n = ranks * per_rank * steps
+    layout = batch_rebalance_layout(n)
+    lengths = list(np.random.default_rng(0).integers(5, 500, size=n)[layout])  # dataset position p holds layout[p]
+    seen = {}
+    for r in range(ranks):
+        sampler = BatchRebalanceSampler(lengths, effective_batch_size=ranks * per_rank, dp_size=ranks, grad_accum=1,
+                                        rank=r)
+        for k, batch in enumerate(sampler):
+            seen.setdefault(k, []).extend(int(layout[p]) for p in batch)
+    for k in range(steps):  # global batch k = schedule samples [k*B, (k+1)*B)
+        assert sorted(seen[k]) == list(range(k * ranks * per_rank, (k + 1) * ranks * per_rank))
+
+
+def test_fit_step_leaves_room_for_the_prepared_step():
+    assert fit_step(6) == 5  # fit after step 5; step 6 already prepared; step 7 planned with the model
+    assert fit_step(2) == 2  # never fewer than 2 timed steps
+
+
+def test_placement_bound_is_set_by_a_sample_heavier_than_a_ranks_share():
+    costs = np.array([1.0, 1.0, 1.0, 1.0, 6.0, 1.0, 1.0])
+    bound = placement_bound(costs, [[0, 1, 2, 3], [4, 5, 6]], ranks=2)
+    assert bound[0] == pytest.approx(0.0)  # 4 equal samples on 2 ranks: perfect balance possible
+    assert bound[1] == pytest.approx(6.0 / 4.0 - 1.0)  # the 6.0 sample alone exceeds the share of 4.0
+
+
+def test_reachable_cut_sums_none_slowest_rank_and_the_per_step_bound():
+    costs = np.array([1.0, 1.0, 1.0, 3.0, 6.0, 1.0, 1.0])
+    # step 0: none's loads 2 | 4, a perfect split gives 3; step 1: the 6.0 sample sets the step either way
+    out = reachable_cut(costs, [[[0, 1], [2, 3]], [[4], [5, 6]]], ranks=2, step_constant=0.5)
+    assert out["none_predicted_s"] == pytest.approx(4.5 + 6.5)
+    assert out["bound_s"] == pytest.approx(3.5 + 6.5)
+    assert out["ceiling"] == pytest.approx(1.0 - 10.0 / 11.0)
+    assert reachable_cut(costs, [[[4], [5, 6]]], ranks=2)["ceiling"] == pytest.approx(0.0)
+
+
+def test_summary_and_invariants():
+    compute = np.array([[1.0, 3.0], [2.0, 2.0], [4.0, 1.0]])
+    run = summarize_way(compute, np.array([10, 20, 30]), [3.0, 2.0, 1.0], [[0, 1], [2, 3], [4]], 5, warmup=1)
+    assert run["slowest_rank_compute_s"] == 6.0 and run["mean_rank_compute_s"] == 4.5
+    assert run["samples_trained"] == 3 and run["tokens_per_s"] == pytest.approx(50 / 6.0)
+    other = dict(run, losses=[3.0, 2.0, 1.0 + 1e-3])
+    inv = check_invariants({"none": run, "x": other})
+    assert inv["same_samples"] and not inv["losses_equal"]
+    moved = dict(run, samples_per_step=[[0, 1], [2], [3, 4]])
+    assert not check_invariants({"none": run, "x": moved})["same_samples"]
+    assert "none" in format_table({"none": run})
+
+
+def test_invariants_with_lookahead_compare_windows_after_the_warmup_and_nothing_else():
+    def run(samples, losses):
+        return {"samples_per_step": samples, "losses": losses}
+
+    none = run([[0, 1], [2, 3], [4, 5], [6, 7]], [4.0, 3.0, 2.0, 1.0])
+    # step 1 is warm-up; steps 1..2 (0-based) and 3 form windows of 2 from step index 1
+    moved_in_window = run([[0, 1], [2], [3, 4, 5], [6, 7]], [4.0, 9.0, 9.0, 9.0])
+    inv = check_invariants({"none": none, "hf_dp_balance": moved_in_window}, window=2, window_from=1,
+                           windowed=["hf_dp_balance"])
+    assert inv["same_samples"] and inv["losses_equal"] and inv["window"] == 2
+    across_windows = run([[0, 1], [2, 3, 6], [4, 5], [7]], [4.0, 9.0, 9.0, 9.0])
+    assert not check_invariants({"none": none, "hf_dp_balance": across_windows}, window=2, window_from=1,
+                                windowed=["hf_dp_balance"])["same_samples"]
+    warmup_differs = run([[0, 1], [2, 3], [4, 5], [6, 7]], [4.5, 3.0, 2.0, 1.0])
+    assert not check_invariants({"none": none, "hf_dp_balance": warmup_differs}, window=2, window_from=1,
+                                windowed=["hf_dp_balance"])["losses_equal"]
+    # a way not in `windowed` is still held to every step
+    assert not check_invariants({"none": none, "batch_rebalance": moved_in_window}, window=2, window_from=1,
+                                windowed=["hf_dp_balance"])["same_samples"]
+
+
+def test_demo_with_lookahead_keeps_every_window_s_samples(tmp_path):
+    from hf_dp_balance.apps.cli import main
+
+    out = tmp_path / "demo.json"
+    code = main(["demo", "--steps", "4", "--warmup", "2", "--lookahead", "2", "--ranks", "2", "--samples-per-rank",
+                 "4", "--json", str(out), "--plot", "", "--no-progress"])
+    result = json.loads(out.read_text())
+    inv = result["invariants"]
+    assert code == 0 and inv["same_samples"] and inv["losses_equal"] and inv["window"] == 2, inv
+    assert result["settings"]["lookahead_steps"] == 2
+    # every sample of the run trained exactly once, whichever step of its window
+    ours = sorted(i for s in result["runs"]["hf_dp_balance"]["samples_per_step"] for i in s)
+    assert ours == sorted(i for s in result["runs"]["none"]["samples_per_step"] for i in s)
+    # the compared steps must start a window: refused before anything starts
+    assert main(["demo", "--warmup", "3", "--lookahead", "2", "--json", str(tmp_path / "no.json")]) == 2
+    assert main(["demo", "--max-token-ratio", "0.5", "--json", str(tmp_path / "no.json")]) == 2
+    assert not (tmp_path / "no.json").exists()
+
+
+def test_demo_runs_three_ways_on_two_ranks(tmp_path):
+    from hf_dp_balance.apps.cli import main
+
+    out, png = tmp_path / "demo.json", tmp_path / "demo.png"
+    code = main(["demo", "--steps", "2", "--warmup", "2", "--ranks", "2", "--samples-per-rank", "4",
+                 "--json", str(out), "--plot", str(png), "--no-progress"])
+    result = json.loads(out.read_text())
+    assert code == 0
+    assert set(result["runs"]) == set(WAYS)
+    for way, run in result["runs"].items():
+        for key in ("slowest_rank_compute_s", "mean_rank_compute_s", "samples_trained", "tokens_per_s",
+                    "moved_samples", "losses"):
+            assert key in run, (way, key)
+        assert len(run["losses"]) == 4 and len(run["per_step_slowest_s"]) == 4
+        assert run["slowest_rank_compute_s"] >= run["mean_rank_compute_s"] > 0
+        assert run["samples_trained"] == 2 * 2 * 4  # compared steps x ranks x samples per rank
+    none = result["runs"]["none"]
+    assert result["gain"]["perfect_balance_vs_none"] == pytest.approx(
+        1 - none["mean_rank_compute_s"] / none["slowest_rank_compute_s"])
+    inv = result["invariants"]
+    assert inv["same_samples"] and inv["losses_equal"], inv
+    ids = result["runs"]["none"]["samples_per_step"]  # ids of samples, identical token content sharing one
+    assert [len(s) for s in ids] == [8] * 4
+    assert all(0 <= i < (k + 1) * 8 for k, s in enumerate(ids) for i in s)  # step k: samples k*8.. (or a twin)
+    assert png.stat().st_size > 10_000

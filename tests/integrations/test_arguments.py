@@ -1,0 +1,75 @@
+"""`dp_balance_*` TrainingArguments fields: command line, environment overrides, validation."""
+
+import dataclasses
+
+import pytest
+from transformers import HfArgumentParser, TrainingArguments
+
+from hf_dp_balance.integrations.arguments import DPBalanceArguments, DPBalanceTrainingArguments, argument_name
+from hf_dp_balance.config import DPBalanceConfig
+
+
+def _parse(argv, tmp_path):
+    parser = HfArgumentParser(DPBalanceTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--use_cpu", "true", *argv])
+    return args
+
+
+def test_every_config_field_has_an_argument_with_help():
+    arg_fields = {f.name: f for f in dataclasses.fields(DPBalanceArguments)}
+    for f in dataclasses.fields(DPBalanceConfig):
+        name = argument_name(f.name)
+        assert name in arg_fields, name
+        help_text = arg_fields[name].metadata["help"]
+        assert f"HF_DP_BALANCE_{f.name.upper()}" in help_text
+        assert len(help_text.split()) > 6, f"{name} lacks a real help text: {help_text!r}"
+    assert len(arg_fields) == len(dataclasses.fields(DPBalanceConfig))
+
+
+def test_command_line_parses_into_training_arguments(tmp_path):
+    args = _parse(["--dp_balance", "--dp_balance_vision", "true", "--dp_balance_warmup_steps", "8",
+                   "--dp_balance_max_token_ratio", "1.5", "--dp_balance_max_tokens", "4096",
+                   "--dp_balance_sync", "micro_batch", "--dp_balance_refit_every", "50",
+                   "--dp_balance_cost_model_path", "/x/cost.json"], tmp_path)
+    assert isinstance(args, TrainingArguments)
+    cfg = args.to_dp_balance_config(environ={})
+    assert cfg == DPBalanceConfig(enabled=True, vision=True, warmup_steps=8, max_token_ratio=1.5, max_tokens=4096,
+                                  sync="micro_batch", refit_every=50, cost_model_path="/x/cost.json")
+    # Trainer's own options still parse beside ours.
+    assert args.use_cpu is True and args.output_dir == str(tmp_path)
+
+
+def test_switch_is_off_unless_given(tmp_path):
+    args = _parse([], tmp_path)
+    assert args.dp_balance is False
+    cfg = args.to_dp_balance_config(environ={})
+    assert cfg == DPBalanceConfig(enabled=False)
+
+
+def test_environment_overrides_arguments(tmp_path, monkeypatch):
+    args = _parse(["--dp_balance_warmup_steps", "8", "--dp_balance_min_gain", "0.05"], tmp_path)
+    monkeypatch.setenv("HF_DP_BALANCE_ENABLED", "1")
+    monkeypatch.setenv("HF_DP_BALANCE_WARMUP_STEPS", "3")
+    monkeypatch.setenv("HF_DP_BALANCE_MAX_TOKENS", "none")
+    cfg = args.to_dp_balance_config()
+    assert cfg.enabled is True and cfg.warmup_steps == 3 and cfg.max_tokens is None
+    assert cfg.min_gain == 0.05  # not overridden: the argument stays
+
+
+def test_bad_values_name_the_field(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="max_token_ratio"):
+        _parse(["--dp_balance_max_token_ratio", "0.5"], tmp_path)
+    with pytest.raises(SystemExit):  # argparse refuses a value outside the choices
+        _parse(["--dp_balance_sync", "sometimes"], tmp_path)
+    args = _parse([], tmp_path)
+    monkeypatch.setenv("HF_DP_BALANCE_WARMUP_STEPS", "many")
+    with pytest.raises(ValueError, match="HF_DP_BALANCE_WARMUP_STEPS"):
+        args.to_dp_balance_config()
+
+
+def test_arguments_alone_parse_next_to_other_dataclasses(tmp_path):
+    parser = HfArgumentParser((TrainingArguments, DPBalanceArguments))
+    training, balance = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "true", "--dp_balance", "--dp_balance_fit_mode", "step_max"])
+    assert balance.to_dp_balance_config(environ={}).fit_mode == "step_max"
+    assert not hasattr(training, "dp_balance")

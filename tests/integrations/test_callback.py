@@ -1,0 +1,280 @@
+"""DPBalanceCallback in a stock Trainer on 2 real gloo ranks: warm-up fit, logs, checkpoint and resume."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hf_dp_balance.testing.spawn import run_ranks
+from hf_dp_balance.integrations.callback import (CHECKPOINT_FILE, DPBalanceCallback, compute_imbalance, feature_row,
+                                    fit_from_records, resolve_config, segment_lengths, summarize_step_stats)
+from hf_dp_balance.runtime.loader import StepStats
+from hf_dp_balance.config import DPBalanceConfig
+from hf_dp_balance.core.cost import CostModel
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_segment_lengths_reads_packed_and_padded_batches():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert segment_lengths({"position_ids": pos}) == [3, 2, 4]
+    mrope = torch.stack([pos, pos * 0, pos * 0, pos * 0])  # [4, 1, T]: row 0 is the plain positions
+    assert segment_lengths({"position_ids": mrope}) == [3, 2, 4]
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert segment_lengths({"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": mask}) == [3, 2]
+    assert segment_lengths({"input_ids": torch.zeros(2, 5, dtype=torch.long)}) == [5, 5]
+
+
+def test_feature_row_and_imbalance():
+    np.testing.assert_allclose(feature_row([3, 4]), [25.0, 7.0, 2.0, 1.0])
+    assert compute_imbalance(np.array([[1.0, 1.0], [3.0, 1.0]])) == pytest.approx((0.0 + 0.5) / 2)
+
+
+def test_fit_from_records_recovers_a_known_model():
+    rng = np.random.default_rng(0)
+    true = CostModel(quadratic=2e-7, linear=1e-4, per_sample=1e-3, constant=0.05)
+    lengths = [[rng.integers(16, 2048, size=rng.integers(1, 8)) for _ in range(2)] for _ in range(12)]
+    feats = np.array([[feature_row(r) for r in step] for step in lengths])
+    times = true.predict(feats) * rng.normal(1.0, 0.01, size=(12, 2))
+    times[0] *= 5  # a slow first step: dropped
+    fitted = fit_from_records(feats, times, "per_rank").model
+    pred, ref = fitted.predict(feats[1:]), true.predict(feats[1:])
+    assert np.max(np.abs(pred / ref - 1)) < 0.05
+
+
+def test_loader_stats_summary():
+    def st(step, applied, before, after, moved):
+        return StepStats(step=step, num_micro_batches=1, num_samples=8, applied=applied, reason="", plan_hash="",
+                         imbalance_before=before, imbalance_after=after, moved_samples=moved, moved_bytes=10 * moved,
+                         bytes_sent=0, bytes_received=0)
+
+    out = summarize_step_stats([st(1, False, 0.1, 0.1, 0), st(2, True, 0.5, 0.1, 3)])
+    assert out["applied"] == 1 and out["skipped"] == 1 and out["moved_samples"] == 3 and out["moved_bytes"] == 30
+    assert out["imbalance_before"] == pytest.approx(0.3) and out["imbalance_after"] == pytest.approx(0.1)
+    assert summarize_step_stats([]) == {}
+
+
+def test_config_precedence(monkeypatch):
+    class Args:
+        dp_balance = True
+        dp_balance_warmup_steps = 7
+
+    assert resolve_config(None, Args(), environ={}).warmup_steps == 7
+    assert resolve_config(DPBalanceConfig(warmup_steps=2), Args(), environ={}).warmup_steps == 2
+    env = {"HF_DP_BALANCE_WARMUP_STEPS": "4"}
+    assert resolve_config(DPBalanceConfig(warmup_steps=2), Args(), environ=env).warmup_steps == 4
+    assert resolve_config(None, object(), environ={}) == DPBalanceConfig()
+
+
+# --------------------------------------------------------------------------- Trainer on 2 gloo ranks
+
+
+class _TextSamples(torch.utils.data.Dataset):
+    """Unique text samples with long-tail lengths: tokens 1-2 encode the index."""
+
+    def __init__(self, n: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        lengths = np.clip(rng.lognormal(np.log(48), 1.0, size=n), 8, 400).astype(int)
+        self.items = []
+        for i, length in enumerate(lengths):
+            body = rng.integers(11, 512, size=int(length) - 3).tolist()
+            ids = torch.tensor([2, 11 + i % 400, 11 + i // 400] + body)
+            self.items.append({"input_ids": ids, "labels": ids.clone()})
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def _pack_text(samples):
+    """One packed row: positions restart per sample, each sample's first label masked."""
+    ids, pos, labels = [], [], []
+    for s in samples:
+        x = s["input_ids"].tolist()
+        ids += x
+        pos += list(range(len(x)))
+        labels += [-100] + x[1:]
+    t = lambda v: torch.tensor([v], dtype=torch.long)  # noqa: E731
+    return {"input_ids": t(ids), "position_ids": t(pos), "labels": t(labels)}
+
+
+def _record_segments(model, trainer_ref):
+    """Forward pre-hook: (step being computed, first 3 tokens of every packed sample)."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        ids, pos = kwargs["input_ids"][0].tolist(), kwargs["position_ids"][0].tolist()
+        starts = [i for i, p in enumerate(pos) if p == 0]
+        step = trainer_ref[0].state.global_step + 1
+        seen.extend((step, tuple(ids[s:s + 3])) for s in starts)
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def _trainer(out_dir, max_steps, save_steps, cost_model=None, **dp_fields):
+    from transformers import Trainer
+
+    from hf_dp_balance.integrations.arguments import DPBalanceTrainingArguments
+    from hf_dp_balance.testing.data import make_model
+
+    args = DPBalanceTrainingArguments(
+        output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, max_steps=max_steps, logging_steps=1,
+        save_strategy="steps", save_steps=save_steps, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
+        dataloader_drop_last=True, learning_rate=1e-3, dp_balance=True, dp_balance_warmup_steps=3, **dp_fields)
+    model = make_model("text", seed=0)
+    callback = DPBalanceCallback(cost_model=cost_model)
+    ref = [None]
+    seen = _record_segments(model, ref)
+    trainer = Trainer(model=model, args=args, train_dataset=_TextSamples(96), data_collator=_pack_text,
+                      callbacks=[callback])
+    ref[0] = trainer
+    return trainer, callback, seen
+
+
+def _train_save_resume(rank, world, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    first, cb1, seen1 = _trainer(out_dir, max_steps=8, save_steps=4)
+    first.train()
+    saved_path = os.path.join(out_dir, "checkpoint-4", CHECKPOINT_FILE)
+    dist.barrier()
+    second, cb2, seen2 = _trainer(out_dir, max_steps=8, save_steps=100)
+    second.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-4"))
+    return {
+        "log_history": first.state.log_history,
+        "callback_position": first.callback_handler.callbacks.index(cb1),
+        "fitted_step": cb1.fitted_step,
+        "model_after_first": cb1.decoder_model.to_dict() if cb1.decoder_model else None,
+        "saved": json.load(open(saved_path)) if rank == 0 else None,
+        "restored_from": getattr(cb2, "restored_from", None),
+        "model_after_resume": cb2.decoder_model.to_dict() if cb2.decoder_model else None,
+        "resume_fitted_step": cb2.fitted_step,
+        "seen1": seen1,
+        "seen2": seen2,
+    }
+
+
+def test_trainer_with_callback_fits_logs_checkpoints_and_resumes(tmp_path):
+    results = run_ranks(_train_save_resume, 2, str(tmp_path), timeout=240)
+    r0, r1 = results
+    # Warm-up of 3 steps, then one fit whose coefficients every rank shares.
+    assert r0["fitted_step"] == r1["fitted_step"] == 3
+    assert r0["model_after_first"] is not None and r0["model_after_first"] == r1["model_after_first"]
+    assert r0["callback_position"] == 1  # right after DefaultFlowCallback, before the reporters
+
+    # Metrics in Trainer's own log stream.
+    train_logs = [h for h in r0["log_history"] if "loss" in h]
+    assert [h["step"] for h in train_logs] == list(range(1, 9))
+    for h in train_logs:
+        assert h["dp_balance/fitted"] == (1.0 if h["step"] >= 3 else 0.0)
+        assert h["dp_balance/compute_imbalance"] >= 0.0
+        assert h["dp_balance/slowest_rank_compute_s"] > 0.0
+    assert all("dp_balance/cost_quadratic" in h for h in train_logs if h["step"] >= 3)
+    # The balanced loader plans only once the model is fitted: nothing moves in warm-up, then it balances.
+    applied = {h["step"]: h.get("dp_balance/applied", 0.0) + 0 for h in train_logs}
+    assert sum(applied[s] for s in (1, 2, 3)) == 0
+    assert sum(applied[s] for s in range(4, 9)) >= 1, applied
+    moved = sum(h.get("dp_balance/moved_samples", 0) for h in train_logs)
+    assert moved >= 1 and all(h["dp_balance/imbalance_after"] <= h["dp_balance/imbalance_before"] + 1e-9
+                              for h in train_logs if "dp_balance/imbalance_after" in h)
+
+    # The checkpoint holds the model; the resumed run starts from it without a new warm-up.
+    assert r0["saved"]["decoder"] == r0["model_after_first"]
+    for r in results:
+        assert r["restored_from"].endswith(os.path.join("checkpoint-4", CHECKPOINT_FILE))
+        assert r["model_after_resume"] == r0["model_after_first"]
+        assert r["resume_fitted_step"] == 4
+
+    # Resume continues exactly where the first run stopped: no sample trained twice, none skipped.
+    def by_step(seen_lists, steps):
+        return sorted(s for seen in seen_lists for (step, s) in seen if step in steps)
+
+    first_part = by_step([r0["seen1"], r1["seen1"]], range(1, 5))
+    second_part_original = by_step([r0["seen1"], r1["seen1"]], range(5, 9))
+    resumed = by_step([r0["seen2"], r1["seen2"]], range(5, 9))
+    assert resumed == second_part_original
+    assert not set(resumed) & set(first_part)
+    assert len(set(first_part)) == len(first_part)
+
+
+def _refits(rank, world, out_dir):
+    torch.set_num_threads(1)
+    trainer, cb, _ = _trainer(out_dir, max_steps=7, save_steps=100, dp_balance_refit_every=2)
+    trainer.train()
+    return {"fit_steps": [r["step"] for r in cb.fit_reports],
+            "observations": [r["n_observations"] for r in cb.fit_reports],
+            "model": cb.decoder_model.to_dict(), "fitted_step": cb.fitted_step,
+            "logged_quadratic": [h.get("dp_balance/cost_quadratic") for h in trainer.state.log_history if "loss" in h]}
+
+
+def test_the_cost_model_is_refitted_as_training_goes_on(tmp_path):
+    r0, r1 = run_ranks(_refits, 2, str(tmp_path), timeout=240)
+    # warm-up fit after step 3, then every 2 steps on all records so far (2 ranks per step, the first dropped)
+    assert r0["fit_steps"] == r1["fit_steps"] == [3, 5, 7]
+    assert r0["observations"][0] < r0["observations"][1] < r0["observations"][2]
+    assert r0["model"] == r1["model"] and r0["fitted_step"] == 7  # every rank plans with the same coefficients
+    assert r0["logged_quadratic"][-1] == pytest.approx(r0["model"]["quadratic"], rel=1e-3)
+
+
+def _lookahead_save_resume(rank, world, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # A given, attention-heavy cost model: windows are re-planned from step 1 and the long samples of
+    # the long-tail lengths are outliers that gather in a few steps. No refit: both runs plan alike.
+    kw = dict(cost_model=CostModel(quadratic=1e-6, linear=1e-5, per_sample=0.0, constant=0.0),
+              dp_balance_lookahead_steps=3, dp_balance_refit_every=0)
+    first, _, seen1 = _trainer(out_dir, max_steps=8, save_steps=4, **kw)
+    first.train()
+    dist.barrier()
+    saved = sorted(int(d.split("-")[1]) for d in os.listdir(out_dir) if d.startswith("checkpoint-"))
+    second, _, seen2 = _trainer(out_dir, max_steps=8, save_steps=100, **kw)
+    second.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{saved[0]}"))
+    return {"saved": saved, "seen1": seen1, "seen2": seen2,
+            "log_history": [h for h in first.state.log_history if "loss" in h]}
+
+
+def test_lookahead_holds_checkpoints_to_window_ends_so_resume_trains_every_sample_once(tmp_path):
+    r0, r1 = run_ranks(_lookahead_save_resume, 2, str(tmp_path), timeout=240)
+    # save_steps=4 asks for steps 4 and 8; windows of 3 steps end after steps 3, 6, 9: step 4's checkpoint
+    # is written after step 6; step 8 is the run's last step and saves where it falls.
+    assert r0["saved"] == r1["saved"] == [6, 8]
+
+    def per_step(seen_lists):
+        out = {}
+        for seen in seen_lists:
+            for step, s in seen:
+                out.setdefault(step, []).append(s)
+        return {k: sorted(v) for k, v in out.items()}
+
+    first, resumed = per_step([r0["seen1"], r1["seen1"]]), per_step([r0["seen2"], r1["seen2"]])
+    assert sorted(first) == list(range(1, 9)) and sorted(resumed) == [7, 8]
+    # look-ahead did move samples between steps (8 per step without it)
+    assert sorted({len(v) for v in first.values()}) != [8], {k: len(v) for k, v in first.items()}
+    trained_before = [s for k in range(1, 7) for s in first[k]]
+    assert len(set(trained_before)) == len(trained_before)
+    again = resumed[7] + resumed[8]
+    assert not set(again) & set(trained_before)  # nothing of steps 1..6 trained twice
+    assert sorted(again) == sorted(first[7] + first[8])  # and the resumed steps train what the first run did
+
+
+def test_hooks_are_not_doubled_when_a_run_raised_before_train_end():
+    # A train() that raises never reaches on_train_end; the next on_train_begin installs the hooks again.
+    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from hf_dp_balance.testing.data import make_model
+
+    model = make_model("qwen2_vl")
+    cb = DPBalanceCallback()
+    cb._install_hooks(model)
+    counts = (len(model._forward_pre_hooks), len(model.model.visual._forward_pre_hooks), len(model.model.visual._forward_hooks))
+    assert counts[0] >= 1 and counts[1] >= 1
+    cb._install_hooks(model)
+    assert (len(model._forward_pre_hooks), len(model.model.visual._forward_pre_hooks),
+            len(model.model.visual._forward_hooks)) == counts

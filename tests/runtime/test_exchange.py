@@ -1,0 +1,183 @@
+"""Sample codec and transfer layout (pure), and the side-group exchange on real gloo processes."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hf_dp_balance.testing.spawn import run_ranks, run_ranks_allow_failures
+from hf_dp_balance.runtime.exchange import (ExchangeError, SampleExchange, all_to_all_rows, decode_sample, encode_sample,
+                                    encoded_nbytes, sample_entries, transfer_layout)
+
+
+# ------------------------------------------------------------------ codec (pure)
+
+def _rich_sample():
+    return {
+        "input_ids": torch.arange(7, dtype=torch.int64),
+        "pixel_values": torch.randn(3, 5).to(torch.bfloat16),
+        "image_grid_thw": torch.tensor([[1, 2, 4]], dtype=torch.int32),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(5.5, dtype=torch.float16),
+        "empty": torch.zeros(0, 3),
+        "sample_id": 42, "weight": 0.25, "flag": True, "name": "héllo", "raw": b"\x00ab",
+        "labels": [[1, 2], [3, 4]], "none": None, "arr": np.arange(6, dtype=np.float32).reshape(2, 3), "nothing": [],
+    }
+
+
+def test_codec_round_trip_keeps_values_types_and_dtypes():
+    s = _rich_sample()
+    buf = encode_sample(s)
+    assert buf.dtype == torch.uint8 and buf.numel() % 8 == 0
+    assert buf.numel() == encoded_nbytes(sample_entries(s))
+    d = decode_sample(buf)
+    assert list(d) == list(s)
+    for k, v in s.items():
+        got = d[k]
+        if isinstance(v, torch.Tensor):
+            assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), k
+        elif isinstance(v, np.ndarray):
+            assert isinstance(got, np.ndarray) and got.dtype == v.dtype and np.array_equal(got, v)
+        else:
+            assert type(got) is type(v) and got == v, k
+
+
+def test_codec_rejects_unsendable_values_naming_sample_and_key():
+    with pytest.raises(ValueError, match=r"rank 1, sample 3.*'meta'.*dict"):
+        encode_sample({"input_ids": torch.ones(2), "meta": {"a": 1}}, "rank 1, sample 3")
+    with pytest.raises(ValueError, match=r"'ragged'"):
+        sample_entries({"ragged": [[1, 2], [3]]}, "sample 0")
+    with pytest.raises(ValueError, match=r"'words'.*str"):
+        sample_entries({"words": ["a", "b"]}, "sample 0")
+    with pytest.raises(ValueError, match="not a string"):
+        sample_entries({3: torch.ones(1)}, "sample 0")
+    with pytest.raises(ValueError, match="corrupt"):
+        bad = encode_sample({"x": torch.ones(3)}).clone()
+        bad[:8] = 0
+        decode_sample(bad)
+
+
+def test_transfer_layout_sender_and_receiver_agree():
+    rng = np.random.default_rng(0)
+    world = 4
+    owners = np.sort(rng.integers(0, world, 200))
+    dest = np.where(rng.random(200) < 0.3, rng.integers(0, world, 200), owners)
+    nbytes = rng.integers(1, 100, 200) * 8
+    layouts = [transfer_layout(owners, dest, nbytes, r, world) for r in range(world)]
+    for i in range(world):
+        for j in range(world):
+            np.testing.assert_array_equal(layouts[i].send_index[j], layouts[j].recv_index[i])
+            assert layouts[i].send_splits[j] == layouts[j].recv_splits[i]
+        assert layouts[i].send_index[i].size == 0 and layouts[i].send_splits[i] == 0  # nothing sent to itself
+    moved = owners != dest
+    assert sum(l.bytes_sent for l in layouts) == nbytes[moved].sum()
+    with pytest.raises(ValueError, match="one entry per sample"):
+        transfer_layout(owners, dest[:-1], nbytes, 0, world)
+
+
+# ------------------------------------------------------------------ on real processes
+
+def _exchange_round(rank, world):
+    """Every rank owns a few samples; a shared random plan moves some; check who ends up with what."""
+    torch.manual_seed(100 + rank)
+    ex = SampleExchange(timeout_s=30)
+    rng = np.random.default_rng(7)  # same on every rank: the plan
+    counts = rng.integers(0, 5, world)
+    counts[world - 1] = 0  # one rank with no samples at all
+    mine = [{"sample_id": int(counts[:rank].sum() + i), "input_ids": torch.randint(0, 100, (int(3 + 5 * i),)),
+             "pixel_values": torch.randn(int(i) * 4, 6)} for i in range(int(counts[rank]))]
+    rows = np.array([[s["sample_id"], encoded_nbytes(sample_entries(s))] for s in mine], dtype=np.float64).reshape(-1, 2)
+    meta = ex.gather_metadata(0, rows, num_micro_batches=1)
+    n = meta.rows.shape[0]
+    assert n == counts.sum() and np.array_equal(meta.rows[:, 0], np.arange(n))
+    dest = rng.integers(0, world, n)
+    layout = transfer_layout(meta.owners, dest, meta.rows[:, 1].astype(np.int64), rank, world)
+    offset = int(np.searchsorted(meta.owners, rank))
+    got = ex.exchange_payloads(0, mine, offset, layout)
+    expected_from_elsewhere = sorted(int(g) for g in np.flatnonzero((dest == rank) & (meta.owners != rank)))
+    assert sorted(got) == expected_from_elsewhere
+    checks = {g: (int(s["sample_id"]), int(s["input_ids"].sum()), float(s["pixel_values"].sum())) for g, s in got.items()}
+    sent = {int(counts[:rank].sum() + i): (s["sample_id"], int(s["input_ids"].sum()), float(s["pixel_values"].sum()))
+            for i, s in enumerate(mine)}
+
+    # differentiable rows: each rank sends (r+1) rows to every rank; gradient of sum(out * 2) is 2 everywhere
+    x = torch.randn(world * (rank + 1), 3, requires_grad=True)
+    out = all_to_all_rows(x, [rank + 1] * world, [r + 1 for r in range(world)], group=ex.group)
+    (out * 2).sum().backward()
+    grad_ok = bool(torch.allclose(x.grad, torch.full_like(x, 2.0)))
+    return checks, sent, grad_ok, out.shape[0]
+
+
+def test_exchange_moves_exactly_the_planned_samples_4_ranks():
+    results = run_ranks(_exchange_round, 4, timeout=120)
+    all_sent = {}
+    for _, sent, _, _ in results:
+        all_sent.update(sent)
+    for rank, (checks, _, grad_ok, rows) in enumerate(results):
+        for g, value in checks.items():
+            assert value == all_sent[g]  # arrived intact
+        assert grad_ok and rows == sum(r + 1 for r in range(4))
+
+
+def _fault_reported_then_inside(rank, world, timeout_s):
+    """Step 3: rank 1 reports a local failure at the gather. Step 5: rank 1 raises inside the payload exchange."""
+    ex = SampleExchange(timeout_s=timeout_s)
+    t0 = time.monotonic()
+    try:
+        ex.gather_metadata(3, np.zeros((1, 2)), num_micro_batches=1,
+                           error="ValueError: bad sample" if rank == 1 else None)
+        first = None
+    except ExchangeError as exc:
+        first = (time.monotonic() - t0, str(exc))
+    return first, _fault_inside_exchange(rank, world, timeout_s, False, ex)
+
+
+def _fault_inside_exchange(rank, world, timeout_s, hard_exit, ex=None):
+    ex = ex or SampleExchange(timeout_s=timeout_s)
+    sample = {"input_ids": torch.arange(10)}
+    nbytes = encoded_nbytes(sample_entries(sample))
+    meta = ex.gather_metadata(5, np.array([[nbytes]], dtype=np.float64), num_micro_batches=1)
+    owners, sizes = meta.owners, meta.rows[:, 0].astype(np.int64)
+    dest = (owners + 1) % world
+    if rank == 1:
+        if hard_exit:
+            os._exit(3)  # the process dies in the middle of the exchange
+        sizes = sizes + 8  # this rank's layout disagrees with what it encodes: it raises inside the exchange
+    layout = transfer_layout(owners, dest, sizes, rank, world)
+    t0 = time.monotonic()
+    try:
+        ex.exchange_payloads(5, [sample], rank, layout)
+    except ExchangeError as exc:
+        return time.monotonic() - t0, str(exc)
+    return None
+
+
+def _check_others_raised_within_timeout(results, timeout_s, named):
+    for rank in (0, 2):
+        ok, value = results[rank]
+        assert ok and value is not None, value
+        elapsed, msg = value
+        assert elapsed < timeout_s + 3.0
+        assert "step 5" in msg and "payload all_to_all" in msg
+        if named:  # a rank that raised leaves a note naming itself
+            assert "rank 1 (step 5" in msg
+
+
+def test_failures_make_every_rank_raise_naming_step_and_rank():
+    timeout_s = 4.0
+    results = run_ranks(_fault_reported_then_inside, 3, timeout_s, timeout=90)
+    for first, _ in results:  # the failure flag: told at the gather, not after the timeout
+        elapsed, msg = first
+        assert elapsed < 3.0
+        assert "step 3" in msg and "rank(s) [1]" in msg and "bad sample" in msg
+    _check_others_raised_within_timeout([(True, second) for _, second in results], timeout_s, named=True)
+    assert "rank 1" in results[1][1][1]  # the failing rank raises its own clear error
+
+
+def test_rank_dying_inside_the_exchange_makes_the_others_raise_within_the_timeout():
+    timeout_s = 4.0
+    results = run_ranks_allow_failures(_fault_inside_exchange, 3, timeout_s, True, timeout=60)
+    _check_others_raised_within_timeout(results, timeout_s, named=False)
+    assert not results[1][0]

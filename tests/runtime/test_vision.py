@@ -1,0 +1,412 @@
+"""Vision-encoder balancing: exact equivalence with the unbalanced model on real gloo ranks.
+
+Each rank builds the same tiny model (float64, so 1e-5 relative is far above
+round-off), runs its own batch once without balancing (reference) and once
+with `balance_vision_encoder`, and returns embeddings, loss and the gradients;
+the test compares per-rank outputs and the rank-summed gradients.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hf_dp_balance.testing.spawn import run_ranks
+from hf_dp_balance.runtime.vision import VisionRoute, item_costs, route_items, rows_in_order
+
+# ---------------------------------------------------------------------------- pure core
+
+
+def _check_route_roundtrip(item_rank, dest, in_rows, out_rows, world):
+    """Simulate both all_to_alls with numpy and check every item's rows end where they must.
+
+    Kept items (dest == owner) must not travel: their rows are taken in place.
+    """
+    n = len(item_rank)
+    routes = [route_items(item_rank, dest, in_rows, out_rows, r, world) for r in range(world)]
+    # item i's pixel rows are the values (i, k) for k < in_rows[i]
+    local = [np.nonzero(item_rank == r)[0] for r in range(world)]
+    sent = []
+    for r, route in enumerate(routes):
+        assert all(dest[i] != r for i in local[r][route.send_order])
+        assert all(dest[i] == r for i in local[r][route.kept_items])
+        assert sorted(np.concatenate([route.send_order, route.kept_items]).tolist()) == list(range(len(local[r])))
+        rows = [(i, k) for i in local[r][route.send_order] for k in range(in_rows[i])]
+        chunks, start = [], 0
+        for size in route.send_in_rows:
+            chunks.append(rows[start:start + size])
+            start += size
+        assert route.send_in_rows[r] == 0 and route.recv_in_rows[r] == 0
+        sent.append(chunks)
+    for r, route in enumerate(routes):
+        received = [row for s in range(world) for row in sent[s][r]]
+        assert len(received) == sum(route.recv_in_rows)
+        kept_rows = [(i, k) for i in local[r][route.kept_items] for k in range(in_rows[i])]
+        expect = [(i, k) for i in route.computed_items for k in range(in_rows[i])]
+        assert kept_rows + received == expect
+        assert all(dest[i] == r for i in route.computed_items)
+    # embeddings back: item i's output rows are (i, k) for k < out_rows[i]
+    back, kept_out = [], []
+    for r, route in enumerate(routes):
+        n_kept = len(route.kept_items)
+        kept_out.append([(i, k) for i in route.computed_items[:n_kept] for k in range(out_rows[i])])
+        rows = [(i, k) for i in route.computed_items[n_kept:] for k in range(out_rows[i])]
+        chunks, start = [], 0
+        for size in route.send_out_rows:
+            chunks.append(rows[start:start + size])
+            start += size
+        back.append(chunks)
+    for r, route in enumerate(routes):
+        arrived = [row for s in range(world) for row in back[s][r]]
+        assert len(arrived) == sum(route.recv_out_rows)
+        combined = kept_out[r] + arrived
+        restored = [combined[j] for j in route.restore_rows]
+        assert restored == [(i, k) for i in local[r] for k in range(out_rows[i])]
+        assert route.exchanges == bool(sum(route.send_in_rows) or sum(route.recv_in_rows))
+    assert sorted(np.concatenate([rt.computed_items for rt in routes]).tolist()) == list(range(n))
+
+
+def test_route_items_roundtrip_random():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        world = int(rng.integers(1, 6))
+        n = int(rng.integers(0, 12))
+        item_rank = np.sort(rng.integers(0, world, size=n))
+        dest = rng.integers(0, world, size=n)
+        in_rows = rng.integers(1, 7, size=n)
+        out_rows = rng.integers(1, 4, size=n)
+        _check_route_roundtrip(item_rank, dest, in_rows, out_rows, world)
+
+
+def test_route_items_rejects_bad_input():
+    with pytest.raises(ValueError, match="non-decreasing"):
+        route_items(np.array([1, 0]), np.array([0, 0]), np.ones(2), np.ones(2), 0, 2)
+    with pytest.raises(ValueError, match="item 1: item_dest=5"):
+        route_items(np.array([0, 0]), np.array([0, 5]), np.ones(2), np.ones(2), 0, 2)
+    with pytest.raises(ValueError, match="in_rows has shape"):
+        route_items(np.array([0, 0]), np.array([0, 0]), np.ones(3), np.ones(2), 0, 2)
+
+
+def test_item_costs_counts_video_frames_separately():
+    from hf_dp_balance.core.cost import CostModel
+
+    cm = CostModel(quadratic=1.0, linear=10.0, per_sample=100.0)
+    costs = item_costs(np.array([[1, 4, 4], [3, 4, 4], [1, 8, 8]]), cm)
+    one = 16 * 16 + 10 * 16 + 100
+    assert costs.tolist() == [one, 3 * one, 64 * 64 + 10 * 64 + 100]
+    with pytest.raises(ValueError, match="item 1"):
+        item_costs(np.array([[1, 4, 4], [0, 4, 4]]), cm)
+
+
+def test_rows_in_order():
+    assert rows_in_order([2, 1, 3], np.array([2, 0])).tolist() == [3, 4, 5, 0, 1]
+    assert rows_in_order([2, 1], np.array([], dtype=np.int64)).tolist() == []
+
+
+def test_take_rows_gathers_across_parts_without_joining_them():
+    import torch
+
+    from hf_dp_balance.runtime.vision import _take_rows
+
+    images = torch.arange(10.0).reshape(5, 2)
+    videos = torch.arange(100.0, 108.0).reshape(4, 2)
+    joined = torch.cat([images, videos])
+    empty = torch.zeros(0, 2)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        rows = rng.permutation(9)[: int(rng.integers(0, 10))]
+        assert torch.equal(_take_rows([images, videos], rows, empty), joined[torch.as_tensor(rows, dtype=torch.long)])
+    # a run inside one part is a view of it: no copy
+    view = _take_rows([images, videos], np.array([6, 7, 8]), empty)
+    assert torch.equal(view, videos[1:]) and view.data_ptr() == videos[1].data_ptr()
+    assert _take_rows([images, videos], np.array([], dtype=np.int64), empty) is empty
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+def _qwen_batch(family, items, seed):
+    """One packed row: per item some text, <vision_start>, placeholders, <vision_end>; random pixels."""
+    import torch
+
+    from hf_dp_balance.testing import data
+
+    cfg = data.tiny_config(family).vision_config
+    width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    gen = torch.Generator().manual_seed(seed)
+    ids, types = [], []
+    pix = {"image": [], "video": []}
+    grids = {"image": [], "video": []}
+    for kind, t, h, w in items:
+        pad = data.IMAGE_PAD_ID if kind == "image" else data.VIDEO_PAD_ID
+        # Qwen3-VL separates video frames by timestamp text: one placeholder group per frame.
+        groups = [t] if kind == "image" or family != "qwen3_vl" else [1] * t
+        for frames in groups:
+            text = torch.randint(20, data.VOCAB_SIZE, (3,), generator=gen).tolist()
+            n_tok = frames * h * w // cfg.spatial_merge_size ** 2
+            ids += text + [data.VISION_START_ID] + [pad] * n_tok + [data.VISION_END_ID]
+            types += [0] * 4 + [1 if kind == "image" else 2] * n_tok + [0]
+        pix[kind].append(torch.randn(t * h * w, width, generator=gen, dtype=torch.float64))
+        grids[kind].append([t, h, w])
+    tail = torch.randint(20, data.VOCAB_SIZE, (5,), generator=gen).tolist()
+    ids += tail
+    types += [0] * len(tail)
+    batch = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([types])}
+    batch["labels"] = batch["input_ids"].clone()
+    for kind, pkey, gkey in (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw")):
+        if pix[kind]:
+            batch[pkey] = torch.cat(pix[kind])
+            batch[gkey] = torch.tensor(grids[kind])
+    return batch
+
+
+def _internvl_batch(items, seed):
+    """items: tiles per image; each image is <img> context tokens </img> after some text."""
+    import torch
+
+    from hf_dp_balance.testing import data
+
+    gen = torch.Generator().manual_seed(seed)
+    ids, tiles = [], 0
+    for n_tiles in items:
+        ids += torch.randint(20, data.VOCAB_SIZE, (3,), generator=gen).tolist()
+        ids += [data.IMG_START_ID] + [data.IMG_CONTEXT_ID] * (n_tiles * data.INTERNVL_TOKENS_PER_TILE) + [data.IMG_END_ID]
+        tiles += n_tiles
+    ids += torch.randint(20, data.VOCAB_SIZE, (5,), generator=gen).tolist()
+    batch = {"input_ids": torch.tensor([ids])}
+    batch["labels"] = batch["input_ids"].clone()
+    if tiles:
+        size = data.INTERNVL_TILE
+        batch["pixel_values"] = torch.randn(tiles, 3, size, size, generator=gen, dtype=torch.float64)
+    return batch
+
+
+def _batch(family, items, seed):
+    return _internvl_batch(items, seed) if family == "internvl" else _qwen_batch(family, items, seed)
+
+
+# ---------------------------------------------------------------------------- rank functions
+
+
+def _vision_outputs(out, family):
+    """Flat list of the embeddings the model got from its vision path (image, video; + deepstack)."""
+    import torch
+
+    flat = []
+    for key in ("image_outputs", "video_outputs"):
+        enc = getattr(out, key, None)
+        if enc is None:
+            continue
+        pooled = enc.pooler_output
+        flat.append(torch.cat(list(pooled)) if isinstance(pooled, (tuple, list)) else pooled.reshape(-1, pooled.shape[-1]))
+        for feats in getattr(enc, "deepstack_features", None) or []:
+            flat.append(torch.cat(list(feats)))
+    return [f.detach().numpy().copy() for f in flat]  # numpy: tensors do not survive the result queue
+
+
+def _forward_backward(model, batch, family):
+    import torch.distributed as dist
+
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone() if p.grad is not None else p.detach().new_zeros(p.shape)
+        dist.all_reduce(g)
+        grads[name] = g.numpy()
+    return {"loss": out.loss.detach().item(), "embeds": _vision_outputs(out, family), "grads": grads,
+            "logits": out.logits.detach().numpy().copy()}
+
+
+def _equivalence_rank(rank, world, family, scenarios):
+    """For each (items_by_rank, config kwargs): reference (own images), then balanced.
+
+    One model per process for all scenarios (process start-up dominates the test time).
+    """
+    import torch
+
+    from hf_dp_balance.testing import data
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.runtime.vision import balance_vision_encoder
+
+    torch.manual_seed(0)
+    model = data.make_model(family, seed=0, dtype=torch.float64)
+    results = []
+    for items_by_rank, config_kwargs in scenarios:
+        batch = _batch(family, items_by_rank[rank], seed=100 + rank)
+        reference = _forward_backward(model, batch, family)
+        balance_vision_encoder(model, DPBalanceConfig(vision=True, **config_kwargs))
+        balanced = _forward_backward(model, batch, family)
+        stats = model._dp_balance_vision.pop_stats()
+        model._dp_balance_vision.remove()
+        results.append({"reference": reference, "balanced": balanced, "stats": stats})
+    return results
+
+
+def _assert_close(a, b, what):
+    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
+    scale = max(float(np.abs(a).max()), 1e-12) if a.size else 1.0
+    err = float(np.abs(a - b).max()) / scale if a.size else 0.0
+    assert err <= 1e-5, f"{what}: relative difference {err:.2e}"
+    return err
+
+
+def _assert_equivalent(results):
+    """results: one scenario's result of every rank."""
+    for rank, res in enumerate(results):
+        ref, bal = res["reference"], res["balanced"]
+        assert len(ref["embeds"]) == len(bal["embeds"]), f"rank {rank}: different vision outputs"
+        for k, (a, b) in enumerate(zip(ref["embeds"], bal["embeds"])):
+            _assert_close(a, b, f"rank {rank} vision output {k}")
+        _assert_close(ref["logits"], bal["logits"], f"rank {rank} logits")
+        assert abs(ref["loss"] - bal["loss"]) <= 1e-5 * abs(ref["loss"])
+    ref_g, bal_g = results[0]["reference"]["grads"], results[0]["balanced"]["grads"]
+    assert ref_g.keys() == bal_g.keys()
+    vision_nonzero = 0
+    for name in ref_g:
+        _assert_close(ref_g[name], bal_g[name], f"summed gradient {name}")
+        if ("visual" in name or "vision_tower" in name) and float(np.abs(ref_g[name]).max()) > 0:
+            vision_nonzero += 1
+    assert vision_nonzero > 0, "the vision tower got no gradient: the test would not see a wrong exchange"
+
+
+def _scenario(results_by_rank, k):
+    return [per_rank[k] for per_rank in results_by_rank]
+
+
+_BIG_IMAGES = [("image", 1, 8, 8), ("image", 1, 6, 8), ("image", 1, 4, 4), ("image", 1, 8, 6)]
+# One rank with many large images (Qwen2-VL / Qwen3-VL: and a video), another with none.
+SKEWED = {
+    "qwen2_vl": [_BIG_IMAGES + [("video", 2, 4, 6)], []],
+    "qwen2_5_vl": [_BIG_IMAGES, []],
+    "qwen3_vl": [_BIG_IMAGES[:2] + [("video", 2, 4, 6)] + _BIG_IMAGES[2:], []],
+    "internvl": [[3, 2, 1, 2], []],
+}
+# Even mix: predicted gain 0 < min_gain, skipped identically on every rank.
+EVEN = [[("image", 1, 4, 4), ("video", 2, 4, 4)], [("video", 2, 4, 4), ("image", 1, 4, 4)]]
+
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
+SCENARIOS = {family: [(SKEWED[family], {})] for family in FAMILIES}
+SCENARIOS["qwen3_vl"] += [(EVEN, {}), (SKEWED["qwen3_vl"], {"min_gain": 0.9})]
+
+
+def _ddp_rank(rank, world, family, items_by_rank):
+    """Balanced model inside DistributedDataParallel: its gradients (averaged) times world size."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_dp_balance.testing import data
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.runtime.vision import balance_vision_encoder
+
+    model = balance_vision_encoder(data.make_model(family, seed=0, dtype=torch.float64), DPBalanceConfig(vision=True))
+    # find_unused_parameters: a rank without images leaves the tower unused, with or without balancing
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    batch = _batch(family, items_by_rank[rank], seed=100 + rank)
+    ddp(**batch).loss.backward()
+    (stats,) = model._dp_balance_vision.pop_stats()
+    return {"grads": {n: (p.grad * world).detach().numpy().copy() for n, p in model.named_parameters()
+                      if p.grad is not None}, "stats": stats}
+
+
+def _all_families_rank(rank, world, scenarios_by_family):
+    out = {family: _equivalence_rank(rank, world, family, scenarios) for family, scenarios in scenarios_by_family.items()}
+    out["ddp"] = _ddp_rank(rank, world, "qwen2_vl", SKEWED["qwen2_vl"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    """Every family on the same two gloo ranks (process start-up is most of the cost: pay it once)."""
+    by_rank = run_ranks(_all_families_rank, 2, SCENARIOS, timeout=300)
+    return {key: [per_rank[key] for per_rank in by_rank] for key in FAMILIES + ("ddp",)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_balanced_vision_equals_unbalanced_two_ranks(family, two_rank_results):
+    results = two_rank_results[family]
+    skewed = _scenario(results, 0)
+    _assert_equivalent(skewed)
+    for res in skewed:
+        (stats,) = res["stats"]
+        assert stats["applied"] and stats["items_moved"] >= 1 and stats["pixel_bytes_moved"] > 0
+        assert stats["imbalance_after"] < stats["imbalance_before"]
+    assert skewed[1]["stats"][0]["local_items"] == 0 and skewed[1]["stats"][0]["computed_items"] >= 1
+
+
+def test_balanced_inside_ddp_gives_the_reference_gradient(two_rank_results):
+    """DDP's gradient all-reduce and the backward all_to_all (own process group) do not interfere."""
+    ddp = two_rank_results["ddp"]
+    reference = _scenario(two_rank_results["qwen2_vl"], 0)[0]["reference"]["grads"]
+    assert ddp[0]["stats"]["applied"]
+    for rank, res in enumerate(ddp):
+        assert res["grads"].keys() == reference.keys()
+        for name, g in res["grads"].items():
+            _assert_close(reference[name], g, f"rank {rank} DDP gradient {name}")
+
+
+@pytest.mark.parametrize("k, why", [(1, "already at the lower bound"), (2, "< min_gain 90.0%")])
+def test_skip_path_runs_own_images_and_moves_nothing(two_rank_results, k, why):
+    """Even mix (nothing to gain) and skewed mix under min_gain=0.9: skipped on every rank alike."""
+    scenario = _scenario(two_rank_results["qwen3_vl"], k)
+    _assert_equivalent(scenario)
+    for res in scenario:
+        (stats,) = res["stats"]
+        assert not stats["applied"] and stats["pixel_bytes_moved"] == 0 and stats["items_moved"] == 0
+        assert why in stats["reason"]
+        assert stats["imbalance_after"] == stats["imbalance_before"]
+
+
+def test_images_and_videos_four_ranks_with_an_idle_rank():
+    """Two equal large items on rank 0 and a tiny one on rank 3: one of ranks 1, 2 gets a large
+    item, the other owns nothing and computes nothing, yet joins every collective and the backward."""
+    items = [[("image", 1, 8, 8), ("video", 1, 8, 8)], [], [], [("image", 1, 2, 2)]]
+    results = run_ranks(_equivalence_rank, 4, "qwen2_5_vl", [(items, {})], timeout=240)
+    scenario = _scenario(results, 0)
+    _assert_equivalent(scenario)
+    stats = [res["stats"][0] for res in scenario]
+    assert all(s["applied"] for s in stats)
+    idle = [r for r, s in enumerate(stats) if s["local_items"] == 0 and s["computed_items"] == 0]
+    assert idle and set(idle) <= {1, 2}, f"expected an idle rank among 1, 2: {stats}"
+
+
+# ---------------------------------------------------------------------------- single process
+
+
+def test_without_process_group_the_wrapper_changes_nothing():
+    """No initialised group (or eval mode): the model runs exactly as before, no collective is attempted."""
+    import torch
+
+    from hf_dp_balance.testing import data
+    from hf_dp_balance.runtime.vision import balance_vision_encoder
+
+    model = data.make_model("qwen2_vl", seed=0, dtype=torch.float64)
+    batch = _batch("qwen2_vl", SKEWED["qwen2_vl"][0][:2], seed=1)
+    before = model(**batch).loss.item()
+    assert balance_vision_encoder(model) is model
+    assert model(**batch).loss.item() == before
+    assert model._dp_balance_vision.pop_stats() == []
+    model._dp_balance_vision.remove()
+
+
+def test_bad_inputs_name_what_is_wrong():
+    import torch
+
+    from hf_dp_balance.testing import data
+    from hf_dp_balance.runtime.vision import balance_vision_encoder
+
+    with pytest.raises(ValueError, match="no supported vision-language base model"):
+        balance_vision_encoder(data.make_model("text", seed=0))
+    model = balance_vision_encoder(data.make_model("qwen2_vl", seed=0))
+    tower = model._dp_balance_vision.tower
+    rows = torch.zeros(16, tower.row_width)
+    with pytest.raises(ValueError, match="rank 3: pixel_values has shape"):
+        tower.local_items({"pixel_values": rows, "image_grid_thw": torch.tensor([[1, 4, 2]])}, rank=3)
+    with pytest.raises(ValueError, match=r"rank 1: image_grid_thw\[0\]=\[1, 4, 3\] is not divisible"):
+        tower.local_items({"pixel_values": rows[:12], "image_grid_thw": torch.tensor([[1, 4, 3]])}, rank=1)
+    with pytest.raises(ValueError, match="rank 0: pixel_values_videos given without video_grid_thw"):
+        tower.local_items({"pixel_values_videos": rows}, rank=0)
+    items, used = tower.local_items({"pixel_values": rows, "image_grid_thw": torch.tensor([[1, 4, 4]])}, rank=0)
+    assert used == ["pixel_values"] and items.grids.tolist() == [[1, 4, 4]] and items.out_rows.tolist() == [4]
