@@ -48,8 +48,8 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 import numpy as np
 
 from hf_dp_balance.config import DPBalanceConfig
-from hf_dp_balance.runtime.exchange import (H_FLAGS, H_NUM_MICRO, H_SPEED, ExchangeError, SampleExchange, encoded_nbytes, sample_entries,
-                       transfer_layout)
+from hf_dp_balance.core.codec import encoded_nbytes, sample_entries, transfer_layout
+from hf_dp_balance.runtime.exchange import H_FLAGS, H_NUM_MICRO, H_SPEED, ExchangeError, SampleExchange
 
 logger = logging.getLogger(__name__)
 

@@ -540,7 +540,7 @@ class VisionBalancer:
         """
         import torch.distributed as dist
 
-        from hf_dp_balance.runtime.exchange import all_to_all_rows
+        from hf_dp_balance.runtime.all_to_all import all_to_all_rows
         from hf_dp_balance.core.planner import plan_balance
 
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
