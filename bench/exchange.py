@@ -224,7 +224,9 @@ def _code_version() -> str:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "hf_dp_balance/core/planner",
-                                "hf_dp_balance/runtime/loader.py", "hf_dp_balance/runtime/exchange.py"], cwd=root,
+                                "hf_dp_balance/runtime/loader.py", "hf_dp_balance/runtime/step_rows.py",
+                                "hf_dp_balance/runtime/step_stream.py", "hf_dp_balance/runtime/exchange.py",
+                                "hf_dp_balance/core/codec.py", "hf_dp_balance/core/costing.py"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
