@@ -134,7 +134,7 @@ def _rank_main(rank, world, steps, seed, prefetch, mode):
 def offline_bytes(world: int, steps: int, seed: int):
     """Per step: (our plan's hash and moved bytes, the reference greedy's moved bytes), from the same data."""
     from hf_dp_balance.core.cost import CostModel
-    from hf_dp_balance.runtime.exchange import encoded_nbytes, sample_entries
+    from hf_dp_balance.core.codec import encoded_nbytes, sample_entries
     from hf_dp_balance.runtime.loader import plan_hash, slot_loads, token_cap
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.planner import plan_step
@@ -224,7 +224,9 @@ def _code_version() -> str:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "hf_dp_balance/core/planner",
-                                "hf_dp_balance/runtime/loader.py", "hf_dp_balance/runtime/exchange.py"], cwd=root,
+                                "hf_dp_balance/runtime/loader.py", "hf_dp_balance/runtime/step_rows.py",
+                                "hf_dp_balance/runtime/step_stream.py", "hf_dp_balance/runtime/exchange.py",
+                                "hf_dp_balance/core/codec.py", "hf_dp_balance/core/costing.py"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return "unknown"

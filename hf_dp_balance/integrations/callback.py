@@ -105,14 +105,17 @@ def segment_lengths(inputs: Dict[str, Any]) -> List[int]:
 
 
 def image_patches(inputs: Dict[str, Any]) -> List[int]:
-    """Patch rows of every image / video in a micro-batch (Qwen-VL grids t*h*w; InternVL: one tile each)."""
+    """Patches of every frame of every image / video in a micro-batch: the vision cost model's unit
+    (`core.costing.frame_patches`: a Qwen-VL grid (t, h, w) is t frames of h*w; InternVL: one tile each)."""
     import torch
+
+    from hf_dp_balance.core.costing import frame_patches
 
     out: List[int] = []
     for key in ("image_grid_thw", "video_grid_thw"):
         grid = inputs.get(key)
         if isinstance(grid, torch.Tensor) and grid.numel():
-            out.extend(int(x) for x in grid.reshape(-1, 3).prod(dim=1).tolist())
+            out.extend(int(x) for x in frame_patches(grid.detach().cpu().numpy().reshape(-1, 3))[0].tolist())
     if not out and inputs.get("pixel_values") is not None and inputs.get("image_grid_thw") is None:
         pv = inputs["pixel_values"]
         if isinstance(pv, torch.Tensor) and pv.dim() == 4:  # InternVL tiles: cost per tile is fixed

@@ -350,28 +350,12 @@ def test_trainer_gradients_equal_with_and_without_balancing(tmp_path):
 # ------------------------------------------------------------------ planning costs: decoder + vision encoder
 
 
-def test_planning_costs_add_the_vision_cost_of_each_samples_images():
-    from hf_dp_balance.core.cost import CostModel
-    from hf_dp_balance.runtime.loader import planning_costs
-
-    decoder = CostModel(quadratic=1e-6, linear=1e-3, per_sample=0.01)
-    vision = CostModel(quadratic=2e-6, linear=5e-3, per_sample=0.1)
-    tokens = np.array([100, 40, 300])
-    patches = [(64,), (), (16, 256)]  # one image, text only, two items
-    expect = decoder.sample_costs(tokens) + np.array(
-        [vision.sample_costs(np.array([64])).sum(), 0.0, vision.sample_costs(np.array([16, 256])).sum()])
-    np.testing.assert_allclose(planning_costs(tokens, patches, decoder, vision), expect)
-    # Vision tower balanced on its own: decoder cost only, whatever the images.
-    np.testing.assert_allclose(planning_costs(tokens, patches, decoder, None), decoder.sample_costs(tokens))
-    with pytest.raises(ValueError, match="2 vision patch lists for 3 samples"):
-        planning_costs(tokens, patches[:2], decoder, vision)
-
-
 def _prepared_costs(rank, world):
     """Real Qwen2-VL samples through the loader's default features: the cost column it gathers."""
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.testing.data import make_samples, tiny_config
     from hf_dp_balance.runtime.loader import F_COST, F_VISION, BalancedLoader
+    from hf_dp_balance.core.costing import item_costs, sample_grids
     from hf_dp_balance.core.packing import sample_features
 
     torch.set_num_threads(1)
@@ -388,8 +372,11 @@ def _prepared_costs(rank, world):
         out[name] = rows[:, F_COST].tolist()
     out["vision_items"] = rows[:, F_VISION].tolist()
     out["decoder"] = [float(decoder.sample_costs(np.array([f.tokens]))[0]) for f in feats]
-    out["vision"] = [float(vision.sample_costs(np.array(f.vision_items)).sum()) if f.vision_items else 0.0
+    # per frame (the encoder attends within a frame: `vision_seqlens`), as the vision balancer prices an item
+    out["vision"] = [float(vision.sample_costs(np.array(f.vision_seqlens)).sum()) if f.vision_items else 0.0
                      for f in feats]
+    out["balancer"] = [float(item_costs(sample_grids(s, f.vision_items), vision).sum()) for s, f in zip(samples, feats)]
+    out["frames"] = [len(f.vision_seqlens) for f in feats]
     out["items"] = [len(f.vision_items) for f in feats]
     return out
 
@@ -398,5 +385,7 @@ def test_loader_plans_with_the_vision_cost_when_the_tower_is_not_balanced():
     for out in run_ranks(_prepared_costs, 2, timeout=120):
         np.testing.assert_allclose(out["decoder_only"], out["decoder"])
         np.testing.assert_allclose(out["with_vision"], np.add(out["decoder"], out["vision"]))
+        np.testing.assert_allclose(out["vision"], out["balancer"])  # the loader prices a video as the balancer does
+        assert out["frames"][3] > out["items"][3]  # the video has several frames: the per-frame unit matters
         assert out["items"] == [0, 1, 3, 1] and out["vision_items"] == out["items"]
         assert out["with_vision"][2] > out["decoder_only"][2] + 0.3  # three images: three per-item costs at least

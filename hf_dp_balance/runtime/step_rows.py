@@ -1,0 +1,208 @@
+"""One optimizer step's data in the `BalancedLoader`: the metadata rows every rank gathers, and the slots.
+
+Preparation (this rank, before the gather): pull the step's micro-batches and describe every sample by
+one row (micro-batch, tokens, vision items, cost, encoded bytes, step in the window). Finishing (after the
+plan): which global samples each of this rank's slots trains, in ascending global index whatever the plan,
+so a plan changes where a sample is computed, never which samples a step trains (invariant 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from hf_dp_balance.core.codec import encoded_nbytes, sample_entries
+from hf_dp_balance.core.costing import item_grids, planning_costs
+from hf_dp_balance.runtime.exchange import H_FLAGS, H_SPEED, SampleExchange
+
+# Columns of the per-sample metadata rows gathered from every rank.
+F_MICRO, F_TOKENS, F_VISION, F_COST, F_NBYTES, F_STEP, F_WIDTH = range(7)  # F_STEP: step within a look-ahead window
+FLAG_BALANCE = 1  # this rank asks for balancing (enabled, past warm-up, has a cost model)
+MODEL_VERSION_SHIFT = 8  # flags >> 8: which cost model costed the rows (ranks must agree to balance)
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step's exchange did (identical on every rank except the local byte counts / times)."""
+
+    step: int
+    num_micro_batches: int
+    num_samples: int                      # global
+    applied: bool                         # a plan moved samples
+    reason: str                           # why (not) applied
+    imbalance_before: float               # makespan / (total load / ranks) - 1, with the costs used for planning
+    imbalance_after: float
+    moved_samples: int                    # global: samples whose rank changed
+    moved_bytes: int                      # global payload bytes
+    bytes_sent: int                       # this rank
+    bytes_received: int                   # this rank
+    plan_hash: str                        # hash of (dest rank, dest micro-batch): equal on every rank
+    gather_s: float = 0.0                 # thread wall time: metadata gather
+    plan_s: float = 0.0                   # thread wall time: planning
+    exchange_s: float = 0.0               # thread wall time: payload all_to_all (encode + decode included)
+    collate_s: float = 0.0                # thread wall time: packing
+    wait_s: float = 0.0                   # main thread: time blocked waiting for this step
+    local_samples: List[int] = field(default_factory=list)       # samples per local micro-batch after the plan
+    local_ids: Optional[List[List[Any]]] = None                  # per local micro-batch: values of `id_key`
+
+
+def list_collate(samples: Sequence[Any]) -> list:
+    """Collate that defers packing: a micro-batch stays a list of per-sample dicts."""
+    return list(samples)
+
+
+class Prepared:
+    """One rank's side of a step (or a look-ahead window) before the gather."""
+
+    __slots__ = ("micro_batches", "samples", "entries", "rows", "model_version")
+
+    def __init__(self, micro_batches, samples, entries, rows, model_version: Optional[int] = None):
+        self.micro_batches, self.samples, self.entries, self.rows = micro_batches, samples, entries, rows
+        # which set_cost_model call's models costed the rows; None: no model (costs are token stand-ins)
+        self.model_version = model_version
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One step to plan, move and pack: its samples in ascending global order (rank-major by holder).
+
+    `samples` / `entries` are this rank's held ones, in that order; `cap` the tokens per slot (None: the
+    step's own `token_cap`); `note` prefixes the step's reason (a look-ahead failure).
+    """
+
+    step: int
+    rows: np.ndarray          # [n, F_WIDTH] gathered metadata rows
+    holders: np.ndarray       # rank holding each sample (its payload moves from there)
+    start_rank: np.ndarray    # placement the plan starts from
+    start_micro: np.ndarray
+    num_micro: int
+    samples: Sequence[dict]
+    entries: Sequence[list]
+    cap: Optional[int] = None
+    note: str = ""
+
+
+def pull_micro_batches(step: int, pull: Callable[[], Optional[list]], count: int, rank: int) -> List[list]:
+    """Up to `count` micro-batches (lists of sample dicts) from `pull`; fewer at the end of the data."""
+    micro_batches: List[list] = []
+    for m in range(count):
+        mb = pull()
+        if mb is None:
+            break
+        if not isinstance(mb, (list, tuple)):
+            raise ValueError(f"step {step}, rank {rank}, micro-batch {m}: the dataloader yielded a "
+                             f"{type(mb).__name__}, not a list of sample dicts; its collate_fn must defer "
+                             f"packing (hf_dp_balance.runtime.loader.list_collate)")
+        micro_batches.append(list(mb))
+    return micro_batches
+
+
+def _describe(sample: Any, where: str, features_fn: Callable) -> Tuple[list, int, Optional[np.ndarray], int]:
+    """(codec entries, tokens, item grids or None, item count) of one sample; ValueError naming it."""
+    entries = sample_entries(sample, where)
+    try:
+        tokens, vision = features_fn(sample)
+    except Exception as exc:  # name the sample, keep the cause
+        raise ValueError(f"{where}: cannot compute its features: {exc}") from exc
+    try:
+        grids = None if isinstance(vision, (int, np.integer)) else item_grids(vision)
+    except ValueError as exc:
+        raise ValueError(f"{where}: negative features tokens={tokens}, vision={vision}: {exc}") from exc
+    count = int(vision) if grids is None else grids.shape[0]
+    if not (tokens >= 0 and count >= 0):
+        raise ValueError(f"{where}: negative features tokens={tokens}, vision={vision}")
+    return entries, int(tokens), grids, count
+
+
+def describe_samples(step: int, micro_batches: Sequence[list], rank: int, features_fn: Callable,
+                     id_key: Optional[str]) -> Tuple[Prepared, List[np.ndarray]]:
+    """(the step's `Prepared` with its cost column still 0, each sample's item grids [k, 3]).
+
+    A sample whose `features_fn` gave only an item count has no grids (no vision cost can be planned).
+    """
+    samples, entries, rows, grids = [], [], [], []
+    for m, mb in enumerate(micro_batches):
+        for p, sample in enumerate(mb):
+            where = f"step {step}, rank {rank}, micro-batch {m}, sample {p}"
+            if id_key is not None and isinstance(sample, Mapping) and id_key in sample:
+                where += f" ({id_key}={sample[id_key]!r})"
+            ent, tokens, items, count = _describe(sample, where, features_fn)
+            samples.append(sample)
+            entries.append(ent)
+            grids.append(items if items is not None else np.zeros((0, 3), dtype=np.int64))
+            rows.append((m, tokens, count, 0.0, encoded_nbytes(ent), 0))
+    prep = Prepared(list(micro_batches), samples, entries, np.array(rows, dtype=np.float64).reshape(-1, F_WIDTH))
+    return prep, grids
+
+
+def cost_rows(prep: Prepared, grids: Sequence[np.ndarray], models: Tuple[Any, Any, int]) -> Prepared:
+    """Fill the cost column with the (decoder, vision, version) models (`core.costing.planning_costs`).
+
+    Without a decoder model the column holds the tokens, for statistics only (nothing is planned).
+    """
+    decoder, vision, version = models
+    rows = prep.rows
+    if decoder is not None and rows.shape[0]:
+        rows[:, F_COST] = planning_costs(rows[:, F_TOKENS].astype(np.int64), grids, decoder, vision)
+    else:
+        rows[:, F_COST] = rows[:, F_TOKENS]
+    prep.model_version = version if decoder is not None else None
+    return prep
+
+
+def gather_step(exchange: SampleExchange, step: int, prep: Optional[Prepared], error: Optional[str],
+                wants_balance: bool, speed: float):
+    """(metadata of every rank, whether to balance, each rank's speed): one metadata gather.
+
+    Balance only when every rank asks for it and every rank's rows were costed by the same
+    `set_cost_model` call's models (a refit can land while ranks prepare this step).
+    """
+    flags = (FLAG_BALANCE | (prep.model_version << MODEL_VERSION_SHIFT)) if wants_balance else 0
+    meta = exchange.gather_metadata(
+        step, prep.rows if prep is not None else None,
+        num_micro_batches=len(prep.micro_batches) if prep is not None else 0,
+        flags=flags, speed=speed, error=error, num_fields=F_WIDTH)
+    gathered = meta.headers[:, H_FLAGS].astype(np.int64)
+    versions = set((gathered >> MODEL_VERSION_SHIFT).tolist())
+    balance = bool(np.all(gathered & FLAG_BALANCE)) and len(versions) == 1
+    return meta, balance, meta.headers[:, H_SPEED].astype(np.float64)
+
+
+def validate_plan(dest_rank, dest_micro, n: int, num_ranks: int, num_micro: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The planner's arrays as int64, or ValueError: every sample gets exactly one valid (rank, micro-batch)."""
+    dest_rank = np.asarray(dest_rank, dtype=np.int64).reshape(-1)
+    dest_micro = np.asarray(dest_micro, dtype=np.int64).reshape(-1)
+    if dest_rank.size != n or dest_micro.size != n:
+        raise ValueError(f"plan has {dest_rank.size}/{dest_micro.size} destinations for {n} samples")
+    if n and (dest_rank.min() < 0 or dest_rank.max() >= num_ranks or dest_micro.min() < 0 or dest_micro.max() >= num_micro):
+        raise ValueError("plan has a destination outside [0, ranks) x [0, micro-batches)")
+    return dest_rank, dest_micro
+
+
+def default_plan_fn():
+    """`core.planner.plan_step`, imported on first use (the planner is the heaviest core module)."""
+    from hf_dp_balance.core.planner import plan_step
+
+    return plan_step
+
+
+def slot_members(dest_rank: np.ndarray, dest_micro: np.ndarray, rank: int, num_micro: int) -> List[List[int]]:
+    """Global indices of the samples each of `rank`'s slots trains, ascending within a slot."""
+    members: List[List[int]] = [[] for _ in range(num_micro)]
+    for g in np.flatnonzero(dest_rank == rank):
+        members[int(dest_micro[g])].append(int(g))
+    return members
+
+
+def slot_samples(work: StepWork, members: Sequence[int], received: Dict[int, dict], rank: int) -> List[dict]:
+    """The sample dicts of one slot: held here (in `work.samples`) or received from their holder."""
+    offset = int(np.searchsorted(work.holders, rank))  # holders are rank-major
+    return [received[g] if work.holders[g] != rank else work.samples[g - offset] for g in members]
+
+
+__all__ = ["F_MICRO", "F_TOKENS", "F_VISION", "F_COST", "F_NBYTES", "F_STEP", "F_WIDTH", "FLAG_BALANCE",
+           "MODEL_VERSION_SHIFT", "StepStats", "list_collate", "Prepared", "StepWork", "pull_micro_batches",
+           "describe_samples", "cost_rows", "gather_step", "validate_plan", "default_plan_fn", "slot_members",
+           "slot_samples"]

@@ -1,0 +1,180 @@
+"""The background thread of one pass of a `BalancedLoader` over its raw micro-batches, and its bounded queue.
+
+The thread prepares, gathers, plans, exchanges and packs each step (the loader's `_prepare`, `_run_step`,
+`_run_window`) and queues the packed micro-batches, at most `prefetch_steps` ahead. It stops only while
+waiting on a full queue, never between collectives, so ranks that consume the same steps stop at the same
+step; a local failure is told to the peers at the next gather, and any failure reaches the consumer's
+thread with its traceback.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple
+
+from hf_dp_balance.runtime.exchange import ExchangeError
+from hf_dp_balance.runtime.step_rows import Prepared
+
+if TYPE_CHECKING:
+    from hf_dp_balance.runtime.loader import BalancedLoader
+
+
+class StepStream:
+    """The background thread of one pass over a raw micro-batch iterator, and its bounded queue."""
+
+    def __init__(self, loader: "BalancedLoader", source: Iterator, step_limit: Optional[int]):
+        self.loader = loader
+        self.source = source
+        self.step_limit = step_limit
+        self._queue: "queue.Queue[tuple]" = queue.Queue(maxsize=loader.config.prefetch_steps)
+        self._stop = threading.Event()
+        self._done = False
+        self.consumed = 0  # steps handed to the consumer so far (the stream's step index of the next one)
+        self._first_error: Optional[BaseException] = None
+        # First pull in the caller's thread (see BalancedLoader.open_stream).
+        self._peeked: List[Any] = []
+        self._exhausted = False
+        if step_limit is None or step_limit > 0:
+            try:
+                self._peeked.append(next(source))
+            except StopIteration:
+                self._exhausted = True
+        self._thread = threading.Thread(target=self._main, name="hf_dp_balance-exchange", daemon=True)
+        self._thread.start()
+
+    def _pull(self) -> Optional[list]:
+        if self._peeked:
+            return self._peeked.pop()
+        if self._exhausted:
+            return None
+        try:
+            return next(self.source)
+        except StopIteration:
+            self._exhausted = True
+            return None
+
+    def _put(self, item: tuple) -> bool:
+        """Queue `item`; False only when the queue is full and the stream was closed.
+
+        The thread stops only here, never between collectives: ranks that consume
+        the same number of steps then all stop at the same step (the one that
+        found the queue full), and no rank is left waiting in a collective.
+        """
+        while True:
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                if self._stop.is_set():
+                    return False
+
+    def _wait_for_model_or_consumer(self) -> bool:
+        """Until a cost model is set, stay one step ahead only; False when the stream was closed meanwhile.
+
+        Without a model nothing is planned, so running `prefetch_steps` ahead would only mean more steps
+        prepared without it when the fit lands: planning then starts with step warmup_steps + 2 instead
+        of warmup_steps + prefetch_steps + 2. Every rank consumes the same steps, so every rank's thread
+        leaves this wait for the same step, and a closed stream stops every rank at the same step (as in
+        `_put`).
+        """
+        loader = self.loader
+        while loader._balancing and loader.config.enabled and loader.cost_model is None and not self._queue.empty():
+            if self._stop.is_set():
+                return False
+            time.sleep(0.002)
+        return True
+
+    def _main(self) -> None:
+        loader = self.loader
+        step = 0
+        pending: Optional[Tuple[BaseException, str]] = None  # a local failure, told to the peers at the next gather
+        try:
+            while self.step_limit is None or step < self.step_limit:
+                if not self._wait_for_model_or_consumer():
+                    return
+                span = max(1, loader.config.lookahead_steps)  # steps prepared and gathered together
+                if self.step_limit is not None:
+                    span = min(span, self.step_limit - step)
+                preps: List[Prepared] = []
+                if pending is None:
+                    try:
+                        for j in range(span):
+                            preps.append(loader._prepare(step + j, self._pull))
+                    except Exception as exc:  # noqa: BLE001 - forwarded below
+                        pending = (exc, traceback.format_exc())
+                if pending is not None:
+                    loader._exchange.report_failure(step, repr(pending[0]))
+                    try:
+                        loader._run_step(step, None, f"{type(pending[0]).__name__}: {pending[0]}")
+                    except ExchangeError:
+                        pass  # the gather raises on every rank; here the local cause is the better error
+                    raise pending[0]
+                ended = False
+                try:
+                    if span == 1:
+                        result = loader._run_step(step, preps[0], None)
+                        results, ended = ([] if result is None else [result]), result is None
+                        results = iter(results)
+                    else:
+                        results = loader._run_window(step, preps, None)
+                    for result in results:
+                        if result is None:
+                            ended = True
+                            break
+                        if not self._put(("step", result[0], result[1])):
+                            return
+                        step += 1
+                except ExchangeError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - collation etc.: tell the peers at the next gather
+                    loader._exchange.report_failure(step, repr(exc))
+                    pending = (exc, traceback.format_exc())
+                    step += 1
+                    continue
+                if ended:
+                    break
+            if pending is not None:  # failed in the last step before the limit: the peers have stopped already
+                raise pending[0]
+            self._put(("end",))
+        except BaseException as exc:  # noqa: BLE001 - reaches the main thread with its traceback
+            self._put(("error", exc, traceback.format_exc()))
+
+    def next_step(self) -> Optional[list]:
+        """The next step's packed micro-batches, or None at the end; re-raises a thread failure here."""
+        if self._done:
+            return None
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._done = True
+                    raise RuntimeError("hf_dp_balance: the exchange thread stopped without a result")
+        wait = time.perf_counter() - t0
+        if item[0] == "end":
+            self._done = True
+            return None
+        if item[0] == "error":
+            self._done = True
+            exc, tb = item[1], item[2]
+            raise RuntimeError(f"hf_dp_balance BalancedLoader background thread failed: {exc}\n"
+                               f"--- thread traceback ---\n{tb}") from exc
+        _, batches, stats = item
+        stats.wait_s = wait
+        self.consumed = stats.step + 1
+        self.loader._record(stats)
+        return batches
+
+    def close(self) -> None:
+        """Stop the thread at its next full-queue wait; waits for the step in flight (its peers finish it too)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.loader.config.timeout_s + 5.0)
+
+
+__all__ = ["StepStream"]
