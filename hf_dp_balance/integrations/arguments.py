@@ -29,14 +29,15 @@ from typing import Dict, Mapping, Optional
 
 from transformers import TrainingArguments
 
-from hf_dp_balance.config import _FIT_MODES, _SYNC_CHOICES, DPBalanceConfig
+from hf_dp_balance.config import DPBalanceConfig
+from hf_dp_balance.core.choices import FIT_MODES, SYNC_CHOICES, TIMING_CHOICES
 
 ARG_PREFIX = "dp_balance"
 
 # Fields whose command-line default differs from the config default, and why:
 # `enabled` is an opt-in switch on the command line (`--dp_balance`).
 _CLI_DEFAULTS = {"enabled": False}
-_CHOICES = {"sync": _SYNC_CHOICES, "fit_mode": _FIT_MODES}
+_CHOICES = {"sync": SYNC_CHOICES, "fit_mode": FIT_MODES, "timing": TIMING_CHOICES}
 
 
 def argument_name(config_field: str) -> str:

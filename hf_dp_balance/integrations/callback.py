@@ -60,7 +60,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
 
 from hf_dp_balance.config import DPBalanceConfig
-from hf_dp_balance.core.cost import CostModel, fit_cost_model
+from hf_dp_balance.core.cost import CostModel
+from hf_dp_balance.core.fitting import fit_cost_model
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hf_dp_balance.apps.fit import load_timings
-from hf_dp_balance.core.cost import CostModel, FitResult, features_of, features_of_ranks, fit_cost_model
+from hf_dp_balance.core.cost import CostModel, features_of, features_of_ranks
+from hf_dp_balance.core.fitting import FitResult, fit_cost_model
 
 TRUE = CostModel(quadratic=2e-9, linear=3e-5, per_sample=5e-3, constant=5e-2)
 
