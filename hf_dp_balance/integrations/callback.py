@@ -61,6 +61,7 @@ from transformers.trainer_callback import DefaultFlowCallback
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
+from hf_dp_balance.core.packing import segment_lengths as packed_segment_lengths
 from hf_dp_balance.core.fitting import fit_cost_model
 
 logger = logging.getLogger(__name__)
@@ -84,18 +85,8 @@ def segment_lengths(inputs: Dict[str, Any]) -> List[int]:
     import torch
 
     pos = inputs.get("position_ids")
-    if isinstance(pos, torch.Tensor):
-        if pos.dim() == 3 and pos.shape[0] == 4:
-            pos = pos[0]
-        if pos.dim() == 2:
-            lengths = []
-            for row in pos.detach().cpu():
-                starts = torch.nonzero(row == 0).flatten().tolist()
-                if not starts or starts[0] != 0:
-                    starts = [0] + starts
-                bounds = starts + [row.numel()]
-                lengths.extend(b - a for a, b in zip(bounds, bounds[1:]) if b > a)
-            return lengths
+    if isinstance(pos, torch.Tensor) and (pos.dim() == 2 or (pos.dim() == 3 and pos.shape[0] == 4)):
+        return packed_segment_lengths(pos)
     mask = inputs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return [int(x) for x in mask.sum(dim=1).tolist()]
