@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from hf_dp_balance.runtime.attention import register_varlen_attention
-from hf_dp_balance.core.cost import features_of, fit_cost_model
+from hf_dp_balance.core.cost import features_of
+from hf_dp_balance.core.fitting import fit_cost_model
 
 RANKS = 8
 

@@ -14,10 +14,9 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional
 
-ENV_PREFIX = "HF_DP_BALANCE_"
+from hf_dp_balance.core.choices import FIT_MODES, SYNC_CHOICES, TIMING_CHOICES
 
-_SYNC_CHOICES = ("auto", "step", "micro_batch")
-_FIT_MODES = ("auto", "per_rank", "step_max")
+ENV_PREFIX = "HF_DP_BALANCE_"
 
 
 @dataclass(frozen=True)
@@ -61,6 +60,12 @@ class DPBalanceConfig:
     fit_mode: str = "auto"
     """`per_rank` (clean per-rank compute times), `step_max` (only step times), or `auto`."""
 
+    timing: str = "auto"
+    """Clock of each rank's step and of the vision tower inside it: `thread_cpu` (the main thread's CPU time:
+    clean per-rank compute on CPU), `wall` (synchronised wall time: accelerators, whose kernels run
+    asynchronously), or `auto` (thread_cpu on a CPU device, wall otherwise). `auto` fit mode follows it:
+    per_rank for thread_cpu, step_max for wall (ranks meet in the gradient all-reduce)."""
+
     timeout_s: float = 600.0
     """Communication timeout of the side group: a dead or failing rank raises after this, never hangs."""
 
@@ -90,10 +95,12 @@ class DPBalanceConfig:
             bad("min_gain", self.min_gain, "must be in [0, 1)")
         if not 0.0 <= self.move_tolerance < 1.0:
             bad("move_tolerance", self.move_tolerance, "must be in [0, 1)")
-        if self.sync not in _SYNC_CHOICES:
-            bad("sync", self.sync, f"must be one of {_SYNC_CHOICES}")
-        if self.fit_mode not in _FIT_MODES:
-            bad("fit_mode", self.fit_mode, f"must be one of {_FIT_MODES}")
+        if self.sync not in SYNC_CHOICES:
+            bad("sync", self.sync, f"must be one of {SYNC_CHOICES}")
+        if self.fit_mode not in FIT_MODES:
+            bad("fit_mode", self.fit_mode, f"must be one of {FIT_MODES}")
+        if self.timing not in TIMING_CHOICES:
+            bad("timing", self.timing, f"must be one of {TIMING_CHOICES}")
         if self.refit_every < 0:
             bad("refit_every", self.refit_every, "must be >= 0")
         if not self.timeout_s > 0:

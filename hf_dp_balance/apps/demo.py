@@ -297,6 +297,8 @@ def _make_probe(model, key_to_id: dict, on_step_done):
     """
     from transformers import TrainerCallback
 
+    from hf_dp_balance.core.packing import segment_boundaries
+
     class Probe(TrainerCallback):
         def __init__(self):
             self.compute: List[float] = []
@@ -308,8 +310,7 @@ def _make_probe(model, key_to_id: dict, on_step_done):
         def _read(self, module, args, kwargs):
             ids = kwargs["input_ids"][0].tolist()
             pos = kwargs["position_ids"]
-            pos = (pos[0, 0] if pos.dim() == 3 else pos[0]).tolist()
-            starts = [i for i, p in enumerate(pos) if p == 0] + [len(ids)]
+            starts = segment_boundaries(pos)[0]  # row 0 of the batch (of the plain positions for [4, B, T])
             for a, b in zip(starts, starts[1:]):
                 sid = key_to_id.get(tuple(ids[a:b]))
                 if sid is not None:  # None: the collator's no-op row of a rank without samples

@@ -9,7 +9,9 @@ from typing import Tuple
 
 import numpy as np
 
-from hf_dp_balance.core.cost import _MODES, features_of_ranks, fit_cost_model
+from hf_dp_balance.core.choices import FIT_MODES
+from hf_dp_balance.core.cost import features_of_ranks
+from hf_dp_balance.core.fitting import fit_cost_model
 
 
 def load_timings(path: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -35,7 +37,7 @@ def load_timings(path: str) -> Tuple[np.ndarray, np.ndarray]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="JSON or NPZ with 'times' and 'features' [steps, ranks, 4] or 'lengths'")
     parser.add_argument("-o", "--output", help="write the fitted CostModel (and report) as JSON here")
-    parser.add_argument("--mode", choices=_MODES, default="auto")
+    parser.add_argument("--mode", choices=FIT_MODES, default="auto")
     parser.add_argument("--holdout", type=float, default=0.25, help="fraction of steps held out for R^2 / MAPE")
     parser.add_argument("--temperature", type=float, default=None, help="step-max soft-max temperature (relative)")
     parser.add_argument("--no-robust", dest="robust", action="store_false", help="plain least squares, keep outliers")

@@ -386,8 +386,8 @@ def ensure_packing_support(model, *, fix: bool = True, extra_attention: Sequence
 def split_packed(batch: Mapping[str, Any], model_config) -> list[dict]:
     """The per-sample dicts of a packed row (batch size 1), in order.
 
-    Boundaries come from ``position_ids`` (row 0 for Qwen-VL's [4, 1, T])
-    restarting at 0. Images / videos / tiles go back to the sample whose
+    Boundaries come from ``position_ids`` (row 0 for Qwen-VL's [4, 1, T]),
+    by `segment_boundaries`. Images / videos / tiles go back to the sample whose
     placeholder tokens they fill. Exact inverse of `PackedCollator` except the
     first label of each sample, which packing sets to -100 (it is never a
     loss target, packed or not).
@@ -409,10 +409,10 @@ def split_packed(batch: Mapping[str, Any], model_config) -> list[dict]:
         plain = pos.reshape(-1) if pos.ndim == 2 and pos.shape[0] == 1 else None
         if plain is None:
             raise ValueError(f"packed batch: key 'position_ids': expected [1, T], got {tuple(pos.shape)}")
-    starts = (torch.nonzero(plain == 0).reshape(-1)).tolist()
-    if not starts or starts[0] != 0:
+    if plain.numel() == 0 or int(plain[0]) != 0:
         raise ValueError("packed batch: key 'position_ids': must start at 0")
-    bounds = list(zip(starts, starts[1:] + [plain.numel()]))
+    (edges,) = segment_boundaries(plain)
+    bounds = list(zip(edges, edges[1:]))
     flat = {k: batch[k][0] for k in ("input_ids", "labels", "mm_token_type_ids") if batch.get(k) is not None}
     samples = [{k: v[a:b].clone() for k, v in flat.items()} for a, b in bounds]
 
@@ -452,3 +452,41 @@ def split_packed(batch: Mapping[str, Any], model_config) -> list[dict]:
                 s["pixel_values"] = batch["pixel_values"][t:t + tiles].clone()
                 t += tiles
     return samples
+
+
+# --------------------------------------------------------------------------- sample boundaries of a packed row
+
+
+def segment_boundaries(position_ids) -> list[list[int]]:
+    """Per batch row, the start offset of every packed sample plus the row length: `[[0, s1, ..., T], ...]`.
+
+    A sample starts at token 0 and wherever position[i] != position[i-1] + 1: transformers' own rule
+    (`masking_utils.find_packed_sequence_indices`), so these are the segments the model's attention
+    really computes. `position_ids`: [T], [B, T], or Qwen-VL's [4, B, T] (row 0 holds the plain
+    per-sample positions). Example: [[0, 1, 2, 0, 1, 0]] -> [[0, 3, 5, 6]]; [[3, 4, 5]] -> [[0, 3]].
+    """
+    pos = torch.as_tensor(position_ids)
+    if pos.ndim == 3 and pos.shape[0] == 4:
+        pos = pos[0]
+    if pos.ndim == 1:
+        pos = pos[None]
+    if pos.ndim != 2:
+        raise ValueError(f"position_ids must be [T], [B, T] or [4, B, T], got shape {tuple(pos.shape)}")
+    length = int(pos.shape[1])
+    restarts = torch.diff(pos.detach().cpu(), dim=1) != 1
+    return [[0] + (torch.nonzero(row).flatten() + 1).tolist() + [length] for row in restarts]
+
+
+def segment_lengths(position_ids) -> list[int]:
+    """Token count of every packed sample, all rows in order (see `segment_boundaries`)."""
+    return [b - a for bounds in segment_boundaries(position_ids) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def boundaries_from_cu_seq_lens(cu_seq_lens, length: int) -> list[int]:
+    """The boundaries `[0, s1, ..., T]` of one packed row given as cumulative sample lengths
+    (`cu_seq_lens_q` of `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`), checked to rise
+    from 0 to the row length `length`."""
+    bounds = [int(x) for x in torch.as_tensor(cu_seq_lens).reshape(-1).tolist()]
+    if not bounds or bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seq_lens_q={bounds} must rise from 0 to the sequence length {length}")
+    return bounds

@@ -1,42 +1,30 @@
-"""Turn balancing on from the command line: `dp_balance_*` fields for `TrainingArguments`.
+"""`dp_balance_*` fields for `TrainingArguments`: balancing options on the command line.
 
-`DPBalanceArguments` is a dataclass whose fields mirror `DPBalanceConfig`
-one for one (generated from it, so the two never drift): `enabled` becomes
-`dp_balance`, every other field `<name>` becomes `dp_balance_<name>`, with the
-config field's docstring as `--help` text. `DPBalanceTrainingArguments`
-inherits from both `TrainingArguments` and `DPBalanceArguments`, so one
-`HfArgumentParser(DPBalanceTrainingArguments)` gives `--dp_balance`,
-`--dp_balance_warmup_steps 8`, ... next to Trainer's own options.
+`DPBalanceArguments` is written out field by field (as TRL's `SFTConfig` is), each with its help
+text; a test checks that it matches `DPBalanceConfig` field for field (names, types, defaults).
+`enabled` becomes `dp_balance`, every other field `<name>` becomes `dp_balance_<name>`.
+`DPBalanceTrainingArguments` inherits from both `TrainingArguments` and `DPBalanceArguments`, so one
+`HfArgumentParser(DPBalanceTrainingArguments)` gives `--dp_balance_warmup_steps 8`, ... next to
+Trainer's own options. `to_dp_balance_config()` builds the `DPBalanceConfig`, with every
+`HF_DP_BALANCE_<FIELD>` environment variable applied on top.
 
-`to_dp_balance_config()` builds the `DPBalanceConfig`, with every
-`HF_DP_BALANCE_<FIELD>` environment variable applied on top (they reach every
-rank through `torchrun` / `accelerate launch`, whose config files reject
-unknown keys).
-
-The command-line switch `dp_balance` defaults to False (it is an option the
-user turns on); everything else defaults to the `DPBalanceConfig` default.
+`dp_balance` defaults to True, as `DPBalanceConfig.enabled` does: what balances is the callback, and a
+user who adds `DPBalanceCallback()` wants it; `--dp_balance False` (or `--no_dp_balance`) turns it
+off for a run without editing the script (docs/usage.md).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
-import textwrap
-import typing
-from typing import Dict, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 from transformers import TrainingArguments
 
-from hf_dp_balance.config import _FIT_MODES, _SYNC_CHOICES, DPBalanceConfig
+from hf_dp_balance.config import DPBalanceConfig
+from hf_dp_balance.core.choices import FIT_MODES, SYNC_CHOICES, TIMING_CHOICES
 
 ARG_PREFIX = "dp_balance"
-
-# Fields whose command-line default differs from the config default, and why:
-# `enabled` is an opt-in switch on the command line (`--dp_balance`).
-_CLI_DEFAULTS = {"enabled": False}
-_CHOICES = {"sync": _SYNC_CHOICES, "fit_mode": _FIT_MODES}
 
 
 def argument_name(config_field: str) -> str:
@@ -44,41 +32,69 @@ def argument_name(config_field: str) -> str:
     return ARG_PREFIX if config_field == "enabled" else f"{ARG_PREFIX}_{config_field}"
 
 
-@functools.lru_cache(maxsize=1)
-def _field_docs() -> Dict[str, str]:
-    """Attribute docstrings of DPBalanceConfig (the string literal under each field), read from its source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(DPBalanceConfig))
-    except (OSError, TypeError):  # source not shipped: help falls back to the field name
-        return {}
-    body = ast.parse(source).body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
+def _help(text: str, config_field: str, choices=None) -> dict:
+    """Field metadata: the help text, naming the config field and its environment variable (and choices)."""
+    env = f"HF_DP_BALANCE_{config_field.upper()}"
+    meta = {"help": f"{text} (config field `{config_field}`; environment {env} overrides)"}
+    if choices is not None:
+        meta["choices"] = list(choices)
+    return meta
 
 
-def _build_arguments_class():
-    hints = typing.get_type_hints(DPBalanceConfig)
-    docs = _field_docs()
-    specs = []
-    for f in dataclasses.fields(DPBalanceConfig):
-        default = _CLI_DEFAULTS.get(f.name, f.default)
-        env = f"HF_DP_BALANCE_{f.name.upper()}"
-        help_text = f"{docs.get(f.name, f.name)} (config field `{f.name}`; environment {env} overrides)"
-        metadata = {"help": help_text}
-        if f.name in _CHOICES:
-            metadata["choices"] = list(_CHOICES[f.name])
-        specs.append((argument_name(f.name), hints[f.name], dataclasses.field(default=default, metadata=metadata)))
-    namespace = {
-        "__doc__": "Data-parallel compute balancing options (`--dp_balance ...`); mirrors `DPBalanceConfig`.",
-        "__module__": __name__,
-        "to_dp_balance_config": _to_dp_balance_config,
-        "__post_init__": _validate,
-    }
-    return dataclasses.make_dataclass("DPBalanceArguments", specs, namespace=namespace)
+@dataclass
+class DPBalanceArguments:
+    """Data-parallel compute balancing options (`--dp_balance ...`); mirrors `DPBalanceConfig`."""
+
+    dp_balance: bool = field(default=True, metadata=_help(
+        "Balance the decoder's compute across data-parallel ranks; --dp_balance False turns the callback off",
+        "enabled"))
+    dp_balance_vision: bool = field(default=False, metadata=_help(
+        "Also balance the vision encoder: images move to other ranks for the ViT, their embeddings come back",
+        "vision"))
+    dp_balance_warmup_steps: int = field(default=5, metadata=_help(
+        "Optimizer steps timed before the cost model is fitted; planning starts two steps later", "warmup_steps"))
+    dp_balance_max_token_ratio: float = field(default=1.2, metadata=_help(
+        "Hard token cap of each rank's micro-batch slot, as a multiple of the mean tokens per slot",
+        "max_token_ratio"))
+    dp_balance_max_tokens: Optional[int] = field(default=None, metadata=_help(
+        "Absolute token cap per micro-batch slot (memory); overrides the ratio when set", "max_tokens"))
+    dp_balance_min_gain: float = field(default=0.02, metadata=_help(
+        "Skip a step's plan when it cuts the slowest rank by less than this fraction", "min_gain"))
+    dp_balance_move_tolerance: float = field(default=0.005, metadata=_help(
+        "Among plans within this relative distance of the best makespan, take the one moving fewest samples",
+        "move_tolerance"))
+    dp_balance_sync: str = field(default="auto", metadata=_help(
+        "Where ranks meet: step (DDP, once per optimizer step), micro_batch (FSDP / ZeRO-3), or auto from the Trainer",
+        "sync", SYNC_CHOICES))
+    dp_balance_refit_every: int = field(default=100, metadata=_help(
+        "Refit the cost model every N optimizer steps after the first fit, on the latest 64 steps (0: never)",
+        "refit_every"))
+    dp_balance_fit_mode: str = field(default="auto", metadata=_help(
+        "How to fit: per_rank (clean per-rank compute times), step_max (the slowest rank of each step), "
+        "or auto (follows the timing clock)", "fit_mode", FIT_MODES))
+    dp_balance_timing: str = field(default="auto", metadata=_help(
+        "Clock of each rank's step and its vision tower: thread_cpu (CPU time of the main thread), wall "
+        "(synchronised wall time, accelerators), or auto (thread_cpu on CPU, wall otherwise)", "timing",
+        TIMING_CHOICES))
+    dp_balance_timeout_s: float = field(default=600.0, metadata=_help(
+        "Seconds before a collective of the side group fails: a dead rank raises, never hangs", "timeout_s"))
+    dp_balance_prefetch_steps: int = field(default=2, metadata=_help(
+        "Optimizer steps planned and exchanged ahead by the background thread", "prefetch_steps"))
+    dp_balance_lookahead_steps: int = field(default=0, metadata=_help(
+        "Plan outlier samples over a window of this many upcoming steps (0: off); reorders data within it",
+        "lookahead_steps"))
+    dp_balance_cost_model_path: Optional[str] = field(default=None, metadata=_help(
+        "JSON of a fitted cost model to start from; skips the warm-up fit", "cost_model_path"))
+    dp_balance_verbose: bool = field(default=False, metadata=_help(
+        "Log a line per step on rank 0 besides the periodic dp_balance/* metrics", "verbose"))
+
+    def __post_init__(self) -> None:
+        # Fail at parse time, not at the first training step.
+        config_from_arguments(self, environ={})
+
+    def to_dp_balance_config(self, environ: Optional[Mapping[str, str]] = None) -> DPBalanceConfig:
+        """The `DPBalanceConfig` these arguments describe, `HF_DP_BALANCE_*` environment variables applied on top."""
+        return config_from_arguments(self, environ)
 
 
 def config_from_arguments(args, environ: Optional[Mapping[str, str]] = None) -> DPBalanceConfig:
@@ -97,19 +113,6 @@ def config_from_arguments(args, environ: Optional[Mapping[str, str]] = None) -> 
     except ValueError as exc:
         raise ValueError(f"invalid --dp_balance arguments: {exc}") from None
     return DPBalanceConfig.from_env(base, environ)
-
-
-def _to_dp_balance_config(self, environ: Optional[Mapping[str, str]] = None) -> DPBalanceConfig:
-    """The `DPBalanceConfig` these arguments describe, `HF_DP_BALANCE_*` environment variables applied on top."""
-    return config_from_arguments(self, environ)
-
-
-def _validate(self) -> None:
-    # Fail at parse time, not at the first training step.
-    config_from_arguments(self, environ={})
-
-
-DPBalanceArguments = _build_arguments_class()
 
 
 @dataclasses.dataclass

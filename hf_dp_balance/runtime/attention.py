@@ -9,7 +9,8 @@ planner balances (and the one flash-attn varlen has on GPUs).
 Segment boundaries come, in this order, from `cu_seq_lens_q` (what
 `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` emits) or from
 `position_ids` restarts (a token whose position is not previous + 1 starts a
-new sample: the rule of transformers' `find_packed_sequence_indices`). Models
+new sample: the rule of transformers' `find_packed_sequence_indices`), both
+read by `hf_dp_balance.core.packing`, the one place that finds them. Models
 pass `position_ids` to the attention function for FA2; Qwen2-VL's decoder
 passes the plain text positions (row 0 of its [4, bs, T] position tensor).
 
@@ -34,33 +35,9 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from hf_dp_balance.core.packing import boundaries_from_cu_seq_lens, segment_boundaries
+
 DEFAULT_NAME = "hf_dp_balance_varlen"
-
-
-def segment_boundaries(position_ids: torch.Tensor) -> List[List[int]]:
-    """Per batch row, the start offsets of its packed segments plus the row length.
-
-    A segment starts at token 0 and wherever position[i] != position[i-1] + 1.
-    Example: positions [0,1,2,0,1,0] -> [[0, 3, 5, 6]].
-    """
-    if position_ids.ndim == 1:
-        position_ids = position_ids[None]
-    if position_ids.ndim != 2:
-        raise ValueError(f"position_ids must be [batch, seq] for packed attention, got shape {tuple(position_ids.shape)}")
-    length = position_ids.shape[1]
-    restarts = torch.diff(position_ids, dim=1) != 1
-    rows = []
-    for row in restarts:
-        starts = (torch.nonzero(row).flatten() + 1).tolist()
-        rows.append([0] + starts + [length])
-    return rows
-
-
-def _boundaries_from_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> List[int]:
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    if bounds[0] != 0 or bounds[-1] != length or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-        raise ValueError(f"cu_seq_lens_q={bounds} must rise from 0 to the sequence length {length}")
-    return bounds
 
 
 def _attend(q, k, v, *, causal: bool, scale: Optional[float], dropout: float, window: Optional[int], offset: int = 0):
@@ -81,6 +58,28 @@ def _attend(q, k, v, *, causal: bool, scale: Optional[float], dropout: float, wi
     if window is not None:
         allowed &= (q_pos - k_pos) < window
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale)
+
+
+def _packed_boundaries(position_ids, cu_seq_lens_q, batch: int, q_len: int) -> List[List[int]]:
+    """Per row, the segment boundaries `[0, ..., q_len]`: from `cu_seq_lens_q`, else from the position
+    restarts (`core.packing.segment_boundaries`), else one sequence per row."""
+    if cu_seq_lens_q is not None:
+        if batch != 1:
+            raise ValueError(f"{DEFAULT_NAME}: cu_seq_lens_q needs a single packed row, got batch size {batch}")
+        return [boundaries_from_cu_seq_lens(cu_seq_lens_q, q_len)]
+    if position_ids is None or (position_ids.ndim == 3 and position_ids.shape[0] != 4):
+        return [[0, q_len]] * batch  # no positions, or mrope rows without the text row: as transformers does
+    positions = position_ids[0] if position_ids.ndim == 3 else position_ids  # [4, b, T]: row 0 is the plain one
+    if positions.ndim > 2:
+        raise ValueError(f"position_ids must be [batch, seq] for packed attention, got shape {tuple(positions.shape)}")
+    if positions.shape[-1] != q_len:
+        raise ValueError(f"{DEFAULT_NAME}: position_ids length {positions.shape[-1]} != query length {q_len}")
+    if positions.ndim == 2 and positions.shape[0] == 1:
+        positions = positions.expand(batch, -1)
+    bounds_per_row = segment_boundaries(positions)
+    if len(bounds_per_row) != batch:
+        raise ValueError(f"{DEFAULT_NAME}: position_ids have {len(bounds_per_row)} rows for a batch of {batch}")
+    return bounds_per_row
 
 
 def varlen_attention_forward(
@@ -133,22 +132,7 @@ def varlen_attention_forward(
                                 window=sliding_window, offset=k.shape[2] - q_len))
         return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
 
-    if cu_seq_lens_q is not None:
-        if batch != 1:
-            raise ValueError(f"{DEFAULT_NAME}: cu_seq_lens_q needs a single packed row, got batch size {batch}")
-        bounds_per_row = [_boundaries_from_cu_seqlens(cu_seq_lens_q, q_len)]
-    elif position_ids is not None and not (position_ids.ndim == 3 and position_ids.shape[0] != 4):
-        positions = position_ids
-        if positions.ndim == 3:  # [4, b, T]: row 0 holds the plain per-sample positions (Qwen-VL packing)
-            positions = positions[0]
-        if positions.shape[-1] != q_len:
-            raise ValueError(f"{DEFAULT_NAME}: position_ids length {positions.shape[-1]} != query length {q_len}")
-        bounds_per_row = segment_boundaries(positions.expand(batch, -1) if positions.shape[0] == 1 else positions)
-    else:  # no positions, or mrope rows without the text row: one sequence per row, as transformers does
-        bounds_per_row = [[0, q_len]] * batch
-    if len(bounds_per_row) != batch:
-        raise ValueError(f"{DEFAULT_NAME}: position_ids have {len(bounds_per_row)} rows for a batch of {batch}")
-
+    bounds_per_row = _packed_boundaries(position_ids, cu_seq_lens_q, batch, q_len)
     rows = []
     for b, bounds in enumerate(bounds_per_row):
         valid = None
@@ -218,4 +202,4 @@ def register_varlen_attention(name: str = DEFAULT_NAME) -> str:
     return name
 
 
-__all__ = ["DEFAULT_NAME", "register_varlen_attention", "segment_boundaries", "varlen_attention_forward", "padding_only_mask"]
+__all__ = ["DEFAULT_NAME", "register_varlen_attention", "varlen_attention_forward", "padding_only_mask"]

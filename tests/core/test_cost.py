@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hf_dp_balance.apps.fit import load_timings
-from hf_dp_balance.core.cost import CostModel, FitResult, features_of, features_of_ranks, fit_cost_model
+from hf_dp_balance.core.cost import CostModel, features_of, features_of_ranks
+from hf_dp_balance.core.fitting import FitResult, fit_cost_model
 
 TRUE = CostModel(quadratic=2e-9, linear=3e-5, per_sample=5e-3, constant=5e-2)
 
@@ -200,3 +201,27 @@ def test_fit_cli_reads_lengths_and_writes_a_loadable_model(tmp_path, capsys):
     bad.write_text(json.dumps({"times": [1.0]}))
     assert main(["fit", str(bad)]) == 2
     assert "needs 'features'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- fitting from training records
+
+
+def test_feature_row_and_imbalance():
+    from hf_dp_balance.core.fitting import compute_imbalance
+
+    np.testing.assert_allclose(features_of([3, 4]), [25.0, 7.0, 2.0, 1.0])
+    assert compute_imbalance(np.array([[1.0, 1.0], [3.0, 1.0]])) == pytest.approx((0.0 + 0.5) / 2)
+
+
+def test_fit_from_records_recovers_a_known_model():
+    from hf_dp_balance.core.fitting import fit_from_records
+
+    rng = np.random.default_rng(0)
+    true = CostModel(quadratic=2e-7, linear=1e-4, per_sample=1e-3, constant=0.05)
+    lengths = [[rng.integers(16, 2048, size=rng.integers(1, 8)) for _ in range(2)] for _ in range(12)]
+    feats = np.array([[features_of(r) for r in step] for step in lengths])
+    times = true.predict(feats) * rng.normal(1.0, 0.01, size=(12, 2))
+    times[0] *= 5  # a slow first step: dropped
+    fitted = fit_from_records(feats, times, "per_rank").model
+    pred, ref = fitted.predict(feats[1:]), true.predict(feats[1:])
+    assert np.max(np.abs(pred / ref - 1)) < 0.05

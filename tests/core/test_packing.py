@@ -292,3 +292,30 @@ def test_qwen2_5_video_seconds_per_grid_shape_the_packed_positions(models, sampl
     assert _relative_gap(model, timed, batch) < 1e-6
     back = split_packed(batch, model.config)
     assert torch.equal(back[video[0]]["second_per_grid_ts"], timed[video[0]]["second_per_grid_ts"])
+
+
+# --------------------------------------------------------------------------- sample boundaries (the one definition)
+
+
+def test_segment_boundaries_follow_position_restarts():
+    from hf_dp_balance.core.packing import boundaries_from_cu_seq_lens, segment_boundaries, segment_lengths
+
+    assert segment_boundaries(torch.tensor([[0, 1, 2, 0, 1, 0]])) == [[0, 3, 5, 6]]
+    assert segment_boundaries(torch.tensor([[3, 4, 5]])) == [[0, 3]]  # a row starting without 0: one sample
+    assert segment_boundaries(torch.tensor([0, 0, 0])) == [[0, 1, 2, 3]]
+    # a jump that is not a restart at 0 also starts a sample (transformers' rule: position != previous + 1)
+    assert segment_boundaries(torch.tensor([[0, 1, 2, 7, 8]])) == [[0, 3, 5]]
+    # two rows, and Qwen-VL's [4, B, T] (row 0 the plain positions; the mrope rows are ignored)
+    two = torch.tensor([[0, 1, 0, 1, 2], [5, 6, 7, 0, 1]])
+    assert segment_boundaries(two) == [[0, 2, 5], [0, 3, 5]]
+    mrope = torch.stack([two, two * 0 + 9, two * 0, two * 0])
+    assert segment_boundaries(mrope) == [[0, 2, 5], [0, 3, 5]]
+    assert segment_lengths(mrope) == [2, 3, 3, 2]
+    assert segment_lengths(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])) == [3, 2, 4]
+    with pytest.raises(ValueError, match="position_ids"):
+        segment_boundaries(torch.zeros(3, 1, 4, dtype=torch.long))  # [3, B, T]: no plain row
+    # cumulative lengths of the flattening collator
+    assert boundaries_from_cu_seq_lens(torch.tensor([0, 3, 5, 9], dtype=torch.int32), 9) == [0, 3, 5, 9]
+    for bad in ([0, 3, 2, 9], [1, 3, 9], [0, 3, 8]):
+        with pytest.raises(ValueError, match="cu_seq_lens_q"):
+            boundaries_from_cu_seq_lens(torch.tensor(bad), 9)

@@ -8,41 +8,13 @@ import pytest
 import torch
 
 from hf_dp_balance.testing.spawn import run_ranks
-from hf_dp_balance.integrations.callback import (CHECKPOINT_FILE, DPBalanceCallback, compute_imbalance, feature_row,
-                                    fit_from_records, resolve_config, segment_lengths, summarize_step_stats)
+from hf_dp_balance.integrations.callback import CHECKPOINT_FILE, DPBalanceCallback, resolve_config, summarize_step_stats
 from hf_dp_balance.runtime.loader import StepStats
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
 
 
 # --------------------------------------------------------------------------- pure parts
-
-
-def test_segment_lengths_reads_packed_and_padded_batches():
-    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
-    assert segment_lengths({"position_ids": pos}) == [3, 2, 4]
-    mrope = torch.stack([pos, pos * 0, pos * 0, pos * 0])  # [4, 1, T]: row 0 is the plain positions
-    assert segment_lengths({"position_ids": mrope}) == [3, 2, 4]
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    assert segment_lengths({"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": mask}) == [3, 2]
-    assert segment_lengths({"input_ids": torch.zeros(2, 5, dtype=torch.long)}) == [5, 5]
-
-
-def test_feature_row_and_imbalance():
-    np.testing.assert_allclose(feature_row([3, 4]), [25.0, 7.0, 2.0, 1.0])
-    assert compute_imbalance(np.array([[1.0, 1.0], [3.0, 1.0]])) == pytest.approx((0.0 + 0.5) / 2)
-
-
-def test_fit_from_records_recovers_a_known_model():
-    rng = np.random.default_rng(0)
-    true = CostModel(quadratic=2e-7, linear=1e-4, per_sample=1e-3, constant=0.05)
-    lengths = [[rng.integers(16, 2048, size=rng.integers(1, 8)) for _ in range(2)] for _ in range(12)]
-    feats = np.array([[feature_row(r) for r in step] for step in lengths])
-    times = true.predict(feats) * rng.normal(1.0, 0.01, size=(12, 2))
-    times[0] *= 5  # a slow first step: dropped
-    fitted = fit_from_records(feats, times, "per_rank").model
-    pred, ref = fitted.predict(feats[1:]), true.predict(feats[1:])
-    assert np.max(np.abs(pred / ref - 1)) < 0.05
 
 
 def test_loader_stats_summary():
@@ -58,15 +30,26 @@ def test_loader_stats_summary():
 
 
 def test_config_precedence(monkeypatch):
+    # The one test of where a setting comes from: the callback's own config, else the dp_balance_* fields
+    # of the TrainingArguments, else the defaults; HF_DP_BALANCE_* environment variables over all of them.
     class Args:
-        dp_balance = True
+        dp_balance = False
         dp_balance_warmup_steps = 7
+        dp_balance_min_gain = 0.05
 
-    assert resolve_config(None, Args(), environ={}).warmup_steps == 7
-    assert resolve_config(DPBalanceConfig(warmup_steps=2), Args(), environ={}).warmup_steps == 2
+    assert resolve_config(None, Args(), environ={}) == DPBalanceConfig(enabled=False, warmup_steps=7, min_gain=0.05)
+    assert resolve_config(DPBalanceConfig(warmup_steps=2), Args(), environ={}) == DPBalanceConfig(warmup_steps=2)
     env = {"HF_DP_BALANCE_WARMUP_STEPS": "4"}
     assert resolve_config(DPBalanceConfig(warmup_steps=2), Args(), environ=env).warmup_steps == 4
     assert resolve_config(None, object(), environ={}) == DPBalanceConfig()
+    assert resolve_config(None, object(), environ=env) == DPBalanceConfig(warmup_steps=4)
+    # over TrainingArguments fields too, by the field's type; a field the environment does not name keeps its value
+    monkeypatch.setenv("HF_DP_BALANCE_ENABLED", "1")
+    monkeypatch.setenv("HF_DP_BALANCE_WARMUP_STEPS", "3")
+    monkeypatch.setenv("HF_DP_BALANCE_MAX_TOKENS", "none")
+    cfg = resolve_config(None, Args())
+    assert cfg.enabled is True and cfg.warmup_steps == 3 and cfg.max_tokens is None
+    assert cfg.min_gain == 0.05  # not overridden: the argument stays
 
 
 # --------------------------------------------------------------------------- Trainer on 2 gloo ranks
@@ -265,16 +248,70 @@ def test_lookahead_holds_checkpoints_to_window_ends_so_resume_trains_every_sampl
     assert sorted(again) == sorted(first[7] + first[8])  # and the resumed steps train what the first run did
 
 
-def test_hooks_are_not_doubled_when_a_run_raised_before_train_end():
-    # A train() that raises never reaches on_train_end; the next on_train_begin installs the hooks again.
-    from hf_dp_balance.integrations.callback import DPBalanceCallback
-    from hf_dp_balance.testing.data import make_model
+# --------------------------------------------------------------------------- hooks and clocks on a real model
+
+
+def _vision_batch():
+    from hf_dp_balance.core.packing import PackedCollator
+    from hf_dp_balance.testing.data import make_model, make_samples
 
     model = make_model("qwen2_vl")
-    cb = DPBalanceCallback()
-    cb._install_hooks(model)
-    counts = (len(model._forward_pre_hooks), len(model.model.visual._forward_pre_hooks), len(model.model.visual._forward_hooks))
-    assert counts[0] >= 1 and counts[1] >= 1
-    cb._install_hooks(model)
-    assert (len(model._forward_pre_hooks), len(model.model.visual._forward_pre_hooks),
-            len(model.model.visual._forward_hooks)) == counts
+    batch = PackedCollator(model.config)(make_samples("qwen2_vl", ("text", "image", "text")))
+    return model, batch
+
+
+def _begin(cb, model, tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    state, control = TrainerState(), TrainerControl()
+    cb.on_train_begin(args, state, control, model=model)
+    return args, state, control
+
+
+def _one_step(cb, model, batch, state, control):
+    """One optimizer step of a single rank; returns the record the callback made of it."""
+    cb.on_step_begin(None, state, control)
+    with torch.no_grad():
+        model(**batch)
+    cb.on_step_end(None, state, control)
+    return cb.fitter.records[-1]
+
+
+def test_hooks_are_not_doubled_when_a_run_raised_before_train_end(tmp_path):
+    # A train() that raises never reaches on_train_end; the next on_train_begin installs the hooks again.
+    model, batch = _vision_batch()
+    cb = DPBalanceCallback(DPBalanceConfig(warmup_steps=100))
+    args, state, control = _begin(cb, model, tmp_path)
+    once = _one_step(cb, model, batch, state, control)
+    assert once.features[2] == 3 and once.vision_features[2] == 1  # 3 samples, 1 image, each seen once
+    _begin(cb, model, tmp_path)  # the second train(), without the first one's on_train_end
+    again = _one_step(cb, model, batch, state, control)
+    np.testing.assert_array_equal(again.features, once.features)
+    np.testing.assert_array_equal(again.vision_features, once.vision_features)
+    # After train end nothing is recorded any more: a forward leaves the recorder empty.
+    cb.on_train_end(args, state, control)
+    recorder = cb.recorder
+    recorder.begin()
+    with torch.no_grad():
+        model(**batch)
+    assert recorder.lengths == [] and recorder.patches == [] and recorder.vision_s == 0.0
+
+
+@pytest.mark.parametrize("timing", ["wall", "thread_cpu"])
+def test_the_vision_tower_is_timed_on_the_step_clock(tmp_path, timing):
+    # On accelerators the step is timed by synchronised wall clock; the tower's kernels run asynchronously,
+    # so the thread's CPU time inside the tower measures their launches only. Stand-in for a GPU tower
+    # on CPU: the tower waits 0.2 s without burning CPU. The wall clock sees it, the thread clock does not.
+    import time
+
+    model, batch = _vision_batch()
+    cb = DPBalanceCallback(DPBalanceConfig(timing=timing, warmup_steps=100))
+    _, state, control = _begin(cb, model, tmp_path)
+    assert cb.fitter.timing == timing and cb.fitter.fit_mode == ("step_max" if timing == "wall" else "per_rank")
+    model.model.visual.register_forward_pre_hook(lambda module, args: time.sleep(0.2))  # runs after ours
+    record = _one_step(cb, model, batch, state, control)
+    if timing == "wall":
+        assert record.vision_s >= 3 * 0.2  # forward + backward share of the wait the tower really took
+    else:
+        assert record.vision_s < 3 * 0.2 / 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_dp_balance.runtime.attention import DEFAULT_NAME, register_varlen_attention, segment_boundaries, varlen_attention_forward
+from hf_dp_balance.runtime.attention import DEFAULT_NAME, register_varlen_attention, varlen_attention_forward
 
 torch.set_num_threads(1)
 
@@ -51,12 +51,6 @@ def packed_batch(lengths, seed=0, position_rows=None):
 def summed_token_loss(logits, labels):
     """Sum of next-token cross-entropies (labels shifted as in causal LM losses)."""
     return F.cross_entropy(logits[0, :-1].double(), labels[0, 1:], ignore_index=-100, reduction="sum")
-
-
-def test_segment_boundaries_follow_position_restarts():
-    assert segment_boundaries(torch.tensor([[0, 1, 2, 0, 1, 0]])) == [[0, 3, 5, 6]]
-    assert segment_boundaries(torch.tensor([[3, 4, 5]])) == [[0, 3]]
-    assert segment_boundaries(torch.tensor([0, 0, 0])) == [[0, 1, 2, 3]]
 
 
 def test_registration_is_idempotent_and_refuses_taken_names():

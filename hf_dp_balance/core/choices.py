@@ -1,0 +1,24 @@
+"""The allowed values of the library's string settings, each written once.
+
+`DPBalanceConfig` validates against these, `DPBalanceArguments` offers them as
+`--help` choices, the `fit` command line and `fit_cost_model` accept them.
+"""
+
+from __future__ import annotations
+
+# How ranks meet in a step: `step` (DDP: once per optimizer step, in the gradient all-reduce) or
+# `micro_batch` (FSDP / ZeRO-3: in every micro-batch). The config adds `auto` (read from the Trainer).
+SYNC_MODES = ("step", "micro_batch")
+SYNC_CHOICES = ("auto",) + SYNC_MODES
+
+# How the cost model is fitted: per-rank times, the slowest rank of each step only, or chosen by the data.
+FIT_MODES = ("auto", "per_rank", "step_max")
+
+# The clock that times each rank's step (and the vision tower inside it): the main thread's CPU time
+# (clean per-rank compute on CPU, where a rank blocked in a collective burns no CPU) or synchronised
+# wall time (accelerators: kernels run asynchronously, CPU time would measure their launches only).
+# `auto`: thread CPU time on a CPU device, wall time on any other.
+TIMING_MODES = ("thread_cpu", "wall")
+TIMING_CHOICES = ("auto",) + TIMING_MODES
+
+__all__ = ["FIT_MODES", "SYNC_CHOICES", "SYNC_MODES", "TIMING_CHOICES", "TIMING_MODES"]

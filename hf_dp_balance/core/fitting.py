@@ -1,0 +1,277 @@
+"""Fitting a `CostModel` to measured times: per-rank, or step-max through a soft-max over ranks.
+
+Guarantees: every coefficient is >= 0; residuals are relative (the planner cares about ratios and
+timings are heteroscedastic); Huber-weighted, then observations beyond 4 robust sigmas are dropped
+and the fit is redone on the inliers. Held-out steps measure R^2 / MAPE. The method and its
+reasoning: docs/cost_model.md. Pure numpy / scipy: no torch import here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+from hf_dp_balance.core.choices import FIT_MODES
+from hf_dp_balance.core.cost import COEFF_NAMES, FEATURE_NAMES, N_FEATURES, CostModel
+from hf_dp_balance.core.fit_solvers import ANNEAL_TEMPERATURES, column_scale, fit_per_rank, fit_step_max
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """How well the fitted model predicts.
+
+    `r2` / `mape` are on held-out steps (model fitted on the other steps;
+    NaN when too few steps to hold any out), in the fitted mode's target:
+    per-rank times for `per_rank`, step times (slowest rank) for `step_max`.
+    `step_mape` is always on held-out step times (max over ranks).
+    `train_*` are on the training observations of the final fit.
+    """
+
+    mode: str
+    r2: float
+    mape: float
+    step_mape: float
+    train_r2: float
+    train_mape: float
+    n_train: int
+    n_heldout: int
+    n_observations: int
+    n_outliers: int
+    outlier_steps: Tuple[int, ...]
+    temperature: Optional[float]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["outlier_steps"] = list(self.outlier_steps)
+        return d
+
+    def summary(self) -> str:
+        def pct(x: float) -> str:
+            return "n/a" if not math.isfinite(x) else f"{100 * x:.2f}%"
+
+        def num(x: float) -> str:
+            return "n/a" if not math.isfinite(x) else f"{x:.4f}"
+
+        return (
+            f"mode={self.mode} held-out: R^2={num(self.r2)} MAPE={pct(self.mape)} step-MAPE={pct(self.step_mape)} "
+            f"({self.n_heldout} steps) | train: R^2={num(self.train_r2)} MAPE={pct(self.train_mape)} "
+            f"({self.n_train} steps, {self.n_observations} observations, {self.n_outliers} outliers dropped)"
+        )
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The fitted model (on all steps, outliers dropped) and its report."""
+
+    model: CostModel
+    report: FitReport
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_dict(), "report": self.report.to_dict()}
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def _validate(features, times) -> Tuple[np.ndarray, np.ndarray]:
+    """Check shapes and values; returns features [S, R, 4] and times [S] or [S, R] as float64."""
+    features = np.asarray(features, dtype=np.float64)
+    times = np.asarray(times, dtype=np.float64)
+    if features.ndim == 2 and features.shape[-1] == N_FEATURES:
+        features = features[:, None, :]  # [steps, 4]: one rank
+        if times.ndim == 2 and times.shape[1] != 1:
+            raise ValueError(f"features of shape [steps, 4] mean one rank, but times has shape {times.shape}")
+    if features.ndim != 3 or features.shape[-1] != N_FEATURES:
+        raise ValueError(f"features must have shape [steps, ranks, {N_FEATURES}] {FEATURE_NAMES}, got {features.shape}")
+    steps, ranks, _ = features.shape
+    if times.ndim not in (1, 2) or times.shape[0] != steps or (times.ndim == 2 and times.shape[1] != ranks):
+        raise ValueError(f"times must have shape [steps={steps}] or [steps={steps}, ranks={ranks}], got {times.shape}")
+    bad = ~np.isfinite(features)
+    if bad.any():
+        s, r, k = np.argwhere(bad)[0]
+        raise ValueError(f"features[step={s}, rank={r}, {FEATURE_NAMES[k]}]={float(features[s, r, k])!r} is not finite")
+    bad = features < 0
+    if bad.any():
+        s, r, k = np.argwhere(bad)[0]
+        raise ValueError(f"features[step={s}, rank={r}, {FEATURE_NAMES[k]}]={float(features[s, r, k])!r} is negative")
+    bad = ~(np.isfinite(times) & (times > 0))
+    if bad.any():
+        idx = tuple(np.argwhere(bad)[0])
+        where = f"step={idx[0]}" + (f", rank={idx[1]}" if times.ndim == 2 else "")
+        raise ValueError(f"times[{where}]={float(times[idx])!r}: times must be finite and > 0")
+    return features, times
+
+
+def _fit(features: np.ndarray, times: np.ndarray, mode: str, robust: bool, temperature: Optional[float]):
+    """Fit on already validated data; returns (CostModel, inlier mask shaped like times)."""
+    scale = column_scale(features)
+    x = features / scale
+    if mode == "per_rank":
+        theta, inliers = fit_per_rank(x.reshape(-1, N_FEATURES), times.reshape(-1), robust)
+        inliers = inliers.reshape(times.shape)
+    else:
+        theta, inliers = fit_step_max(x, times, robust, temperature)
+    coefficients = np.maximum(theta, 0.0) / scale
+    return CostModel(*coefficients.tolist()), inliers
+
+
+def _r2(pred: np.ndarray, true: np.ndarray) -> float:
+    if true.size < 2:
+        return float("nan")
+    total = float(np.sum((true - true.mean()) ** 2))
+    if total <= 0:
+        return float("nan")
+    return 1.0 - float(np.sum((pred - true) ** 2)) / total
+
+
+def _mape(pred: np.ndarray, true: np.ndarray) -> float:
+    return float(np.mean(np.abs(pred - true) / true)) if true.size else float("nan")
+
+
+def _targets(model: CostModel, features: np.ndarray, times: np.ndarray, mode: str):
+    """(predicted, observed) in the mode's target: per-rank times or step times."""
+    if mode == "per_rank":
+        return model.predict(features).ravel(), times.ravel()
+    return model.step_time(features), times
+
+
+def _check_options(mode: str, holdout: float, temperature: Optional[float]) -> None:
+    if mode not in FIT_MODES:
+        raise ValueError(f"mode={mode!r}: must be one of {FIT_MODES}")
+    if not 0.0 <= holdout < 1.0:
+        raise ValueError(f"holdout={holdout!r}: must be in [0, 1)")
+    if temperature is not None and not temperature > 0:
+        raise ValueError(f"temperature={temperature!r}: must be > 0 (relative to the step time) or None")
+
+
+def _resolve_mode(features: np.ndarray, times: np.ndarray, mode: str) -> Tuple[str, np.ndarray]:
+    """The concrete mode and its target times ([S, R] per-rank, [S] step-max); enough observations?"""
+    steps, ranks, _ = features.shape
+    if mode == "auto":
+        mode = "per_rank" if times.ndim == 2 else "step_max"
+    if mode == "per_rank" and times.ndim != 2:
+        raise ValueError(f"mode='per_rank' needs per-rank times [steps, ranks]; got times of shape {times.shape}")
+    if mode == "step_max" and times.ndim == 2:
+        times = times.max(axis=1)
+    per_step = ranks if mode == "per_rank" else 1
+    if steps * per_step < N_FEATURES:
+        raise ValueError(
+            f"{steps} steps x {per_step} observation(s) per step = {steps * per_step} observations in mode {mode!r}: "
+            f"fewer than the {N_FEATURES} unknowns {COEFF_NAMES}; record more warm-up steps"
+        )
+    return mode, times
+
+
+def _holdout_steps(steps: int, per_step: int, holdout: float, seed: int) -> np.ndarray:
+    """Sorted indices of the held-out steps (a seeded choice); only when enough steps remain to
+    determine the 4 unknowns twice over."""
+    n_heldout = int(round(steps * holdout))
+    min_train_steps = -(-2 * N_FEATURES // per_step)
+    n_heldout = max(0, min(n_heldout, steps - min_train_steps))
+    return np.sort(np.random.default_rng(seed).permutation(steps)[:n_heldout])
+
+
+def _heldout_scores(features, times, test_steps, mode, robust, temperature) -> Tuple[float, float, float]:
+    """(R^2, MAPE, step MAPE) of a model fitted without `test_steps`, on them (NaN when none)."""
+    if not test_steps.size:
+        return float("nan"), float("nan"), float("nan")
+    train_steps = np.setdiff1d(np.arange(features.shape[0]), test_steps)
+    trial, _ = _fit(features[train_steps], times[train_steps], mode, robust, temperature)
+    pred, true = _targets(trial, features[test_steps], times[test_steps], mode)
+    true_step = times[test_steps] if times.ndim == 1 else times[test_steps].max(axis=1)
+    return _r2(pred, true), _mape(pred, true), _mape(trial.step_time(features[test_steps]), true_step)
+
+
+def fit_cost_model(
+    features,
+    times,
+    *,
+    mode: str = "auto",
+    holdout: float = 0.25,
+    temperature: Optional[float] = None,
+    robust: bool = True,
+    seed: int = 0,
+) -> FitResult:
+    """Fit a non-negative `CostModel` to measured times.
+
+    features: `[steps, ranks, 4]` rows (sum L^2, sum L, n, 1) per rank and step
+    (`[steps, 4]` is read as one rank).
+    times: `[steps, ranks]` per-rank compute times, or `[steps]` step times
+    (the slowest rank).
+    mode: `per_rank` (needs 2-D times; `steps*ranks` observations), `step_max`
+    (one observation per step: the prediction is a soft-max over ranks, with
+    relative `temperature`, annealed 0.1 -> 0.001 when None), or `auto`
+    (per-rank when times are 2-D). Per-rank times can also be fitted in
+    step-max mode (their max is taken), to compare the two.
+    holdout: fraction of steps (a seeded random choice) held out to measure R^2
+    and MAPE; the returned model is then refitted on all steps.
+    robust: Huber loss, then drop observations beyond 4 robust sigmas and refit.
+
+    Raises ValueError naming the step / rank / value of bad data, a shape
+    mismatch, or fewer observations than the 4 unknowns.
+    """
+    _check_options(mode, holdout, temperature)
+    features, times = _validate(features, times)
+    mode, times = _resolve_mode(features, times, mode)
+    steps, ranks, _ = features.shape
+    test_steps = _holdout_steps(steps, ranks if mode == "per_rank" else 1, holdout, seed)
+    r2, mape, step_mape = _heldout_scores(features, times, test_steps, mode, robust, temperature)
+
+    model, inliers = _fit(features, times, mode, robust, temperature)
+    pred, true = _targets(model, features, times, mode)
+    keep = inliers.ravel()
+    report = FitReport(
+        mode=mode,
+        r2=r2,
+        mape=mape,
+        step_mape=step_mape,
+        train_r2=_r2(pred[keep], true[keep]),
+        train_mape=_mape(pred[keep], true[keep]),
+        n_train=steps,
+        n_heldout=int(test_steps.size),
+        n_observations=int(times.size),
+        n_outliers=int((~inliers).sum()),
+        outlier_steps=tuple(int(s) for s in np.flatnonzero(~inliers.reshape(steps, -1).all(axis=1))),
+        temperature=(temperature if temperature is not None else ANNEAL_TEMPERATURES[-1]) if mode == "step_max" else None,
+    )
+    return FitResult(model=model, report=report)
+
+
+# --------------------------------------------------------------------------- fitting from training records
+
+
+def fit_from_records(features, times, mode: str) -> FitResult:
+    """Fit the decoder cost model from gathered records: features [steps, ranks, 4], times [steps, ranks].
+
+    The first recorded step is dropped when there are at least 3 (allocator warm-up,
+    lazy initialisation); `step_max` fits the slowest rank of each step only.
+    """
+    features = np.asarray(features, dtype=np.float64)
+    times = np.asarray(times, dtype=np.float64)
+    if features.shape[0] >= 3:
+        features, times = features[1:], times[1:]
+    if mode == "step_max":
+        return fit_cost_model(features, times.max(axis=1), mode="step_max")
+    return fit_cost_model(features, times, mode="per_rank")
+
+
+def compute_imbalance(times) -> float:
+    """Mean over steps of (slowest rank / mean rank - 1) of a [steps, ranks] time table (NaN if empty)."""
+    times = np.asarray(times, dtype=np.float64)
+    if times.size == 0:
+        return float("nan")
+    mean = times.mean(axis=1)
+    ok = mean > 0
+    if not ok.any():
+        return float("nan")
+    return float((times.max(axis=1)[ok] / mean[ok] - 1.0).mean())
+
+
+__all__ = ["FitReport", "FitResult", "compute_imbalance", "fit_cost_model", "fit_from_records"]
