@@ -111,3 +111,55 @@ def test_zero3_without_the_dummy_fails_when_one_rank_is_text_only():
     pytest.importorskip("deepspeed")
     outcome = run_ranks_allow_failures(_sharded_rank, 2, (), ("qwen2_vl",), False, timeout=90, pg_timeout_s=10)
     assert not any(ok for ok, _ in outcome), outcome
+
+
+def _ddp_grads(model, batch, world):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, find_unused_parameters=False)  # Trainer's choice under checkpointing
+    ddp(**batch).loss.backward()
+    return {n: (p.grad * world).detach().numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _vision_balanced_ddp_family(rank, world, family):
+    """Vision balancing moves rank 0's images to rank 1, whose row holds only text and the dummy image."""
+    import torch
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.packing import PackedCollator
+    from hf_dp_balance.runtime.vision import balance_vision_encoder
+    from hf_dp_balance.testing.data import make_model, make_samples
+
+    samples = make_samples(family, ("image", "multi_image", "image", "text"), seed=7, vision_tokens=96)
+    samples = [{k: (v.double() if v.is_floating_point() else v) for k, v in s.items()} for s in samples]
+    batch = PackedCollator(make_model(family).config)(samples[:3] if rank == 0 else samples[3:])
+    plain = _ddp_grads(make_model(family, seed=0, dtype=torch.float64), batch, world)
+    model = balance_vision_encoder(make_model(family, seed=0, dtype=torch.float64), DPBalanceConfig(vision=True))
+    balanced = _ddp_grads(model, batch, world)
+    (stats,) = model._dp_balance_vision.pop_stats()
+    return {"plain": plain, "balanced": balanced, "stats": stats}
+
+
+def _vision_balanced_ddp_rank(rank, world, families):
+    return {family: _vision_balanced_ddp_family(rank, world, family) for family in families}
+
+
+@pytest.fixture(scope="module")
+def vision_balanced():
+    return run_ranks(_vision_balanced_ddp_rank, 2, ("qwen2_vl", "internvl"), timeout=180, pg_timeout_s=30)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "internvl"])
+def test_vision_balancing_with_a_dummy_rank_under_ddp_without_unused_parameter_search(family, vision_balanced):
+    """The dummy is just a tiny image to the vision wrapper: rank 1 still encodes something (its dummy, plus
+    what it receives), so every tower parameter has a gradient on both ranks and the result is the reference."""
+    import numpy as np
+
+    results = [r[family] for r in vision_balanced]
+    for rank, res in enumerate(results):
+        assert res["stats"]["applied"] and res["stats"]["computed_items"] >= 1, (rank, res["stats"])
+        assert res["balanced"].keys() == res["plain"].keys()
+        for name, grad in res["plain"].items():
+            np.testing.assert_allclose(res["balanced"][name], grad, rtol=1e-9, atol=1e-12, err_msg=name)
+    assert results[1]["stats"]["local_items"] == 1  # the dummy
