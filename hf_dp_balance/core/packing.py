@@ -20,6 +20,8 @@ causal mask (sdpa / eager / flex) or varlen lengths (flash attention).
 - Pixels are concatenated in sample order (``pixel_values``,
   ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
   ``second_per_grid_ts`` for Qwen2.5-VL videos when given).
+- A VLM row with no image or video ends with a dummy image segment (labels
+  -100; `core.dummy_vision`) so the vision tower runs on every rank.
 """
 
 from __future__ import annotations
