@@ -99,3 +99,101 @@ def test_balanced_loader_syncs_gradients_where_the_unbalanced_loop_does_on_every
 def test_balanced_loader_over_the_shard_races_accumulate():
     syncs = run_ranks(_sync_pattern, 2, "wrap_shard", timeout=90, pg_timeout_s=40)
     assert syncs[0] == syncs[1] == expected_syncs(7, GA)
+
+
+# --------------------------------------------------------------------------- loss normalisation
+
+
+def _vlm_samples(family: str, n: int):
+    """`n` identifiable VLM samples of varied length: text-only, one image, several images."""
+    from hf_dp_balance.testing.data import make_samples
+
+    kinds = ("text", "image", "text", "multi_image")
+    out = []
+    for i in range(n):
+        (sample,) = make_samples(family, (kinds[i % len(kinds)],), seed=i, text_tokens=8 + 7 * (i % 5),
+                                 vision_tokens=4 * (1 + i % 3))
+        out.append({**sample, "sample_id": i})
+    return out
+
+
+def _samples(family: str, n: int):
+    return _TextSamples(n, max_len=60).items if family == "text" else _vlm_samples(family, n)
+
+
+def _train(acc, family, samples, balanced: bool, steps_seen):
+    """The issue's loop; returns the synced gradient of every optimizer step (flat, float64)."""
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.integrations.accelerate import DPBalancer
+    from hf_dp_balance.testing.data import make_model
+
+    model = make_model(family, seed=0, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = acc.prepare(model, optimizer)
+    cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, enabled=balanced, max_token_ratio=3.0)
+    grads = []
+    with DPBalancer(acc, model=model, config=cfg, cost_model=CostModel(quadratic=1.0, linear=5.0),
+                    id_key="sample_id") as balancer:
+        loader = balancer.prepare(torch.utils.data.DataLoader(samples, batch_size=2))
+        for batch in loader:
+            with acc.accumulate(model):
+                out = model(**batch)
+                acc.backward(out.loss)
+                if acc.sync_gradients:
+                    grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]))
+                optimizer.step()
+                optimizer.zero_grad()
+        steps_seen.extend((s.step, s.local_ids, s.moved_samples) for s in balancer.step_stats)
+        metrics = balancer.metrics()
+    return torch.stack(grads).numpy(), metrics  # numpy: a tensor would travel as shared memory of an exited process
+
+
+def _balanced_and_unbalanced(rank, world, family, n):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    # a rank whose packed row has no image leaves the vision tower without gradients
+    acc = Accelerator(gradient_accumulation_steps=GA, cpu=True,
+                      kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=family != "text")])
+    samples = _samples(family, n)
+    seen_on, seen_off = [], []
+    on, metrics = _train(acc, family, samples, True, seen_on)
+    off, _ = _train(acc, family, samples, False, seen_off)
+    return {"on": on, "off": off, "seen": seen_on, "metrics": metrics}
+
+
+def _reference_first_step(family, samples, ids, world):
+    """The first step's gradient from one process: every sample alone, summed token loss / the step's
+    target tokens, over `world` (DDP averages the ranks' gradients) and GA (`accelerator.backward` divides)."""
+    from hf_dp_balance.core.packing import PackedCollator
+    from hf_dp_balance.testing.data import make_model
+
+    model = make_model(family, seed=0, dtype=torch.float64)
+    collate = PackedCollator(model.config)
+    rows = [collate([samples[i]]) for i in ids]
+    total = sum(int((r["labels"][..., 1:] != -100).sum()) for r in rows)
+    for r in rows:
+        (model(**r, num_items_in_batch=total).loss / (world * GA)).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("family,world", [("text", 2), ("text", 3), ("qwen2_vl", 2)])
+def test_the_issue_s_loop_gives_the_unbalanced_gradients_and_trains_every_sample_once(family, world):
+    n = 8 * world
+    out = run_ranks(_balanced_and_unbalanced, world, family, n, timeout=150, pg_timeout_s=60)
+    on, off = torch.from_numpy(out[0]["on"]), torch.from_numpy(out[0]["off"])
+    assert on.shape == off.shape and on.shape[0] == 2  # 2 optimizer steps of GA micro-batches of 2 per rank
+    for r in out[1:]:  # DDP synced: every rank holds the same gradient
+        assert torch.allclose(torch.from_numpy(r["on"]), on, rtol=0, atol=1e-12)
+    rel = float(((on - off).norm(dim=1) / off.norm(dim=1)).max())
+    assert rel < 1e-5, rel
+    moved = sum(m for r in out for (_, _, m) in r["seen"]) // world  # moved_samples is global, seen by every rank
+    assert moved > 0  # balancing moved samples, so the equality above could have failed
+    trained = [i for r in out for (_, ids, _) in r["seen"] for mb in ids for i in mb]
+    assert sorted(trained) == list(range(n))  # every sample exactly once
+    first = sorted(i for r in out for (step, ids, _) in r["seen"] if step == 0 for mb in ids for i in mb)
+    ref = _reference_first_step(family, _samples(family, n), first, world)
+    assert float((on[0] - ref).norm() / ref.norm()) < 1e-5
+    metrics = out[0]["metrics"]
+    assert metrics["dp_balance/steps"] == 2 and metrics["dp_balance/moved_samples"] == moved
