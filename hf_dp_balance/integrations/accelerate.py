@@ -28,6 +28,12 @@ from hf_dp_balance.runtime.step_timing import StepClock, StepTimings
 _MAX_STATS = 4096  # step statistics kept for inspection (`step_stats`)
 
 
+def torch_iterable_dataset():
+    import torch.utils.data
+
+    return torch.utils.data.IterableDataset
+
+
 def _sync_mode(accelerator, config: DPBalanceConfig) -> str:
     """DDP meets once per optimizer step; FSDP and DeepSpeed ZeRO-3 meet in every micro-batch."""
     if config.sync != "auto":
@@ -98,25 +104,65 @@ class DPBalancer:
         """The balanced loader over `dataloader` (a torch DataLoader of per-sample dicts, or accelerate's
         prepared `DataLoaderShard` of one). A plain DataLoader is prepared here with
         `accelerator.prepare_data_loader(..., device_placement=False)`: batches are placed on the device
-        after the exchange. Its collate is deferred while preparing (the balancer packs the samples)."""
+        after the exchange. Its collate is deferred while preparing (the balancer packs the samples).
+
+        Dispatch mode (`dispatch_batches=True`, or accelerate's default for an IterableDataset, or a
+        `DataLoaderDispatcher`): data-parallel rank 0 reads the DataLoader (per-process batches), plans
+        each global batch and sends every rank its samples (`runtime.dispatch.DispatchedLoader`)."""
         if self._closed:
             raise RuntimeError("DPBalancer.prepare after close()")
         from hf_dp_balance.runtime.exchange import SampleExchange
-        from hf_dp_balance.runtime.loader import BalancedLoader
 
-        prepared, restore = self._prepared_shard(dataloader)
+        config = self.config
+        if self._dispatches(dataloader):
+            from hf_dp_balance.runtime.dispatch import DispatchedLoader as loader_class
+
+            prepared, restore = self._plain_for_dispatch(dataloader)
+            config = config.replace(lookahead_steps=0)
+            size = self.data_parallel.size
+            length = lambda: -(-len(prepared) // size)  # noqa: E731 - micro-batches per rank
+        else:
+            from hf_dp_balance.runtime.loader import BalancedLoader as loader_class
+
+            prepared, restore = self._prepared_shard(dataloader)
+            length = None
         group = self.data_parallel.new_side_group(self.config.timeout_s)
         self._groups.append(group)
-        loader = BalancedLoader(prepared, self.config, gradient_accumulation_steps=self.gradient_accumulation_steps,
-                                model_config=self.model_config, cost_model=None,
-                                exchange=SampleExchange(self.config.timeout_s, group=group), sync=self.sync,
-                                **self._loader_kwargs)
+        loader = loader_class(prepared, config, gradient_accumulation_steps=self.gradient_accumulation_steps,
+                              model_config=self.model_config, cost_model=None,
+                              exchange=SampleExchange(self.config.timeout_s, group=group), sync=self.sync,
+                              **self._loader_kwargs)
         if self.cost_model is not None:
             loader.set_cost_model(self.cost_model, vision=None if self.config.vision else self.vision_cost_model)
         self._loaders.append((loader, restore))
         return BalancedDataLoader(prepared, lambda raw: loader.iter_steps(raw), device=self.device,
-                                  count_items=self._global_count, clock=self._clock,
+                                  count_items=self._global_count, clock=self._clock, length=length,
                                   on_step=lambda step, batches, seconds: self._step_done(loader, step, batches, seconds))
+
+    def _dispatches(self, dataloader) -> bool:
+        """Dispatch mode as accelerate decides it: its flag, else an IterableDataset (with device placement)."""
+        if type(dataloader).__name__ == "DataLoaderDispatcher":
+            return True
+        if getattr(dataloader, "_is_accelerate_prepared", False):
+            return False
+        flag = getattr(self.accelerator, "dispatch_batches", None)
+        if flag is not None:
+            return bool(flag)
+        return isinstance(getattr(dataloader, "dataset", None), torch_iterable_dataset())
+
+    @staticmethod
+    def _plain_for_dispatch(dataloader):
+        """(the torch DataLoader rank 0 reads, undo): a dispatcher's own inner loader, or `dataloader`;
+        its collate is deferred until `close()`."""
+        from hf_dp_balance.runtime.loader import list_collate
+
+        inner = getattr(dataloader, "base_dataloader", dataloader)
+        restore = []
+        if inner.collate_fn is not list_collate:
+            old = inner.collate_fn
+            inner.collate_fn = list_collate
+            restore.append(lambda: setattr(inner, "collate_fn", old))
+        return inner, restore
 
     def _prepared_shard(self, dataloader):
         """(prepared loader yielding lists of samples without device placement, undo) -- see `prepare`."""
@@ -124,9 +170,6 @@ class DPBalancer:
 
         restore = []
         if getattr(dataloader, "_is_accelerate_prepared", False) or hasattr(dataloader, "base_dataloader"):
-            if type(dataloader).__name__ == "DataLoaderDispatcher":
-                raise ValueError("DPBalancer.prepare: pass the plain DataLoader in dispatch mode, not the "
-                                 "DataLoaderDispatcher (its rank 0 concatenates tensors; samples are lists here)")
             inner = getattr(dataloader, "base_dataloader", dataloader)
             if inner.collate_fn is not list_collate:
                 old = inner.collate_fn

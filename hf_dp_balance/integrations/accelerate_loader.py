@@ -42,7 +42,7 @@ class _RawSource:
 
     def __init__(self, loader: Any, skip: int = 0):
         self._loader = loader
-        self._iterator = iter(loader)
+        self._iterator = None  # made at the first pull: in dispatch mode only rank 0 ever reads
         self._last = False
         self._skip = int(skip)
 
@@ -50,6 +50,8 @@ class _RawSource:
         return self
 
     def __next__(self):
+        if self._iterator is None:
+            self._iterator = iter(self._loader)
         while True:
             if self._last:
                 raise StopIteration
@@ -63,6 +65,8 @@ class _RawSource:
 
     def finish(self) -> None:
         """Main thread, end of the pass: let the loader close its pass (unregister, count the epoch)."""
+        if self._iterator is None:
+            return
         if self._last:
             for _ in self._iterator:  # runs the loader's end-of-pass code; yields nothing more
                 pass
@@ -83,14 +87,14 @@ class BalancedDataLoader:
 
     def __init__(self, prepared: Any, steps_source: Callable[[Iterator], Iterator[list]], *, device: Any,
                  count_items: Callable[[int], int], clock: Any, on_step: Callable[[int, list, float], None],
-                 gradient_state: Any = None, close_source: Optional[Callable[[], None]] = None):
+                 gradient_state: Any = None, length: Optional[Callable[[], int]] = None):
         self.prepared = prepared
         self._steps_source = steps_source
         self._device = device
         self._count_items = count_items
         self._clock = clock
         self._on_step = on_step
-        self._close_source = close_source
+        self._length = length
         if gradient_state is None:
             from accelerate.state import GradientState
 
@@ -105,11 +109,13 @@ class BalancedDataLoader:
 
     # -- dataloader protocol ------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.prepared)
+        return self._length() if self._length is not None else len(self.prepared)
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.prepared, "set_epoch"):
             self.prepared.set_epoch(epoch)
+        elif hasattr(getattr(self.prepared, "dataset", None), "set_epoch"):  # a plain DataLoader (dispatch mode)
+            self.prepared.dataset.set_epoch(epoch)
 
     def __getattr__(self, name: str):
         if name == "prepared" or name.startswith("__"):

@@ -251,3 +251,60 @@ def test_tp_peers_get_identical_batches_and_each_dp_group_trains_every_sample_on
     for group in ((0, 2), (1, 3)):
         assert sorted(i for r in group for i in out[r]["ids"]) == list(range(32))
         assert out[group[0]]["moved"] > 0  # balancing applied
+
+
+# --------------------------------------------------------------------------- dispatch mode
+
+
+def _generate(n, log):
+    import os
+
+    with open(log, "a") as f:  # which process reads the data
+        f.write(os.environ["RANK"] + "\n")
+    for item in _TextSamples(n).items:
+        yield {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in item.items()}
+
+
+def _dispatched(rank, world, kind, log):
+    import datasets
+    from accelerate import Accelerator
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.integrations.accelerate import DPBalancer
+    from hf_dp_balance.testing.data import tiny_config
+
+    n = 28
+    if kind == "to_iterable":
+        rows = list(_generate(n, log))
+        data = datasets.Dataset.from_list(rows).to_iterable_dataset()
+    else:
+        data = datasets.IterableDataset.from_generator(_generate, gen_kwargs={"n": n, "log": log})
+    data = data.with_format("torch")
+    acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)  # an iterable dataset: accelerate dispatches
+    model = acc.prepare(_EmbeddingSum())
+    cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, max_token_ratio=3.0)
+    syncs = []
+    with DPBalancer(acc, model_config=tiny_config("text"), config=cfg, cost_model=CostModel(quadratic=1.0, linear=5.0),
+                    id_key="sample_id") as balancer:
+        for batch in balancer.prepare(torch.utils.data.DataLoader(data, batch_size=2)):
+            with acc.accumulate(model):
+                acc.backward(model(**batch))
+                syncs.append(bool(acc.sync_gradients))
+        ids = [int(i) for s in balancer.step_stats for mb in s.local_ids for i in mb]
+        moved = sum(s.moved_samples for s in balancer.step_stats)
+        loader_type = type(balancer._loaders[0][0]).__name__
+    return {"ids": ids, "moved": moved, "syncs": syncs, "loader": loader_type}
+
+
+@pytest.mark.parametrize("kind", ["to_iterable", "from_generator"])
+def test_dispatch_mode_balances_streaming_data_read_on_rank_0_only(kind, tmp_path):
+    log = str(tmp_path / "readers.txt")
+    out = run_ranks(_dispatched, 2, kind, log, timeout=120, pg_timeout_s=50)
+    assert [o["loader"] for o in out] == ["DispatchedLoader"] * 2
+    assert sorted(i for o in out for i in o["ids"]) == list(range(28))  # every sample exactly once
+    assert out[0]["moved"] == out[1]["moved"] > 0  # planned on rank 0, applied
+    # 28 samples in batches of 2 = 14 raw batches = 7 micro-batches per rank: GA steps 2, 2, 2, 1
+    assert out[0]["syncs"] == out[1]["syncs"] == expected_syncs(7, GA)
+    if kind == "from_generator":
+        assert open(log).read().split() == ["0"]  # only rank 0 read the stream
