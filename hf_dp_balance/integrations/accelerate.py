@@ -137,7 +137,7 @@ class DPBalancer:
         self._loaders.append((loader, restore))
         return BalancedDataLoader(prepared, lambda raw: loader.iter_steps(raw), device=self.device,
                                   count_items=self._global_count, clock=self._clock, length=length,
-                                  on_step=lambda step, batches, seconds: self._step_done(loader, step, batches, seconds))
+                                  on_step=self._step_done, before_last=lambda step: self._collect_stats(loader))
 
     def _dispatches(self, dataloader) -> bool:
         """Dispatch mode as accelerate decides it: its flag, else an IterableDataset (with device placement)."""
@@ -199,11 +199,20 @@ class DPBalancer:
             dist.all_reduce(value, group=self._control_group)
         return int(value.item())
 
-    def _step_done(self, loader, step: int, batches: list, seconds: Optional[float]) -> None:
-        """A step's micro-batches were all trained: record its timing and keep the loader's statistics.
+    def _collect_stats(self, loader) -> None:
+        """The statistics of the step about to finish (before the next step is taken from the stream)."""
+        stats = loader.pop_stats()
+        self.step_stats.extend(stats)
+        self._pending_stats.extend(stats)
 
-        Plug point for the cross-rank fitter: after `self.timings.record(...)` a fitter that gathers the
-        records, fits on rank 0 and broadcasts would call `loader.set_cost_model(decoder, vision=...)`.
+    def _step_done(self, step: int, batches: list, seconds: Optional[float]) -> None:
+        """A step's micro-batches were all trained: record its timing.
+
+        Runs on every data-parallel rank at the same step (main thread, between the user's steps), so a
+        collective is safe here. Plug point for the cross-rank fitter (runtime/fitter.py): after
+        `self.timings.record(...)`, when a fit is due (warm-up done / refit_every), gather the records,
+        fit on rank 0, broadcast, then `self.cost_model = decoder` and, for every `loader, _ in
+        self._loaders`, `loader.set_cost_model(decoder, vision=None if config.vision else vision)`.
         """
         from hf_dp_balance.integrations.callback import feature_row, image_patches, segment_lengths
 
@@ -213,9 +222,6 @@ class DPBalancer:
             patches.extend(image_patches(b))
         if seconds is not None:
             self.timings.record(step, feature_row(lengths), feature_row(patches), seconds)
-        stats = loader.pop_stats()
-        self.step_stats.extend(stats)
-        self._pending_stats.extend(stats)
 
     # -- results and teardown ------------------------------------------------------------------
     def metrics(self) -> dict:

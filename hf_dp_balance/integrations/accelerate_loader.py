@@ -82,11 +82,14 @@ class BalancedDataLoader:
     `steps_source(raw_iterator)` yields each optimizer step's list of packed micro-batches (CPU);
     `prepared`: accelerate's prepared loader (len, set_epoch, dataset, ... pass through to it);
     `count_items(local_count) -> global count` sums over the data-parallel group;
-    `on_step(step, batches, seconds)` receives every completed step (timing records, statistics).
+    `on_step(step, batches, seconds)` receives every completed step (timing records);
+    `before_last(step)` runs right before the step's last micro-batch is handed out (its statistics are
+    complete then, and a loop that logs after that micro-batch's optimizer step sees them).
     """
 
     def __init__(self, prepared: Any, steps_source: Callable[[Iterator], Iterator[list]], *, device: Any,
                  count_items: Callable[[int], int], clock: Any, on_step: Callable[[int, list, float], None],
+                 before_last: Optional[Callable[[int], None]] = None,
                  gradient_state: Any = None, length: Optional[Callable[[], int]] = None):
         self.prepared = prepared
         self._steps_source = steps_source
@@ -94,6 +97,7 @@ class BalancedDataLoader:
         self._count_items = count_items
         self._clock = clock
         self._on_step = on_step
+        self._before_last = before_last
         self._length = length
         if gradient_state is None:
             from accelerate.state import GradientState
@@ -134,6 +138,19 @@ class BalancedDataLoader:
         self._skip_micro = int(state.get("micro_batches", 0))
 
     # -- iteration ----------------------------------------------------------------------------
+    def _last_micro_batch(self, step: int, num_micro: int, steps: Iterator[list]) -> Optional[list]:
+        """Before a step's last micro-batch goes out: its statistics, the resume point (the step counts as
+        done: a checkpoint after its optimizer step resumes after it), and the next step, whose absence
+        is the end of the data."""
+        if self._before_last is not None:
+            self._before_last(step)
+        self._steps_done, self._micro_done = step + 1, self._micro_done + num_micro
+        t0 = time.perf_counter()
+        upcoming = next(steps, None)
+        self._clock.exclude(time.perf_counter() - t0)
+        self.end_of_dataloader = upcoming is None
+        return upcoming
+
     def __iter__(self):
         from accelerate.utils import send_to_device
 
@@ -150,23 +167,17 @@ class BalancedDataLoader:
             registered = True
             while current is not None:
                 total = self._count_items(sum(target_tokens(b) for b in current))
-                upcoming = None
+                step, upcoming = self._steps_done, None
                 for i, micro in enumerate(current):
                     if i == len(current) - 1:  # is this the last step? decided collectively, same on every rank
-                        t0 = time.perf_counter()
-                        upcoming = next(steps, None)
-                        self._clock.exclude(time.perf_counter() - t0)
-                        self.end_of_dataloader = upcoming is None
+                        upcoming = self._last_micro_batch(step, len(current), steps)
                     batch = dict(micro)
                     batch["num_items_in_batch"] = total
                     batch = send_to_device(batch, self._device) if self._device is not None else batch
                     if i == 0:
                         self._clock.start()
                     yield batch
-                seconds = self._clock.stop()
-                self._steps_done += 1
-                self._micro_done += len(current)
-                self._on_step(self._steps_done - 1, current, seconds)
+                self._on_step(step, current, self._clock.stop())
                 current = upcoming
             self._epoch, self._steps_done, self._micro_done = None, 0, 0  # a finished pass resumes at the next
         finally:

@@ -308,3 +308,53 @@ def test_dispatch_mode_balances_streaming_data_read_on_rank_0_only(kind, tmp_pat
     assert out[0]["syncs"] == out[1]["syncs"] == expected_syncs(7, GA)
     if kind == "from_generator":
         assert open(log).read().split() == ["0"]  # only rank 0 read the stream
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _resume(rank, world):
+    from accelerate import Accelerator
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.integrations.accelerate import DPBalancer
+    from hf_dp_balance.testing.data import tiny_config
+
+    acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+    model = acc.prepare(_EmbeddingSum())
+    cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, max_token_ratio=3.0)
+    runs, lengths, state = [], [], None
+    for part in range(2):  # train 2 of the 4 steps, save, stop; then a new run resumes from the state
+        ids, syncs = [], []
+        with DPBalancer(acc, model_config=tiny_config("text"), config=cfg, cost_model=CostModel(quadratic=1.0, linear=5.0),
+                        id_key="sample_id") as balancer:
+            loader = balancer.prepare(torch.utils.data.DataLoader(_TextSamples(28), batch_size=2))
+            lengths.append(len(loader))
+            if state is not None:
+                loader.load_state_dict(state)
+            steps = 0
+            for batch in loader:
+                with acc.accumulate(model):
+                    acc.backward(model(**batch))
+                    syncs.append(bool(acc.sync_gradients))
+                if acc.sync_gradients:
+                    steps += 1
+                    if part == 0 and steps == 2:
+                        state = loader.state_dict()
+                        break
+            ids = [i for s in balancer.step_stats for mb in s.local_ids for i in mb]
+        runs.append({"ids": ids, "syncs": syncs})
+    return {"runs": runs, "state": state, "lengths": lengths}
+
+
+def test_state_dict_resumes_after_the_last_completed_step():
+    out = run_ranks(_resume, 2, timeout=120, pg_timeout_s=50)
+    assert out[0]["state"] == {"epoch": 0, "steps": 2, "micro_batches": 4}
+    assert out[0]["lengths"] == [7, 7]
+    first = [i for o in out for i in o["runs"][0]["ids"]]
+    second = [i for o in out for i in o["runs"][1]["ids"]]
+    assert sorted(first + second) == list(range(28))  # nothing trained twice, nothing skipped
+    for o in out:
+        assert o["runs"][0]["syncs"] == expected_syncs(4, GA)
+        assert o["runs"][1]["syncs"] == expected_syncs(3, GA)  # the rest: one full step, one short
