@@ -275,7 +275,7 @@ def _dispatched(rank, world, kind, log):
     from hf_dp_balance.testing.data import tiny_config
 
     n = 28
-    if kind == "to_iterable":
+    if kind in ("to_iterable", "dispatcher"):
         rows = list(_generate(n, log))
         data = datasets.Dataset.from_list(rows).to_iterable_dataset()
     else:
@@ -287,7 +287,11 @@ def _dispatched(rank, world, kind, log):
     syncs = []
     with DPBalancer(acc, model_config=tiny_config("text"), config=cfg, cost_model=CostModel(quadratic=1.0, linear=5.0),
                     id_key="sample_id") as balancer:
-        for batch in balancer.prepare(torch.utils.data.DataLoader(data, batch_size=2)):
+        loader = torch.utils.data.DataLoader(data, batch_size=2)
+        if kind == "dispatcher":  # what accelerator.prepare made of it: a DataLoaderDispatcher
+            loader = acc.prepare(loader)
+            assert type(loader).__name__ == "DataLoaderDispatcher"
+        for batch in balancer.prepare(loader):
             with acc.accumulate(model):
                 acc.backward(model(**batch))
                 syncs.append(bool(acc.sync_gradients))
@@ -297,7 +301,7 @@ def _dispatched(rank, world, kind, log):
     return {"ids": ids, "moved": moved, "syncs": syncs, "loader": loader_type}
 
 
-@pytest.mark.parametrize("kind", ["to_iterable", "from_generator"])
+@pytest.mark.parametrize("kind", ["to_iterable", "from_generator", "dispatcher"])
 def test_dispatch_mode_balances_streaming_data_read_on_rank_0_only(kind, tmp_path):
     log = str(tmp_path / "readers.txt")
     out = run_ranks(_dispatched, 2, kind, log, timeout=120, pg_timeout_s=50)

@@ -31,6 +31,15 @@ def _groups(rank, world):
     cp_outer = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp_shard"))
     out = {"mesh": DataParallelGroup.from_mesh(mesh), "one_d": resolve_data_parallel_group(None, mesh["dp"]),
            "three": DataParallelGroup.from_mesh(three), "cp_outer": DataParallelGroup.from_mesh(cp_outer)}
+    # the mesh accelerate builds from a ParallelismConfig (its Accelerator refuses one on CPU, so only the
+    # accelerator is stood in for: mesh and config are accelerate's own)
+    from accelerate.parallelism_config import ParallelismConfig
+
+    class AcceleratorOnCpu:
+        parallelism_config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+        torch_device_mesh = parallelism_config.build_device_mesh("cpu")
+
+    out["accelerator"] = resolve_data_parallel_group(AcceleratorOnCpu())
     group = DataParallelGroup.from_process_group(mesh["dp"].get_group())
     side = group.new_side_group(30)
     value = torch.tensor([float(rank)])
@@ -46,6 +55,7 @@ def test_groups_from_meshes_and_process_groups_on_four_ranks():
                                         DataParallelGroup((0, 2), 1), DataParallelGroup((1, 3), 1)]
     assert [o["one_d"] for o in out] == [o["mesh"] for o in out] == [o["pg"] for o in out]
     assert [o["three"] for o in out] == [o["mesh"] for o in out]  # dp_replicate x dp_shard, size-1 replicate
+    assert [o["accelerator"] for o in out] == [o["mesh"] for o in out]  # accelerate's (dp_shard, tp) mesh
     # (cp, dp_shard): cp peers 0/2 and 1/3 share an index; each cp slice is a dp group
     assert [o["cp_outer"].ranks for o in out] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [o["sum"] for o in out] == [2.0, 4.0, 2.0, 4.0]
