@@ -362,3 +362,37 @@ def test_state_dict_resumes_after_the_last_completed_step():
     for o in out:
         assert o["runs"][0]["syncs"] == expected_syncs(4, GA)
         assert o["runs"][1]["syncs"] == expected_syncs(3, GA)  # the rest: one full step, one short
+
+
+# --------------------------------------------------------------------------- failure
+
+
+def _one_bad_sample(rank, world):
+    import time
+
+    from accelerate import Accelerator
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.integrations.accelerate import DPBalancer
+    from hf_dp_balance.testing.data import tiny_config
+
+    samples = _TextSamples(28).items
+    samples[9] = {**samples[9], "labels": samples[9]["labels"][:-1]}  # one label short: cannot be packed
+    acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+    t0 = time.perf_counter()
+    with DPBalancer(acc, model_config=tiny_config("text"), config=DPBalanceConfig(timeout_s=20)) as balancer:
+        try:
+            for _ in balancer.prepare(torch.utils.data.DataLoader(samples, batch_size=2)):
+                pass
+        except Exception as exc:  # noqa: BLE001 - the test looks at what each rank was told
+            return {"error": str(exc), "seconds": time.perf_counter() - t0}
+    return {"error": None}
+
+
+def test_a_bad_sample_on_one_rank_stops_every_rank_with_an_error_naming_it():
+    out = run_ranks(_one_bad_sample, 2, timeout=90, pg_timeout_s=50)
+    # sample 9 is rank 0's (batches alternate between ranks): every rank is told its step, rank, sample, key
+    for o in out:
+        assert "step 1, rank 0, micro-batch 0, sample 1" in o["error"] and "'labels'" in o["error"], o["error"]
+    assert "rank(s) [0] failed" in out[1]["error"]
+    assert max(o["seconds"] for o in out) < 20  # told at the next gather, not after the timeout
