@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hf_dp_balance.runtime.exchange import ExchangeError, decode_sample, encode_sample
-from hf_dp_balance.runtime.loader import (F_COST, F_MICRO, F_NBYTES, BalancedLoader, StepStats, _Prepared, plan_hash,
+from hf_dp_balance.runtime.loader import (F_COST, F_MICRO, F_NBYTES, BalancedLoader, StepStats, _Prepared,
                                           slot_loads, step_imbalance)
 
 # Header broadcast by rank 0 each step (float64): then per rank its sample count, then its payload bytes.
