@@ -118,7 +118,12 @@ def test_skip_when_gain_below_min_gain_and_apply_above():
     owners = np.array([0, 0, 1, 1])
     # in place 20 vs 19: the best plan cannot beat 20 by 2% -> kept
     plan = plan_balance(costs, owners, 2, min_gain=0.02)
-    assert not plan.applied and "min_gain" in plan.reason or "beats" in plan.reason
+    assert not plan.applied and plan.path == "kept" and plan.moved == 0
+    assert np.array_equal(plan.dest, owners)
+    assert plan.reason == "no plan beats keeping in place"
+    # a plan that beats keeping in place by less than min_gain is skipped too, and says so
+    small = plan_balance(np.array([10.0, 10.0, 9.5, 9.0]), np.array([0, 0, 1, 1]), 2, min_gain=0.1)
+    assert not small.applied and small.reason.startswith("gain ") and "< min_gain 10.0%" in small.reason
     costs = np.array([10.0, 10.0, 10.0, 10.0, 1.0])
     owners = np.array([0, 0, 0, 1, 1])
     plan = plan_balance(costs, owners, 2, min_gain=0.02)
@@ -384,17 +389,16 @@ def test_repack_fallback_reaches_the_bound_where_exchanges_stop():
     costs, owners = heavy_pairs_instance()
     R = 8
     plan = plan_balance(costs, owners, R, tokens=np.ones(costs.size), max_tokens=float(costs.size))
+    assert plan.applied and plan.path == "repack"  # the fallback made the kept plan
     assert plan.makespan_after <= plan.lower_bound * 1.005
     again = plan_balance(costs, owners, R, tokens=np.ones(costs.size), max_tokens=float(costs.size))
     assert np.array_equal(plan.dest, again.dest)
 
 
-@st.composite
-def heavy_tail_case(draw):
+def heavy_tail_instance(num_ranks: int, seed: int, cap_factor: float):
     """Several ranks with heavy items and every rank filled with small ones: the exchange and
-    repack paths run (the incremental method alone stops above the bound)."""
-    num_ranks = draw(st.integers(2, 12))
-    seed = draw(st.integers(0, 2**31 - 1))
+    repack paths run on many of them (the incremental method alone stops above the bound;
+    test_heavy_tail_cases_reach_the_repack_fallback counts them)."""
     rng = np.random.default_rng(seed)
     costs, owners = [], []
     for r in range(num_ranks):
@@ -409,8 +413,24 @@ def heavy_tail_case(draw):
             fill += c
     costs = np.asarray(costs)
     tokens = np.round(costs * 1000) + 1
-    cap = float(np.bincount(owners, weights=tokens, minlength=num_ranks).max()) * draw(st.floats(1.0, 1.3))
+    cap = float(np.bincount(owners, weights=tokens, minlength=num_ranks).max()) * cap_factor
     return costs, np.asarray(owners), num_ranks, tokens, cap
+
+
+@st.composite
+def heavy_tail_case(draw):
+    num_ranks = draw(st.integers(2, 12))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return heavy_tail_instance(num_ranks, seed, draw(st.floats(1.0, 1.3)))
+
+
+def test_heavy_tail_cases_reach_the_repack_fallback():
+    # the property test below is only worth its name if its instances take the fallback
+    paths = []
+    for seed in range(40):
+        costs, owners, R, tokens, cap = heavy_tail_instance(2 + seed % 11, seed, 1.1)
+        paths.append(plan_balance(costs, owners, R, tokens=tokens, max_tokens=cap, min_gain=0.0).path)
+    assert paths.count("repack") >= 4 and paths.count("incremental") >= 4
 
 
 @SETTINGS
