@@ -55,7 +55,8 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
         return keep("nothing to balance" if n == 0 or mk_before <= 0 else "already at the lower bound")
     state = _State(c, tok, cap, spd, own, np.zeros(n, dtype=np.int64), 1, loads_before, 0, fixed=prior)
     try:
-        state = _balance(state, lb * spd, tolerance)
+        # a cap repair is applied whatever it gains: its repacks must still pay for their moves
+        state = _balance(state, lb * spd, tolerance, repack_gain=0.0 if violated is None else min_gain)
     except _Infeasible as exc:
         if violated is None:
             return keep("no feasible plan found; kept in place")
@@ -115,7 +116,10 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
     if required is None and (n == 0 or mk_before <= 0 or mk_before <= lb * (1.0 + 1e-12)):
         return keep("nothing to balance" if n == 0 or mk_before <= 0 else "already at the lower bound")
     try:
-        rank, micro, path = _plan_slots(c, own, mb, tok, cap, spd, before, lb, num_mb, sync, tolerance, n)
+        over_cap = slot_tok is not None and bool(np.any(slot_tok > cap))
+        repack_gain = min_gain if over_cap else 0.0  # as in plan_balance
+        rank, micro, path = _plan_slots(c, own, mb, tok, cap, spd, before, lb, num_mb, sync, tolerance, n,
+                                        repack_gain)
     except _Infeasible as exc:
         if required is None:
             return keep("no feasible plan found; kept in place")
@@ -158,11 +162,11 @@ def _step_violation(slot: np.ndarray, tok, cap, num_ranks: int, num_mb: int):
     return slot_tok, None, None
 
 
-def _plan_slots(c, own, mb, tok, cap, spd, before, lb, num_mb, sync, tolerance, n):
+def _plan_slots(c, own, mb, tok, cap, spd, before, lb, num_mb, sync, tolerance, n, repack_gain):
     """(dest rank, dest micro-batch, path) of every item; raises _Infeasible."""
     need_all_slots = n >= spd.shape[0] * num_mb
     if sync == "step":
         state = _State(c, tok, cap, spd, own, mb, num_mb, before.sum(axis=1), num_mb if need_all_slots else 0)
-        state = _balance(state, lb * spd, tolerance)
+        state = _balance(state, lb * spd, tolerance, repack_gain=repack_gain)
         return state.dest, state.micro, state.path
     return _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots)

@@ -15,14 +15,33 @@ _EXTRA_PASSES = 2  # shed / place passes after the first, before the (slower) pa
 
 def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
                          deep: bool = True) -> _State:
-    """Shed, place, refine (module docstring) toward per-rank `budget` loads, then the
+    """Shed, place, refine (docs/planner.md) toward per-rank `budget` loads, then the
     item-count fixes; returns the final state. Raises _Infeasible.
 
-    When some item is over its own rank's budget on its own (speeds or fixed loads
-    differ), relocating it to a faster rank is tried and so is leaving it; the
-    plan with the lower fullest rank wins (ties: fewer moves).
+    When the placement breaks the token cap and shedding for cost takes an item that
+    no slot can hold any more, the cap is repaired alone (token shedding, then
+    refine / exchanges, which keep the cap): a repair then moves a few small items
+    instead of failing over to a repack that moves most of them.
     """
+    repair_only = _copy_state(state) if _over_cap(state) else None
     slack = budget * (tolerance / 2.0)
+    try:
+        return _balance_shedding(state, budget, slack, tolerance, relocate, deep)
+    except _Infeasible:
+        if repair_only is None:
+            raise
+        return _balance_once(repair_only, budget, slack, tolerance, relocate=False, deep=deep, shed_cost=False)
+
+
+def _over_cap(state: _State) -> bool:
+    return state.cap is not None and bool(np.any(state.slot_tok > state.cap))
+
+
+def _balance_shedding(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
+                      relocate: bool, deep: bool) -> _State:
+    """`_balance_once`; when some item is over its own rank's budget on its own (speeds or
+    fixed loads differ), relocating it to a faster rank is tried and so is leaving it; the
+    plan with the lower fullest rank wins (ties: fewer moves)."""
     heaviest = float(state.costs.max()) if state.costs.size else 0.0
     misplaced = relocate and heaviest > float((budget + slack).min()) and bool(
         np.any(state.costs > (budget + slack)[state.dest]))
@@ -44,15 +63,20 @@ def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, re
 
 
 def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
-                  relocate: bool, deep: bool = True) -> _State:
+                  relocate: bool, deep: bool = True, shed_cost: bool = True) -> _State:
+    """One shed / place pass (tokens over the cap, and with `shed_cost` load over budget),
+    the extra passes, then `_polish`."""
     limit = budget * (1.0 + tolerance / 2.0)
-    pool = _shed_rounds(state, budget, slack, relocate=relocate)
-    extra = _shed_tokens(state)
-    if extra.size:
-        pool = np.concatenate((pool, extra))
+    # the token repair first: a slot over the cap gives away a few small items, so an item the
+    # cost shedding then takes from it still fits back home (after the repair, its slot has room)
+    repair = _shed_tokens(state)
+    pool = _shed_rounds(state, budget, slack, relocate=relocate) if shed_cost else repair[:0]
+    if repair.size:
+        pool = np.concatenate((repair, pool))
     if pool.size:
         _place_best_fit(state, pool, limit, lpt_host=relocate)
-        _extra_passes(state, budget, slack, limit)
+        if shed_cost:
+            _extra_passes(state, budget, slack, limit)
     return _polish(state, budget, slack, tolerance, eject=deep)
 
 

@@ -12,7 +12,7 @@ _REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first pa
 
 
 def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
-             deep: bool = True) -> _State:
+             deep: bool = True, repack_gain: float = 0.0) -> _State:
     """The incremental method, then, only if it stops above the goal, repacks that move more.
 
     A repack pools every item of a set of ranks (those still above the goal and the
@@ -21,6 +21,9 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     K = 2 x (over-full ranks) + 8, doubled until the plan is within the goal or the set
     is every rank (a from-scratch LPT). The kept plan has the lowest fullest rank;
     among plans within `tolerance` of it, the fewest moves (earlier attempts win ties).
+    With `repack_gain` > 0 (a cap repair, which is applied whatever it gains), a repack
+    replaces the incremental plan only if it cuts the fullest rank by at least that
+    fraction: the many moves of a repack must pay for themselves, as any plan must.
     Raises _Infeasible only when no attempt finds a feasible plan.
     """
     if not deep:  # sync="micro_batch": its per-micro-batch levels are loose; exchanges / repacks seldom pay
@@ -39,6 +42,9 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     base = tried[0] if tried else origin
     safe = np.maximum(budget, np.finfo(np.float64).tiny)
     full = base.load / safe
+    if base is origin and base.cap is not None:
+        # the incremental method failed on a cap repair: ranks with a slot over the cap go first
+        full = np.where((base.slot_tok > base.cap).any(axis=1), np.inf, full)
     over = int(np.count_nonzero(full > goal))
     k = 2 * over + _REPACK_START
     failure = None
@@ -57,9 +63,22 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
         k *= 2
     if not tried:
         raise failure
+    incremental = tried[0] if base is not origin else None
+    return _choose(tried, incremental, budget, tolerance, start, repack_gain)
+
+
+def _choose(tried: list, incremental, budget: np.ndarray, tolerance: float, start: np.ndarray,
+            repack_gain: float) -> _State:
+    """Among the attempts: the lowest fullest rank, and among those within `tolerance` of it the
+    fewest moves (first wins ties); the `incremental` plan instead when the choice is a repack
+    that does not beat it by `repack_gain`."""
     best = min(_fullest(st, budget) for st in tried)
     near = [st for st in tried if _fullest(st, budget) <= best * (1.0 + tolerance)]
-    return min(near, key=lambda st: int(np.count_nonzero(st.dest != start)))  # first wins ties
+    chosen = min(near, key=lambda st: int(np.count_nonzero(st.dest != start)))
+    if (repack_gain > 0 and incremental is not None and chosen is not incremental
+            and _fullest(chosen, budget) > _fullest(incremental, budget) * (1.0 - repack_gain)):
+        return incremental
+    return chosen
 
 
 def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarray,
