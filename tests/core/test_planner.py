@@ -18,15 +18,13 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 # ----------------------------------------------------------------------------- instances
 
 
-def packed_instance(seed, num_ranks, num_mb=1, bounded=True, pack=32768):
-    """Packs of <= `pack` tokens filled in stream order from a long-tail multimodal-like mix."""
-    rng = np.random.default_rng(seed)
+def stream_packed(next_length, num_ranks, num_mb, pack):
+    """(costs, tokens, owners, micro_batches): R*M packs of <= `pack` tokens filled in stream order
+    with `next_length()`; slot s is (rank s % R, micro-batch s // R), as a sampler deals packs."""
     lengths, slot = [], []
     s, fill = 0, 0.0
     while s < num_ranks * num_mb:
-        L = float(rng.lognormal(np.log(300), 0.9)) + (0.0 if rng.random() < 0.35 else float(
-            rng.lognormal(np.log(700 if rng.random() < 0.85 else 5000), 0.6)))
-        L = round(min(L, 8192 if bounded else pack))
+        L = next_length()
         if fill + L > pack:  # the pack is full: this sample opens the next one
             s, fill = s + 1, 0.0
             if s == num_ranks * num_mb:
@@ -35,9 +33,21 @@ def packed_instance(seed, num_ranks, num_mb=1, bounded=True, pack=32768):
         slot.append(s)
         fill += L
     lengths = np.asarray(lengths, dtype=np.float64)
-    slot = np.asarray(slot)
+    slot = np.asarray(slot, dtype=np.int64)
     costs = lengths ** 2 / 53000.0 + lengths + 64.0
     return costs, lengths, slot % num_ranks, slot // num_ranks
+
+
+def packed_instance(seed, num_ranks, num_mb=1, bounded=True, pack=32768):
+    """Packs of <= `pack` tokens filled in stream order from a long-tail multimodal-like mix."""
+    rng = np.random.default_rng(seed)
+
+    def length():
+        L = float(rng.lognormal(np.log(300), 0.9)) + (0.0 if rng.random() < 0.35 else float(
+            rng.lognormal(np.log(700 if rng.random() < 0.85 else 5000), 0.6)))
+        return round(min(L, 8192 if bounded else pack))
+
+    return stream_packed(length, num_ranks, num_mb, pack)
 
 
 @st.composite
@@ -107,6 +117,7 @@ def test_plan_balance_properties(case):
     assert plan.makespan_after >= plan.lower_bound * (1 - 1e-9)
     assert plan.moved == int(np.count_nonzero(plan.dest != case["owners"]))
     # skip semantics
+    assert (plan.path == "kept") == (not plan.applied) and plan.path in ("kept", "incremental", "repack")
     if not plan.applied:
         assert np.array_equal(plan.dest, case["owners"]) and plan.moved == 0
         np.testing.assert_array_equal(plan.loads_after, plan.loads_before)
@@ -458,25 +469,15 @@ def test_exchanges_and_repacks_keep_the_guarantees(case):
 
 
 def video_heavy_step(num_ranks: int, num_mb: int, seed: int, video_share: float, pack: int):
-    """(costs, tokens, owners, micro_batches): R*M packs of <= `pack` tokens filled in stream order
-    from a video-heavy mix (samples of 100-800 tokens, a `video_share` of them 3-8K)."""
+    """(costs, tokens, owners, micro_batches): stream-ordered packs of a video-heavy mix (samples of
+    100-800 tokens, a `video_share` of them 3-8K)."""
     rng = np.random.default_rng(seed)
-    lengths, slots = [], []
-    s, fill = 0, 0.0
-    while s < num_ranks * num_mb:
+
+    def length():
         L = float(rng.integers(100, 800)) if rng.random() > video_share else float(rng.integers(3000, 8000))
-        L = min(L, float(pack))
-        if fill + L > pack:  # the pack is full: this sample opens the next one
-            s, fill = s + 1, 0.0
-            if s == num_ranks * num_mb:
-                break
-        lengths.append(L)
-        slots.append(s)
-        fill += L
-    tokens = np.asarray(lengths)
-    slot = np.asarray(slots, dtype=np.int64)
-    costs = tokens ** 2 / 53000.0 + tokens + 64.0
-    return costs, tokens, slot % num_ranks, slot // num_ranks
+        return min(L, float(pack))
+
+    return stream_packed(length, num_ranks, num_mb, pack)
 
 
 def cap_just_under_two_slots(tokens, owners, micro, num_ranks, num_mb):
