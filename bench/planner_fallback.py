@@ -8,7 +8,7 @@ import time
 import numpy as np
 import scipy.optimize  # noqa: F401  (imported once by the first repack; excluded from the per-plan times)
 import hf_dp_balance.core.planner as P
-from hf_dp_balance.apps import simulate as S
+from hf_dp_balance.apps import sim_model, sim_runs
 from hf_dp_balance.apps.reference import plan_reference_greedy
 
 calls = {"repack": 0, "eject": 0}
@@ -19,11 +19,11 @@ for name in calls:
             return fn(*a, **k)
         return inner
     setattr(P, "_" + name, wrap(getattr(P, "_" + name)))
-cost = S.load_cost("7b")
+cost = sim_model.load_cost("7b")
 print("| DP | step | items | before / LB | plan_balance / LB | moved | exchanges | repacks | plan_balance ms | reference capped / LB | reference moved | reference ms |")
 print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for dp in (64, 512):
-    samples, pack_of = S.draw_packed("qwen2vl-sft", 8 * dp, 32768, np.random.default_rng([0, dp]))
+    samples, pack_of = sim_runs.draw_packed("qwen2vl-sft", 8 * dp, 32768, np.random.default_rng([0, dp]))
     c_all, tok_all = cost.costs(samples), samples.tokens
     for step in range(8):
         m = pack_of // dp == step

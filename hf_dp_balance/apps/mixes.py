@@ -7,7 +7,7 @@ temporal slice of a video (Qwen2-VL attends within each frame pair:
 ``text + sum(patches) / merge`` tokens of the sample (``merge`` = 4 for the
 2x2 merge of Qwen-VL and InternVL's pixel shuffle).
 
-Samples are held column-wise in :class:`Samples` (CSR layout for the vision
+Sample shapes are held column-wise in :class:`SampleShapes` (CSR layout for the vision
 items) so that drawing a million samples, packing and costing them are a few
 numpy calls.
 
@@ -40,7 +40,7 @@ MERGE = 4
 
 
 @dataclass(frozen=True)
-class Samples:
+class SampleShapes:
     """Column-wise samples: text tokens per sample plus vision items in CSR layout.
 
     ``item_patches[item_offsets[i]:item_offsets[i+1]]`` are the vision items
@@ -58,20 +58,20 @@ class Samples:
         offsets = np.asarray(self.item_offsets, dtype=np.int64)
         if text.ndim != 1 or patches.ndim != 1 or offsets.shape != (text.size + 1,):
             raise ValueError(
-                f"Samples: text_tokens [n], item_patches [items], item_offsets [n+1] expected, "
+                f"SampleShapes: text_tokens [n], item_patches [items], item_offsets [n+1] expected, "
                 f"got {text.shape}, {patches.shape}, {offsets.shape}"
             )
         if offsets[0] != 0 or offsets[-1] != patches.size or np.any(np.diff(offsets) < 0):
-            raise ValueError("Samples.item_offsets must rise from 0 to the number of vision items")
+            raise ValueError("SampleShapes.item_offsets must rise from 0 to the number of vision items")
         if text.size and text.min() < 0:
             i = int(np.argmin(text))
-            raise ValueError(f"Samples: sample {i} has text_tokens={text[i]} < 0")
+            raise ValueError(f"SampleShapes: sample {i} has text_tokens={text[i]} < 0")
         if patches.size and patches.min() <= 0:
             j = int(np.argmin(patches))
             i = int(np.searchsorted(offsets, j, side="right") - 1)
-            raise ValueError(f"Samples: sample {i} has a vision item of {patches[j]} patches (must be > 0)")
+            raise ValueError(f"SampleShapes: sample {i} has a vision item of {patches[j]} patches (must be > 0)")
         if self.merge <= 0:
-            raise ValueError(f"Samples.merge={self.merge}: must be > 0")
+            raise ValueError(f"SampleShapes.merge={self.merge}: must be > 0")
         object.__setattr__(self, "text_tokens", text)
         object.__setattr__(self, "item_patches", patches)
         object.__setattr__(self, "item_offsets", offsets)
@@ -96,7 +96,7 @@ class Samples:
         """LLM sequence length of each sample: text + vision tokens (int64 [n])."""
         return self.text_tokens + self.vision_tokens
 
-    def take(self, index) -> "Samples":
+    def take(self, index) -> "SampleShapes":
         """The samples at `index` (in that order), items carried along."""
         index = np.asarray(index, dtype=np.int64)
         counts = np.diff(self.item_offsets)[index]
@@ -106,17 +106,17 @@ class Samples:
         # Gather every item of every chosen sample: start of its sample + rank within it.
         within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)
         items = self.item_patches[np.repeat(starts, counts) + within]
-        return Samples(self.text_tokens[index], items, offsets, self.merge)
+        return SampleShapes(self.text_tokens[index], items, offsets, self.merge)
 
     @classmethod
-    def text_only(cls, lengths) -> "Samples":
+    def text_only(cls, lengths) -> "SampleShapes":
         """Text samples of these token lengths (no vision items)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         return cls(lengths, np.zeros(0, dtype=np.int64), np.zeros(lengths.size + 1, dtype=np.int64))
 
     @classmethod
-    def concat(cls, parts) -> "Samples":
-        """Samples of `parts` one after the other."""
+    def concat(cls, parts) -> "SampleShapes":
+        """The samples of `parts` one after the other."""
         parts = list(parts)
         if not parts:
             return cls.text_only([])
@@ -124,7 +124,7 @@ class Samples:
         offsets, base = [np.zeros(1, dtype=np.int64)], 0
         for p in parts:
             if p.merge != merge:
-                raise ValueError(f"Samples.concat: merge {p.merge} != {merge}")
+                raise ValueError(f"SampleShapes.concat: merge {p.merge} != {merge}")
             offsets.append(p.item_offsets[1:] + base)
             base += p.item_patches.size
         return cls(
@@ -142,10 +142,10 @@ def _lognormal(rng: np.random.Generator, median: float, sigma: float, size: int,
     return np.clip(np.rint(median * np.exp(sigma * rng.standard_normal(size))), lo, hi).astype(np.int64)
 
 
-def _assemble(text: np.ndarray, items_per_sample: np.ndarray, item_patches: np.ndarray) -> Samples:
+def _assemble(text: np.ndarray, items_per_sample: np.ndarray, item_patches: np.ndarray) -> SampleShapes:
     offsets = np.zeros(text.size + 1, dtype=np.int64)
     np.cumsum(items_per_sample, out=offsets[1:])
-    return Samples(text, item_patches, offsets)
+    return SampleShapes(text, item_patches, offsets)
 
 
 def _images_to_patches(tokens: np.ndarray) -> np.ndarray:
@@ -153,7 +153,7 @@ def _images_to_patches(tokens: np.ndarray) -> np.ndarray:
     return np.maximum(tokens, 1) * MERGE
 
 
-def _qwen2vl_mix(rng: np.random.Generator, n: int, *, tail_share: float, max_tokens: int) -> Samples:
+def _qwen2vl_mix(rng: np.random.Generator, n: int, *, tail_share: float, max_tokens: int) -> SampleShapes:
     """The starting mix of WORKLOAD_STATS.md, with or without a long tail.
 
     Per sample (kinds drawn independently):
@@ -191,7 +191,7 @@ def _qwen2vl_mix(rng: np.random.Generator, n: int, *, tail_share: float, max_tok
     return truncate(samples, max_tokens)
 
 
-def _internvl_mix(rng: np.random.Generator, n: int) -> Samples:
+def _internvl_mix(rng: np.random.Generator, n: int) -> SampleShapes:
     """InternVL 2.5-like SFT: tiles of 1024 patches (256 tokens), max sequence 8192.
 
     10% text-only; 70% one image of 1..12 tiles (dynamic resolution; skewed to few tiles:
@@ -217,13 +217,13 @@ def _internvl_mix(rng: np.random.Generator, n: int) -> Samples:
     return truncate(_assemble(text, n_items, patches), 8192)
 
 
-def _text_sft_mix(rng: np.random.Generator, n: int) -> Samples:
+def _text_sft_mix(rng: np.random.Generator, n: int) -> SampleShapes:
     """Text-only SFT: Zipf-like lengths, lognormal(median 400, sigma 1.1) in [16, 32768]
     (NeMo-RL: Zipf-like; ChunkFlow: dominated by short sequences, thin tail to the context)."""
-    return Samples.text_only(_lognormal(rng, 400, 1.1, n, 16, 32768))
+    return SampleShapes.text_only(_lognormal(rng, 400, 1.1, n, 16, 32768))
 
 
-def truncate(samples: Samples, max_tokens: int) -> Samples:
+def truncate(samples: SampleShapes, max_tokens: int) -> SampleShapes:
     """Cut every sample to at most `max_tokens` LLM tokens.
 
     Vision items are dropped from the end of a sample until its vision tokens fit
@@ -240,14 +240,14 @@ def truncate(samples: Samples, max_tokens: int) -> Samples:
     keep = within <= max_tokens
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum(np.bincount(owner[keep], minlength=len(samples)), out=offsets[1:])
-    kept = Samples(samples.text_tokens, samples.item_patches[keep], offsets, samples.merge)
+    kept = SampleShapes(samples.text_tokens, samples.item_patches[keep], offsets, samples.merge)
     text = np.minimum(kept.text_tokens, max_tokens - kept.vision_tokens)
-    return Samples(text, kept.item_patches, kept.item_offsets, samples.merge)
+    return SampleShapes(text, kept.item_patches, kept.item_offsets, samples.merge)
 
 
 # --------------------------------------------------------------------------- registry
 
-MixFn = Callable[[np.random.Generator, int], Samples]
+MixFn = Callable[[np.random.Generator, int], SampleShapes]
 
 MIXES: Dict[str, Tuple[MixFn, str]] = {
     "qwen2vl-sft": (
@@ -271,7 +271,7 @@ def mix_names() -> Tuple[str, ...]:
     return tuple(MIXES)
 
 
-def draw_mix(name: str, n: int, rng: np.random.Generator) -> Samples:
+def draw_mix(name: str, n: int, rng: np.random.Generator) -> SampleShapes:
     """`n` samples of the named mix, drawn with `rng` (deterministic for a seeded generator)."""
     if name not in MIXES:
         raise ValueError(f"--mix {name!r}: unknown; choose one of {', '.join(MIXES)} or lengths-from")

@@ -7,14 +7,9 @@ import pytest
 
 from hf_dp_balance.apps.cli import main as cli_main
 from hf_dp_balance.core.cost import CostModel
-from hf_dp_balance.apps.mixes import Samples, draw_mix, load_lengths, mix_names, pack_fixed_length, truncate
-from hf_dp_balance.apps.simulate import (
-    BYTES_PER_TOKEN,
-    SampleCost,
-    load_cost,
-    simulate,
-    simulate_packed,
-)
+from hf_dp_balance.apps.mixes import SampleShapes, draw_mix, load_lengths, mix_names, pack_fixed_length, truncate
+from hf_dp_balance.apps.sim_model import BYTES_PER_TOKEN, SampleCost, load_cost
+from hf_dp_balance.apps.sim_runs import simulate, simulate_packed
 
 
 def _quadratic_cost(overhead=0.1):
@@ -24,7 +19,7 @@ def _quadratic_cost(overhead=0.1):
 
 def test_tiny_case_matches_hand_computation():
     # Lengths 6, 3, 4 in packs of 10: pack 0 = [6, 3] (9 tokens), pack 1 = [4]. DP 2, one step.
-    samples = Samples.text_only([6, 3, 4])
+    samples = SampleShapes.text_only([6, 3, 4])
     pack_of = pack_fixed_length(samples.tokens, 10)
     assert pack_of.tolist() == [0, 0, 1]
     row = simulate_packed(samples, pack_of, 2, _quadratic_cost(), pack=10)
@@ -44,7 +39,7 @@ def test_tiny_case_matches_hand_computation():
 
 
 def test_exchange_time_is_charged_when_not_overlapped():
-    samples = Samples.text_only([6, 3, 4])
+    samples = SampleShapes.text_only([6, 3, 4])
     pack_of = pack_fixed_length(samples.tokens, 10)
     # 1000 B/s: moving the 3-token sample (3 * 48 B) takes 0.144 s.
     slow = dict(pack=10, bandwidth_gbs=1e-6)
@@ -58,7 +53,7 @@ def test_exchange_time_is_charged_when_not_overlapped():
 
 def test_grad_accumulation_step_sums_micro_batches():
     # DP 2, GA 2: packs 0..3 -> (micro 0: rank 0, 1), (micro 1: rank 0, 1). Pack = one sample each.
-    samples = Samples.text_only([8, 2, 8, 2])
+    samples = SampleShapes.text_only([8, 2, 8, 2])
     pack_of = np.arange(4)
     row = simulate_packed(samples, pack_of, 2, _quadratic_cost(0.0), pack=10, ga=2)
     # Rank 0 holds both 8s (1.28 s), rank 1 both 2s (0.08 s); balanced: 0.68 s each.
@@ -98,7 +93,7 @@ def test_mixes_are_deterministic_and_respect_their_bounds():
 
 
 def test_truncate_and_take_keep_items_with_their_samples():
-    s = Samples(np.array([10, 5, 7]), np.array([8, 8, 40, 4]), np.array([0, 2, 2, 4]))
+    s = SampleShapes(np.array([10, 5, 7]), np.array([8, 8, 40, 4]), np.array([0, 2, 2, 4]))
     assert s.tokens.tolist() == [14, 5, 18]
     t = truncate(s, 10)  # sample 0: text clipped to 6; sample 2: keeps its first item (10 tokens), drops the last
     assert t.tokens.tolist() == [10, 5, 10]
@@ -142,7 +137,7 @@ def test_user_lengths_from_text_file_and_dataset(tmp_path):
 
 def test_cost_presets_and_fitted_json(tmp_path):
     seven, big = load_cost("7b"), load_cost("72b")
-    s = Samples.text_only([4096, 32768])
+    s = SampleShapes.text_only([4096, 32768])
     # A 32K sample costs ~60% more per token than a 4K one (attention = dense near 53K tokens).
     per_token = seven.costs(s) / s.tokens
     assert per_token[1] / per_token[0] == pytest.approx((1 + 32768 / 53333) / (1 + 4096 / 53333), rel=0.01)
@@ -151,7 +146,7 @@ def test_cost_presets_and_fitted_json(tmp_path):
     fitted.write_text(json.dumps({"model": {"quadratic": 1e-9, "linear": 1e-4, "per_sample": 0.0, "constant": 0.5}}))
     model = load_cost(str(fitted))
     assert model.step_overhead == pytest.approx(0.5) and model.vision is None
-    assert model.costs(Samples.text_only([1000]))[0] == pytest.approx(1e-3 + 0.1)
+    assert model.costs(SampleShapes.text_only([1000]))[0] == pytest.approx(1e-3 + 0.1)
     with pytest.raises(ValueError, match="--cost 'nope'"):
         load_cost("nope")
 
