@@ -1,30 +1,8 @@
-"""Realistic sample mixes of multimodal SFT, user lengths, and fixed-length packing.
+"""Realistic sample mixes of multimodal SFT (`MIXES`, drawn as `SampleShapes`), user lengths, fixed-length packing.
 
-A *sample* is (text tokens, list of vision items); a vision item is one
-attention block of the vision encoder with its patch count: an image, one
-temporal slice of a video (Qwen2-VL attends within each frame pair:
-``cu_seqlens`` repeats h*w over t), or one InternVL tile. The LLM sees
-``text + sum(patches) / merge`` tokens of the sample (``merge`` = 4 for the
-2x2 merge of Qwen-VL and InternVL's pixel shuffle).
-
-Sample shapes are held column-wise in :class:`SampleShapes` (CSR layout for the vision
-items) so that drawing a million samples, packing and costing them are a few
-numpy calls.
-
-Every mix is a construction from published figures, gathered in
-``shared/WORKLOAD_STATS.md`` — approximate shapes, not a dump of any dataset:
-
-* Qwen2-VL: one LLM token per 28x28 pixels (patch 14, 2x2 merge), 4..16384
-  tokens per image, 256..1280 the practical range; video frames paired
-  (temporal patch 2) [Qwen2-VL model card, processor defaults].
-* InternVL 2.5: 448x448 tiles of 1024 patches -> 256 tokens each after pixel
-  shuffle, 1..12 tiles plus a thumbnail, max sequence 8192 [InternVL repo,
-  issues #381, #1166].
-* LLaVA-OneVision: video 8..32 frames, 196 tokens per frame [LLaVA-OV paper].
-* llava_v1_5_mix665k: about 6% text-only [LLaVA #657]; ShareGPT4V captions
-  ~200 tokens; MMDU-45k multi-image dialogues 5K tokens on average, 17K max.
-* Long-SFT corpora: mostly short sequences with a thin tail up to the context
-  length [ChunkFlow]; Zipf-like SFT lengths [NeMo-RL docs].
+A sample is (text tokens, vision items with patch counts); its LLM length is text + patches / merge. Every
+mix is a construction from published figures (shared/WORKLOAD_STATS.md), not a dump of any dataset; the
+Qwen2-VL mixes draw the starting mix of `hf_dp_balance.testing.mix`. Sources and statistics: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -34,6 +12,9 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
 import numpy as np
+
+from hf_dp_balance.testing.mix import (IMAGE_MAX, IMAGE_MEDIAN, IMAGE_MIN, IMAGE_SIGMA, MIX_FRACTIONS, MULTI_MEDIAN,
+                                      MULTI_SIGMA, TEXT_MEDIAN, TEXT_SIGMA)
 
 # Patches per LLM token: Qwen-VL's 2x2 spatial merge, InternVL's 0.5 pixel shuffle.
 MERGE = 4
@@ -154,7 +135,7 @@ def _images_to_patches(tokens: np.ndarray) -> np.ndarray:
 
 
 def _qwen2vl_mix(rng: np.random.Generator, n: int, *, tail_share: float, max_tokens: int) -> SampleShapes:
-    """The starting mix of WORKLOAD_STATS.md, with or without a long tail.
+    """The starting mix of WORKLOAD_STATS.md (its figures: `hf_dp_balance.testing.mix`), with or without a long tail.
 
     Per sample (kinds drawn independently):
       text: lognormal(median 300, sigma 0.9) tokens (prompt + answer; captions ~200) in [8, 4096];
@@ -167,12 +148,12 @@ def _qwen2vl_mix(rng: np.random.Generator, n: int, *, tail_share: float, max_tok
     Samples are then truncated to `max_tokens` by dropping vision slices from the end (videos)
     and clipping text, as a max-length SFT pipeline does.
     """
-    kind = rng.choice(4, size=n, p=[0.35, 0.55, 0.05, 0.05])
-    text = _lognormal(rng, 300, 0.9, n, 8, 4096)
+    kind = rng.choice(4, size=n, p=list(MIX_FRACTIONS.values()))  # text, image, multi-image, video
+    text = _lognormal(rng, TEXT_MEDIAN, TEXT_SIGMA, n, 8, 4096)
     n_items = np.where(kind == 1, 1, 0)
     n_items = np.where(kind == 2, rng.integers(2, 9, size=n), n_items)
     n_items = np.where(kind == 3, rng.integers(4, 17, size=n), n_items)
-    video_total = _lognormal(rng, 5000, 0.6, n, 512, 16384)
+    video_total = _lognormal(rng, MULTI_MEDIAN, MULTI_SIGMA, n, 512, 16384)
 
     is_tail = rng.random(n) < tail_share
     tail_total = rng.integers(16384, 32769, size=n)
@@ -184,7 +165,7 @@ def _qwen2vl_mix(rng: np.random.Generator, n: int, *, tail_share: float, max_tok
     video_total = np.where(is_tail & tail_video, tail_total - 256, video_total)
 
     owner = np.repeat(np.arange(n), n_items)
-    image_tokens = _lognormal(rng, 700, 0.6, owner.size, 64, 16384)
+    image_tokens = _lognormal(rng, IMAGE_MEDIAN, IMAGE_SIGMA, owner.size, IMAGE_MIN, IMAGE_MAX)
     slice_tokens = np.maximum(video_total[owner] // np.maximum(n_items[owner], 1), 16)
     item_tokens = np.where(kind[owner] == 3, slice_tokens, image_tokens)
     samples = _assemble(text, n_items, _images_to_patches(item_tokens))
