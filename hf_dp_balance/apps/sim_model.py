@@ -30,7 +30,9 @@ DEFAULT_BANDWIDTH_GBS = 25.0
 class SampleCost:
     """Seconds of one sample: decoder over its LLM length + vision encoder over each vision item.
 
-    `step_overhead` is the fixed time per optimizer step that balancing does not change.
+    `step_overhead` is the fixed time per optimizer step that balancing does not change and that is not
+    priced apart (data loading, Python, logging); `params` (0: unknown) is what the gradient all-reduce
+    and the optimizer step are priced from (`sim_price.StepPrice`).
     """
 
     name: str
@@ -38,6 +40,7 @@ class SampleCost:
     vision: Optional[CostModel]
     step_overhead: float
     assumption: str
+    params: float = 0.0
 
     def costs(self, samples: SampleShapes) -> np.ndarray:
         """Seconds per sample (float64 [n])."""
@@ -54,6 +57,7 @@ class SampleCost:
             "vision": None if self.vision is None else self.vision.to_dict(),
             "step_overhead_s": self.step_overhead,
             "assumption": self.assumption,
+            "params": self.params,
         }
 
 
@@ -69,23 +73,29 @@ def _flop_preset(name, params, d_model, layers, vit, overhead, what) -> SampleCo
         decoder=_seconds(CostModel.from_flops(params, d_model, layers, causal=True), EFFECTIVE_TFLOPS),
         vision=_seconds(CostModel.from_flops(vit_params, vit_d, vit_layers, causal=False), EFFECTIVE_TFLOPS),
         step_overhead=overhead,
+        params=params + vit_params,
         assumption=(
             f"{what}: FLOPs 6*params per token + causal flash attention 6*d*layers per L^2 (decoder), "
             f"6*params per patch + full attention 12*d*layers per patches^2 within each image / frame pair / "
             f"tile (vision encoder), at {EFFECTIVE_TFLOPS:.0f} TFLOP/s effective (H100 bf16 at ~40% MFU); "
-            f"fixed step overhead {overhead} s (exposed all-reduce tail + optimizer step)"
+            f"fixed step part {overhead} s (data loading, Python, logging: a guess); all-reduce and optimizer "
+            f"priced from {(params + vit_params) / 1e9:.2f}B parameters"
         ),
     )
 
 
+# The fixed part of a step besides compute, all-reduce and optimizer (data loading, Python, logging): a guess.
+FIXED_STEP_S = 0.05
+
 COST_PRESETS = {
     # Decoder 7B of the generic shape (d 4096, 32 layers) + Qwen2-VL's 675M ViT (d 1280, 32 layers).
-    "7b": lambda: _flop_preset("7b", 7e9, 4096, 32, (675e6, 1280, 32), 0.15, "7B decoder + Qwen2-VL ViT-675M"),
+    "7b": lambda: _flop_preset("7b", 7e9, 4096, 32, (675e6, 1280, 32), FIXED_STEP_S, "7B decoder + Qwen2-VL ViT-675M"),
     # Qwen2-VL-72B: d 8192, 80 layers, same ViT.
-    "72b": lambda: _flop_preset("72b", 72e9, 8192, 80, (675e6, 1280, 32), 0.8, "72B decoder + Qwen2-VL ViT-675M"),
+    "72b": lambda: _flop_preset("72b", 72e9, 8192, 80, (675e6, 1280, 32), FIXED_STEP_S,
+                                "72B decoder + Qwen2-VL ViT-675M"),
     # InternVL2.5-8B: InternLM2.5-7B (d 4096, 32 layers) + InternViT-300M (d 1024, 24 layers).
     "internvl-8b": lambda: _flop_preset(
-        "internvl-8b", 7.7e9, 4096, 32, (304e6, 1024, 24), 0.15, "InternLM2.5-7B + InternViT-300M"
+        "internvl-8b", 7.7e9, 4096, 32, (304e6, 1024, 24), FIXED_STEP_S, "InternLM2.5-7B + InternViT-300M"
     ),
 }
 
@@ -101,7 +111,8 @@ def load_cost(spec: str, step_overhead: Optional[float] = None) -> SampleCost:
     if spec in COST_PRESETS:
         preset = COST_PRESETS[spec]()
         if step_overhead is not None:
-            preset = SampleCost(preset.name, preset.decoder, preset.vision, float(step_overhead), preset.assumption)
+            preset = SampleCost(preset.name, preset.decoder, preset.vision, float(step_overhead), preset.assumption,
+                                preset.params)
         return preset
     if not os.path.isfile(spec):
         raise ValueError(f"--cost {spec!r}: neither a preset ({', '.join(COST_PRESETS)}) nor an existing JSON file")

@@ -15,6 +15,7 @@ import numpy as np
 
 from hf_dp_balance.apps.mixes import SampleShapes, draw_mix, mix_names, pack_fixed_length, truncate
 from hf_dp_balance.apps.sim_model import BYTES_PER_PATCH, BYTES_PER_TOKEN, DEFAULT_BANDWIDTH_GBS, SampleCost, load_cost
+from hf_dp_balance.apps.sim_price import StepPrice
 from hf_dp_balance.apps.sim_step import METHODS, Tally, run_steps
 from hf_dp_balance.core.lookahead import assign_slots, plan_lookahead
 
@@ -54,30 +55,14 @@ def draw_packed(source, n_packs: int, pack: int, rng: np.random.Generator):
             # Padding left more packs short than estimated: draw more.
 
 
-def simulate_dp(
-    source,
-    dp: int,
-    cost: SampleCost,
-    *,
-    pack: int = 32768,
-    ga: int = 1,
-    steps: Optional[int] = None,
-    seed: int = 0,
-    lookahead: int = 0,
-    sync: str = "step",
-    bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS,
-    overlap: bool = True,
-    max_tokens: Optional[int] = None,
-    progress=None,
-) -> dict:
-    """Simulate `steps` steps at one DP size; returns the row of `results` for it."""
+def simulate_dp(source, dp: int, cost: SampleCost, *, pack: int = 32768, ga: int = 1, steps: Optional[int] = None,
+                seed: int = 0, **run) -> dict:
+    """Simulate `steps` steps at one DP size; returns the row of `results` for it (`run`: simulate_packed's
+    keywords)."""
     n_steps = default_steps(dp, ga) if steps is None else int(steps)
     rng = np.random.default_rng([int(seed), int(dp)])
     samples, pack_of = draw_packed(source, n_steps * dp * ga, pack, rng)
-    return simulate_packed(
-        samples, pack_of, dp, cost, pack=pack, ga=ga, lookahead=lookahead, sync=sync,
-        bandwidth_gbs=bandwidth_gbs, overlap=overlap, max_tokens=max_tokens, progress=progress,
-    )
+    return simulate_packed(samples, pack_of, dp, cost, pack=pack, ga=ga, **run)
 
 
 @dataclass
@@ -135,27 +120,31 @@ def simulate_packed(
     bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS,
     overlap: bool = True,
     max_tokens: Optional[int] = None,
+    price: Optional[StepPrice] = None,
     progress=None,
 ) -> dict:
     """The row of `results` for samples already packed (`pack_of`: pack index per sample,
     non-decreasing; pack j is step j // (dp*ga), micro-batch (j // dp) % ga, rank j % dp).
 
     Every step must be complete (dp*ga packs each). `max_tokens` (default `pack`) is the
-    hard per-rank (per micro-batch) token cap of ours and of the look-ahead.
+    hard per-rank (per micro-batch) token cap of ours and of the look-ahead. `price`: the step's
+    parts besides compute (default: only the cost's fixed `step_overhead`; no all-reduce, no optimizer).
     """
     cap = int(pack if max_tokens is None else max_tokens)
     if cap < pack:
         raise ValueError(f"--max-tokens {cap}: must be >= --pack {pack} (a pack must fit on its own rank)")
     data = _packed_steps(samples, pack_of, dp, ga, cost)
-    run = dict(cap=cap, sync=sync, bandwidth=bandwidth_gbs * 1e9, overhead=cost.step_overhead, overlap=overlap,
-               progress=progress)
+    price = StepPrice(fixed_s=cost.step_overhead) if price is None else price
+    run = dict(cap=cap, sync=sync, bandwidth=bandwidth_gbs * 1e9, price=price, overlap=overlap, progress=progress)
     bounds = np.searchsorted(data.step, np.arange(data.n_steps + 1))
     groups = [slice(bounds[s], bounds[s + 1]) for s in range(data.n_steps)]
-    tallies, lower, single_bound = run_steps(data, groups, data.rank, data.micro, dp, ga, METHODS, **run)
-    row = _row(data, dp, len(samples), tallies, lower, single_bound, cost.step_overhead)
+    tallies, lower, lower_compute, single_bound = run_steps(data, groups, data.rank, data.micro, dp, ga, METHODS,
+                                                            **run)
+    row = _row(data, dp, len(samples), tallies, lower, lower_compute, single_bound)
+    row["allreduce_s"] = price.allreduce_s(dp)
     if lookahead > 1:
         la_groups, la_rank, la_micro, new_step, plan_s = _lookahead_slots(data, dp, ga, cap, sync, lookahead)
-        la, _, single_la = run_steps(data, la_groups, la_rank, la_micro, dp, ga, ["ours"], **run)
+        la, _, _, single_la = run_steps(data, la_groups, la_rank, la_micro, dp, ga, ["ours"], **run)
         la = la["ours"]
         la.plan_s += plan_s
         tgs_none = row["tgs_none"]
@@ -169,19 +158,20 @@ def simulate_packed(
             "plan_failures_lookahead": la.failed,
             "over_cap_share_lookahead": la.over_cap / n,
             "plan_ms_per_step_lookahead": 1e3 * la.plan_s / n,
+            **_exchange_columns("lookahead", la, n, tgs_none, float(data.tokens.sum()) / dp),
         })
     return row
 
 
 def _row(data: _PackedSteps, dp: int, n_samples: int, tallies: Dict[str, Tally], lower: float,
-         single_bound: int, overhead: float) -> dict:
+         lower_compute: float, single_bound: int) -> dict:
     """The result row of one DP size from the methods' sums (TGS = tokens / (dp * total step time))."""
     n = data.n_steps
     total_tokens = float(data.tokens.sum())
     tgs = {m: total_tokens / (dp * t.time) for m, t in tallies.items()}
     tgs["lower_bound"] = total_tokens / (dp * lower)
     t = tallies
-    return {
+    row = {
         "dp": int(dp),
         "steps": n,
         "samples": int(n_samples),
@@ -196,7 +186,7 @@ def _row(data: _PackedSteps, dp: int, n_samples: int, tallies: Dict[str, Tally],
         "gain_ours": tgs["ours"] / tgs["none"] - 1.0,
         "gain_lower_bound": tgs["lower_bound"] / tgs["none"] - 1.0,
         "single_sample_bound_share": single_bound / n,
-        "imbalance_none": t["none"].compute / (lower - n * overhead) - 1.0,
+        "imbalance_none": t["none"].compute / lower_compute - 1.0,
         "applied_share_reference": t["reference"].applied / n,
         "applied_share_ours": t["ours"].applied / n,
         "moved_share_reference": t["reference"].moved / n_samples,
@@ -205,11 +195,25 @@ def _row(data: _PackedSteps, dp: int, n_samples: int, tallies: Dict[str, Tally],
         "over_cap_share_ours": t["ours"].over_cap / n,
         "plan_failures_ours": t["ours"].failed,
         "moved_share_ours": t["ours"].moved / n_samples,
-        "exposed_move_s_per_step_ours": t["ours"].exposed / n,
-        "exposed_move_s_per_step_reference": t["reference"].exposed / n,
+        "exposed_move_s_per_step_ours": t["ours"].parts["exchange"] / n,
+        "exposed_move_s_per_step_reference": t["reference"].parts["exchange"] / n,
         "plan_ms_per_step_reference": 1e3 * t["reference"].plan_s / n,
         "plan_ms_per_step_reference_capped": 1e3 * t["reference_capped"].plan_s / n,
         "plan_ms_per_step_ours": 1e3 * t["ours"].plan_s / n,
+    }
+    for m in METHODS:
+        row.update(_exchange_columns(m, t[m], n, tgs["none"], total_tokens / dp))
+    return row
+
+
+def _exchange_columns(method: str, tally: Tally, n_steps: int, tgs_none: float, tokens_per_gpu: float) -> dict:
+    """A method's step split into its parts, the bytes it moves, the exchange's share of the step if it were
+    not hidden, and the gain with that whole exchange on the step."""
+    return {
+        f"step_parts_s_{method}": {p: v / n_steps for p, v in tally.parts.items()},
+        f"gb_moved_per_step_{method}": tally.bytes_moved / n_steps / 1e9,
+        f"exchange_share_{method}": tally.exchange_share / n_steps,
+        f"gain_{method}_exchange_shown": tokens_per_gpu / tally.time_exchange_shown / tgs_none - 1.0,
     }
 
 
@@ -230,9 +234,13 @@ def simulate(
     bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS,
     overlap: bool = True,
     max_tokens: Optional[int] = None,
+    price: Optional[StepPrice] = None,
     progress: bool = False,
 ) -> dict:
     """Simulate every DP size; returns {"settings": {...}, "results": [row per DP size]}.
+
+    `price` (default: `StepPrice.adam` over the cost's parameter count on documented H100-class
+    hardware, fixed part = the cost's `step_overhead`) prices the step besides its compute.
 
     Deterministic for a given seed: each DP size draws its own samples from
     ``default_rng([seed, dp])``. Rows hold tgs_none / tgs_reference / tgs_ours /
@@ -245,6 +253,7 @@ def simulate(
     if max_tokens is not None and int(max_tokens) < int(pack):
         raise ValueError(f"--max-tokens {max_tokens}: must be >= --pack {pack} (a pack must fit on its own rank)")
     cost = load_cost(cost) if isinstance(cost, str) else cost
+    price = StepPrice.adam(cost.params, fixed_s=cost.step_overhead) if price is None else price
     per_dp_steps = [default_steps(d, ga) if steps is None else int(steps) for d in dp_sizes]
     bar = None
     if progress:
@@ -255,7 +264,7 @@ def simulate(
         results = [
             simulate_dp(
                 source, d, cost, pack=pack, ga=ga, steps=n, seed=seed, lookahead=lookahead, sync=sync,
-                bandwidth_gbs=bandwidth_gbs, overlap=overlap, max_tokens=max_tokens, progress=bar,
+                bandwidth_gbs=bandwidth_gbs, overlap=overlap, max_tokens=max_tokens, price=price, progress=bar,
             )
             for d, n in zip(dp_sizes, per_dp_steps)
         ]
@@ -275,6 +284,7 @@ def simulate(
         "max_tokens_per_rank": pack if max_tokens is None else int(max_tokens),
         "bandwidth_GBps": bandwidth_gbs,
         "exchange_overlapped": overlap,
+        "step_price": price.to_dict(dp_sizes),
         "bytes_per_token": BYTES_PER_TOKEN,
         "bytes_per_patch": BYTES_PER_PATCH,
     }

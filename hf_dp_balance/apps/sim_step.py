@@ -10,6 +10,7 @@ from typing import Dict, Sequence
 import numpy as np
 
 from hf_dp_balance.apps.sim_model import DEFAULT_BANDWIDTH_GBS, move_seconds, rank_loads, step_makespan
+from hf_dp_balance.apps.sim_price import PARTS, StepPrice
 
 # --------------------------------------------------------------------------- one step
 
@@ -30,6 +31,7 @@ class StepOutcome:
     single_sample_bound: bool
     plan_seconds: Dict[str, float] = field(default_factory=dict)
     failed: Dict[str, bool] = field(default_factory=dict)
+    bytes_moved: Dict[str, float] = field(default_factory=dict)  # all ranks together
 
 
 def simulate_step(
@@ -101,6 +103,7 @@ def simulate_step(
         out.makespan[method] = step_makespan(after, sync)
         out.move_seconds[method] = move_seconds(nbytes, owners, dest_rank, num_ranks, bandwidth)
         out.moved[method] = int(np.count_nonzero(dest_rank != owners))
+        out.bytes_moved[method] = float(nbytes[dest_rank != owners].sum())
         out.applied[method] = applied
         # The reference's own cap is 1.2x the average tokens: it may exceed the per-rank cap.
         slot_tokens = rank_loads(tokens.astype(np.float64), dest_rank, dest_micro, num_ranks, ga)
@@ -108,60 +111,62 @@ def simulate_step(
     return out
 
 
-
 # --------------------------------------------------------------------------- sums over steps
 
 
 @dataclass
 class Tally:
-    """One method's sums over the steps of a run."""
+    """One method's sums over the steps of a run (seconds, counts, bytes)."""
 
-    time: float = 0.0  # step time: compute + fixed per-step part + exposed exchange
-    compute: float = 0.0
-    exposed: float = 0.0
+    time: float = 0.0  # step time: every part of `StepPrice.parts`, the exchange as configured
+    time_exchange_shown: float = 0.0  # the same with the whole exchange on the step (not hidden)
+    parts: Dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PARTS})
+    exchange_share: float = 0.0  # sum over steps of exchange / (step with the exchange shown)
+    bytes_moved: float = 0.0
     plan_s: float = 0.0
     moved: int = 0
     applied: int = 0
     over_cap: int = 0
     failed: int = 0
 
-    def add(self, outcome: StepOutcome, method: str, overhead: float, overlap: bool) -> None:
-        exposed = exposed_move(outcome, method, overlap)
-        self.time += outcome.makespan[method] + overhead + exposed
-        self.compute += outcome.makespan[method]
-        self.exposed += exposed
+    def add(self, outcome: StepOutcome, method: str, price: StepPrice, dp: int, overlap: bool) -> None:
+        parts = price.parts(dp, outcome.makespan[method], outcome.move_seconds[method], overlap)
+        shown = price.parts(dp, outcome.makespan[method], outcome.move_seconds[method], False)
+        for p in PARTS:
+            self.parts[p] += parts[p]
+        self.time += sum(parts.values())
+        self.time_exchange_shown += sum(shown.values())
+        self.exchange_share += shown["exchange"] / sum(shown.values())
+        self.bytes_moved += outcome.bytes_moved[method]
         self.plan_s += outcome.plan_seconds[method]
         self.moved += outcome.moved[method]
         self.applied += int(outcome.applied[method])
         self.over_cap += int(outcome.over_cap[method])
         self.failed += int(outcome.failed.get(method, False))
 
-
-def exposed_move(outcome: StepOutcome, method: str, overlap: bool) -> float:
-    """Seconds of the exchange the step waits for: all of it, or (overlapped) what exceeds the compute
-    it hides behind (the previous step's, about as long as this one's)."""
-    hidden = outcome.makespan[method] if overlap else 0.0
-    return max(0.0, outcome.move_seconds[method] - hidden)
+    @property
+    def compute(self) -> float:
+        return self.parts["compute"]
 
 
 def run_steps(data, groups, ranks: np.ndarray, micros: np.ndarray, dp: int, ga: int,
-               methods: Sequence[str], *, cap: int, sync: str, bandwidth: float, overhead: float, overlap: bool,
-               progress=None):
-    """Every step (`groups`: the sample indices of each) under every method: (tallies, lower-bound time,
-    steps bound by a single sample)."""
+              methods: Sequence[str], *, cap: int, sync: str, bandwidth: float, price: StepPrice, overlap: bool,
+              progress=None):
+    """Every step (`groups`: the sample indices of each) under every method: (tallies, lower-bound step
+    time, its compute, steps bound by a single sample). The lower bound moves nothing."""
     tallies = {m: Tally() for m in methods}
-    lower, single_bound = 0.0, 0
+    lower = lower_compute = 0.0
+    single_bound = 0
     for idx in groups:
         o = simulate_step(
             data.costs[idx], data.tokens[idx], data.nbytes[idx], ranks[idx], micros[idx], dp, ga,
             max_tokens=cap, sync=sync, bandwidth=bandwidth, methods=methods,
         )
         for m in methods:
-            tallies[m].add(o, m, overhead, overlap)
-        lower += o.lower_bound + overhead
+            tallies[m].add(o, m, price, dp, overlap)
+        lower += sum(price.parts(dp, o.lower_bound, 0.0, overlap).values())
+        lower_compute += o.lower_bound
         single_bound += int(o.single_sample_bound)
         if progress is not None:
             progress.update(1)
-    return tallies, lower, single_bound
-
-
+    return tallies, lower, lower_compute, single_bound

@@ -13,52 +13,19 @@ from typing import List
 
 from hf_dp_balance.apps.mixes import load_lengths, mix_names
 from hf_dp_balance.apps.sim_model import COST_PRESETS, DEFAULT_BANDWIDTH_GBS, load_cost
+from hf_dp_balance.apps.sim_plot import plot_results
+from hf_dp_balance.apps.sim_price import (ADAM_BYTES_PER_PARAM, GPUS_PER_NODE, GRAD_BYTES, HBM_GBPS, INTER_NODE_GBPS,
+                                          INTRA_NODE_GBPS, StepPrice)
 from hf_dp_balance.apps.sim_runs import simulate
 
-# --------------------------------------------------------------------------- plot
-
-
-def plot_results(result: dict, path: str) -> None:
-    """TGS against DP size (log2 x axis), one line per method; gains annotated."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["results"]
-    dp = [r["dp"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
-    lines = [
-        ("tgs_none", "no balancing", "tab:gray", "o"),
-        ("tgs_reference", "reference (published skip rules, 1.2x avg token cap)", "tab:orange", "s"),
-        ("tgs_reference_capped", "reference held to the per-rank cap", "tab:red", "v"),
-        ("tgs_ours", "plan_balance", "tab:blue", "^"),
-        ("tgs_lookahead", f"plan_balance + look-ahead K={result['settings'].get('lookahead')}", "tab:green", "D"),
-        ("tgs_lower_bound", "lower bound", "black", None),
-    ]
-    for key, label, color, marker in lines:
-        if key not in rows[0]:
-            continue
-        style = dict(color=color, marker=marker, label=label)
-        if key == "tgs_lower_bound":
-            style.update(linestyle=":", marker=None)
-        ax.plot(dp, [r[key] for r in rows], **style)
-    for r in rows:
-        ax.annotate(f"+{100 * r['gain_ours']:.1f}%", (r["dp"], r["tgs_ours"]), textcoords="offset points",
-                    xytext=(0, 7), ha="center", fontsize=8, color="tab:blue")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(dp)
-    ax.set_xticklabels([str(d) for d in dp])
-    ax.set_xlabel("data-parallel size")
-    ax.set_ylabel("tokens per GPU per second")
-    s = result["settings"]
-    ax.set_title(f"mix {s['mix']}, pack {s['pack']}, GA {s['ga']}, cost {s['cost']['name']}", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
+# Setups: defaults for the flags a user did not give. "published": the published system's cluster as far as
+# its blog states it (DP 32..512, 32K packs, all-reduce not overlapped) with its measured gains of the
+# reference method; the model and the data mix are not stated there: the 7b preset and qwen2vl-sft are guesses.
+SETUPS = {
+    "default": {"dp": [32, 64, 128, 256, 512, 1024], "pack": 32768, "allreduce": "overlapped", "cost": "7b"},
+    "published": {"dp": [32, 64, 128, 256, 512], "pack": 32768, "allreduce": "exposed", "cost": "7b"},
+}
+PUBLISHED_GAINS = {256: "+3.3%", 512: "~+10%"}  # the blog's table (no all-reduce overlap)
 
 # --------------------------------------------------------------------------- CLI
 
@@ -91,21 +58,27 @@ def _checked_number(cast, kind: str, ok, requirement: str):
 _positive_int = _checked_number(int, "an integer", lambda v: v >= 1, ">= 1")
 _non_negative_int = _checked_number(int, "an integer", lambda v: v >= 0, ">= 0")
 _positive_float = _checked_number(float, "a number", lambda v: v > 0 and math.isfinite(v), "a positive number")
+_non_negative_float = _checked_number(float, "a number", lambda v: v >= 0 and math.isfinite(v), ">= 0")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dp", type=_dp_list, default=[32, 64, 128, 256, 512, 1024],
-                        help="comma-separated data-parallel sizes (default 32,...,1024)")
+    parser.add_argument("--setup", choices=tuple(SETUPS), default="default",
+                        help="defaults of --dp, --pack, --allreduce, --cost: 'published' states the published "
+                             "system's cluster (DP 32..512, 32K packs, all-reduce not overlapped) and prints its "
+                             "measured gains beside the simulated ones")
+    parser.add_argument("--dp", type=_dp_list, default=None,
+                        help="comma-separated data-parallel sizes (default 32,...,1024; published: 32,...,512)")
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--mix", choices=mix_names(), default=None, help="sample mix (default qwen2vl-sft)")
     src.add_argument("--lengths-from", default=None, metavar="SPEC",
                      help="your own lengths: dataset:PATH_OR_NAME:COLUMN (from disk) or a text file, one per line")
-    parser.add_argument("--pack", type=_positive_int, default=32768, help="tokens per fixed-length pack (= per-rank cap)")
+    parser.add_argument("--pack", type=_positive_int, default=None,
+                        help="tokens per fixed-length pack (= per-rank cap; default 32768)")
     parser.add_argument("--max-tokens", type=_positive_int, default=None,
                         help="hard per-rank token cap of plan_balance (default: --pack)")
     parser.add_argument("--ga", type=_positive_int, default=1, help="gradient-accumulation micro-batches per step")
-    parser.add_argument("--cost", default="7b",
-                        help=f"cost preset ({', '.join(COST_PRESETS)}) or a fitted CostModel JSON (seconds)")
+    parser.add_argument("--cost", default=None,
+                        help=f"cost preset ({', '.join(COST_PRESETS)}; default 7b) or a fitted CostModel JSON (seconds)")
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help="steps per DP size (default clip(32768 // (dp*ga), 16, 256))")
     parser.add_argument("--seed", type=int, default=0)
@@ -113,33 +86,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also simulate look-ahead over windows of K steps (0/1 = off)")
     parser.add_argument("--sync", choices=("step", "micro_batch"), default="step",
                         help="ranks meet once per step (DDP) or every micro-batch (FSDP / ZeRO-3)")
-    parser.add_argument("--step-overhead", type=float, default=None,
-                        help="fixed seconds per step that balancing does not change (default: the preset's)")
-    parser.add_argument("--bandwidth", type=_positive_float, default=DEFAULT_BANDWIDTH_GBS,
-                        help="GB/s per GPU for moving samples (default 25)")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="charge the whole exchange time (default: hidden behind the previous step's compute)")
+    _add_price_arguments(parser)
     parser.add_argument("--json", default=None, metavar="PATH", help="write settings and results as JSON")
-    parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: TGS against DP size")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="write a PNG: TGS against DP size, and each method's step split into its parts")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_price_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the step's parts besides compute (`sim_price.StepPrice`) and of the exchange."""
+    g = parser.add_argument_group("step price (documented H100/H200-class defaults; docs/simulator.md)")
+    g.add_argument("--params", type=_non_negative_float, default=None,
+                   help="parameters all-reduced per step (default: the preset's; 0 for a fitted JSON)")
+    g.add_argument("--grad-dtype", choices=tuple(GRAD_BYTES), default="bf16", help="gradient dtype (default bf16)")
+    g.add_argument("--gpus-per-node", type=_positive_int, default=GPUS_PER_NODE, help="GPUs per node (default 8)")
+    g.add_argument("--intra-node-gbps", type=_positive_float, default=INTRA_NODE_GBPS,
+                   help="Gb/s per GPU inside a node (default 3600: NVLink 450 GB/s)")
+    g.add_argument("--inter-node-gbps", type=_positive_float, default=INTER_NODE_GBPS,
+                   help="Gb/s per GPU between nodes (default 400: one 400G NIC per GPU)")
+    g.add_argument("--allreduce", choices=("overlapped", "exposed"), default=None,
+                   help="gradient all-reduce hidden behind the backward pass (default) or after it (published)")
+    g.add_argument("--optimizer-s", type=_non_negative_float, default=None,
+                   help=f"seconds of the optimizer step (default: Adam, {ADAM_BYTES_PER_PARAM} B per parameter "
+                        f"at {HBM_GBPS:.0f} GB/s HBM)")
+    g.add_argument("--step-overhead", type=float, default=None,
+                   help="fixed seconds per step besides compute, all-reduce and optimizer (default: the preset's)")
+    g.add_argument("--bandwidth", type=_positive_float, default=DEFAULT_BANDWIDTH_GBS,
+                   help="GB/s per GPU of the side network that moves samples (default 25)")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="charge the whole exchange time (default: hidden behind the step it overlaps)")
+
+
+def _price(args: argparse.Namespace, cost, allreduce: str) -> StepPrice:
+    params = cost.params if args.params is None else args.params
+    kw = dict(grad_dtype=args.grad_dtype, gpus_per_node=args.gpus_per_node, intra_node_gbps=args.intra_node_gbps,
+              inter_node_gbps=args.inter_node_gbps, allreduce_overlapped=allreduce == "overlapped",
+              fixed_s=cost.step_overhead)
+    if args.optimizer_s is None:
+        return StepPrice.adam(params, **kw)
+    return StepPrice(params=params, optimizer_s=args.optimizer_s, **kw)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.step_overhead is not None and not (args.step_overhead >= 0 and math.isfinite(args.step_overhead)):
         raise SystemExit(f"hf-dp-balance simulate: error: --step-overhead {args.step_overhead}: must be >= 0")
+    setup = SETUPS[args.setup]
+    given = {k: getattr(args, k) for k in setup}
+    dp, pack, allreduce, cost_spec = (setup[k] if v is None else v for k, v in given.items())
     try:
         source = load_lengths(args.lengths_from) if args.lengths_from else (args.mix or "qwen2vl-sft")
-        cost = load_cost(args.cost, args.step_overhead)
+        cost = load_cost(cost_spec, args.step_overhead)
         result = simulate(
-            source, args.dp, cost, pack=args.pack, ga=args.ga, steps=args.steps, seed=args.seed,
+            source, dp, cost, pack=pack, ga=args.ga, steps=args.steps, seed=args.seed,
             lookahead=args.lookahead, sync=args.sync, bandwidth_gbs=args.bandwidth,
-            overlap=not args.no_overlap, max_tokens=args.max_tokens, progress=not args.no_progress,
+            overlap=not args.no_overlap, max_tokens=args.max_tokens, price=_price(args, cost, allreduce),
+            progress=not args.no_progress,
         )
     except ValueError as e:
         raise SystemExit(f"hf-dp-balance simulate: error: {e}") from None
+    result["settings"]["setup"] = args.setup
     if args.lengths_from:
         result["settings"]["mix"] = f"lengths from {args.lengths_from}"
     print(format_table(result))
+    if args.setup == "published":
+        print()
+        print(format_published(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
@@ -149,13 +160,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_published(result: dict) -> str:
+    """The reference method's simulated gains beside the published system's measured ones (markdown)."""
+    lines = ["| DP | reference method, simulated | with its exchange shown | published (blog) |",
+             "|---:|---:|---:|---:|"]
+    for r in result["results"]:
+        lines.append(f"| {r['dp']} | {100 * r['gain_reference']:+.1f}% | "
+                     f"{100 * r['gain_reference_exchange_shown']:+.1f}% | {PUBLISHED_GAINS.get(r['dp'], '')} |")
+    return "\n".join(lines)
+
+
 def format_table(result: dict) -> str:
-    """Markdown table of the results (TGS, gains, single-sample-bound share)."""
+    """Markdown table of the results: TGS, gains, single-sample-bound share, and per method (reference / ours) the
+    GB moved per step, the share of the step the exchange would take if not hidden, and the gain with it shown."""
     rows = result["results"]
     la = "tgs_lookahead" in rows[0]
-    head = ("| DP | steps | TGS none | TGS reference (over cap) | TGS reference capped | TGS ours | lower bound "
-            "| gain ref | gain ref capped | gain ours | single-sample-bound |")
-    sep = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    head = ("| DP | steps | TGS none | TGS reference (over cap) | TGS reference capped | TGS ours | TGS ceiling "
+            "| gain ref | gain ref capped | gain ours | single-sample-bound | GB moved/step ref / ours "
+            "| exchange share ref / ours | gain, exchange shown, ref / ours |")
+    sep = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     if la:
         head += " TGS look-ahead | gain look-ahead | single-bound look-ahead |"
         sep += "---:|---:|---:|"
@@ -165,7 +188,10 @@ def format_table(result: dict) -> str:
             f"| {r['dp']} | {r['steps']} | {r['tgs_none']:.0f} | {r['tgs_reference']:.0f} "
             f"({100 * r['over_cap_share_reference']:.0f}%) | {r['tgs_reference_capped']:.0f} | {r['tgs_ours']:.0f} | "
             f"{r['tgs_lower_bound']:.0f} | {100 * r['gain_reference']:+.1f}% | {100 * r['gain_reference_capped']:+.1f}% | "
-            f"{100 * r['gain_ours']:+.1f}% | {100 * r['single_sample_bound_share']:.0f}% |"
+            f"{100 * r['gain_ours']:+.1f}% | {100 * r['single_sample_bound_share']:.0f}% | "
+            f"{r['gb_moved_per_step_reference']:.2f} / {r['gb_moved_per_step_ours']:.2f} | "
+            f"{100 * r['exchange_share_reference']:.1f}% / {100 * r['exchange_share_ours']:.1f}% | "
+            f"{100 * r['gain_reference_exchange_shown']:+.1f}% / {100 * r['gain_ours_exchange_shown']:+.1f}% |"
         )
         if la:
             line += (

@@ -198,3 +198,81 @@ def test_grad_accumulation_with_lookahead_runs_and_bounds_hold(sync):
     assert row["tgs_ours"] >= row["tgs_none"] * (1 - 1e-12)
     if sync == "step":  # for DDP the per-step lower bound is exact for any within-step plan
         assert row["tgs_lower_bound"] >= row["tgs_ours"] * (1 - 1e-9)
+
+
+# --------------------------------------------------------------------------- the whole step (issue 16)
+
+
+def test_allreduce_is_a_ring_over_the_slowest_link():
+    from hf_dp_balance.apps.sim_price import StepPrice
+
+    price = StepPrice(params=1e9)  # bf16: 2 GB of gradients
+    assert price.allreduce_s(1) == 0.0
+    # 8 GPUs: one node, NVLink 3600 Gb/s = 450 GB/s: 2 * 7/8 * 2 GB / 450 GB/s
+    assert price.allreduce_s(8) == pytest.approx(2 * 7 / 8 * 2e9 / 450e9)
+    # 16 GPUs: two nodes, 400 Gb/s = 50 GB/s per GPU: 2 * 15/16 * 2 GB / 50 GB/s = 75 ms
+    assert price.allreduce_s(16) == pytest.approx(0.075)
+    assert StepPrice(params=1e9, grad_dtype="fp32").allreduce_s(16) == pytest.approx(0.15)
+    assert StepPrice(params=1e9, gpus_per_node=16).allreduce_s(16) == pytest.approx(2 * 15 / 16 * 2e9 / 450e9)
+    # Adam: 30 B per parameter at 3350 GB/s
+    assert StepPrice.adam(1e9).optimizer_s == pytest.approx(30e9 / 3350e9)
+
+
+def test_step_parts_hide_the_allreduce_behind_backward_and_the_exchange_behind_the_step():
+    from hf_dp_balance.apps.sim_price import StepPrice
+
+    kw = dict(params=1e9, optimizer_s=0.01, fixed_s=0.02)
+    # overlapped: 75 ms all-reduce behind 2/3 of 60 ms compute (40 ms): 35 ms shows
+    parts = StepPrice(**kw).parts(16, 0.06, 0.2, exchange_overlapped=True)
+    assert parts["allreduce"] == pytest.approx(0.035)
+    # the exchange (200 ms) overlaps a step of 60 + 35 + 10 + 20 = 125 ms: 75 ms shows
+    assert parts["exchange"] == pytest.approx(0.075)
+    exposed = StepPrice(allreduce_overlapped=False, **kw).parts(16, 0.06, 0.2, exchange_overlapped=False)
+    assert exposed == pytest.approx({"compute": 0.06, "allreduce": 0.075, "optimizer": 0.01, "fixed": 0.02,
+                                     "exchange": 0.2})
+
+
+def test_whole_step_priced_in_a_hand_computed_run():
+    from hf_dp_balance.apps.sim_price import StepPrice
+
+    samples = SampleShapes.text_only([6, 3, 4])
+    pack_of = pack_fixed_length(samples.tokens, 10)
+    price = StepPrice(params=1e9, allreduce_overlapped=False, optimizer_s=0.02, fixed_s=0.1)
+    row = simulate_packed(samples, pack_of, 2, _quadratic_cost(), pack=10, price=price, bandwidth_gbs=1e-6)
+    allreduce = 2 * 1 / 2 * 2e9 / 450e9  # DP 2 inside a node
+    rest = allreduce + 0.02 + 0.1
+    # none: slowest rank 0.45 s; ours 0.36 s, its 3-token move (144 B at 1000 B/s = 0.144 s) overlaps the step
+    # of 0.36 + rest and shows only beyond it
+    assert row["tgs_none"] == pytest.approx(13 / (2 * (0.45 + rest)))
+    shown = max(0.0, 0.144 - (0.36 + rest))
+    assert row["tgs_ours"] == pytest.approx(13 / (2 * (0.36 + rest + shown)))
+    assert row["step_parts_s_none"] == pytest.approx({"compute": 0.45, "allreduce": allreduce, "optimizer": 0.02,
+                                                      "fixed": 0.1, "exchange": 0.0})
+    assert row["allreduce_s"] == pytest.approx(allreduce)
+    assert row["gb_moved_per_step_ours"] == pytest.approx(3 * BYTES_PER_TOKEN / 1e9)
+    assert row["gb_moved_per_step_none"] == 0.0
+    # not hidden, the exchange is 0.144 of a 0.36 + rest + 0.144 s step, and the gain shrinks by it
+    assert row["exchange_share_ours"] == pytest.approx(0.144 / (0.36 + rest + 0.144))
+    assert row["gain_ours_exchange_shown"] == pytest.approx((0.45 + rest) / (0.36 + rest + 0.144) - 1)
+
+
+def test_published_setup_prints_the_reference_gains_beside_the_blog(tmp_path, capsys):
+    out_json = tmp_path / "out.json"
+    code = cli_main(["simulate", "--setup", "published", "--dp", "16,256", "--steps", "1", "--no-progress",
+                     "--json", str(out_json), "--inter-node-gbps", "200", "--optimizer-s", "0.05"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "| reference method, simulated | with its exchange shown | published (blog) |" in text
+    assert "| 256 |" in text and "+3.3% |" in text
+    data = json.loads(out_json.read_text())
+    price = data["settings"]["step_price"]
+    assert data["settings"]["setup"] == "published" and data["settings"]["pack"] == 32768
+    assert price["allreduce_overlapped"] is False and price["inter_node_gbps"] == 200 and price["optimizer_s"] == 0.05
+    assert price["params"] == pytest.approx(7.675e9)
+    # 7.675B bf16 parameters, 2 * 255/256 * 15.35 GB at 25 GB/s, all of it on the step
+    row = data["results"][1]
+    assert row["allreduce_s"] == pytest.approx(2 * 255 / 256 * 7.675e9 * 2 / 25e9)
+    assert row["step_parts_s_none"]["allreduce"] == pytest.approx(row["allreduce_s"])
+    for key in ("gb_moved_per_step_reference", "exchange_share_ours", "gain_reference_exchange_shown"):
+        assert key in row
+    assert row["gb_moved_per_step_reference"] > row["gb_moved_per_step_ours"]  # the reference moves most samples
