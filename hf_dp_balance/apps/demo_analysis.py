@@ -217,11 +217,14 @@ def report_lines(result: dict) -> List[str]:
     def cut(x: float) -> str:
         return f"{100 * abs(x):.1f}% {'lower' if x >= 0 else 'higher'}"
 
-    lines = [f"\nslowest-rank compute: {cut(g['vs_none'])} than none, {cut(g['vs_batch_rebalance'])} than "
+    bound = result.get("placement_bound")
+    reached = ""
+    if bound and bound.get("ceiling", 0) > 0:  # the headline: the share of what per-step placement can reach
+        reached = f" ({100 * g['vs_none'] / bound['ceiling']:.0f}% of the {100 * bound['ceiling']:.1f}% reachable)"
+    lines = [f"\nslowest-rank compute: {cut(g['vs_none'])} than none{reached}, {cut(g['vs_batch_rebalance'])} than "
              f"batch_rebalance (steps {warmup + 1}..{warmup + steps}; {warmup} warm-up steps not compared)",
              f"perfect balance (every rank at none's mean rank compute, the same work) would be "
              f"{100 * g['perfect_balance_vs_none']:.1f}% lower than none"]
-    bound = result.get("placement_bound")
     if bound:
         lines.append(f"{bound['compared_steps_bound_by_one_sample']} of {bound['compared_steps']} compared steps hold "
                      f"a sample heavier than a rank's share (fitted costs): no placement within the step gets their "

@@ -84,7 +84,9 @@ def test_report_says_what_share_of_the_reachable_cut_was_reached():
               "invariants": {"same_samples": True, "losses_equal": True, "loss_rtol": 1e-4, "max_loss_rel_diff": 0.0},
               "placement_bound": {"compared_steps_bound_by_one_sample": 3, "compared_steps": 15, "ceiling": 0.16}}
     text = "\n".join(report_lines(result))
-    assert "12.0% lower than none, 1.0% higher than batch_rebalance (steps 7..21" in text
+    # the headline: the cut, and its share of what any per-step placement could reach (0.12 / 0.16)
+    assert text.splitlines()[1].startswith("slowest-rank compute: 12.0% lower than none (75% of the 16.0% "
+                                           "reachable), 1.0% higher than batch_rebalance (steps 7..21")
     assert "16.0% below none; hf_dp_balance measured 12.0% (75% of it)" in text  # 0.12 / 0.16
     assert "3 of 15 compared steps" in text
 
