@@ -112,6 +112,7 @@ def test_invariants_with_lookahead_compare_windows_after_the_warmup_and_nothing_
                                 windowed=["hf_dp_balance"])["same_samples"]
 
 
+@pytest.mark.dist  # the demo command spawns its ranks
 def test_demo_with_lookahead_keeps_every_window_s_samples(tmp_path):
     from hf_dp_balance.apps.cli import main
 
@@ -131,6 +132,7 @@ def test_demo_with_lookahead_keeps_every_window_s_samples(tmp_path):
     assert not (tmp_path / "no.json").exists()
 
 
+@pytest.mark.dist  # the demo command spawns its ranks
 def test_demo_runs_three_ways_on_two_ranks(tmp_path):
     from hf_dp_balance.apps.cli import main
 

@@ -366,11 +366,11 @@ def test_micro_batch_reordering_within_a_rank_is_free():
 
 def test_long_tail_simulator_step_reaches_the_bound():
     # the reproducer of docs/benchmarks/simulate.md: DP64, step 7 (was 1.377 x the bound)
-    from hf_dp_balance.apps import simulate as S
+    from hf_dp_balance.apps import sim_model, sim_runs
 
     dp = 64
-    cost = S.load_cost("7b")
-    samples, pack_of = S.draw_packed("qwen2vl-sft", 8 * dp, 32768, np.random.default_rng([0, dp]))
+    cost = sim_model.load_cost("7b")
+    samples, pack_of = sim_runs.draw_packed("qwen2vl-sft", 8 * dp, 32768, np.random.default_rng([0, dp]))
     m = pack_of // dp == 7
     c, tok = cost.costs(samples)[m], samples.tokens[m]
     plan = plan_balance(c, pack_of[m] % dp, dp, tokens=tok, max_tokens=32768)
