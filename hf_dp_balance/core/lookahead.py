@@ -1,41 +1,11 @@
 """Look-ahead for outliers: re-place samples across a window of K upcoming steps.
 
-Within one step no reassignment helps when a single sample outweighs an
-average rank: the rank holding it sets the step time, however the rest is
-spread. Across steps something can be done. `plan_lookahead` takes the
-samples of K consecutive steps and chooses, for every sample, the step in
-the same window in which it is trained:
-
-1. *Outliers* (a sample heavier than the window's average rank load, times
-   `threshold`) are sorted by cost and grouped, heaviest first, at most one
-   per rank and within the step's token budget, into as few steps as possible: several outliers share a step,
-   so only those steps are bounded by a single sample, and each group's bound
-   is close to the cost of its own members (classic "sort, then chunk"
-   minimises the sum of group maxima).
-2. *Ordinary samples* then flow between the steps of the window so that the
-   steps holding outliers carry more ordinary work (up to `num_ranks` times
-   their bound: free, the outlier rank is the slowest anyway) and the other
-   steps level out. The target per step is a water-filling over the step
-   bounds; a step sheds samples from its end (the latest arrivals first)
-   while it is above its target in cost or above the step's token budget,
-   and each shed sample goes to the step with the largest cost deficit that
-   has the token room.
-
-Guarantees: every sample is assigned exactly one step; it stays in its own
-window of K steps, so it moves by at most K-1 steps. The token budget of a
-step is the fullest step of the window originally, at most ``slack *
-num_ranks * max_tokens``: an ordinary sample is only sent to a step with room
-under it, and a step above it (after the outliers gather) sheds ordinary
-samples until it is within it, as long as another step has room.
-The within-step planner then places the samples on ranks under the hard
-per-rank cap.
-
-What it changes about data order: samples are trained up to K-1 steps
-earlier or later than the sampler yields them, and outliers (long
-documents, long videos) are concentrated into fewer steps. The set of
-samples seen over every window of K steps is unchanged.
-
-Cost: O(n log n) for the sort per window plus O(K) per moved sample.
+Within one step nothing helps when one sample outweighs an average rank; across steps, `plan_lookahead`
+groups a window's outliers into few steps and levels the ordinary samples around them (water-filling
+under the window's token budget); `assign_slots` gives moved samples a rank in their new step.
+Guarantees: every sample gets exactly one step, inside its own window of K steps (so it moves by at most
+K-1 steps); deterministic. O(n log n) per window. The algorithm and what it changes about data order:
+docs/simulator.md, "Look-ahead for outliers".
 """
 
 from __future__ import annotations

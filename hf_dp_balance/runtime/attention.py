@@ -1,31 +1,10 @@
-"""Varlen attention for devices without flash-attn: SDPA per packed segment.
+"""Varlen attention for devices without flash-attn: causal SDPA per packed segment, so a packed row costs
+sum(L_i^2) on CPU too (a block-diagonal mask would still compute T^2).
 
-On CPU (and any device without a varlen kernel), SDPA over a packed row with a
-block-diagonal mask still computes the full T x T scores, so a pack's cost is
-T^2 whatever its composition. This attention cuts the row at the sample
-boundaries and runs causal SDPA on each segment: cost sum(L_i^2), the cost the
-planner balances (and the one flash-attn varlen has on GPUs).
-
-Segment boundaries come, in this order, from `cu_seq_lens_q` (what
-`DataCollatorWithFlattening(return_flash_attn_kwargs=True)` emits) or from
-`position_ids` restarts (a token whose position is not previous + 1 starts a
-new sample: the rule of transformers' `find_packed_sequence_indices`), both
-read by `hf_dp_balance.core.packing`, the one place that finds them. Models
-pass `position_ids` to the attention function for FA2; Qwen2-VL's decoder
-passes the plain text positions (row 0 of its [4, bs, T] position tensor).
-
-Usage::
-
-    name = register_varlen_attention()            # "hf_dp_balance_varlen"
-    model = Qwen2ForCausalLM._from_config(config, attn_implementation=name)
-    # or: model.set_attn_implementation(name)
-
-Registered with transformers' `AttentionInterface` (the function) and
-`AttentionMaskInterface` (a mask function that only forwards a 2-D padding
-mask, like flash attention's: the packing structure comes from the positions,
-so no 4-D mask is ever materialised). A vision tower given this name (e.g.
-Qwen2-VL's, which calls the attention per image with `is_causal=False`) gets
-plain bidirectional SDPA per call.
+Boundaries from `cu_seq_lens_q` or `position_ids` restarts, read by `hf_dp_balance.core.packing` (the one
+place that finds them). Registered with transformers' `AttentionInterface` and `AttentionMaskInterface`
+(only a 2-D padding mask is forwarded). Usage, details and what is verified: docs/cost_model.md,
+"Varlen attention".
 """
 
 from __future__ import annotations
