@@ -26,19 +26,40 @@ def _with_cu_seq_lens(batch):
     return dict(batch, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
 
 
-class UserCollator:
-    """What a user who packs already has: transformers' flattening collator (text), PackedCollator (VLMs),
-    optionally with cu_seq_lens written by hand."""
+def _pad_to(row, width):
+    """Fixed-width packing by hand: fill the row to `width` with a pad segment that trains nothing."""
+    pad = width - row["input_ids"].shape[1]
+    out = dict(row, input_ids=torch.cat([row["input_ids"], torch.zeros(1, pad, dtype=torch.long)], 1),
+               labels=torch.cat([row["labels"], torch.full((1, pad), IGNORE_INDEX)], 1))
+    if "mm_token_type_ids" in row:
+        out["mm_token_type_ids"] = torch.cat([row["mm_token_type_ids"], torch.zeros(1, pad, dtype=torch.long)], 1)
+    pos = row["position_ids"]
+    out["position_ids"] = torch.cat([pos, torch.arange(pad).expand(*pos.shape[:-1], pad)], -1)
+    return out
 
-    def __init__(self, config, family, flash):
+
+class UserCollator:
+    """What a user who packs already has: transformers' flattening collator (text) or PackedCollator (VLMs)
+    for `layout` "positions"; plus cu_seq_lens written by hand ("flash"); or two rows per micro-batch, the
+    first sample in row 0, the others in row 1, padded to one width ("rows")."""
+
+    def __init__(self, config, family, layout):
         from transformers import DataCollatorWithFlattening
 
-        self.flash, self.text = flash, family == "text"
+        self.layout, self.text = layout, family == "text"
+        flash = layout == "flash"
         self.pack = DataCollatorWithFlattening(return_flash_attn_kwargs=flash) if self.text else PackedCollator(config)
 
     def __call__(self, samples):
-        batch = self.pack(_double(samples))
-        return _with_cu_seq_lens(batch) if self.flash and not self.text else batch
+        samples = _double(samples)
+        if self.layout == "rows":
+            a, b = self.pack(samples[:1]), self.pack(samples[1:])
+            width = max(a["input_ids"].shape[1], b["input_ids"].shape[1])
+            a, b = _pad_to(a, width), _pad_to(b, width)
+            dims = {"position_ids": a["position_ids"].ndim - 2}
+            return {k: torch.cat([r[k] for r in (a, b) if k in r], dims.get(k, 0)) for k in {**a, **b}}
+        batch = self.pack(samples)
+        return _with_cu_seq_lens(batch) if self.layout == "flash" and not self.text else batch
 
 
 def _targets(batch):
@@ -56,7 +77,7 @@ def _step_grads(model, batches, group_sum):
     return group_sum(flat)
 
 
-def _case(rank, world, family, flash):
+def _case(rank, world, family, layout):
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
@@ -71,7 +92,7 @@ def _case(rank, world, family, flash):
 
     model = make_model(family, seed=0, dtype=torch.float64)
     data = [to_sample(r) for r in build_synthetic_dataset(family, world * GA * BATCH * STEPS, seed=1, scale=1 / 32)]
-    loader_of = lambda: DataLoader(data[rank::world], batch_size=BATCH, collate_fn=UserCollator(model.config, family, flash))
+    loader_of = lambda: DataLoader(data[rank::world], batch_size=BATCH, collate_fn=UserCollator(model.config, family, layout))
     raw = list(loader_of())
     ref_steps = [raw[i:i + GA] for i in range(0, len(raw), GA)]
     ref = [_step_grads(model, step, group_sum) for step in ref_steps]
@@ -87,15 +108,19 @@ def _case(rank, world, family, flash):
     bal = [_step_grads(model, step, group_sum) for step in steps]
     keys = [sorted(k for b in step for k in b) for step in steps]
     widths = [max(b["input_ids"].shape[1] for b in step) for step in steps]
-    mine = [bytes(s["input_ids"].numpy()) for step in steps for b in step for s in split_packed(b, model.config)]
-    theirs = [bytes(s["input_ids"].numpy()) for b in raw for s in split_packed(b, model.config)]
+    rows = sorted({b["input_ids"].shape[0] for step in steps for b in step})
+    def trained(batches):  # the samples with a target (pad segments train nothing and are not counted)
+        return [bytes(s["input_ids"].numpy()) for b in batches for s in split_packed(b, model.config)
+                if bool((s["labels"] != IGNORE_INDEX).any())]
+
+    mine, theirs = trained([b for step in steps for b in step]), trained(raw)
     everyone, originals = [None] * world, [None] * world
     dist.all_gather_object(everyone, mine)
     dist.all_gather_object(originals, theirs)
     rel = [float((b - r).norm() / r.norm()) for b, r in zip(bal, ref)]
     stats = loader.pop_stats()
     return dict(rel=rel, kind=packed.kind, keys=keys, ref_keys=[sorted(k for b in s for k in b) for s in ref_steps],
-                widths=widths, longest=[int(t) for t in longest], moved=sum(s.moved_samples for s in stats),
+                widths=widths, rows=rows, longest=[int(t) for t in longest], moved=sum(s.moved_samples for s in stats),
                 hashes=[s.plan_hash for s in stats], exactly_once=sorted(sum(everyone, [])) == sorted(sum(originals, [])),
                 dtypes={k: str(v.dtype) for b in steps[0] for k, v in b.items() if isinstance(v, torch.Tensor)},
                 ref_dtypes={k: str(v.dtype) for b in raw for k, v in b.items() if isinstance(v, torch.Tensor)})
@@ -103,16 +128,17 @@ def _case(rank, world, family, flash):
 
 def _cases(rank, world, cases):
     torch.set_num_threads(1)
-    return [_case(rank, world, family, flash) for family, flash in cases]
+    return [_case(rank, world, family, layout) for family, layout in cases]
 
 
-CASES = [("text", True), ("text", False), ("qwen2_vl", True), ("qwen2_5_vl", False), ("qwen3_vl", True),
-         ("internvl", True)]
+CASES = [("text", "flash"), ("text", "positions"), ("text", "rows"), ("qwen2_vl", "flash"), ("qwen2_vl", "rows"),
+         ("qwen2_5_vl", "positions"), ("qwen3_vl", "flash"), ("internvl", "flash")]
 
 
 def test_packed_rows_balanced_across_ranks_train_exactly_as_unbalanced():
     results = run_ranks(_cases, 2, CASES, timeout=600)
-    for c, (family, flash) in enumerate(CASES):
+    for c, (family, layout) in enumerate(CASES):
+        flash = layout == "flash"
         r0, r1 = results[0][c], results[1][c]
         assert r0["hashes"] == r1["hashes"], family  # identical plans
         assert r0["moved"] > 0, family  # balancing really moved samples
@@ -120,7 +146,12 @@ def test_packed_rows_balanced_across_ranks_train_exactly_as_unbalanced():
             assert r["kind"] == (INPUT_CU_SEQ_LENS if flash else INPUT_POSITIONS), family
             assert max(r["rel"]) < 1e-5, (family, flash, r["rel"])
             assert r["exactly_once"], family
-            assert all(w <= cap for w, cap in zip(r["widths"], r["longest"])), (family, r["widths"], r["longest"])
+            # no row above the user's: the step's longest row (one row per micro-batch), or the longest row
+            # the user's packing produced so far (several rows, filled in order)
+            caps = r["longest"] if layout != "rows" else [max(r["longest"][:i + 1]) for i in range(len(r["longest"]))]
+            assert all(w <= cap for w, cap in zip(r["widths"], caps)), (family, r["widths"], caps)
+            if layout != "rows":
+                assert r["rows"] == [1], r["rows"]
             for k, rk in zip(r["keys"], r["ref_keys"]):  # the user's layout: cu_seq_lens in, cu_seq_lens out
                 assert set(k) - PIXEL_KEYS == set(rk) - PIXEL_KEYS, (family, k, rk)
                 assert ("cu_seq_lens_q" in k) == flash
