@@ -7,6 +7,7 @@ from hf_dp_balance.core.packing import IGNORE_INDEX, PackedCollator
 from hf_dp_balance.core.unpacking import (INPUT_CU_SEQ_LENS, INPUT_POSITIONS, INPUT_SAMPLES, detect_input, fill_rows,
                                           layout_of, repack, split_packed)
 from hf_dp_balance.testing.data import FAMILIES, make_samples, tiny_config
+from tests.packed_users import pad_to, with_cu_seq_lens
 
 KINDS = ("text", "image", "multi_image", "video", "text", "image")
 PAD = 0
@@ -44,35 +45,11 @@ def _assert_samples_equal(got, want):
             assert torch.equal(g[key], w[key]), (i, key)
 
 
-def _with_cu_seq_lens(batch):
-    """A small hand-written collator's extra: flash-attention's varlen kwargs next to the positions."""
-    plain = batch["position_ids"][0] if batch["position_ids"].ndim == 3 else batch["position_ids"]
-    starts = torch.nonzero(plain.reshape(-1) == 0).flatten().tolist() + [plain.numel()]
-    cu = torch.tensor(starts, dtype=torch.int32)
-    lengths = [b - a for a, b in zip(starts, starts[1:])]
-    return dict(batch, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=max(lengths),
-                max_length_k=max(lengths))
-
-
-def _pad_to(row, width):
-    """Hand-written fixed-width packing: fill the row to `width` with a pad segment that trains nothing."""
-    pad = width - row["input_ids"].shape[1]
-    out = dict(row)
-    out["input_ids"] = torch.cat([row["input_ids"], torch.full((1, pad), PAD)], 1)
-    out["labels"] = torch.cat([row["labels"], torch.full((1, pad), IGNORE_INDEX)], 1)
-    if "mm_token_type_ids" in row:
-        out["mm_token_type_ids"] = torch.cat([row["mm_token_type_ids"], torch.zeros(1, pad, dtype=torch.long)], 1)
-    pos = row["position_ids"]
-    tail = torch.arange(pad).expand(*pos.shape[:-1], pad)
-    out["position_ids"] = torch.cat([pos, tail], -1)
-    return out
-
-
 def _two_rows(collator, samples):
     """Two packed rows of equal width (the second padded), pixels in row-major order."""
     a, b = collator(samples[:3]), collator(samples[3:])
     width = max(a["input_ids"].shape[1], b["input_ids"].shape[1]) + 5
-    a, b = _pad_to(a, width), _pad_to(b, width)
+    a, b = pad_to(a, width), pad_to(b, width)
     qwen = a["position_ids"].ndim == 3
     return {k: torch.cat([a[k], b[k]], 1 if qwen and k == "position_ids" else 0) for k in a if k in b} | \
         {k: a[k] for k in a if k not in b} | {k: b[k] for k in b if k not in a}
@@ -84,7 +61,7 @@ def test_one_row_split_then_repack_is_exact(family, flash, setup):
     config, collator, samples = setup(family)
     batch = collator(samples)
     if flash:
-        batch = _with_cu_seq_lens(batch)
+        batch = with_cu_seq_lens(batch)
     assert detect_input(batch) == (INPUT_CU_SEQ_LENS if flash else INPUT_POSITIONS)
     back = split_packed(batch, config)
     _assert_samples_equal(back, samples)
@@ -97,7 +74,7 @@ def test_several_rows_split_then_repack_is_exact(family, flash, setup):
     config, collator, samples = setup(family)
     batch = _two_rows(collator, samples)
     if flash:
-        batch = _with_cu_seq_lens(batch)
+        batch = with_cu_seq_lens(batch)
     back = split_packed(batch, config)
     assert len(back) == len(samples) + 2  # the pad segments are samples that train nothing
     _assert_samples_equal([back[i] for i in (0, 1, 2, 4, 5, 6)], samples)

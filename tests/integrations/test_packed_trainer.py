@@ -5,18 +5,17 @@ import torch
 from hf_dp_balance.testing.spawn import run_ranks
 
 
-def _train(rank, world, outdir, family, flash):
+def _train(rank, world, outdir, family, layout):
     import transformers
-    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
-    from hf_dp_balance.core.packing import PackedCollator
     from hf_dp_balance.integrations.callback import DPBalanceCallback
     from hf_dp_balance.integrations.install import install_balanced_loader
     from hf_dp_balance.runtime.packed_input import PackedInput
     from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
-    from tests.runtime.test_packed_input import UserCollator
+    from tests.packed_users import UserCollator
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
@@ -51,7 +50,7 @@ def _train(rank, world, outdir, family, flash):
                                  disable_tqdm=True, seed=0)
         cb = PackedInputCallback(DPBalanceConfig(timeout_s=60, min_gain=0.0, warmup_steps=0, vision=False),
                                  cost_model=CostModel(quadratic=1.0, linear=20.0))
-        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=UserCollator(model.config, family, flash),
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=UserCollator(model.config, family, layout),
                           callbacks=[cb] if balanced else [])
         trainer.train()
         if balanced:
@@ -69,7 +68,7 @@ def test_trainer_with_a_packing_collator_trains_as_unbalanced(tmp_path):
     from hf_dp_balance.core.unpacking import INPUT_CU_SEQ_LENS
 
     for family in ("text", "qwen2_vl"):
-        results = run_ranks(_train, 2, str(tmp_path / family), family, True, timeout=400)
+        results = run_ranks(_train, 2, str(tmp_path / family), family, "flash", timeout=400)
         for update_rel, update_norm, stats, kind in results:
             assert kind == INPUT_CU_SEQ_LENS
             assert update_norm > 0
