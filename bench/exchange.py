@@ -135,7 +135,8 @@ def offline_bytes(world: int, steps: int, seed: int):
     """Per step: (our plan's hash and moved bytes, the reference greedy's moved bytes), from the same data."""
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.core.codec import encoded_nbytes, sample_entries
-    from hf_dp_balance.runtime.loader import plan_hash, slot_loads, token_cap
+    from hf_dp_balance.core.steps import plan_hash, slot_loads
+    from hf_dp_balance.runtime.loader import token_cap
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.planner import plan_step
     from hf_dp_balance.apps.reference import plan_reference_greedy

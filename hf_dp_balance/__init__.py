@@ -29,6 +29,7 @@ _EXPORTS = {
     "BalancedLoader": "runtime.loader",
     "balance_vision_encoder": "runtime.vision",
     "DPBalanceCallback": "integrations.callback",
+    "DPBalancer": "integrations.accelerate",
     # configuration
     "DPBalanceConfig": "config",
     "DPBalanceArguments": "integrations.arguments",

@@ -60,6 +60,10 @@ class ScriptArguments:
     max_samples: Optional[int] = field(default=None, metadata={"help": "use only the first N samples"})
     synthetic_samples: int = field(default=2048, metadata={"help": "samples of --data synthetic"})
     max_length: int = field(default=32768, metadata={"help": "drop samples longer than this (tokens)"})
+    dummy_vision: bool = field(
+        default=True, metadata={"help": "give a packed row without images a dummy image whose loss is exactly 0, so "
+                                        "the vision tower runs on every rank (DDP without find_unused_parameters, "
+                                        "FSDP2, ZeRO-3); --no_dummy_vision turns it off (docs/packing.md)"})
     attn_implementation: Optional[str] = field(
         default=None, metadata={"help": "default: flash_attention_2 when installed on GPU, else the library's "
                                         "varlen attention (per-sample SDPA; cost sum L^2 like flash varlen)"})
@@ -165,7 +169,8 @@ def main(argv=None) -> None:
         model=model,
         args=args,
         train_dataset=train,
-        data_collator=PackedCollator(model.config, max_tokens=script.max_length),  # used as is without --dp_balance
+        # used as is without --dp_balance (with it the balanced loader packs, with the dummy on)
+        data_collator=PackedCollator(model.config, max_tokens=script.max_length, dummy_vision=script.dummy_vision),
         callbacks=[DPBalanceCallback()],  # reads --dp_balance*; HF_DP_BALANCE_* env variables override
     )
     trainer.train(resume_from_checkpoint=resume)  # optimizer, scheduler, RNG, data position, cost model

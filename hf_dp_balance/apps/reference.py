@@ -39,16 +39,14 @@ def plan_reference_greedy(costs, owners, num_ranks, *, tokens=None, max_token_ra
     tok = np.ones(n) if tokens is None else _as_item_values(tokens, "tokens", n)
     if not max_token_ratio >= 1.0:
         raise ValueError(f"max_token_ratio={max_token_ratio!r}: must be >= 1")
-    zero = np.zeros(num_ranks)
-    ones = np.ones(num_ranks)
     loads_before = np.bincount(own, weights=c, minlength=num_ranks)
     mk_before = float(loads_before.max())
-    lb = _lower_bound(c, zero, ones)
+    lb = _lower_bound(c, np.zeros(num_ranks), np.ones(num_ranks))
 
     def keep(reason):
         return Plan(dest=own.copy(), applied=False, reason=reason, loads_before=loads_before,
                     loads_after=loads_before.copy(), lower_bound=lb, makespan_before=mk_before,
-                    makespan_after=mk_before, moved=0)
+                    makespan_after=mk_before, moved=0, path="kept")
 
     if n == 0 or mk_before <= 0:
         return keep("nothing to balance")
@@ -59,75 +57,103 @@ def plan_reference_greedy(costs, owners, num_ranks, *, tokens=None, max_token_ra
     if skip_single_sample and float(c.max()) > mean:
         return keep("a single sample is heavier than the average rank")
 
-    cap = max_token_ratio * float(tok.sum()) / num_ranks
-    cost_list = c.tolist()
-    tok_list = tok.tolist()
-    load = [0.0] * num_ranks
-    ntok = [0.0] * num_ranks
-    members = [[] for _ in range(num_ranks)]
-    dest = [0] * n
+    placement = _Placement(c.tolist(), tok.tolist(), num_ranks, max_token_ratio * float(tok.sum()) / num_ranks)
+    _sorted_greedy(placement)
+    _refine_pairs(placement, max_iters, tolerance)
+    dest_arr = np.asarray(placement.dest, dtype=np.int64)
+    loads_after = np.bincount(dest_arr, weights=c, minlength=num_ranks)
+    return Plan(dest=dest_arr, applied=True, reason=f"imbalance {100 * imbalance:.1f}%: re-placed greedily",
+                loads_before=loads_before, loads_after=loads_after, lower_bound=lb, makespan_before=mk_before,
+                makespan_after=float(loads_after.max()), moved=int(np.count_nonzero(dest_arr != own)),
+                path="reference")
 
-    # 1. sorted greedy: heaviest first onto the least-loaded rank with token room
-    heap = [(0.0, r) for r in range(num_ranks)]
-    for i in sorted(range(n), key=lambda i: (-cost_list[i], i)):
+
+class _Placement:
+    """Loads, token counts and members of every rank while the greedy runs (plain Python lists)."""
+
+    def __init__(self, costs: list, tokens: list, num_ranks: int, cap: float):
+        self.costs, self.tokens, self.num_ranks, self.cap = costs, tokens, num_ranks, cap
+        self.load = [0.0] * num_ranks
+        self.ntok = [0.0] * num_ranks
+        self.members = [[] for _ in range(num_ranks)]
+        self.dest = [0] * len(costs)
+
+    def put(self, i: int, r: int) -> None:
+        self.load[r] += self.costs[i]
+        self.ntok[r] += self.tokens[i]
+        self.members[r].append(i)
+        self.dest[i] = r
+
+    def move(self, i: int, frm: int, to: int) -> None:
+        self.members[frm].remove(i)
+        self.members[to].append(i)
+        self.load[frm] -= self.costs[i]
+        self.load[to] += self.costs[i]
+        self.ntok[frm] -= self.tokens[i]
+        self.ntok[to] += self.tokens[i]
+        self.dest[i] = to
+
+
+def _sorted_greedy(p: _Placement) -> None:
+    """Step 1: heaviest first onto the least-loaded rank with token room (else the rank with the
+    fewest tokens, which then leaves the heap). A heap of (load, rank)."""
+    heap = [(0.0, r) for r in range(p.num_ranks)]
+    for i in sorted(range(len(p.costs)), key=lambda i: (-p.costs[i], i)):
         aside = []
         chosen = None
         while heap:
             entry = heapq.heappop(heap)
-            if ntok[entry[1]] + tok_list[i] <= cap:
+            if p.ntok[entry[1]] + p.tokens[i] <= p.cap:
                 chosen = entry[1]
                 break
             aside.append(entry)
         for entry in aside:
             heapq.heappush(heap, entry)
         if chosen is None:
-            chosen = min(range(num_ranks), key=lambda r: (ntok[r], r))
+            chosen = min(range(p.num_ranks), key=lambda r: (p.ntok[r], r))
             heap = [e for e in heap if e[1] != chosen]
             heapq.heapify(heap)
-        load[chosen] += cost_list[i]
-        ntok[chosen] += tok_list[i]
-        members[chosen].append(i)
-        dest[i] = chosen
-        heapq.heappush(heap, (load[chosen], chosen))
+        p.put(i, chosen)
+        heapq.heappush(heap, (p.load[chosen], chosen))
 
-    # 2. pairwise refinement between the most and least loaded rank
+
+def _refine_pairs(p: _Placement, max_iters: int, tolerance: float) -> None:
+    """Step 2: up to `max_iters` times, the move (else swap) between the most and the least loaded
+    rank that brings them closest to even within the token cap; stops when their gap is within
+    `tolerance` of the larger load or nothing helps."""
     for _ in range(max_iters):
-        hi = max(range(num_ranks), key=lambda r: (load[r], -r))
-        lo = min(range(num_ranks), key=lambda r: (load[r], r))
-        gap = load[hi] - load[lo]
-        if hi == lo or gap <= tolerance * load[hi]:
-            break
-        best = None  # (resulting |gap|, item from hi, item from lo or None)
-        for a in members[hi]:
-            ca = cost_list[a]
-            if 0 < ca < gap and ntok[lo] + tok_list[a] <= cap:
-                after = abs(gap - 2 * ca)
-                if best is None or after < best[0]:
-                    best = (after, a, None)
+        hi = max(range(p.num_ranks), key=lambda r: (p.load[r], -r))
+        lo = min(range(p.num_ranks), key=lambda r: (p.load[r], r))
+        gap = p.load[hi] - p.load[lo]
+        if hi == lo or gap <= tolerance * p.load[hi]:
+            return
+        best = _best_pair_move(p, hi, lo, gap)
         if best is None:
-            for a in members[hi]:
-                for b in members[lo]:
-                    d = cost_list[a] - cost_list[b]
-                    dt = tok_list[a] - tok_list[b]
-                    if 0 < d < gap and ntok[lo] + dt <= cap and ntok[hi] - dt <= cap:
-                        after = abs(gap - 2 * d)
-                        if best is None or after < best[0]:
-                            best = (after, a, b)
-        if best is None:
-            break
+            return
         _, a, b = best
-        for item, frm, to in ((a, hi, lo),) + (((b, lo, hi),) if b is not None else ()):
-            members[frm].remove(item)
-            members[to].append(item)
-            load[frm] -= cost_list[item]
-            load[to] += cost_list[item]
-            ntok[frm] -= tok_list[item]
-            ntok[to] += tok_list[item]
-            dest[item] = to
+        p.move(a, hi, lo)
+        if b is not None:
+            p.move(b, lo, hi)
 
-    dest_arr = np.asarray(dest, dtype=np.int64)
-    loads_after = np.bincount(dest_arr, weights=c, minlength=num_ranks)
-    mk_after = float(loads_after.max())
-    return Plan(dest=dest_arr, applied=True, reason=f"imbalance {100 * imbalance:.1f}%: re-placed greedily",
-                loads_before=loads_before, loads_after=loads_after, lower_bound=lb, makespan_before=mk_before,
-                makespan_after=mk_after, moved=int(np.count_nonzero(dest_arr != own)))
+
+def _best_pair_move(p: _Placement, hi: int, lo: int, gap: float):
+    """(resulting |gap|, item from hi, item from lo or None): the best single move hi -> lo, or,
+    if there is none, the best swap; None when neither narrows the gap within the cap."""
+    best = None
+    for a in p.members[hi]:
+        ca = p.costs[a]
+        if 0 < ca < gap and p.ntok[lo] + p.tokens[a] <= p.cap:
+            after = abs(gap - 2 * ca)
+            if best is None or after < best[0]:
+                best = (after, a, None)
+    if best is not None:
+        return best
+    for a in p.members[hi]:
+        for b in p.members[lo]:
+            d = p.costs[a] - p.costs[b]
+            dt = p.tokens[a] - p.tokens[b]
+            if 0 < d < gap and p.ntok[lo] + dt <= p.cap and p.ntok[hi] - dt <= p.cap:
+                after = abs(gap - 2 * d)
+                if best is None or after < best[0]:
+                    best = (after, a, b)
+    return best

@@ -51,6 +51,7 @@ import numpy as np
 from hf_dp_balance.core.cost import CostModel
 from hf_dp_balance.apps.mixes import MERGE, Samples, draw_mix, load_lengths, mix_names, pack_fixed_length, truncate
 from hf_dp_balance.core.lookahead import assign_slots, plan_lookahead
+from hf_dp_balance.core.steps import slot_loads, step_makespan
 
 # --------------------------------------------------------------------------- cost presets
 
@@ -180,20 +181,6 @@ class StepOutcome:
     failed: Dict[str, bool] = field(default_factory=dict)
 
 
-def rank_loads(costs: np.ndarray, ranks: np.ndarray, micro: np.ndarray, num_ranks: int, ga: int) -> np.ndarray:
-    """Load of every (micro-batch, rank) slot: float64 [ga, num_ranks]."""
-    slot = micro * num_ranks + ranks
-    return np.bincount(slot, weights=costs, minlength=ga * num_ranks).reshape(ga, num_ranks)
-
-
-def step_makespan(slot_loads: np.ndarray, sync: str) -> float:
-    """Compute time of one step from slot loads [ga, ranks]: DDP ("step") meets once per step,
-    FSDP / ZeRO-3 ("micro_batch") meets in every micro-batch."""
-    if sync == "step":
-        return float(slot_loads.sum(axis=0).max())
-    return float(slot_loads.max(axis=1).sum())
-
-
 def move_seconds(nbytes: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int, bandwidth: float) -> float:
     """Exchange time: the busiest rank's max(bytes sent, bytes received) / bandwidth (B/s)."""
     moving = src != dst
@@ -269,13 +256,13 @@ def simulate_step(
         else:
             raise ValueError(f"simulate_step: unknown method {method!r}")
         out.plan_seconds[method] = time.thread_time() - t0
-        after = rank_loads(costs, dest_rank, dest_micro, num_ranks, ga)
+        after = slot_loads(costs, dest_rank, dest_micro, num_ranks, ga)
         out.makespan[method] = step_makespan(after, sync)
         out.move_seconds[method] = move_seconds(nbytes, owners, dest_rank, num_ranks, bandwidth)
         out.moved[method] = int(np.count_nonzero(dest_rank != owners))
         out.applied[method] = applied
         # The reference's own cap is 1.2x the average tokens: it may exceed the per-rank cap.
-        slot_tokens = rank_loads(tokens.astype(np.float64), dest_rank, dest_micro, num_ranks, ga)
+        slot_tokens = slot_loads(tokens.astype(np.float64), dest_rank, dest_micro, num_ranks, ga)
         out.over_cap[method] = bool(slot_tokens.max() > max_tokens) if tokens.size else False
     return out
 

@@ -43,8 +43,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def _water_level(bound_loads: np.ndarray, total: float) -> float:
-    """Level h >= 0 with sum_k max(bound_loads[k], h) == total; 0 when the bounds alone exceed it."""
+def _cost_level_over_bounds(bound_loads: np.ndarray, total: float) -> float:
+    """Cost level h per step that the window's `total` fills over the steps' floors: h >= 0 with
+    sum_k max(bound_loads[k], h) == total (floors included in `total`); 0 when the floors alone
+    exceed it. O(K) over the K steps of a window."""
     b = np.sort(np.asarray(bound_loads, dtype=np.float64))
     above = np.concatenate([np.cumsum(b[::-1])[::-1], [0.0]])  # above[j] = sum(b[j:])
     upper = np.concatenate([b[1:], [np.inf]])
@@ -140,7 +142,7 @@ def _plan_window(costs, tokens, local_step, num_ranks, window, max_tokens, thres
     # 2. Ordinary samples level the steps: targets from water-filling over the step bounds.
     bound = np.zeros(n_steps)
     np.maximum.at(bound, step[out_idx], costs[out_idx])
-    level = _water_level(bound * num_ranks, float(costs.sum()))
+    level = _cost_level_over_bounds(bound * num_ranks, float(costs.sum()))
     target_cost = np.maximum(bound * num_ranks, level)
     load = np.bincount(step, weights=costs, minlength=n_steps)
     held_tokens = np.bincount(step, weights=tokens, minlength=n_steps)

@@ -20,6 +20,8 @@ causal mask (sdpa / eager / flex) or varlen lengths (flash attention).
 - Pixels are concatenated in sample order (``pixel_values``,
   ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
   ``second_per_grid_ts`` for Qwen2.5-VL videos when given).
+- A VLM row with no image or video ends with a dummy image segment (labels
+  -100; `core.dummy_vision`) so the vision tower runs on every rank.
 """
 
 from __future__ import annotations
@@ -256,13 +258,20 @@ class PackedCollator:
     pixel keys of the family when any sample has them. Never
     ``attention_mask``: its presence disables packing detection.
 
-    ``collator([])`` returns a valid no-op row: one pad token, label -100, no
-    pixels. With the Trainer's ``num_items_in_batch`` its loss is exactly 0
-    (a plain mean over zero targets would be NaN).
+    ``dummy_vision`` (default True; only VLM families): a row with no image and
+    no video gets a last segment holding the family's smallest image, all labels
+    -100 (`core.dummy_vision`), so the vision tower runs forward and backward on
+    every rank (invariant 6) while loss, gradients and ``num_items_in_batch``
+    stay exactly the same. Its few tokens are not counted against ``max_tokens``.
+
+    ``collator([])`` returns a valid no-op row: one pad token (VLMs with
+    ``dummy_vision``: the dummy segment instead), labels -100. With the
+    Trainer's ``num_items_in_batch`` its loss is exactly 0 (a plain mean over
+    zero targets would be NaN).
     """
 
     def __init__(self, model_config, *, max_tokens: Optional[int] = None, fix_config: bool = True,
-                 pad_token_id: Optional[int] = None):
+                 pad_token_id: Optional[int] = None, dummy_vision: bool = True):
         self.config = model_config
         self.family = family_of(model_config)
         if max_tokens is not None and max_tokens < 1:
@@ -276,6 +285,9 @@ class PackedCollator:
             pad_token_id = getattr(model_config, "pad_token_id", None)
         self.pad_token_id = int(pad_token_id) if pad_token_id is not None else 0
         self._rope = _RopeIndex(self.family, model_config) if self.family in QWEN_FAMILIES else None
+        from hf_dp_balance.core.dummy_vision import dummy_vision_sample
+
+        self.dummy_vision = dummy_vision_sample(model_config, self.family) if dummy_vision else None
 
     def features(self, sample: Mapping[str, Any], index: int = 0) -> SampleFeatures:
         return sample_features(sample, self.config, index=index)
@@ -291,9 +303,18 @@ class PackedCollator:
         return batch
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict:
+        from hf_dp_balance.core.dummy_vision import needs_dummy_vision
+
         samples = list(samples)
+        self._check_samples(samples)
+        if self.dummy_vision is not None and needs_dummy_vision(samples):
+            samples.append(self.dummy_vision)  # after the cap check: the dummy is not the user's data
         if not samples:
             return self._empty()
+        return self._pack(samples)
+
+    def _check_samples(self, samples: list) -> None:
+        """Validate each sample and the hard token cap (ValueError naming the sample and the key)."""
         total = 0
         for i, s in enumerate(samples):
             _validate(s, self.family, self.config, i)
@@ -305,6 +326,8 @@ class PackedCollator:
             raise ValueError(f"pack of {len(samples)} samples: key 'input_ids': {total} tokens "
                              f"exceed max_tokens={self.max_tokens}")
 
+    def _pack(self, samples: list) -> dict:
+        """The packed row of validated samples (see the class docstring)."""
         labels = []
         for s in samples:
             lab = s["labels"].clone()

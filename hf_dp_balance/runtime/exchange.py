@@ -60,12 +60,15 @@ class SampleExchange:
             raise ValueError("SampleExchange needs an initialized torch.distributed default process group")
         self._dist = dist
         self.timeout_s = float(timeout_s)
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
         # A dedicated gloo group: never the training group, so it can run in a thread beside
         # training collectives, and its timeout bounds every wait of the exchange.
         self.group = group if group is not None else dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        # Ranks are positions in the group (a data-parallel subgroup when one is given); failure notes
+        # in the store are keyed by global rank, so several subgroups never overwrite each other's.
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self._global_ranks = dist.get_process_group_ranks(self.group)
 
     # -- failure reporting -------------------------------------------------------------------
     def _store(self):
@@ -79,7 +82,7 @@ class SampleExchange:
         store = self._store()
         if store is not None:
             try:
-                store.set(f"{_STORE_PREFIX}{self.rank}", f"step {step}: {message[:300]}")
+                store.set(f"{_STORE_PREFIX}{self._global_ranks[self.rank]}", f"step {step}: {message[:300]}")
             except Exception:  # noqa: BLE001 - the store may be gone with rank 0
                 pass
 
@@ -89,7 +92,7 @@ class SampleExchange:
         if store is None:
             return found
         for r in range(self.world_size):
-            key = f"{_STORE_PREFIX}{r}"
+            key = f"{_STORE_PREFIX}{self._global_ranks[r]}"
             try:
                 if store.check([key]):
                     found[r] = store.get(key).decode("utf-8", "replace")

@@ -9,9 +9,7 @@ micro-batches per step. The per-step pipeline and look-ahead: docs/exchange.md.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import math
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
@@ -19,8 +17,10 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 import numpy as np
 
 from hf_dp_balance.config import DPBalanceConfig
+from hf_dp_balance.core import steps as step_maths
 from hf_dp_balance.core.codec import transfer_layout
 from hf_dp_balance.core.costing import planning_costs, sample_grids
+from hf_dp_balance.core.steps import plan_hash, slot_loads, step_imbalance
 from hf_dp_balance.runtime.exchange import H_NUM_MICRO, SampleExchange
 from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, F_TOKENS, F_VISION, F_WIDTH, Prepared,
                                              StepStats, StepWork, cost_rows, default_plan_fn, describe_samples,
@@ -30,42 +30,10 @@ from hf_dp_balance.runtime.step_stream import StepStream
 
 logger = logging.getLogger(__name__)
 
-def plan_hash(dest_rank: np.ndarray, dest_micro: np.ndarray) -> str:
-    h = hashlib.sha1(np.ascontiguousarray(dest_rank, dtype=np.int64).tobytes())
-    h.update(np.ascontiguousarray(dest_micro, dtype=np.int64).tobytes())
-    return h.hexdigest()[:16]
-
-
-def slot_loads(costs: np.ndarray, ranks: np.ndarray, micro: np.ndarray, num_ranks: int, num_micro: int) -> np.ndarray:
-    """[R, M] summed cost of the samples in each (rank, micro-batch) slot."""
-    loads = np.zeros((num_ranks, num_micro), dtype=np.float64)
-    np.add.at(loads, (ranks, micro), costs)
-    return loads
-
-
-def step_imbalance(loads: np.ndarray, sync: str, speeds: Optional[np.ndarray] = None) -> float:
-    """Makespan over the ideal: DDP (`step`) meets once per step, FSDP (`micro_batch`) once per micro-batch."""
-    loads = loads if speeds is None else loads / speeds[:, None]
-    total = loads.sum()
-    if total <= 0:
-        return 0.0
-    makespan = loads.sum(axis=1).max() if sync == "step" else loads.max(axis=0).sum()
-    return float(makespan / (total / loads.shape[0]) - 1.0)
-
 
 def token_cap(tokens: np.ndarray, num_slots: int, config: DPBalanceConfig, largest_slot: int = 0) -> int:
-    """Hard tokens per slot: `config.max_tokens` when set (memory), else `max_token_ratio` x mean per slot.
-
-    Without an absolute cap, the cap never falls below the largest slot the
-    dataloader itself produced this step (`largest_slot`; it fits, or training
-    without balancing would fail) nor below the longest sample, so "no move"
-    is always feasible and planning never fails on the cap alone.
-    """
-    if config.max_tokens is not None:
-        return int(config.max_tokens)
-    mean = tokens.sum() / max(1, num_slots)
-    longest = int(tokens.max()) if tokens.size else 0
-    return max(longest, int(largest_slot), int(math.ceil(config.max_token_ratio * mean)))
+    """`core.steps.token_cap` with the config's `max_tokens` / `max_token_ratio`."""
+    return step_maths.token_cap(tokens, num_slots, config.max_tokens, config.max_token_ratio, largest_slot)
 
 
 class BalancedLoader:

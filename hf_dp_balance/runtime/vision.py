@@ -62,7 +62,7 @@ class VisionBalancer:
     local_items / computed_items (this rank: owned / run here), pixel_bytes_moved /
     embedding_bytes_moved (whole group, forward; the backward moves the
     embedding bytes again), imbalance_before / imbalance_after (slowest rank's
-    predicted vision cost over the mean), makespan_before / makespan_after.
+    predicted vision cost over the mean, minus 1: core.steps.step_imbalance), makespan_before / makespan_after.
     `remove()` takes the hooks off. Only the last 1024 forwards are kept.
     """
 
@@ -188,6 +188,7 @@ class VisionBalancer:
         import torch.distributed as dist
 
         from hf_dp_balance.core.planner import plan_balance
+        from hf_dp_balance.core.steps import step_imbalance
 
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
         if kwargs.get("mm_encoder_outputs") is not None:
@@ -213,11 +214,10 @@ class VisionBalancer:
                            type(exc).__name__, exc)
             self._stats.append({**stats, "reason": f"planning failed: {type(exc).__name__}: {exc}"})
             return None
-        mean = float(np.mean(plan.loads_before)) or 1.0
         stats.update(reason=plan.reason, makespan_before=float(plan.makespan_before),
                      makespan_after=float(plan.makespan_after),
-                     imbalance_before=float(plan.makespan_before) / mean,
-                     imbalance_after=float(plan.makespan_after) / mean)
+                     imbalance_before=step_imbalance(plan.loads_before[:, None], "step"),
+                     imbalance_after=step_imbalance(plan.loads_after[:, None], "step"))
         if not plan.applied:
             stats["imbalance_after"] = stats["imbalance_before"]
             self._stats.append(stats)

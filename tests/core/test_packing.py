@@ -174,18 +174,25 @@ def test_split_packed_masks_only_the_first_label(models, samples_of):
     assert torch.equal(back[2]["labels"][1:], samples[2]["input_ids"][1:])
 
 
+@pytest.mark.parametrize("dummy_vision", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_empty_pack_is_a_valid_no_op_row(family, models):
+def test_empty_pack_is_a_valid_no_op_row(family, dummy_vision, models):
     model = models(family)
-    batch = PackedCollator(model.config)([])
-    assert batch["input_ids"].shape == (1, 1) and batch["labels"].tolist() == [[IGNORE_INDEX]]
-    assert not any(k.startswith("pixel") for k in batch)
+    batch = PackedCollator(model.config, dummy_vision=dummy_vision)([])
+    assert (batch["labels"] == IGNORE_INDEX).all()
+    if dummy_vision and family != "text":  # the vision tower runs on the empty row too (invariant 6)
+        assert "pixel_values" in batch
+    else:
+        assert batch["input_ids"].shape == (1, 1) and batch["labels"].tolist() == [[IGNORE_INDEX]]
+        assert not any(k.startswith("pixel") for k in batch)
     model.zero_grad()
     loss = model(**batch, num_items_in_batch=torch.tensor(7)).loss
     loss.backward()
     assert loss.item() == 0.0
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(torch.count_nonzero(g) == 0 for g in grads.values())
+    if dummy_vision:  # every parameter, vision tower included, got a (zero) gradient tensor
+        assert set(grads) == {n for n, _ in model.named_parameters()}
     model.zero_grad()
 
 

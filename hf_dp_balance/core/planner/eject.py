@@ -1,0 +1,126 @@
+"""One-for-many exchange: a heavy item of the fullest rank moves to a rank that sheds to make room."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_dp_balance.core.planner.place import _place_best_fit
+from hf_dp_balance.core.planner.state import _State, _group_starts, _remove
+
+
+def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> bool:
+    """One-for-many exchange for the fullest rank h (ranks by load / budget).
+
+    A heavy item `a` of h moves to a receiver rank r even though no rank has room
+    for it; r makes room by shedding its heaviest movable items (those that fit
+    the largest free room elsewhere) until its load and the tokens of the slot
+    that receives `a` are back within limit / cap; the shed items are then placed
+    by best fit. Candidates for `a`: the lightest item of h that brings h within
+    its limit alone, and h's heaviest item. The receiver is the rank that sheds
+    the fewest items (ties: the lowest load after, then the lowest index).
+    Applies the exchange and returns True, or returns False when no receiver
+    can make room. Cost: one O(n log n) sort plus O(n) numpy per candidate.
+    """
+    costs = state.costs
+    R = state.load.shape[0]
+    safe = np.maximum(budget, np.finfo(np.float64).tiny)
+    h = int(np.argmax(state.load / safe))
+    mine = np.flatnonzero(state.dest == h)
+    if mine.size == 0 or (state.count is not None and state.count[h] - 1 < state.min_count):
+        return False
+    cm = costs[mine]
+    excess = float(state.load[h] - limit[h])
+    covering = np.flatnonzero(cm >= excess)
+    cands = [] if covering.size == 0 else [int(mine[covering[np.argmin(cm[covering])]])]
+    heaviest = int(mine[np.argmax(cm)])
+    if heaviest not in cands:
+        cands.append(heaviest)
+    tracked = state.slot_tok is not None
+    recv_slot = np.argmin(state.slot_tok, axis=1) if tracked else np.zeros(R, dtype=np.int64)
+    room = limit - state.load
+    room_h = room[h]
+    room[h] = -np.inf
+    best_other = float(np.max(room))
+    # items that could shed: not on h, in the slot of their rank that would receive `a`
+    pool = np.flatnonzero((state.dest != h) & (state.micro == recv_slot[state.dest]))
+    pool = pool[np.lexsort((pool, -costs[pool], state.dest[pool]))]  # by rank, heaviest first
+    best = None
+    for a in cands:
+        ca = float(costs[a])
+        if ca <= 0:
+            continue
+        # shed items must fit the rooms of other ranks (h's freed room takes at most one of them:
+        # counting on it lets r shed large items that end up back on r)
+        movable_up_to = max(best_other, room_h + ca) if wide or best_other <= 0 else best_other
+        found = _receiver(state, a, h, pool[costs[pool] <= movable_up_to], recv_slot, limit, safe)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (found[0], a, found[1], found[2])
+    if best is None:
+        return False
+    _, a, r, shed = best
+    shed = np.sort(shed)
+    if shed.size:
+        _remove(state, shed)
+    state.move(a, r, int(recv_slot[r]))
+    if shed.size:
+        _place_best_fit(state, shed, limit)
+    return True
+
+
+def _receiver(state: _State, a: int, h: int, sel: np.ndarray, recv_slot: np.ndarray, limit: np.ndarray,
+              safe: np.ndarray):
+    """(key, rank, items it sheds) of the best receiver of item `a` of the fullest rank h, or None.
+
+    `sel`: the items that may shed, grouped by rank, heaviest first. A rank r sheds
+    its first k of them, the fewest that bring its load with `a` within limit[r] and
+    the tokens of its receiving slot within the cap. Best: fewest shed items, then
+    the lowest load after (load / budget), then the lowest index. The key ranks
+    candidates for `a`: first those that bring h within its limit, then (k, load after).
+    O(n) numpy.
+    """
+    costs, cap = state.costs, state.cap
+    R = state.load.shape[0]
+    tracked = state.slot_tok is not None
+    ca = float(costs[a])
+    sr = state.dest[sel]
+    need = state.load + ca - limit  # cost each rank must shed to take `a`
+    if tracked and cap is not None:
+        tneed = state.slot_tok[np.arange(R), recv_slot] + state.tokens[a] - cap
+    else:
+        tneed = np.full(R, -np.inf)
+    starts = _group_starts(sr)
+    ranks = sr[starts]
+    sizes = np.diff(np.append(starts, sel.size))
+    cum_c = np.cumsum(costs[sel])
+    cum_c -= np.repeat(cum_c[starts] - costs[sel][starts], sizes)  # cumulative within each rank
+    if tracked:
+        cum_t = np.cumsum(state.tokens[sel])
+        cum_t -= np.repeat(cum_t[starts] - state.tokens[sel][starts], sizes)
+    else:
+        cum_t = np.full(sel.size, np.inf)
+    done = (cum_c >= need[sr]) & (cum_t >= tneed[sr])
+    pos = np.arange(sel.size) - np.repeat(starts, sizes)  # index within the rank's list
+    k = np.full(R, np.inf)  # items r must shed (0 when it already has room)
+    if sel.size:
+        first = np.minimum.reduceat(np.where(done, pos, np.inf), starts)
+        k[ranks] = first + 1
+    k[(need <= 0) & (tneed <= 0)] = 0
+    k[h] = np.inf
+    if state.count is not None:
+        k[state.count + 1 - k < state.min_count] = np.inf
+    if not np.isfinite(k).any():
+        return None
+    kk = np.where(np.isfinite(k), k, 0).astype(np.int64)
+    gone = np.zeros(R)
+    if sel.size:
+        # load each rank sheds with its first k items
+        gather = starts[np.searchsorted(ranks, np.arange(R)).clip(0, max(ranks.size - 1, 0))]
+        has = np.isin(np.arange(R), ranks) & (kk > 0)
+        gone[has] = cum_c[gather[has] + kk[has] - 1]
+    after = np.where(np.isfinite(k), (state.load + ca - gone) / safe, np.inf)
+    r = int(np.lexsort((np.arange(R), after, k))[0])
+    # prefer the candidate that brings h within its limit, then fewer shed items
+    key = (0 if state.load[h] - ca <= limit[h] else 1, float(k[r]), float(after[r]))
+    n_shed = int(k[r])
+    shed = sel[starts[np.searchsorted(ranks, r)]:][:n_shed] if n_shed else sel[:0]
+    return key, r, shed

@@ -1,0 +1,125 @@
+"""The incremental method: shed, place, refine, exchange toward per-rank budgets."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_dp_balance.core.planner.eject import _eject
+from hf_dp_balance.core.planner.place import _place_best_fit
+from hf_dp_balance.core.planner.refine import _fill_empty_slots, _fill_short_ranks, _refine
+from hf_dp_balance.core.planner.shed import _shed_rounds, _shed_tokens
+from hf_dp_balance.core.planner.state import _Infeasible, _State, _copy_state, _fullest
+
+_EXTRA_PASSES = 2  # shed / place passes after the first, before the (slower) pairwise refinement
+
+
+def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
+                         deep: bool = True) -> _State:
+    """Shed, place, refine (docs/planner.md) toward per-rank `budget` loads, then the
+    item-count fixes; returns the final state. Raises _Infeasible.
+
+    When the placement breaks the token cap and shedding for cost takes an item that
+    no slot can hold any more, the cap is repaired alone (token shedding, then
+    refine / exchanges, which keep the cap): a repair then moves a few small items
+    instead of failing over to a repack that moves most of them.
+    """
+    repair_only = _copy_state(state) if _over_cap(state) else None
+    slack = budget * (tolerance / 2.0)
+    try:
+        return _balance_shedding(state, budget, slack, tolerance, relocate, deep)
+    except _Infeasible:
+        if repair_only is None:
+            raise
+        return _balance_once(repair_only, budget, slack, tolerance, relocate=False, deep=deep, shed_cost=False)
+
+
+def _over_cap(state: _State) -> bool:
+    return state.cap is not None and bool(np.any(state.slot_tok > state.cap))
+
+
+def _balance_shedding(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
+                      relocate: bool, deep: bool) -> _State:
+    """`_balance_once`; when some item is over its own rank's budget on its own (speeds or
+    fixed loads differ), relocating it to a faster rank is tried and so is leaving it; the
+    plan with the lower fullest rank wins (ties: fewer moves)."""
+    heaviest = float(state.costs.max()) if state.costs.size else 0.0
+    misplaced = relocate and heaviest > float((budget + slack).min()) and bool(
+        np.any(state.costs > (budget + slack)[state.dest]))
+    if not misplaced:
+        return _balance_once(state, budget, slack, tolerance, relocate=False, deep=deep)
+    start = state.dest.copy()
+    other = _copy_state(state)
+    state = _balance_once(state, budget, slack, tolerance, relocate=True)
+    try:
+        other = _balance_once(other, budget, slack, tolerance, relocate=False)
+    except _Infeasible:
+        return state
+
+    def score(st):
+        return (float(np.max(st.load / np.maximum(budget, np.finfo(np.float64).tiny))),
+                int(np.count_nonzero(st.dest != start)))
+
+    return other if score(other) < score(state) else state
+
+
+def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
+                  relocate: bool, deep: bool = True, shed_cost: bool = True) -> _State:
+    """One shed / place pass (tokens over the cap, and with `shed_cost` load over budget),
+    the extra passes, then `_polish`."""
+    limit = budget * (1.0 + tolerance / 2.0)
+    # the token repair first: a slot over the cap gives away a few small items, so an item the
+    # cost shedding then takes from it still fits back home (after the repair, its slot has room)
+    repair = _shed_tokens(state)
+    pool = _shed_rounds(state, budget, slack, relocate=relocate) if shed_cost else repair[:0]
+    if repair.size:
+        pool = np.concatenate((repair, pool))
+    if pool.size:
+        _place_best_fit(state, pool, limit, lpt_host=relocate)
+        if shed_cost:
+            _extra_passes(state, budget, slack, limit)
+    return _polish(state, budget, slack, tolerance, eject=deep)
+
+
+def _extra_passes(state: _State, budget: np.ndarray, slack: np.ndarray, limit: np.ndarray) -> None:
+    """Up to _EXTRA_PASSES more shed / place passes while some rank is over budget + slack."""
+    for _ in range(_EXTRA_PASSES):
+        if not np.any(state.load > budget + slack):
+            return
+        # shed again what the placement could not fit (e.g. the rank that took a long sample)
+        pool = _shed_rounds(state, budget, slack, relocate=False)  # long samples stay where they are
+        if pool.size == 0:
+            return
+        _place_best_fit(state, pool, limit)
+
+
+def _polish(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
+            eject: bool = True) -> _State:
+    """Refine, one-for-many exchanges while they help, then the item-count fixes."""
+    limit = budget * (1.0 + tolerance / 2.0)
+    goal = 1.0 + tolerance
+    refine_iters = 2 * budget.shape[0] + 16
+    _refine(state, budget, goal, max_iters=refine_iters)
+    # a heavy item that fits no other rank's room: one-for-many exchanges, each kept only if it
+    # lowers the fullest rank (bounded: every kept one lowers it, at most R of them)
+    for _ in range(budget.shape[0] if eject else 0):
+        now = _fullest(state, budget)
+        if now <= goal:
+            break
+        for wide in (False, True):
+            trial = _copy_state(state)
+            try:
+                if not _eject(trial, budget, limit, wide):
+                    continue
+                _extra_passes(trial, budget, slack, limit)
+                _refine(trial, budget, goal, max_iters=refine_iters)
+            except _Infeasible:
+                continue
+            if _fullest(trial, budget) < now:
+                state = trial
+                break
+        else:
+            break  # neither exchange lowered the fullest rank
+    _fill_short_ranks(state)
+    _fill_empty_slots(state)
+    return state
+

@@ -1,0 +1,153 @@
+"""Refinement: single moves and 1-for-1 swaps from the fullest rank, and the item-count fixes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_dp_balance.core.planner.state import _Infeasible, _Members, _State
+
+
+def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2) -> None:
+    """Best single move or swap between the fullest rank and the emptiest ranks, until `goal`.
+
+    Fullness is load / budget. Each iteration takes the fullest rank h and the
+    `candidates` emptiest ranks and applies, over all of them at once, the move
+    (an item of h to a candidate's emptiest slot) or swap (an item of h with an
+    item of a candidate, each taking the other's slot) that minimises the larger
+    fullness of the two ranks within the token cap. A rank nothing helps is skipped
+    (the next fullest goes on: the exchanges of `_polish` need the others within
+    reach of their budgets); stops when the fullest rank not skipped is at or
+    under `goal`. O(items of h x items of the candidates) per iteration.
+    """
+    budget = np.maximum(budget, np.finfo(np.float64).tiny)  # a zero budget: any load is "very full"
+    members = None
+    stuck = np.zeros(budget.shape[0], dtype=bool)  # ranks nothing helped (skipped, the next fullest goes on)
+    for _ in range(max_iters):
+        full = state.load / budget
+        h = int(np.argmax(np.where(stuck, -np.inf, full)))
+        fh = float(full[h])
+        if fh <= goal or stuck[h]:
+            return
+        if members is None:
+            members = _Members(state.dest, budget.shape[0])
+        mine = members.of(h)
+        if mine.size == 0:
+            stuck[h] = True
+            continue
+        cand = _emptiest(full, h, candidates)
+        if cand.size == 0:
+            return
+        move = _best_move(state, budget, h, mine, cand)
+        swap = _best_swap(state, budget, h, mine, cand, members)
+        if not min(move[0], swap[0]) < fh:
+            stuck[h] = True
+            continue
+        if move[0] <= swap[0]:
+            _, item, l, slot = move
+            state.move(item, l, slot)
+            members.moved(item, h, l)
+        else:
+            _, item_a, item_b, l = swap
+            slot_a, slot_b = int(state.micro[item_a]), int(state.micro[item_b])
+            state.move(item_b, h, slot_a)
+            state.move(item_a, l, slot_b)
+            members.moved(item_b, l, h)
+            members.moved(item_a, h, l)
+
+
+def _emptiest(full: np.ndarray, h: int, candidates: int) -> np.ndarray:
+    """The `candidates` least full ranks other than h, lowest index on ties."""
+    pick = full.copy()
+    pick[h] = np.inf
+    cand = []
+    for _ in range(min(candidates, pick.size - 1)):
+        l = int(np.argmin(pick))
+        cand.append(l)
+        pick[l] = np.inf
+    return np.asarray(cand, dtype=np.int64)
+
+
+def _best_move(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand: np.ndarray):
+    """(larger fullness after, item, to rank, to slot) of the best move of an item of h to a
+    candidate's emptiest slot within the cap; (inf, ...) when h may not give an item away."""
+    if state.count is not None and mine.size <= state.min_count:
+        return np.inf, -1, -1, 0
+    ca = state.costs[mine]
+    worst = np.maximum(((state.load[h] - ca) / budget[h])[:, None],
+                       (state.load[cand][None, :] + ca[:, None]) / budget[cand][None, :])  # [a, l]
+    to_slot = None
+    if state.slot_tok is not None:
+        to_slot = np.argmin(state.slot_tok[cand], axis=1)
+        if state.cap is not None:
+            room = state.cap - state.slot_tok[cand, to_slot]
+            worst = np.where(state.tokens[mine][:, None] <= room[None, :], worst, np.inf)
+    k = int(np.argmin(worst))
+    a, j = divmod(k, cand.size)
+    slot = int(to_slot[j]) if to_slot is not None else 0
+    return float(worst.flat[k]), int(mine[a]), int(cand[j]), slot
+
+
+def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand: np.ndarray, members):
+    """(larger fullness after, item of h, item of a candidate, that candidate) of the best 1-for-1
+    swap, each item taking the other's slot, within the cap; (inf, ...) when the candidates are empty."""
+    costs, tokens, cap = state.costs, state.tokens, state.cap
+    groups = [members.of(int(l)) for l in cand]
+    theirs = np.concatenate(groups)
+    if not theirs.size:
+        return np.inf, -1, -1, -1
+    col_rank = np.repeat(cand, [g.size for g in groups])
+    delta = costs[mine][:, None] - costs[theirs][None, :]  # load leaving h
+    worst = np.maximum((state.load[h] - delta) / budget[h],
+                       (state.load[col_rank][None, :] + delta) / budget[col_rank][None, :])
+    if cap is not None:
+        ta, tb = tokens[mine][:, None], tokens[theirs][None, :]
+        into_l = state.slot_tok[col_rank, state.micro[theirs]][None, :] - tb + ta
+        into_h = state.slot_tok[h, state.micro[mine]][:, None] - ta + tb
+        worst = np.where((into_l <= cap) & (into_h <= cap), worst, np.inf)
+    k = int(np.argmin(worst))
+    a, j = divmod(k, theirs.size)
+    return float(worst.flat[k]), int(mine[a]), int(theirs[j]), int(col_rank[j])
+
+
+def _fill_short_ranks(state: _State) -> None:
+    """Give every rank at least `min_count` items: a short rank takes the cheapest item (ties:
+    lowest index) of the rank with the most items that fits its emptiest slot."""
+    if state.count is None:
+        return
+    short = np.flatnonzero(state.count < state.min_count)
+    for r in short.tolist():
+        while state.count[r] < state.min_count:
+            donors = np.flatnonzero(state.count > state.min_count)
+            if donors.size == 0:
+                raise _Infeasible(f"rank {r} has {state.count[r]} items, no rank can spare one")
+            d = int(donors[np.argmax(state.count[donors])])
+            cand = np.flatnonzero(state.dest == d)
+            slot = int(np.argmin(state.slot_tok[r])) if state.slot_tok is not None else 0
+            if state.cap is not None:
+                cand = cand[state.slot_tok[r, slot] + state.tokens[cand] <= state.cap]
+                if cand.size == 0:
+                    raise _Infeasible(f"rank {r} has {state.count[r]} items and no token room for another")
+            i = int(cand[np.lexsort((cand, state.costs[cand]))[0]])
+            state.move(i, r, slot)
+
+
+def _fill_empty_slots(state: _State) -> None:
+    """On every rank with at least M items, give each empty slot one item: the fewest-token
+    item (ties: lowest index) of the rank's slot with the most items. Stays on the rank."""
+    R, M = state.load.shape[0], state.M
+    if M == 1:
+        return
+    slot_of = state.dest * M + state.micro
+    cnt = np.bincount(slot_of, minlength=R * M).reshape(R, M)
+    todo = np.flatnonzero((cnt == 0).any(axis=1) & (cnt.sum(axis=1) >= M))
+    for r in todo.tolist():
+        row = cnt[r]
+        for m in np.flatnonzero(row == 0).tolist():
+            donor = int(np.argmax(row))  # >= 2 items there: M items, an empty slot
+            items = np.flatnonzero(slot_of == r * M + donor)
+            i = int(items[np.lexsort((items, state.tokens[items]))[0]])
+            state.move(i, r, m)
+            slot_of[i] = r * M + m
+            row[donor] -= 1
+            row[m] += 1
+

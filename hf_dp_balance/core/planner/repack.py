@@ -1,0 +1,134 @@
+"""The repack fallback: the incremental method first, then partial repacks that move more."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_dp_balance.core.planner.passes import _balance_incremental, _extra_passes, _polish
+from hf_dp_balance.core.planner.place import _place_lpt
+from hf_dp_balance.core.planner.state import _Infeasible, _State, _copy_state, _fullest, _remove
+
+_REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first partial repack
+
+
+def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
+             deep: bool = True, repack_gain: float = 0.0) -> _State:
+    """The incremental method, then, only if it stops above the goal, repacks that move more.
+
+    A repack pools every item of a set of ranks (those still above the goal and the
+    K emptiest), places them again by capped LPT on those ranks only, renames those
+    ranks so that most items stay with their owner, and polishes (refine, exchanges).
+    K = 2 x (over-full ranks) + 8, doubled until the plan is within the goal or the set
+    is every rank (a from-scratch LPT). The kept plan has the lowest fullest rank;
+    among plans within `tolerance` of it, the fewest moves (earlier attempts win ties).
+    With `repack_gain` > 0 (a cap repair, which is applied whatever it gains), a repack
+    replaces the incremental plan only if it cuts the fullest rank by at least that
+    fraction: the many moves of a repack must pay for themselves, as any plan must.
+    Raises _Infeasible only when no attempt finds a feasible plan.
+    """
+    if not deep:  # sync="micro_batch": its per-micro-batch levels are loose; exchanges / repacks seldom pay
+        return _balance_incremental(state, budget, tolerance, relocate, deep=False)
+    goal = 1.0 + tolerance
+    R = budget.shape[0]
+    start = state.dest.copy()
+    origin = _copy_state(state)
+    tried = []
+    try:
+        tried.append(_balance_incremental(state, budget, tolerance, relocate))
+    except _Infeasible:
+        pass
+    if tried and _fullest(tried[0], budget) <= goal:
+        return tried[0]
+    base = tried[0] if tried else origin
+    safe = np.maximum(budget, np.finfo(np.float64).tiny)
+    full = base.load / safe
+    if base is origin and base.cap is not None:
+        # the incremental method failed on a cap repair: ranks with a slot over the cap go first
+        full = np.where((base.slot_tok > base.cap).any(axis=1), np.inf, full)
+    over = int(np.count_nonzero(full > goal))
+    k = 2 * over + _REPACK_START
+    failure = None
+    while True:
+        k = min(k, R)
+        # the over-full ranks and then the emptiest ones (ties: lowest index)
+        ranks = np.sort(np.lexsort((np.arange(R), -full))[:over].tolist() +
+                        [r for r in np.lexsort((np.arange(R), full)).tolist()
+                         if full[r] <= goal][:max(k - over, 0)])
+        try:
+            tried.append(_repack(_copy_state(base if k < R else origin), budget, tolerance, ranks, start))
+        except _Infeasible as exc:
+            failure = exc
+        if (len(tried) and _fullest(tried[-1], budget) <= goal) or k >= R:
+            break
+        k *= 2
+    if not tried:
+        raise failure
+    incremental = tried[0] if base is not origin else None
+    return _choose(tried, incremental, budget, tolerance, start, repack_gain)
+
+
+def _choose(tried: list, incremental, budget: np.ndarray, tolerance: float, start: np.ndarray,
+            repack_gain: float) -> _State:
+    """Among the attempts: the lowest fullest rank, and among those within `tolerance` of it the
+    fewest moves (first wins ties); the `incremental` plan instead when the choice is a repack
+    that does not beat it by `repack_gain`."""
+    best = min(_fullest(st, budget) for st in tried)
+    near = [st for st in tried if _fullest(st, budget) <= best * (1.0 + tolerance)]
+    chosen = min(near, key=lambda st: int(np.count_nonzero(st.dest != start)))
+    if (repack_gain > 0 and incremental is not None and chosen is not incremental
+            and _fullest(chosen, budget) > _fullest(incremental, budget) * (1.0 - repack_gain)):
+        return incremental
+    return chosen
+
+
+def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarray,
+            start: np.ndarray) -> _State:
+    """Re-place every item of `ranks` by capped LPT onto `ranks` (heaviest first to the least
+    full, load / budget, whose emptiest slot has token room), rename those ranks toward the
+    items' owners in `start`, then shed / place, refine and exchange as the incremental
+    method. Cost: O(n) numpy + O(pooled items x log |ranks|) Python + the matching."""
+    inside = np.zeros(budget.shape[0], dtype=bool)
+    inside[ranks] = True
+    pool = np.flatnonzero(inside[state.dest])
+    if pool.size:
+        _remove(state, pool)
+        _place_lpt(state, pool, budget, ranks)
+        _relabel(state, budget, ranks, pool, start)
+    state.path = "repack"
+    slack = budget * (tolerance / 2.0)
+    limit = budget * (1.0 + tolerance / 2.0)
+    _extra_passes(state, budget, slack, limit)
+    return _polish(state, budget, slack, tolerance)
+
+
+def _relabel(state: _State, budget: np.ndarray, ranks: np.ndarray, pool: np.ndarray, start: np.ndarray) -> None:
+    """Rename `ranks` (whose items are `pool`, freshly placed) so that most items go back to
+    their owner in `start`: a maximum-weight matching (scipy linear_sum_assignment) of the
+    new contents to the ranks, weight = items already owned by the rank. Only when those
+    ranks have the same budget and no fixed load (then a renaming changes no time).
+    O(pool + K^3) for K ranks (fast in practice)."""
+    K = ranks.shape[0]
+    if K < 2 or np.any(budget[ranks] != budget[ranks[0]]) or np.any(state.fixed[ranks] != 0):
+        return
+    from scipy.optimize import linear_sum_assignment
+
+    local = np.full(budget.shape[0], -1, dtype=np.int64)
+    local[ranks] = np.arange(K)
+    owner = local[start[pool]]
+    mine = owner >= 0
+    kept = np.bincount(local[state.dest[pool[mine]]] * K + owner[mine], minlength=K * K).reshape(K, K)
+    rows, cols = linear_sum_assignment(kept, maximize=True)  # new contents `rows` -> rank `cols`
+    to = np.arange(budget.shape[0])
+    to[ranks[rows]] = ranks[cols]
+    state.dest[pool] = to[state.dest[pool]]
+    src = ranks[rows]
+    dst = ranks[cols]
+    load = state.load.copy()
+    state.load[dst] = load[src]
+    if state.slot_tok is not None:
+        slot_tok = state.slot_tok.copy()
+        state.slot_tok[dst] = slot_tok[src]
+    if state.count is not None:
+        count = state.count.copy()
+        state.count[dst] = count[src]
+

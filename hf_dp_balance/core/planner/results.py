@@ -1,0 +1,106 @@
+"""What the planner returns (`Plan`, `StepPlan`) and the reasons and errors it gives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+# Plan.path / StepPlan.path: "kept" (not applied: everything stays), "incremental" (shed / place /
+# refine / exchange from the current placement), "repack" (the repack fallback's plan was kept),
+# "reference" (apps.reference.plan_reference_greedy, the published baseline).
+PATHS = ("kept", "incremental", "repack", "reference")
+
+class _GainMixin:
+    """`gain` of a plan result: the relative cut of the slowest rank, 1 - after / before (0 when skipped)."""
+
+    @property
+    def gain(self) -> float:
+        if not self.applied or self.makespan_before <= 0:
+            return 0.0
+        return 1.0 - self.makespan_after / self.makespan_before
+
+
+@dataclass(frozen=True)
+class Plan(_GainMixin):
+    """Destination rank of every item, with the loads that justify it.
+
+    Loads are in cost units (not divided by speed); makespans and the lower
+    bound are in time units (load / speed).
+    """
+
+    dest: np.ndarray
+    applied: bool
+    reason: str
+    loads_before: np.ndarray
+    loads_after: np.ndarray
+    lower_bound: float
+    makespan_before: float
+    makespan_after: float
+    moved: int
+    path: str  # what produced `dest`: one of PATHS
+
+
+@dataclass(frozen=True)
+class StepPlan(_GainMixin):
+    """Destination (rank, micro-batch) slot of every item of one optimizer step.
+
+    `moved` counts items whose rank changes: moving between micro-batches of one
+    rank costs no communication. Makespans follow the sync mode's objective.
+    """
+
+    dest_rank: np.ndarray
+    dest_micro_batch: np.ndarray
+    applied: bool
+    reason: str
+    loads_before: np.ndarray
+    loads_after: np.ndarray
+    lower_bound: float
+    makespan_before: float
+    makespan_after: float
+    moved: int
+    path: str  # what produced the destinations: one of PATHS
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f}%"
+
+
+def _first(mask: np.ndarray) -> Optional[int]:
+    idx = np.flatnonzero(mask)
+    return int(idx[0]) if idx.size else None
+
+
+def _with_reason(plan, reason: str):
+    return type(plan)(**{**plan.__dict__, "reason": reason})
+
+
+def _verdict(made, keep, required: Optional[str], min_gain: float):
+    """The made plan if it is required (`required`: why) or beats keeping in place by at least
+    `min_gain`, else `keep(reason)`."""
+    if required is not None:
+        return _with_reason(made, f"required: {required}")
+    before, after = made.makespan_before, made.makespan_after
+    if after >= before:
+        return keep("no plan beats keeping in place")
+    gain = 1.0 - after / before
+    if gain < min_gain:
+        return keep(f"gain {_pct(gain)} < min_gain {_pct(min_gain)}")
+    return _with_reason(made, f"gain {_pct(gain)} >= min_gain {_pct(min_gain)}")
+
+
+def _cap_error(ntok, cap, rank, detail="") -> ValueError:
+    return ValueError(
+        f"token cap cannot be met: rank {rank} holds {ntok[rank]:.0f} tokens > cap {cap:.0f} "
+        f"(all ranks: {ntok.sum():.0f} tokens, total capacity {cap * ntok.size:.0f})"
+        + (f"; {detail}" if detail else ""))
+
+
+def _slot_error(slot_index, slot_tok, cap, num_mb, detail) -> ValueError:
+    r, m = divmod(int(slot_index), num_mb)
+    held = "" if slot_tok is None else (f" holds {slot_tok[slot_index]:.0f} tokens (cap {cap:.0f}, "
+                                        f"all slots {slot_tok.sum():.0f} tokens)")
+    return ValueError(f"cannot make a valid step plan: slot (rank {r}, micro-batch {m}){held}; "
+                      f"no placement found that fixes it ({detail})")
+

@@ -1,0 +1,201 @@
+"""Shedding: which items leave the over-full ranks (cost) and the over-full slots (tokens)."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import numpy as np
+
+from hf_dp_balance.core.planner.state import _Infeasible, _State, _group_starts, _remove
+
+
+def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_rounds: int = 64,
+                 relocate: bool = True) -> np.ndarray:
+    """Items to take off every over-budget rank, chosen in vectorised rounds; removed from `state`.
+
+    Each round takes at most one item per rank that is still above budget + slack:
+    the lightest item that covers the remaining excess on its own (one move,
+    little overshoot), or, if none does, the heaviest item (fewest moves toward
+    it). With `relocate`, an item over its own rank's budget on its own (a long
+    sample on a slow rank) leaves first, if some rank's budget can hold it.
+    Items heavier than the largest free room anywhere (budget - load of the
+    emptiest rank) are never taken: no rank could receive them without becoming
+    the new slowest. A rank keeps at least `state.min_count` items.
+    Cost: O(items on over ranks) numpy per round.
+    """
+    costs, owners = state.costs, state.dest
+    excess = state.load - budget
+    room = float(np.max(-excess))
+    over = excess > slack
+    if not over.any():
+        return np.zeros(0, dtype=np.int64)
+    sel = np.flatnonzero(over[owners] & (owners >= 0))  # not the items the token repair took off
+    so = owners[sel]
+    if so.size > 1 and np.any(so[1:] < so[:-1]):
+        order = np.argsort(so, kind="stable")  # items grouped by owner, index order inside
+        sel, so = sel[order], so[order]
+    sc = costs[sel]
+    movable = (sc > 0) & (sc <= room)
+    taken_all = []
+    starts = _group_starts(so)
+    ranks = so[starts]
+    rem = excess[ranks]
+    lim = slack[ranks]
+    left = state.count[ranks] - state.min_count if state.count is not None else np.full(ranks.size, sel.size)
+    # an item over its own rank's budget on its own, that fits the budget of some other rank
+    # (e.g. a long sample on a slow rank), leaves first whatever the free room says
+    misplaced = (sc > budget[so] + slack[so]) & (sc <= float(budget.max()))
+    if relocate and misplaced.any():
+        hit = np.flatnonzero(misplaced)
+        g = np.searchsorted(starts, hit, side="right") - 1
+        first = np.concatenate(([True], g[1:] != g[:-1]))  # one per rank (the lowest index)
+        hit, g = hit[first], g[first]
+        hit, g = hit[left[g] > 0], g[left[g] > 0]
+        taken_all.append(sel[hit])
+        movable[hit] = False
+        rem[g] -= sc[hit]
+        left[g] -= 1
+    for _ in range(max_rounds):
+        active = (rem > lim) & (left > 0)
+        if not active.all():
+            # keep only the ranks still over budget (smaller arrays for the next rounds)
+            keep_items = np.repeat(active, np.diff(np.append(starts, sel.size)))
+            sel, so, sc, movable = sel[keep_items], so[keep_items], sc[keep_items], movable[keep_items]
+            rem, lim, left, ranks = rem[active], lim[active], left[active], ranks[active]
+            if sel.size == 0:
+                break
+            starts = _group_starts(so)
+        group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, sel.size)))
+        need = (rem - lim)[group]
+        min_cover = np.minimum.reduceat(np.where(movable & (sc >= need), sc, np.inf), starts)
+        max_free = np.maximum.reduceat(np.where(movable, sc, -np.inf), starts)
+        pick = np.where(np.isfinite(min_cover), min_cover, max_free)
+        ok = np.isfinite(pick)
+        if not ok.any():
+            break
+        hit = np.flatnonzero(movable & (sc == pick[group]) & ok[group])
+        g = group[hit]
+        first = np.concatenate(([True], g[1:] != g[:-1]))  # lowest index wins ties
+        hit, g = hit[first], g[first]
+        taken_all.append(sel[hit])
+        movable[hit] = False
+        rem[g] -= sc[hit]
+        left[g] -= 1
+        left[~ok] = 0  # nothing movable left on these ranks
+    if not taken_all:
+        return np.zeros(0, dtype=np.int64)
+    pool = np.sort(np.concatenate(taken_all))
+    _remove(state, pool)
+    return pool
+
+
+def _shed_tokens(state: _State) -> np.ndarray:
+    """Items to take off every slot over the token cap, few and small; removed from `state`.
+
+    Only needed when the current placement already breaks the cap. Per slot, the
+    same rule as the cost shedding, on tokens, among the items that fit some other
+    slot's room: the item with the fewest tokens that covers the slot's remaining
+    excess on its own, else the item with the most tokens, until the excess is
+    covered. So a slot a few tokens over gives
+    away one small item, which any slot with a little room can take (shedding
+    its largest item first, as before, left a long video that often fitted no
+    other slot and sent the plan to a from-scratch repack). When the items that
+    fit elsewhere cannot cover the excess (a slot of long videos), `_token_swap`
+    trades one of its items for small items of a roomier slot instead. Python over the items of the
+    offending slots.
+    """
+    if state.cap is None:
+        return np.zeros(0, dtype=np.int64)
+    over = np.flatnonzero(state.slot_tok.reshape(-1) > state.cap)
+    if over.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    slot_of = state.dest * state.M + state.micro
+    pool = []
+    for s in over.tolist():
+        items = np.flatnonzero(slot_of == s)
+        excess = float(state.slot_tok.reshape(-1)[s]) - state.cap
+        r = s // state.M
+        left = int(state.count[r]) - state.min_count if state.count is not None else items.size
+        room = state.cap - state.slot_tok.reshape(-1)
+        room[s] = -np.inf
+        fits = items[state.tokens[items] <= float(room.max())]  # items some other slot can take
+        taken = _cover_excess(fits, state.tokens, excess)
+        if float(state.tokens[taken].sum()) < excess:
+            if _token_swap(state, s, slot_of, excess):
+                continue  # a swap with a roomier slot repaired it
+            taken = _cover_excess(items, state.tokens, excess)
+        if len(taken) > left:
+            raise _Infeasible(f"slot (rank {r}, micro-batch {s % state.M}) cannot shed tokens and keep "
+                              f"{state.min_count} items")
+        pool += taken
+    pool = np.asarray(pool, dtype=np.int64)
+    _remove(state, pool)
+    return pool
+
+
+def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float) -> list:
+    """Items (of one slot) whose tokens cover `excess`: repeatedly the one with the fewest tokens
+    that covers what is left alone, else the one with the most tokens (ties: lowest index)."""
+    items = items[np.lexsort((items, tokens[items]))].tolist()  # fewest tokens first
+    values = [float(tokens[i]) for i in items]
+    taken = []
+    while excess > 0 and items:
+        j = bisect_left(values, excess)
+        if j == len(values):
+            j = bisect_left(values, values[-1])  # none covers it alone: the most tokens
+        taken.append(items.pop(j))
+        excess -= values.pop(j)
+    return taken
+
+
+_SWAP_PARTNERS = 16  # slots with the most token room tried by a token swap
+
+
+def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float) -> bool:
+    """Repair slot s, `excess` tokens over the cap, by a one-for-many swap; True if done.
+
+    One item i of s that covers the excess alone (fewest tokens first) goes to a
+    slot s2 with room (most room first, among the _SWAP_PARTNERS roomiest), which
+    gives s back its largest items that fit, totalling between t_i - room(s2)
+    (so s2 holds i) and t_i - excess (so s ends within the cap). Loads are left to
+    the refinement that follows. Moves 1 + a few items. O(items of s x partners).
+    """
+    cap, tok, M = state.cap, state.tokens, state.M
+    free = cap - state.slot_tok.reshape(-1)
+    free[s] = -np.inf
+    partners = np.lexsort((np.arange(free.size), -free))[:_SWAP_PARTNERS].tolist()
+    mine = np.flatnonzero(slot_of == s)
+    mine = mine[np.lexsort((mine, tok[mine]))]
+    for i in mine[tok[mine] >= excess].tolist():
+        t = float(tok[i])
+        for s2 in partners:
+            need, upper = t - float(free[s2]), t - excess  # tokens s2 gives back: at least need, at most upper
+            if need > upper:
+                break  # the other partners have less room still
+            picked = _fill_between(slot_of, tok, s2, need, upper)
+            r, r2 = s // M, s2 // M
+            if picked is None or (state.count is not None and r2 != r
+                                  and state.count[r2] - len(picked) + 1 < state.min_count):
+                continue
+            state.move(i, r2, s2 % M)
+            slot_of[i] = s2
+            for j in picked:
+                state.move(j, r, s % M)
+                slot_of[j] = s
+            return True
+    return False
+
+
+def _fill_between(slot_of: np.ndarray, tok: np.ndarray, s2: int, need: float, upper: float):
+    """Items of slot s2, most tokens first (ties: lowest index), taken while they fit under
+    `upper` until they total at least `need`; None if they cannot."""
+    theirs = np.flatnonzero(slot_of == s2)
+    theirs = theirs[np.lexsort((theirs, -tok[theirs]))].tolist()
+    picked, got = [], 0.0
+    for j in theirs:
+        if got >= need:
+            break
+        if got + float(tok[j]) <= upper:
+            picked.append(j)
+            got += float(tok[j])
+    return picked if got >= need else None

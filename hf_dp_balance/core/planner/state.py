@@ -1,0 +1,120 @@
+"""The working placement of one planning call and the helpers that read or copy it.
+
+Local to one call (never shared): items' ranks and slots, per-rank loads, per-slot
+tokens, per-rank item counts, kept consistent by `move` / `_remove`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+
+class _Infeasible(Exception):
+    """No placement found that meets the token cap / item counts; `where` says where it failed."""
+
+    def __init__(self, where):
+        super().__init__(where)
+        self.where = where
+
+
+class _State:
+    """Working placement of one planning call (local to the call, never shared).
+
+    R ranks with M slots each (micro-batches; M = 1 for plan_balance). Cost is
+    balanced per rank, tokens are capped per slot. Tokens per slot are tracked
+    under a cap, and with M > 1 (to spread arriving items over the slots; items
+    count 1 each when no tokens are given). Items per rank are tracked only when
+    ranks need a minimum count.
+    """
+
+    def __init__(self, costs, tokens, cap, speeds, dest, micro, num_slots, load, min_count, fixed=None):
+        R = speeds.shape[0]
+        self.fixed = np.zeros(R) if fixed is None else fixed  # load that cannot move (prior_loads)
+        self.costs = costs
+        self.cap = cap  # tokens per slot, or None
+        self.speeds = speeds
+        self.M = num_slots
+        self.dest = dest.copy()
+        self.prev = dest.copy()  # rank an item was last taken from (its way back)
+        self.micro = micro.copy()
+        self.load = load.copy()  # prior + costs per rank
+        track = cap is not None or num_slots > 1
+        self.tokens = tokens if tokens is not None else (np.ones(costs.shape[0]) if track else None)
+        self.slot_tok = (np.bincount(dest * num_slots + micro, weights=self.tokens, minlength=R * num_slots)
+                         .reshape(R, num_slots) if track else None)
+        self.count = None if min_count <= 0 else np.bincount(dest, minlength=R)
+        self.min_count = min_count
+        self.path = "incremental"  # "repack" once the repack fallback re-placed it (Plan.path)
+
+    def move(self, item: int, to: int, slot: int) -> None:
+        frm, m = int(self.dest[item]), int(self.micro[item])
+        c = self.costs[item]
+        self.load[frm] -= c
+        self.load[to] += c
+        if self.slot_tok is not None:
+            t = self.tokens[item]
+            self.slot_tok[frm, m] -= t
+            self.slot_tok[to, slot] += t
+        if self.count is not None:
+            self.count[frm] -= 1
+            self.count[to] += 1
+        self.dest[item] = to
+        self.micro[item] = slot
+
+
+def _remove(state: _State, items: np.ndarray) -> None:
+    """Take items off their ranks (dest becomes -1 until placed)."""
+    src = state.dest[items]
+    R = state.load.shape[0]
+    state.load -= np.bincount(src, weights=state.costs[items], minlength=R)
+    if state.slot_tok is not None:
+        flat = state.slot_tok.reshape(-1)
+        flat -= np.bincount(src * state.M + state.micro[items], weights=state.tokens[items], minlength=flat.size)
+    if state.count is not None:
+        state.count -= np.bincount(src, minlength=R)
+    state.prev[items] = src
+    state.dest[items] = -1
+
+
+def _copy_state(state: _State) -> _State:
+    twin = copy.copy(state)
+    for name in ("dest", "prev", "micro", "load", "slot_tok", "count"):
+        value = getattr(state, name)
+        setattr(twin, name, None if value is None else value.copy())
+    return twin
+
+
+def _fullest(state: _State, budget: np.ndarray) -> float:
+    return float(np.max(state.load / np.maximum(budget, np.finfo(np.float64).tiny)))
+
+
+def _group_starts(keys: np.ndarray) -> np.ndarray:
+    """Start offsets of the runs of equal values in a sorted array."""
+    if keys.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+
+
+class _Members:
+    """Items of each rank, built once (stable sort of dest) and patched on every move."""
+
+    def __init__(self, dest: np.ndarray, num_ranks: int):
+        self.order = np.argsort(dest, kind="stable")
+        self.bounds = np.searchsorted(dest[self.order], np.arange(num_ranks + 1))
+        self.cache = {}
+
+    def of(self, r: int) -> np.ndarray:
+        got = self.cache.get(r)
+        if got is None:
+            got = self.order[self.bounds[r]:self.bounds[r + 1]]
+            self.cache[r] = got
+        return got
+
+    def moved(self, item: int, frm: int, to: int) -> None:
+        src = self.of(frm)
+        self.cache[frm] = src[src != item]
+        dst = self.of(to)
+        self.cache[to] = np.sort(np.append(dst, item))  # index order keeps ties deterministic
+

@@ -1,0 +1,89 @@
+"""Input checks of the planner: every array validated once, errors name the first bad entry."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+def _as_item_values(values, name: str, n: Optional[int], allow_zero: bool = True) -> np.ndarray:
+    """1-D float64 array of finite, non-negative values; errors name the first bad index."""
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if n is not None and arr.shape[0] != n:
+        raise ValueError(f"{name} has {arr.shape[0]} entries but costs has {n}")
+    bad = ~np.isfinite(arr) | (arr < 0) if allow_zero else ~np.isfinite(arr) | (arr <= 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        need = "finite and >= 0" if allow_zero else "finite and > 0"
+        raise ValueError(f"{name}[{i}]={float(arr[i])!r}: must be {need}")
+    return arr
+
+
+def _as_index_array(values, name: str, n: int, upper: int, upper_name: str) -> np.ndarray:
+    """1-D int64 array with every entry in [0, upper); errors name the first bad index."""
+    raw = np.asarray(values)
+    if raw.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {raw.shape}")
+    if raw.shape[0] != n:
+        raise ValueError(f"{name} has {raw.shape[0]} entries but costs has {n}")
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    if raw.dtype.kind not in "iub":
+        as_float = raw.astype(np.float64)
+        bad = ~np.isfinite(as_float) | (as_float != np.round(as_float))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{name}[{i}]={raw[i].item()!r}: must be an integer")
+    arr = raw.astype(np.int64)
+    bad = (arr < 0) | (arr >= upper)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name}[{i}]={int(arr[i])}: out of range for {upper_name}={upper}")
+    return arr
+
+
+def _check_count(value, name: str) -> int:
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    return int(value)
+
+
+def _check_fraction(value, name: str) -> float:
+    value = float(value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name}={value!r}: must be in [0, 1)")
+    return value
+
+
+def _per_rank(values, name: str, num_ranks: int, default: float, positive: bool) -> np.ndarray:
+    if values is None:
+        return np.full(num_ranks, default, dtype=np.float64)
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim != 1 or arr.shape[0] != num_ranks:
+        raise ValueError(f"{name} must have one entry per rank ({num_ranks}), got shape {arr.shape}")
+    bad = ~np.isfinite(arr) | ((arr <= 0) if positive else (arr < 0))
+    if bad.any():
+        r = int(np.flatnonzero(bad)[0])
+        need = "finite and > 0" if positive else "finite and >= 0"
+        raise ValueError(f"{name}[{r}]={float(arr[r])!r} (rank {r}): must be {need}")
+    return arr
+
+
+def _check_tokens(tokens, max_tokens, n: int):
+    """Validated (tokens, cap) pair; cap is None when there is no token limit."""
+    tok = None if tokens is None else _as_item_values(tokens, "tokens", n)
+    if max_tokens is None:
+        return tok, None
+    cap = float(max_tokens)
+    if not np.isfinite(cap) or cap <= 0:
+        raise ValueError(f"max_tokens={max_tokens!r}: must be a positive token count or None")
+    if tok is None:
+        raise ValueError("max_tokens is given but tokens is None: the cap needs each item's token count")
+    over = np.flatnonzero(tok > cap)
+    if over.size:
+        i = int(over[0])
+        raise ValueError(f"tokens[{i}]={float(tok[i])!r} exceeds max_tokens={cap!r} on its own: no placement can hold it")
+    return tok, cap
+
