@@ -1,6 +1,6 @@
 """How much can per-step balancing cut the slowest rank in the demo's setting? Predicted, side by side.
 
-`hf-dp-balance demo` trains the synthetic long-tail mix (`data.plan_samples`, the same seeds) on a few
+`hf-dp-balance demo` trains the synthetic long-tail mix (`testing.mix.plan_samples`, the same seeds) on a few
 ranks. Here the same steps are priced with fitted costs instead of trained, for many settings at once:
 
 * none:   each step cut into one equal-token pack per rank (`demo.token_balanced_packs`), the slowest pack;
@@ -24,9 +24,9 @@ import json
 import numpy as np
 
 from hf_dp_balance.core.cost import CostModel
-from hf_dp_balance.testing.data import plan_samples
+from hf_dp_balance.testing.mix import plan_samples
 from hf_dp_balance.apps.demo import token_balanced_packs
-from hf_dp_balance.runtime.loader import planning_costs
+from hf_dp_balance.core.costing import planning_costs
 from hf_dp_balance.core.lookahead import plan_lookahead
 from hf_dp_balance.core.planner import plan_balance
 

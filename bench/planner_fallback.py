@@ -1,8 +1,7 @@
 """Long-tail simulator steps: where plan_balance needs its one-for-many exchanges and the partial repack.
 
 Per step, side by side in one process: plan_balance and the reference greedy held to the same cap
-(skip rules off); counts the exchange tries and repacks by wrapping the private helpers where the planner
-calls them (passes._eject, repack._repack), and prints
+(skip rules off); counts the exchange tries and repacks by wrapping the private helpers, and prints
 the markdown table of docs/benchmarks/planner.md. Run: python bench/planner_fallback.py
 """
 import time
@@ -10,7 +9,7 @@ import numpy as np
 import scipy.optimize  # noqa: F401  (imported once by the first repack; excluded from the per-plan times)
 import hf_dp_balance.core.planner as P
 from hf_dp_balance.core.planner import passes, repack
-from hf_dp_balance.apps import simulate as S
+from hf_dp_balance.apps import sim_model, sim_runs
 from hf_dp_balance.apps.reference import plan_reference_greedy
 
 calls = {"repack": 0, "eject": 0}
@@ -21,11 +20,11 @@ for module, name in ((repack, "repack"), (passes, "eject")):
             return fn(*a, **k)
         return inner
     setattr(module, "_" + name, wrap(getattr(module, "_" + name)))
-cost = S.load_cost("7b")
+cost = sim_model.load_cost("7b")
 print("| DP | step | items | before / LB | plan_balance / LB | moved | exchanges | repacks | plan_balance ms | reference capped / LB | reference moved | reference ms |")
 print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for dp in (64, 512):
-    samples, pack_of = S.draw_packed("qwen2vl-sft", 8 * dp, 32768, np.random.default_rng([0, dp]))
+    samples, pack_of = sim_runs.draw_packed("qwen2vl-sft", 8 * dp, 32768, np.random.default_rng([0, dp]))
     c_all, tok_all = cost.costs(samples), samples.tokens
     for step in range(8):
         m = pack_of // dp == step

@@ -1,30 +1,8 @@
-"""Realistic sample mixes of multimodal SFT, user lengths, and fixed-length packing.
+"""Realistic sample mixes of multimodal SFT (`MIXES`, drawn as `SampleShapes`), user lengths, fixed-length packing.
 
-A *sample* is (text tokens, list of vision items); a vision item is one
-attention block of the vision encoder with its patch count: an image, one
-temporal slice of a video (Qwen2-VL attends within each frame pair:
-``cu_seqlens`` repeats h*w over t), or one InternVL tile. The LLM sees
-``text + sum(patches) / merge`` tokens of the sample (``merge`` = 4 for the
-2x2 merge of Qwen-VL and InternVL's pixel shuffle).
-
-Samples are held column-wise in :class:`Samples` (CSR layout for the vision
-items) so that drawing a million samples, packing and costing them are a few
-numpy calls.
-
-Every mix is a construction from published figures, gathered in
-``shared/WORKLOAD_STATS.md`` — approximate shapes, not a dump of any dataset:
-
-* Qwen2-VL: one LLM token per 28x28 pixels (patch 14, 2x2 merge), 4..16384
-  tokens per image, 256..1280 the practical range; video frames paired
-  (temporal patch 2) [Qwen2-VL model card, processor defaults].
-* InternVL 2.5: 448x448 tiles of 1024 patches -> 256 tokens each after pixel
-  shuffle, 1..12 tiles plus a thumbnail, max sequence 8192 [InternVL repo,
-  issues #381, #1166].
-* LLaVA-OneVision: video 8..32 frames, 196 tokens per frame [LLaVA-OV paper].
-* llava_v1_5_mix665k: about 6% text-only [LLaVA #657]; ShareGPT4V captions
-  ~200 tokens; MMDU-45k multi-image dialogues 5K tokens on average, 17K max.
-* Long-SFT corpora: mostly short sequences with a thin tail up to the context
-  length [ChunkFlow]; Zipf-like SFT lengths [NeMo-RL docs].
+A sample is (text tokens, vision items with patch counts); its LLM length is text + patches / merge. Every
+mix is a construction from published figures (shared/WORKLOAD_STATS.md), not a dump of any dataset; the
+Qwen2-VL mixes draw the starting mix of `hf_dp_balance.testing.mix`. Sources and statistics: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -35,12 +13,15 @@ from typing import Callable, Dict, Tuple
 
 import numpy as np
 
+from hf_dp_balance.testing.mix import (IMAGE_MAX, IMAGE_MEDIAN, IMAGE_MIN, IMAGE_SIGMA, MIX_FRACTIONS, MULTI_MEDIAN,
+                                      MULTI_SIGMA, TEXT_MEDIAN, TEXT_SIGMA)
+
 # Patches per LLM token: Qwen-VL's 2x2 spatial merge, InternVL's 0.5 pixel shuffle.
 MERGE = 4
 
 
 @dataclass(frozen=True)
-class Samples:
+class SampleShapes:
     """Column-wise samples: text tokens per sample plus vision items in CSR layout.
 
     ``item_patches[item_offsets[i]:item_offsets[i+1]]`` are the vision items
@@ -58,20 +39,20 @@ class Samples:
         offsets = np.asarray(self.item_offsets, dtype=np.int64)
         if text.ndim != 1 or patches.ndim != 1 or offsets.shape != (text.size + 1,):
             raise ValueError(
-                f"Samples: text_tokens [n], item_patches [items], item_offsets [n+1] expected, "
+                f"SampleShapes: text_tokens [n], item_patches [items], item_offsets [n+1] expected, "
                 f"got {text.shape}, {patches.shape}, {offsets.shape}"
             )
         if offsets[0] != 0 or offsets[-1] != patches.size or np.any(np.diff(offsets) < 0):
-            raise ValueError("Samples.item_offsets must rise from 0 to the number of vision items")
+            raise ValueError("SampleShapes.item_offsets must rise from 0 to the number of vision items")
         if text.size and text.min() < 0:
             i = int(np.argmin(text))
-            raise ValueError(f"Samples: sample {i} has text_tokens={text[i]} < 0")
+            raise ValueError(f"SampleShapes: sample {i} has text_tokens={text[i]} < 0")
         if patches.size and patches.min() <= 0:
             j = int(np.argmin(patches))
             i = int(np.searchsorted(offsets, j, side="right") - 1)
-            raise ValueError(f"Samples: sample {i} has a vision item of {patches[j]} patches (must be > 0)")
+            raise ValueError(f"SampleShapes: sample {i} has a vision item of {patches[j]} patches (must be > 0)")
         if self.merge <= 0:
-            raise ValueError(f"Samples.merge={self.merge}: must be > 0")
+            raise ValueError(f"SampleShapes.merge={self.merge}: must be > 0")
         object.__setattr__(self, "text_tokens", text)
         object.__setattr__(self, "item_patches", patches)
         object.__setattr__(self, "item_offsets", offsets)
@@ -96,7 +77,7 @@ class Samples:
         """LLM sequence length of each sample: text + vision tokens (int64 [n])."""
         return self.text_tokens + self.vision_tokens
 
-    def take(self, index) -> "Samples":
+    def take(self, index) -> "SampleShapes":
         """The samples at `index` (in that order), items carried along."""
         index = np.asarray(index, dtype=np.int64)
         counts = np.diff(self.item_offsets)[index]
@@ -106,17 +87,17 @@ class Samples:
         # Gather every item of every chosen sample: start of its sample + rank within it.
         within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)
         items = self.item_patches[np.repeat(starts, counts) + within]
-        return Samples(self.text_tokens[index], items, offsets, self.merge)
+        return SampleShapes(self.text_tokens[index], items, offsets, self.merge)
 
     @classmethod
-    def text_only(cls, lengths) -> "Samples":
+    def text_only(cls, lengths) -> "SampleShapes":
         """Text samples of these token lengths (no vision items)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         return cls(lengths, np.zeros(0, dtype=np.int64), np.zeros(lengths.size + 1, dtype=np.int64))
 
     @classmethod
-    def concat(cls, parts) -> "Samples":
-        """Samples of `parts` one after the other."""
+    def concat(cls, parts) -> "SampleShapes":
+        """The samples of `parts` one after the other."""
         parts = list(parts)
         if not parts:
             return cls.text_only([])
@@ -124,7 +105,7 @@ class Samples:
         offsets, base = [np.zeros(1, dtype=np.int64)], 0
         for p in parts:
             if p.merge != merge:
-                raise ValueError(f"Samples.concat: merge {p.merge} != {merge}")
+                raise ValueError(f"SampleShapes.concat: merge {p.merge} != {merge}")
             offsets.append(p.item_offsets[1:] + base)
             base += p.item_patches.size
         return cls(
@@ -142,10 +123,10 @@ def _lognormal(rng: np.random.Generator, median: float, sigma: float, size: int,
     return np.clip(np.rint(median * np.exp(sigma * rng.standard_normal(size))), lo, hi).astype(np.int64)
 
 
-def _assemble(text: np.ndarray, items_per_sample: np.ndarray, item_patches: np.ndarray) -> Samples:
+def _assemble(text: np.ndarray, items_per_sample: np.ndarray, item_patches: np.ndarray) -> SampleShapes:
     offsets = np.zeros(text.size + 1, dtype=np.int64)
     np.cumsum(items_per_sample, out=offsets[1:])
-    return Samples(text, item_patches, offsets)
+    return SampleShapes(text, item_patches, offsets)
 
 
 def _images_to_patches(tokens: np.ndarray) -> np.ndarray:
@@ -153,8 +134,8 @@ def _images_to_patches(tokens: np.ndarray) -> np.ndarray:
     return np.maximum(tokens, 1) * MERGE
 
 
-def _qwen2vl_mix(rng: np.random.Generator, n: int, *, tail_share: float, max_tokens: int) -> Samples:
-    """The starting mix of WORKLOAD_STATS.md, with or without a long tail.
+def _qwen2vl_mix(rng: np.random.Generator, n: int, *, tail_share: float, max_tokens: int) -> SampleShapes:
+    """The starting mix of WORKLOAD_STATS.md (its figures: `hf_dp_balance.testing.mix`), with or without a long tail.
 
     Per sample (kinds drawn independently):
       text: lognormal(median 300, sigma 0.9) tokens (prompt + answer; captions ~200) in [8, 4096];
@@ -167,12 +148,12 @@ def _qwen2vl_mix(rng: np.random.Generator, n: int, *, tail_share: float, max_tok
     Samples are then truncated to `max_tokens` by dropping vision slices from the end (videos)
     and clipping text, as a max-length SFT pipeline does.
     """
-    kind = rng.choice(4, size=n, p=[0.35, 0.55, 0.05, 0.05])
-    text = _lognormal(rng, 300, 0.9, n, 8, 4096)
+    kind = rng.choice(4, size=n, p=list(MIX_FRACTIONS.values()))  # text, image, multi-image, video
+    text = _lognormal(rng, TEXT_MEDIAN, TEXT_SIGMA, n, 8, 4096)
     n_items = np.where(kind == 1, 1, 0)
     n_items = np.where(kind == 2, rng.integers(2, 9, size=n), n_items)
     n_items = np.where(kind == 3, rng.integers(4, 17, size=n), n_items)
-    video_total = _lognormal(rng, 5000, 0.6, n, 512, 16384)
+    video_total = _lognormal(rng, MULTI_MEDIAN, MULTI_SIGMA, n, 512, 16384)
 
     is_tail = rng.random(n) < tail_share
     tail_total = rng.integers(16384, 32769, size=n)
@@ -184,14 +165,14 @@ def _qwen2vl_mix(rng: np.random.Generator, n: int, *, tail_share: float, max_tok
     video_total = np.where(is_tail & tail_video, tail_total - 256, video_total)
 
     owner = np.repeat(np.arange(n), n_items)
-    image_tokens = _lognormal(rng, 700, 0.6, owner.size, 64, 16384)
+    image_tokens = _lognormal(rng, IMAGE_MEDIAN, IMAGE_SIGMA, owner.size, IMAGE_MIN, IMAGE_MAX)
     slice_tokens = np.maximum(video_total[owner] // np.maximum(n_items[owner], 1), 16)
     item_tokens = np.where(kind[owner] == 3, slice_tokens, image_tokens)
     samples = _assemble(text, n_items, _images_to_patches(item_tokens))
     return truncate(samples, max_tokens)
 
 
-def _internvl_mix(rng: np.random.Generator, n: int) -> Samples:
+def _internvl_mix(rng: np.random.Generator, n: int) -> SampleShapes:
     """InternVL 2.5-like SFT: tiles of 1024 patches (256 tokens), max sequence 8192.
 
     10% text-only; 70% one image of 1..12 tiles (dynamic resolution; skewed to few tiles:
@@ -217,13 +198,13 @@ def _internvl_mix(rng: np.random.Generator, n: int) -> Samples:
     return truncate(_assemble(text, n_items, patches), 8192)
 
 
-def _text_sft_mix(rng: np.random.Generator, n: int) -> Samples:
+def _text_sft_mix(rng: np.random.Generator, n: int) -> SampleShapes:
     """Text-only SFT: Zipf-like lengths, lognormal(median 400, sigma 1.1) in [16, 32768]
     (NeMo-RL: Zipf-like; ChunkFlow: dominated by short sequences, thin tail to the context)."""
-    return Samples.text_only(_lognormal(rng, 400, 1.1, n, 16, 32768))
+    return SampleShapes.text_only(_lognormal(rng, 400, 1.1, n, 16, 32768))
 
 
-def truncate(samples: Samples, max_tokens: int) -> Samples:
+def truncate(samples: SampleShapes, max_tokens: int) -> SampleShapes:
     """Cut every sample to at most `max_tokens` LLM tokens.
 
     Vision items are dropped from the end of a sample until its vision tokens fit
@@ -240,14 +221,14 @@ def truncate(samples: Samples, max_tokens: int) -> Samples:
     keep = within <= max_tokens
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum(np.bincount(owner[keep], minlength=len(samples)), out=offsets[1:])
-    kept = Samples(samples.text_tokens, samples.item_patches[keep], offsets, samples.merge)
+    kept = SampleShapes(samples.text_tokens, samples.item_patches[keep], offsets, samples.merge)
     text = np.minimum(kept.text_tokens, max_tokens - kept.vision_tokens)
-    return Samples(text, kept.item_patches, kept.item_offsets, samples.merge)
+    return SampleShapes(text, kept.item_patches, kept.item_offsets, samples.merge)
 
 
 # --------------------------------------------------------------------------- registry
 
-MixFn = Callable[[np.random.Generator, int], Samples]
+MixFn = Callable[[np.random.Generator, int], SampleShapes]
 
 MIXES: Dict[str, Tuple[MixFn, str]] = {
     "qwen2vl-sft": (
@@ -271,7 +252,7 @@ def mix_names() -> Tuple[str, ...]:
     return tuple(MIXES)
 
 
-def draw_mix(name: str, n: int, rng: np.random.Generator) -> Samples:
+def draw_mix(name: str, n: int, rng: np.random.Generator) -> SampleShapes:
     """`n` samples of the named mix, drawn with `rng` (deterministic for a seeded generator)."""
     if name not in MIXES:
         raise ValueError(f"--mix {name!r}: unknown; choose one of {', '.join(MIXES)} or lengths-from")

@@ -1,350 +1,31 @@
-"""Tiny models, tokenizers and a realistic synthetic multimodal dataset.
+"""A realistic synthetic multimodal dataset of real processed samples (offline, CPU, deterministic by seed).
 
-Everything here runs offline on CPU: configs are the smallest sensible
-versions of each supported family (random weights, built in well under a
-second), the tokenizer is trained with `tokenizers` on generated text in a few
-milliseconds, and images are drawn with Pillow and passed through the family's
-real `*ImageProcessorPil`.
-
-Families: ``"text"`` (a Qwen2 causal LM), ``"qwen2_vl"``, ``"qwen2_5_vl"``,
-``"qwen3_vl"``, ``"internvl"``.
+Sample shapes come from the starting mix (`hf_dp_balance.testing.mix`); images are drawn with Pillow and
+passed through the family's real `*ImageProcessorPil`, videos are frame stacks in the video processor's
+layout. The tiny models and tokenizer (`hf_dp_balance.testing.models`) are re-exported here. Details:
+docs/data.md.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import tempfile
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
-FAMILIES = ("text", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
-
-# One vocabulary for every family: the special tokens come first, so their ids
-# are fixed (the trainer of `tokenizers` assigns special tokens ids 0..k-1 in
-# order) and every config below points at the same ids.
-SPECIAL_TOKENS = (
-    "<pad>",  # 0
-    "<eos>",  # 1
-    "<bos>",  # 2
-    "<|vision_start|>",  # 3  Qwen-VL
-    "<|vision_end|>",  # 4
-    "<|image_pad|>",  # 5  Qwen-VL image placeholder
-    "<|video_pad|>",  # 6  Qwen-VL video placeholder
-    "<img>",  # 7  InternVL
-    "</img>",  # 8
-    "<IMG_CONTEXT>",  # 9  InternVL image placeholder
-    "<video>",  # 10 InternVL video marker (unused by the tiny configs)
+from hf_dp_balance.testing.models import (  # noqa: F401  (re-exported: tests and recipes import them from here)
+    BOS_ID, EOS_ID, FAMILIES, IMAGE_PAD_ID, IMG_CONTEXT_ID, IMG_END_ID, IMG_START_ID, INTERNVL_PATCH, INTERNVL_TILE,
+    INTERNVL_TOKENS_PER_TILE, PAD_ID, SPECIAL_TOKENS, TOKEN_IDS, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID,
+    VOCAB_SIZE, check_family, build_tokenizer, make_model, model_class, random_text, tiny_config,
 )
-TOKEN_IDS = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-PAD_ID = TOKEN_IDS["<pad>"]
-EOS_ID = TOKEN_IDS["<eos>"]
-BOS_ID = TOKEN_IDS["<bos>"]
-VISION_START_ID = TOKEN_IDS["<|vision_start|>"]
-VISION_END_ID = TOKEN_IDS["<|vision_end|>"]
-IMAGE_PAD_ID = TOKEN_IDS["<|image_pad|>"]
-VIDEO_PAD_ID = TOKEN_IDS["<|video_pad|>"]
-IMG_START_ID = TOKEN_IDS["<img>"]
-IMG_END_ID = TOKEN_IDS["</img>"]
-IMG_CONTEXT_ID = TOKEN_IDS["<IMG_CONTEXT>"]
-VOCAB_SIZE = 512
-
-# Tiny InternVL tile: 56x56 pixels, patch 14 -> 4x4 patches -> pixel shuffle
-# (downsample 0.5) -> 4 tokens per tile. Real InternVL: 448 px, 256 tokens.
-INTERNVL_TILE = 56
-INTERNVL_PATCH = 14
-INTERNVL_TOKENS_PER_TILE = (INTERNVL_TILE // INTERNVL_PATCH) ** 2 // 4
-
-
-def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
-
-
-def tiny_config(family: str, **overrides: Any):
-    """Smallest sensible `PretrainedConfig` of a family (random-weight tests, demo).
-
-    Decoder: hidden 64, 2 layers, 4 heads (2 KV heads), head_dim 16, vocab 512
-    (the vocabulary of `build_tokenizer`). Vision towers: depth 1-2, hidden 32.
-    VLMs get ``text_config.use_cache=False`` (otherwise the packing mask is
-    silently skipped in training). Special-token ids match `build_tokenizer`.
-    ``overrides`` are set on the top-level config; keys ``text_config`` /
-    ``vision_config`` (dicts) are merged into the sub-configs.
-    """
-    _check_family(family)
-    from transformers import AutoConfig
-
-    text_over = dict(overrides.pop("text_config", {}) or {})
-    vision_over = dict(overrides.pop("vision_config", {}) or {})
-    text = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        use_cache=False,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        tie_word_embeddings=False,
-    )
-    if family == "text":
-        cfg = AutoConfig.for_model("qwen2", **{**text, **text_over})
-    elif family in ("qwen2_vl", "qwen2_5_vl"):
-        # head_dim 16 -> 8 rotary frequencies split t/h/w as 2/3/3
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-        vision = dict(depth=1, hidden_size=64, num_heads=2, patch_size=14, temporal_patch_size=2, spatial_merge_size=2)
-        if family == "qwen2_vl":
-            vision.update(embed_dim=32, mlp_ratio=2)
-        else:
-            vision.update(
-                depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64,
-                window_size=56, fullatt_block_indexes=[1], tokens_per_second=2,
-            )
-    elif family == "qwen3_vl":
-        text.update(head_dim=16)
-        text["rope_parameters"] = {
-            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True,
-        }
-        vision = dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, temporal_patch_size=2,
-            spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=256, deepstack_visual_indexes=[0],
-        )
-    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-        cfg = AutoConfig.for_model(
-            family,
-            text_config={**text, **text_over},
-            vision_config={**vision, **vision_over},
-            image_token_id=IMAGE_PAD_ID,
-            video_token_id=VIDEO_PAD_ID,
-            vision_start_token_id=VISION_START_ID,
-            vision_end_token_id=VISION_END_ID,
-        )
-    elif family == "internvl":
-        text.update(model_type="qwen2")
-        vision = dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            image_size=INTERNVL_TILE, patch_size=INTERNVL_PATCH,
-        )
-        cfg = AutoConfig.for_model(
-            family,
-            text_config={**text, **text_over},
-            vision_config={**vision, **vision_over},
-            image_token_id=IMG_CONTEXT_ID,
-            image_seq_length=INTERNVL_TOKENS_PER_TILE,
-            downsample_ratio=0.5,
-            tie_word_embeddings=False,
-        )
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    if family != "text":
-        cfg.text_config.use_cache = False
-    cfg.use_cache = False
-    return cfg
-
-
-def model_class(family: str):
-    """The transformers class that trains a family (causal LM head)."""
-    _check_family(family)
-    import transformers
-
-    return {
-        "text": transformers.Qwen2ForCausalLM,
-        "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
-        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
-        "internvl": transformers.InternVLForConditionalGeneration,
-    }[family]
-
-
-def make_model(family: str, seed: int = 0, *, dtype=None, attn_implementation: str = "sdpa", **overrides: Any):
-    """A tiny random-weight model of `family` (deterministic by `seed`), in train mode.
-
-    ``dtype``: e.g. ``torch.float64`` for exact-equivalence tests (default float32).
-    ``overrides`` go to `tiny_config`.
-    """
-    import torch
-
-    cfg = tiny_config(family, **overrides)
-    cfg._attn_implementation = attn_implementation
-    for sub in ("text_config", "vision_config"):
-        if hasattr(cfg, sub):
-            getattr(cfg, sub)._attn_implementation = attn_implementation
-    gen = torch.random.fork_rng(devices=[])
-    with gen:
-        torch.manual_seed(seed)
-        model = model_class(family)(cfg)
-    if dtype is not None:
-        model = model.to(dtype)
-    model.train()
-    return model
-
-
-# ---------------------------------------------------------------- tokenizer
-
-_SYLLABLES = (
-    "ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "qu", "de", "fi", "go", "ha", "ju",
-    "an", "el", "in", "or", "us", "th", "st", "ch", "re", "co", "la", "be", "ta", "mo", "ni", "se",
+from hf_dp_balance.testing.mix import (  # noqa: F401  (re-exported: the dataset's mix)
+    BOUNDED_MAX, DEFAULT_SCALE, IMAGE_MAX, LONG_TAIL_FRACTION, MIX_FRACTIONS, PACK_TOKENS, REGIMES, pack_and_cap,
+    plan_samples,
 )
-
-
-def _word_list(rng: np.random.Generator, n: int) -> list[str]:
-    """Pseudo-words of 1-4 syllables (Zipf-like reuse makes BPE merges meaningful)."""
-    sylls = np.array(_SYLLABLES)
-    lengths = rng.integers(1, 5, size=n)
-    return ["".join(rng.choice(sylls, size=k)) for k in lengths]
-
-
-@functools.lru_cache(maxsize=1)
-def _words() -> tuple[str, ...]:
-    return tuple(_word_list(np.random.default_rng(1234), 600))
-
-
-def random_text(rng: np.random.Generator, n_words: int) -> str:
-    """`n_words` pseudo-words drawn Zipf-like from a fixed 600-word list."""
-    words = _words()
-    ranks = np.minimum(rng.zipf(1.3, size=n_words), len(words)) - 1
-    return " ".join(words[r] for r in ranks)
-
-
-@functools.lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
-    # Cached as JSON (immutable) so every call returns a fresh tokenizer object.
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS), show_progress=False, min_frequency=2,
-    )
-    rng = np.random.default_rng(0)
-    corpus = [random_text(rng, 50) for _ in range(400)] + [" ".join(_words())]
-    tok.train_from_iterator(corpus, trainer=trainer)
-    for i, t in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(t) != i:  # the fixed-id contract every tiny config relies on
-            raise RuntimeError(f"tokenizer trainer put {t!r} at id {tok.token_to_id(t)}, expected {i}")
-    return tok.to_str()
-
-
-def build_tokenizer(family: str = "text"):
-    """A tiny fast tokenizer (BPE, vocab <= 512) with the family's special tokens at the ids `tiny_config` uses.
-
-    The vocabulary is shared by all families: ids 0..10 are `SPECIAL_TOKENS`
-    (pad, eos, bos, Qwen-VL vision_start/end, image_pad, video_pad, InternVL
-    <img>, </img>, <IMG_CONTEXT>, <video>). For InternVL the tokenizer carries
-    the ``start_image_token`` / ``end_image_token`` / ``context_image_token``
-    attributes its processor reads; for Qwen-VL ``image_token`` /
-    ``video_token`` / ``vision_start_token`` / ``vision_end_token``.
-    """
-    _check_family(family)
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
-        pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-    )
-    if family.startswith("qwen"):
-        tok.image_token, tok.video_token = "<|image_pad|>", "<|video_pad|>"
-        tok.vision_start_token, tok.vision_end_token = "<|vision_start|>", "<|vision_end|>"
-        tok.image_token_id, tok.video_token_id = IMAGE_PAD_ID, VIDEO_PAD_ID
-    elif family == "internvl":
-        tok.start_image_token, tok.end_image_token = "<img>", "</img>"
-        tok.context_image_token, tok.video_token = "<IMG_CONTEXT>", "<video>"
-        tok.start_image_token_id, tok.end_image_token_id = IMG_START_ID, IMG_END_ID
-        tok.context_image_token_id = IMG_CONTEXT_ID
-    return tok
-
 
 # ---------------------------------------------------------------- synthetic dataset
-#
-# The mix (WORKLOAD_STATS.md, "A starting mix"; a construction from published
-# figures, not a published mix itself):
-#   text per sample ~ lognormal(median 300 tokens, sigma 0.9)
-#     [ShareGPT4V captions ~200 tokens; Zipf-like SFT lengths, NeMo-RL docs]
-#   35% text-only                       [llava_v1_5_mix665k has ~6% text-only;
-#                                         we keep more to exercise mixed packs]
-#   55% one image of clip(lognormal(median 700, sigma 0.6), 64, 16384) tokens
-#     [Qwen2-VL model card: 256..1280 practical range, 4..16384 allowed]
-#   10% video or several images, lognormal(median 5000, sigma 0.6) vision tokens
-#     [LLaVA-OneVision video 1.6K..6.3K tokens; MMDU-45k multi-image 5K mean]
-#   packs of 32768 tokens [InternVL packed-dataset default max_packed_tokens]
-# Regimes: "bounded" (no sample above 8192 tokens: InternVL 2.5 trains at max
-# length 8192) and "long_tail" (additionally ~1% of samples at 75-95% of the
-# pack length [ChunkFlow: a thin tail up to the context length]).
-# Every token count is multiplied by `scale` so tiny models train on CPU.
-
-MIX_FRACTIONS = {"text": 0.35, "image": 0.55, "multi_image": 0.05, "video": 0.05}
-TEXT_MEDIAN, TEXT_SIGMA = 300.0, 0.9
-IMAGE_MEDIAN, IMAGE_SIGMA, IMAGE_MIN, IMAGE_MAX = 700.0, 0.6, 64, 16384
-MULTI_MEDIAN, MULTI_SIGMA = 5000.0, 0.6
-PACK_TOKENS = 32768
-BOUNDED_MAX = 8192
-LONG_TAIL_FRACTION = 0.01
-DEFAULT_SCALE = 1.0 / 16.0
-MIXES = ("long_tail", "bounded")
-
-
-def _pack_and_cap(mix: str, scale: float, max_tokens: Optional[int]) -> tuple[int, int]:
-    """(pack length, longest allowed sample) in tokens."""
-    pack = int(max_tokens) if max_tokens is not None else int(round(PACK_TOKENS * scale))
-    cap = min(pack, int(round(BOUNDED_MAX * scale))) if mix == "bounded" else pack
-    return pack, cap
-
-
-def plan_samples(num_samples: int, *, seed: int = 0, mix: str = "long_tail", scale: float = DEFAULT_SCALE,
-                 max_tokens: Optional[int] = None) -> list[dict]:
-    """The shape of each synthetic sample, before rendering (pure numpy, deterministic by seed).
-
-    Returns dicts with ``kind`` ("text" | "image" | "multi_image" | "video"),
-    ``text_tokens`` and ``vision_tokens`` (a list, LLM tokens per image, or per
-    video; already scaled). The budget of a sample (text + vision) never
-    exceeds ``max_tokens`` (default: the pack length 32768 * scale); with
-    ``mix="bounded"`` it never exceeds 8192 * scale either.
-    """
-    if mix not in MIXES:
-        raise ValueError(f"mix={mix!r}: expected one of {MIXES}")
-    if not (0 < scale <= 1):
-        raise ValueError(f"scale={scale!r}: expected 0 < scale <= 1")
-    pack, cap = _pack_and_cap(mix, scale, max_tokens)
-    rng = np.random.default_rng(seed)
-    kinds = list(MIX_FRACTIONS)
-    probs = np.array([MIX_FRACTIONS[k] for k in kinds])
-    out = []
-    for _ in range(num_samples):
-        kind = kinds[rng.choice(len(kinds), p=probs)]
-        text = max(4, int(round(rng.lognormal(np.log(TEXT_MEDIAN), TEXT_SIGMA) * scale)))
-        vision: list[int] = []
-        if kind == "image":
-            vision = [int(np.clip(rng.lognormal(np.log(IMAGE_MEDIAN), IMAGE_SIGMA), IMAGE_MIN, IMAGE_MAX) * scale)]
-        elif kind in ("multi_image", "video"):
-            total = rng.lognormal(np.log(MULTI_MEDIAN), MULTI_SIGMA) * scale
-            if kind == "multi_image":
-                k = int(rng.integers(2, 7))
-                vision = [int(v) for v in total * rng.dirichlet(np.full(k, 4.0))]
-            else:
-                vision = [int(total)]
-        long_tail = mix == "long_tail" and rng.random() < LONG_TAIL_FRACTION
-        if long_tail:  # a long document or a long video, near the pack length
-            target = int(rng.uniform(0.75, 0.95) * pack)
-            if kind in ("text", "image"):
-                text = max(text, target - sum(vision))
-            else:  # stretch text and vision together
-                f = target / max(1, text + sum(vision))
-                text = max(4, int(text * f))
-                vision = [max(1, int(v * f)) for v in vision]
-        budget = text + sum(vision)
-        if budget > cap:  # shrink proportionally into the cap
-            f = cap / budget
-            vision = [max(1, int(v * f)) for v in vision]
-            text = max(1, min(int(text * f), cap - sum(vision)))
-        out.append({"kind": kind, "text_tokens": text, "vision_tokens": [max(1, v) for v in vision],
-                    "long_tail": bool(long_tail)})
-    return out
+# The mix's figures and each sample's shape: `hf_dp_balance.testing.mix` (re-exported here).
 
 
 def _draw_image(rng: np.random.Generator, width: int, height: int, base=None, shift: int = 0):
@@ -537,7 +218,7 @@ class _Renderer:
 
 def dataset_features(family: str):
     """The `datasets.Features` of `build_synthetic_dataset(family, ...)` (absent pixels are None)."""
-    _check_family(family)
+    check_family(family)
     import datasets as hfds
 
     def nested(value, depth):
@@ -579,7 +260,7 @@ def build_synthetic_dataset(family: str, num_samples: int, *, seed: int = 0, mix
     """A `datasets.Dataset` of real processed multimodal samples, deterministic by `seed`.
 
     Sample shapes follow the starting mix of WORKLOAD_STATS.md (see the
-    comment above `MIX_FRACTIONS` for the published figures behind it):
+    figures in `hf_dp_balance.testing.mix`):
     35% text-only, 55% one image, 5% several images (2-6), 5% video; text
     ~ lognormal(median 300 tokens, sigma 0.9); one image
     ~ clip(lognormal(700, 0.6), 64, 16384) tokens; several images / video
@@ -606,11 +287,11 @@ def build_synthetic_dataset(family: str, num_samples: int, *, seed: int = 0, mix
     ``video_grid_thw`` (None where a sample has none). Use `to_sample(row)`
     to get the per-sample dict of tensors the collator takes.
     """
-    _check_family(family)
+    check_family(family)
     import datasets as hfds
 
     plans = plan_samples(num_samples, seed=seed, mix=mix, scale=scale, max_tokens=max_tokens)
-    _, cap = _pack_and_cap(mix, scale, max_tokens)
+    _, cap = pack_and_cap(mix, scale, max_tokens)
     # A private, throw-away cache dir: the rows live in memory, and a shared cache could hand back rows
     # generated by an older version of this code under the same arguments.
     with tempfile.TemporaryDirectory(prefix="hf_dp_balance_ds_") as cache_dir:
@@ -631,7 +312,7 @@ def make_samples(family: str, kinds: tuple = ("text", "image", "multi_image", "v
     ``kinds``: "text", "image", "multi_image" (3 images), "video" (InternVL: frames as tiles).
     ``vision_tokens``: LLM tokens per sample's vision part (split over the images of multi_image).
     """
-    _check_family(family)
+    check_family(family)
     renderer = _Renderer(family)
     out = []
     for i, kind in enumerate(kinds):

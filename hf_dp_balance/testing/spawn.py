@@ -1,12 +1,13 @@
-"""Run a function on N real torch.distributed gloo processes and collect what each returns.
+"""Run a function on real torch.distributed gloo processes and collect what each returns.
 
 `run_ranks(fn, world_size, *args)` spawns `world_size` processes, each with a
 default gloo process group, `torch.set_num_threads(1)` (several ranks share two
 cores), calls `fn(rank, world_size, *args)` and returns the list of results in
 rank order. An exception on any rank is re-raised here with that rank's
 traceback; a rank that neither returns nor raises within `timeout` fails the
-test instead of hanging it. `fn` must be a module-level function (spawn pickles
-it by name).
+caller instead of hanging it. `run_groups` runs several such groups at once (one
+gloo group each) that can wait for each other (`Lockstep`): the demo's ways.
+`fn` must be a module-level function (spawn pickles it by name).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
+from typing import Callable, Dict, Optional, Sequence
 
-import torch.multiprocessing as mp
+# torch is imported inside the functions: a spawned process imports this module before its
+# `env` is applied, and some variables (TORCH_CPP_LOG_LEVEL, OMP_NUM_THREADS) are read when torch loads.
 
 
 def _free_port() -> int:
@@ -26,7 +30,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results, pg_timeout_s, env):
+class RankFailed(RuntimeError):
+    pass
+
+
+class Lockstep:
+    """What the processes of one `run_groups` call share: a barrier over every process of every group,
+    and a channel for progress to the parent. Passed to `fn` as its third argument."""
+
+    def __init__(self, barrier, results, group: str, rank: int):
+        self._barrier, self._results, self.group, self.rank = barrier, results, group, rank
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until every process of every group has called `wait` as often (BrokenBarrierError if one failed)."""
+        self._barrier.wait(timeout=timeout)
+
+    def abort(self) -> None:
+        """Release every process waiting (they raise BrokenBarrierError): one of them failed."""
+        self._barrier.abort()
+
+    def report(self, value) -> None:
+        """Send `value` to the parent's `on_progress(group, rank, value)`."""
+        self._results.put(("progress", (self.group, self.rank), value))
+
+
+def _worker(key, world_size, port, fn, args, results, pg_timeout_s, env, lockstep):
+    group, rank = key
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
@@ -37,10 +66,15 @@ def _worker(rank, world_size, port, fn, args, results, pg_timeout_s, env):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
-        out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
-    except BaseException:  # noqa: BLE001 - forwarded to the test process
-        results.put((rank, False, traceback.format_exc()))
+        if lockstep is None:
+            out = fn(rank, world_size, *args)
+        else:
+            out = fn(rank, world_size, Lockstep(lockstep, results, group, rank), *args)
+        results.put(("done", key, out))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent process
+        if lockstep is not None:
+            lockstep.abort()  # the other groups stop waiting for this one
+        results.put(("failed", key, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             try:
@@ -49,41 +83,74 @@ def _worker(rank, world_size, port, fn, args, results, pg_timeout_s, env):
                 pass
 
 
-class RankFailed(RuntimeError):
-    pass
+def _spawn(fn, groups: Sequence, world_size: int, args, pg_timeout_s: float, env, lockstep: bool):
+    """Start `world_size` processes per group (one gloo group, one port each): (processes by (group, rank),
+    results queue, barrier or None)."""
+    import torch.multiprocessing as mp
 
-
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout_s: float = 120.0, env=None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    env = dict(env or {})
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout_s, env), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
+    barrier = ctx.Barrier(len(groups) * world_size) if lockstep else None
+    procs = {}
+    for group in groups:
+        port = _free_port()
+        for r in range(world_size):
+            procs[group, r] = ctx.Process(target=_worker, daemon=True, args=(
+                (group, r), world_size, port, fn, args, results, pg_timeout_s, dict(env or {}), barrier))
+    for p in procs.values():
         p.start()
-    outs, failures = {}, {}
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    return procs, results, barrier
+
+
+def _collect(procs: Dict, results, timeout: float, *, stop_on_death: bool, barrier=None,
+             on_progress: Optional[Callable] = None):
+    """Results and failures by (group, rank) until every process answered, one died (`stop_on_death`),
+    or `timeout` seconds passed; then the processes are joined (killed after 5 s). A process that
+    exits without answering is a failure; with a barrier, it is aborted so the others stop waiting."""
+    outs, failures, died = {}, {}, []
+    deadline = time.monotonic() + timeout
     try:
-        while len(outs) + len(failures) < world_size:
-            left = (deadline - datetime.datetime.now()).total_seconds()
+        while len(outs) + len(failures) < len(procs):
+            left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(set(range(world_size)) - set(outs) - set(failures))
-                raise RankFailed(f"ranks {missing} did not finish within {timeout}s; failures so far: {failures}")
+                break
             try:
-                rank, ok, value = results.get(timeout=min(left, 1.0))
+                kind, key, value = results.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outs and r not in failures
+                dead = [k for k, p in procs.items() if k not in outs and k not in failures and not p.is_alive()
                         and p.exitcode not in (0, None)]
-                if dead:
-                    raise RankFailed(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+                for k in dead:
+                    failures[k] = f"process exited with code {procs[k].exitcode}"
+                    died.append(k)
+                if dead and barrier is not None:
+                    barrier.abort()
+                if dead and stop_on_death:
+                    break
                 continue
-            (outs if ok else failures)[rank] = value
+            if kind == "progress":
+                if on_progress is not None:
+                    on_progress(*key, value)
+            else:
+                (outs if kind == "done" else failures)[key] = value
     finally:
-        for p in procs:
+        for p in procs.values():
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+    return outs, failures, died
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout_s: float = 120.0, env=None):
+    procs, results, _ = _spawn(fn, [None], world_size, args, pg_timeout_s, env, lockstep=False)
+    outs, failures, died = _collect(procs, results, timeout, stop_on_death=True)
+    outs = {r: v for (_, r), v in outs.items()}
+    if died:
+        ranks = [r for _, r in died]
+        raise RankFailed(f"ranks {ranks} died with exit codes {[procs[None, r].exitcode for r in ranks]}")
+    failures = {r: v for (_, r), v in failures.items()}
+    if len(outs) + len(failures) < world_size:
+        missing = sorted(set(range(world_size)) - set(outs) - set(failures))
+        raise RankFailed(f"ranks {missing} did not finish within {timeout}s; failures so far: {failures}")
     if failures:
         first = min(failures)
         raise RankFailed(f"rank {first} raised:\n{failures[first]}" +
@@ -93,30 +160,29 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout_s: 
 
 def run_ranks_allow_failures(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout_s: float = 120.0, env=None):
     """Like run_ranks, but returns ([(ok, value_or_traceback)] by rank) so fault tests can inspect every rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout_s, dict(env or {})), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    got = {}
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-    try:
-        while len(got) < world_size:
-            left = (deadline - datetime.datetime.now()).total_seconds()
-            if left <= 0:
-                break
-            try:
-                rank, ok, value = results.get(timeout=min(left, 1.0))
-                got[rank] = (ok, value)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in got and not p.is_alive() and p.exitcode not in (0, None):
-                        got[r] = (False, f"process exited with code {p.exitcode}")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return [got.get(r, (False, "no result before the test's timeout")) for r in range(world_size)]
+    procs, results, _ = _spawn(fn, [None], world_size, args, pg_timeout_s, env, lockstep=False)
+    outs, failures, _ = _collect(procs, results, timeout, stop_on_death=False)
+    got = {**{k: (False, v) for k, v in failures.items()}, **{k: (True, v) for k, v in outs.items()}}
+    return [got.get((None, r), (False, "no result before the test's timeout")) for r in range(world_size)]
+
+
+def run_groups(fn, groups: Sequence[str], world_size: int, *args, timeout: float = 300.0,
+               pg_timeout_s: float = 120.0, env=None, on_progress: Optional[Callable] = None) -> Dict[str, list]:
+    """Run `fn(rank, world_size, lockstep, *args)` on `world_size` ranks of every group at the same time.
+
+    Each group has its own gloo process group; `lockstep` (a `Lockstep`, with `.group` and `.rank`) is
+    shared by all processes, so groups can meet between steps and report progress
+    (`on_progress(group, rank, value)` runs in the caller). Returns {group: [result by rank]}. A
+    failure releases every waiting process and is raised here (RankFailed) with its traceback: the
+    first that is not another process's BrokenBarrierError.
+    """
+    procs, results, barrier = _spawn(fn, list(groups), world_size, args, pg_timeout_s, env, lockstep=True)
+    outs, failures, _ = _collect(procs, results, timeout, stop_on_death=False, barrier=barrier,
+                                 on_progress=on_progress)
+    if failures:  # the first real error, not a group that stopped because another one broke the barrier
+        key = next((k for k, v in failures.items() if "BrokenBarrierError" not in v), next(iter(failures)))
+        raise RankFailed(f"{key[0]} rank {key[1]} failed:\n{failures[key]}")
+    late = sorted(set(procs) - set(outs))
+    if late:
+        raise RankFailed(f"{late} (group, rank) did not finish within {timeout:.0f}s")
+    return {g: [outs[g, r] for r in range(world_size)] for g in groups}

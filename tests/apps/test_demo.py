@@ -5,8 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from hf_dp_balance.apps.demo import (WAYS, batch_rebalance_layout, check_invariants, fit_step, format_table,
-                                placement_bound, reachable_cut, summarize_way, token_balanced_packs)
+from hf_dp_balance.apps.demo import batch_rebalance_layout, fit_step, token_balanced_packs
+from hf_dp_balance.apps.demo_analysis import (WAYS, check_invariants, format_table, placement_bound, reachable_cut,
+                                              report_lines, summarize_way)
 
 
 def test_token_balanced_packs_cut_contiguously_into_equal_tokens():
@@ -37,9 +38,14 @@ def test_batch_rebalance_layout_makes_transformers_sampler_yield_the_schedule():
         assert sorted(seen[k]) == list(range(k * ranks * per_rank, (k + 1) * ranks * per_rank))
 
 
-def test_fit_step_leaves_room_for_the_prepared_step():
-    assert fit_step(6) == 5  # fit after step 5; step 6 already prepared; step 7 planned with the model
-    assert fit_step(2) == 2  # never fewer than 2 timed steps
+def test_fit_step_makes_the_first_compared_step_the_first_planned_one():
+    # The loader stays one step ahead until a model is set: fitted at the end of step f, step f+1 is already
+    # prepared without it, and f+2 is the first step planned with it. With warm-up w the first compared step
+    # is w+1. Hand-worked: w=3 -> fit after 2, plan 4; w=6 -> fit after 5, plan 7; w=10 -> fit after 9, plan 11.
+    for warmup, first_planned in [(3, 4), (6, 7), (10, 11)]:
+        assert fit_step(warmup) + 2 == first_planned == warmup + 1
+    # The fit drops its first timed step, so it needs 2: with w=2 the model comes at step 2 and plans step 4.
+    assert fit_step(2) + 2 == 4 and fit_step(1) + 2 == 4
 
 
 def test_placement_bound_is_set_by_a_sample_heavier_than_a_ranks_share():
@@ -70,6 +76,19 @@ def test_summary_and_invariants():
     moved = dict(run, samples_per_step=[[0, 1], [2], [3, 4]])
     assert not check_invariants({"none": run, "x": moved})["same_samples"]
     assert "none" in format_table({"none": run})
+
+
+def test_report_says_what_share_of_the_reachable_cut_was_reached():
+    result = {"gain": {"vs_none": 0.12, "vs_batch_rebalance": -0.01, "perfect_balance_vs_none": 0.21},
+              "settings": {"warmup_steps": 6, "steps": 15},
+              "invariants": {"same_samples": True, "losses_equal": True, "loss_rtol": 1e-4, "max_loss_rel_diff": 0.0},
+              "placement_bound": {"compared_steps_bound_by_one_sample": 3, "compared_steps": 15, "ceiling": 0.16}}
+    text = "\n".join(report_lines(result))
+    # the headline: the cut, and its share of what any per-step placement could reach (0.12 / 0.16)
+    assert text.splitlines()[1].startswith("slowest-rank compute: 12.0% lower than none (75% of the 16.0% "
+                                           "reachable), 1.0% higher than batch_rebalance (steps 7..21")
+    assert "16.0% below none; hf_dp_balance measured 12.0% (75% of it)" in text  # 0.12 / 0.16
+    assert "3 of 15 compared steps" in text
 
 
 def test_invariants_with_lookahead_compare_windows_after_the_warmup_and_nothing_else():
@@ -137,3 +156,7 @@ def test_demo_runs_three_ways_on_two_ranks(tmp_path):
     assert [len(s) for s in ids] == [8] * 4
     assert all(0 <= i < (k + 1) * 8 for k, s in enumerate(ids) for i in s)  # step k: samples k*8.. (or a twin)
     assert png.stat().st_size > 10_000
+    ours = result["runs"]["hf_dp_balance"]
+    # fitted at the end of step fit_step(2) = 2; steps up to the fit's next one were prepared without a model
+    assert [r["step"] for r in ours["fit_reports"]][:1] == [2]
+    assert ours["applied_steps"][:3] == [0, 0, 0]

@@ -7,14 +7,9 @@ import pytest
 
 from hf_dp_balance.apps.cli import main as cli_main
 from hf_dp_balance.core.cost import CostModel
-from hf_dp_balance.apps.mixes import Samples, draw_mix, load_lengths, mix_names, pack_fixed_length, truncate
-from hf_dp_balance.apps.simulate import (
-    BYTES_PER_TOKEN,
-    SampleCost,
-    load_cost,
-    simulate,
-    simulate_packed,
-)
+from hf_dp_balance.apps.mixes import SampleShapes, draw_mix, load_lengths, mix_names, pack_fixed_length, truncate
+from hf_dp_balance.apps.sim_model import BYTES_PER_TOKEN, SampleCost, load_cost
+from hf_dp_balance.apps.sim_runs import simulate, simulate_packed
 
 
 def _quadratic_cost(overhead=0.1):
@@ -24,7 +19,7 @@ def _quadratic_cost(overhead=0.1):
 
 def test_tiny_case_matches_hand_computation():
     # Lengths 6, 3, 4 in packs of 10: pack 0 = [6, 3] (9 tokens), pack 1 = [4]. DP 2, one step.
-    samples = Samples.text_only([6, 3, 4])
+    samples = SampleShapes.text_only([6, 3, 4])
     pack_of = pack_fixed_length(samples.tokens, 10)
     assert pack_of.tolist() == [0, 0, 1]
     row = simulate_packed(samples, pack_of, 2, _quadratic_cost(), pack=10)
@@ -44,7 +39,7 @@ def test_tiny_case_matches_hand_computation():
 
 
 def test_exchange_time_is_charged_when_not_overlapped():
-    samples = Samples.text_only([6, 3, 4])
+    samples = SampleShapes.text_only([6, 3, 4])
     pack_of = pack_fixed_length(samples.tokens, 10)
     # 1000 B/s: moving the 3-token sample (3 * 48 B) takes 0.144 s.
     slow = dict(pack=10, bandwidth_gbs=1e-6)
@@ -58,7 +53,7 @@ def test_exchange_time_is_charged_when_not_overlapped():
 
 def test_grad_accumulation_step_sums_micro_batches():
     # DP 2, GA 2: packs 0..3 -> (micro 0: rank 0, 1), (micro 1: rank 0, 1). Pack = one sample each.
-    samples = Samples.text_only([8, 2, 8, 2])
+    samples = SampleShapes.text_only([8, 2, 8, 2])
     pack_of = np.arange(4)
     row = simulate_packed(samples, pack_of, 2, _quadratic_cost(0.0), pack=10, ga=2)
     # Rank 0 holds both 8s (1.28 s), rank 1 both 2s (0.08 s); balanced: 0.68 s each.
@@ -98,7 +93,7 @@ def test_mixes_are_deterministic_and_respect_their_bounds():
 
 
 def test_truncate_and_take_keep_items_with_their_samples():
-    s = Samples(np.array([10, 5, 7]), np.array([8, 8, 40, 4]), np.array([0, 2, 2, 4]))
+    s = SampleShapes(np.array([10, 5, 7]), np.array([8, 8, 40, 4]), np.array([0, 2, 2, 4]))
     assert s.tokens.tolist() == [14, 5, 18]
     t = truncate(s, 10)  # sample 0: text clipped to 6; sample 2: keeps its first item (10 tokens), drops the last
     assert t.tokens.tolist() == [10, 5, 10]
@@ -142,7 +137,7 @@ def test_user_lengths_from_text_file_and_dataset(tmp_path):
 
 def test_cost_presets_and_fitted_json(tmp_path):
     seven, big = load_cost("7b"), load_cost("72b")
-    s = Samples.text_only([4096, 32768])
+    s = SampleShapes.text_only([4096, 32768])
     # A 32K sample costs ~60% more per token than a 4K one (attention = dense near 53K tokens).
     per_token = seven.costs(s) / s.tokens
     assert per_token[1] / per_token[0] == pytest.approx((1 + 32768 / 53333) / (1 + 4096 / 53333), rel=0.01)
@@ -151,7 +146,7 @@ def test_cost_presets_and_fitted_json(tmp_path):
     fitted.write_text(json.dumps({"model": {"quadratic": 1e-9, "linear": 1e-4, "per_sample": 0.0, "constant": 0.5}}))
     model = load_cost(str(fitted))
     assert model.step_overhead == pytest.approx(0.5) and model.vision is None
-    assert model.costs(Samples.text_only([1000]))[0] == pytest.approx(1e-3 + 0.1)
+    assert model.costs(SampleShapes.text_only([1000]))[0] == pytest.approx(1e-3 + 0.1)
     with pytest.raises(ValueError, match="--cost 'nope'"):
         load_cost("nope")
 
@@ -203,3 +198,81 @@ def test_grad_accumulation_with_lookahead_runs_and_bounds_hold(sync):
     assert row["tgs_ours"] >= row["tgs_none"] * (1 - 1e-12)
     if sync == "step":  # for DDP the per-step lower bound is exact for any within-step plan
         assert row["tgs_lower_bound"] >= row["tgs_ours"] * (1 - 1e-9)
+
+
+# --------------------------------------------------------------------------- the whole step (issue 16)
+
+
+def test_allreduce_is_a_ring_over_the_slowest_link():
+    from hf_dp_balance.apps.sim_price import StepPrice
+
+    price = StepPrice(params=1e9)  # bf16: 2 GB of gradients
+    assert price.allreduce_s(1) == 0.0
+    # 8 GPUs: one node, NVLink 3600 Gb/s = 450 GB/s: 2 * 7/8 * 2 GB / 450 GB/s
+    assert price.allreduce_s(8) == pytest.approx(2 * 7 / 8 * 2e9 / 450e9)
+    # 16 GPUs: two nodes, 400 Gb/s = 50 GB/s per GPU: 2 * 15/16 * 2 GB / 50 GB/s = 75 ms
+    assert price.allreduce_s(16) == pytest.approx(0.075)
+    assert StepPrice(params=1e9, grad_dtype="fp32").allreduce_s(16) == pytest.approx(0.15)
+    assert StepPrice(params=1e9, gpus_per_node=16).allreduce_s(16) == pytest.approx(2 * 15 / 16 * 2e9 / 450e9)
+    # Adam: 30 B per parameter at 3350 GB/s
+    assert StepPrice.adam(1e9).optimizer_s == pytest.approx(30e9 / 3350e9)
+
+
+def test_step_parts_hide_the_allreduce_behind_backward_and_the_exchange_behind_the_step():
+    from hf_dp_balance.apps.sim_price import StepPrice
+
+    kw = dict(params=1e9, optimizer_s=0.01, fixed_s=0.02)
+    # overlapped: 75 ms all-reduce behind 2/3 of 60 ms compute (40 ms): 35 ms shows
+    parts = StepPrice(**kw).parts(16, 0.06, 0.2, exchange_overlapped=True)
+    assert parts["allreduce"] == pytest.approx(0.035)
+    # the exchange (200 ms) overlaps a step of 60 + 35 + 10 + 20 = 125 ms: 75 ms shows
+    assert parts["exchange"] == pytest.approx(0.075)
+    exposed = StepPrice(allreduce_overlapped=False, **kw).parts(16, 0.06, 0.2, exchange_overlapped=False)
+    assert exposed == pytest.approx({"compute": 0.06, "allreduce": 0.075, "optimizer": 0.01, "fixed": 0.02,
+                                     "exchange": 0.2})
+
+
+def test_whole_step_priced_in_a_hand_computed_run():
+    from hf_dp_balance.apps.sim_price import StepPrice
+
+    samples = SampleShapes.text_only([6, 3, 4])
+    pack_of = pack_fixed_length(samples.tokens, 10)
+    price = StepPrice(params=1e9, allreduce_overlapped=False, optimizer_s=0.02, fixed_s=0.1)
+    row = simulate_packed(samples, pack_of, 2, _quadratic_cost(), pack=10, price=price, bandwidth_gbs=1e-6)
+    allreduce = 2 * 1 / 2 * 2e9 / 450e9  # DP 2 inside a node
+    rest = allreduce + 0.02 + 0.1
+    # none: slowest rank 0.45 s; ours 0.36 s, its 3-token move (144 B at 1000 B/s = 0.144 s) overlaps the step
+    # of 0.36 + rest and shows only beyond it
+    assert row["tgs_none"] == pytest.approx(13 / (2 * (0.45 + rest)))
+    shown = max(0.0, 0.144 - (0.36 + rest))
+    assert row["tgs_ours"] == pytest.approx(13 / (2 * (0.36 + rest + shown)))
+    assert row["step_parts_s_none"] == pytest.approx({"compute": 0.45, "allreduce": allreduce, "optimizer": 0.02,
+                                                      "fixed": 0.1, "exchange": 0.0})
+    assert row["allreduce_s"] == pytest.approx(allreduce)
+    assert row["gb_moved_per_step_ours"] == pytest.approx(3 * BYTES_PER_TOKEN / 1e9)
+    assert row["gb_moved_per_step_none"] == 0.0
+    # not hidden, the exchange is 0.144 of a 0.36 + rest + 0.144 s step, and the gain shrinks by it
+    assert row["exchange_share_ours"] == pytest.approx(0.144 / (0.36 + rest + 0.144))
+    assert row["gain_ours_exchange_shown"] == pytest.approx((0.45 + rest) / (0.36 + rest + 0.144) - 1)
+
+
+def test_published_setup_prints_the_reference_gains_beside_the_blog(tmp_path, capsys):
+    out_json = tmp_path / "out.json"
+    code = cli_main(["simulate", "--setup", "published", "--dp", "16,256", "--steps", "1", "--no-progress",
+                     "--json", str(out_json), "--inter-node-gbps", "200", "--optimizer-s", "0.05"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "| reference method, simulated | with its exchange shown | published (blog) |" in text
+    assert "| 256 |" in text and "+3.3% |" in text
+    data = json.loads(out_json.read_text())
+    price = data["settings"]["step_price"]
+    assert data["settings"]["setup"] == "published" and data["settings"]["pack"] == 32768
+    assert price["allreduce_overlapped"] is False and price["inter_node_gbps"] == 200 and price["optimizer_s"] == 0.05
+    assert price["params"] == pytest.approx(7.675e9)
+    # 7.675B bf16 parameters, 2 * 255/256 * 15.35 GB at 25 GB/s, all of it on the step
+    row = data["results"][1]
+    assert row["allreduce_s"] == pytest.approx(2 * 255 / 256 * 7.675e9 * 2 / 25e9)
+    assert row["step_parts_s_none"]["allreduce"] == pytest.approx(row["allreduce_s"])
+    for key in ("gb_moved_per_step_reference", "exchange_share_ours", "gain_reference_exchange_shown"):
+        assert key in row
+    assert row["gb_moved_per_step_reference"] > row["gb_moved_per_step_ours"]  # the reference moves most samples

@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_dp_balance.core.lookahead import assign_slots, plan_lookahead
-from hf_dp_balance.apps.mixes import Samples
-from hf_dp_balance.apps.simulate import SampleCost, simulate_packed
+from hf_dp_balance.apps.mixes import SampleShapes
+from hf_dp_balance.apps.sim_model import SampleCost
+from hf_dp_balance.apps.sim_runs import simulate_packed
 from hf_dp_balance.core.cost import CostModel
 
 
@@ -48,7 +49,7 @@ def test_lookahead_raises_simulated_throughput_on_the_constructed_case():
     costs, tokens, steps = _constructed_window()
     # cost = 0.125 L^2 + 0.25 L: 8 tokens -> 10, 2 tokens -> 1, as in the constructed window.
     cost = SampleCost("hand", CostModel(quadratic=0.125, linear=0.25), None, 0.0, "hand")
-    samples = Samples.text_only(tokens)
+    samples = SampleShapes.text_only(tokens)
     assert np.allclose(cost.costs(samples), costs)
     # Step k: rank 0 holds the outlier, ranks 1..3 four ordinary samples each (8 tokens per rank).
     pack_of = np.array(sum(([4 * k] + [4 * k + 1 + j // 4 for j in range(12)] for k in range(4)), []))

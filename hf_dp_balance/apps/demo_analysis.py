@@ -1,0 +1,247 @@
+"""Analysis of the demo's runs (pure): per-way summaries, the placement bound and reachable cut, the invariants,
+the table, the headline and the plot. What the numbers mean: docs/usage.md (the demo)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+WAYS = ("none", "batch_rebalance", "hf_dp_balance")
+LOSS_RTOL = 1e-4  # per-step loss agreement across ways (float32 summation order differs)
+
+
+def summarize_way(compute: np.ndarray, tokens_per_step: np.ndarray, losses: Sequence[float],
+                  samples_per_step: Sequence[Sequence[int]], moved_samples: int, warmup: int) -> dict:
+    """One way's numbers over the compared steps (after `warmup`); per-step arrays over all steps.
+
+    compute: [steps, ranks] seconds; tokens_per_step: [steps].
+    """
+    compute = np.asarray(compute, dtype=np.float64)
+    sl = slice(warmup, None)
+    slowest = compute.max(axis=1)
+    mean = compute.mean(axis=1)
+    slowest_s = float(slowest[sl].sum())
+    return {
+        "slowest_rank_compute_s": slowest_s,
+        "mean_rank_compute_s": float(mean[sl].sum()),
+        "imbalance": float(slowest[sl].sum() / max(mean[sl].sum(), 1e-12) - 1.0),
+        "samples_trained": int(sum(len(s) for s in samples_per_step[sl])),
+        "tokens_trained": int(np.asarray(tokens_per_step)[sl].sum()),
+        "tokens_per_s": float(np.asarray(tokens_per_step)[sl].sum() / max(slowest_s, 1e-12)),
+        "moved_samples": int(moved_samples),
+        "losses": [float(x) for x in losses],
+        "per_step_slowest_s": slowest.tolist(),
+        "per_step_mean_s": mean.tolist(),
+        "per_rank_compute_s": compute.tolist(),
+        "samples_per_step": [sorted(int(i) for i in s) for s in samples_per_step],
+    }
+
+
+def placement_bound(costs: np.ndarray, samples_per_step: Sequence[Sequence[int]], ranks: int) -> List[float]:
+    """Per step: the least slowest-rank excess over the mean any placement of its samples can reach.
+
+    max(heaviest sample, total / ranks) / (total / ranks) - 1, with `costs` per sample id (the fitted
+    models' prediction). Above 0 only where one sample outweighs a rank's whole share: then no per-step
+    balancing can go lower (only moving samples to other steps could). O(samples).
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    out = []
+    for ids in samples_per_step:
+        c = costs[np.asarray(ids, dtype=np.int64)] if len(ids) else np.zeros(1)
+        share = c.sum() / ranks
+        out.append(float(max(c.max(), share) / share - 1.0) if share > 0 else 0.0)
+    return out
+
+
+def reachable_cut(costs: np.ndarray, none_rank_samples: Sequence[Sequence[Sequence[int]]],
+                  ranks: int, step_constant: float = 0.0) -> dict:
+    """How far below fixed-length packs any per-step placement can bring the slowest rank (predicted).
+
+    `none_rank_samples[k][r]`: sample ids rank r trained in step k under fixed-length packs; `costs`
+    per sample id and `step_constant` per rank-step come from the fitted models. Returns
+    ``none_predicted_s`` (sum over steps of none's slowest rank), ``bound_s`` (sum over steps of
+    max(heaviest sample, share) + constant: no placement of a step's samples does better) and
+    ``ceiling`` = 1 - bound_s / none_predicted_s, the largest cut per-step balancing can make on
+    these steps. Both sums use the same model, so its error mostly cancels in the ratio. O(samples).
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    none_s = bound_s = 0.0
+    for per_rank in none_rank_samples:
+        loads = np.array([costs[np.asarray(ids, dtype=np.int64)].sum() if len(ids) else 0.0 for ids in per_rank])
+        ids = [i for r in per_rank for i in r]
+        heaviest = float(costs[np.asarray(ids, dtype=np.int64)].max()) if ids else 0.0
+        none_s += float(loads.max()) + step_constant
+        bound_s += max(heaviest, float(loads.sum()) / ranks) + step_constant
+    return {"none_predicted_s": none_s, "bound_s": bound_s,
+            "ceiling": 1.0 - bound_s / none_s if none_s > 0 else 0.0}
+
+
+def check_invariants(runs: Dict[str, dict], reference: str = "none", rtol: float = LOSS_RTOL,
+                     window: int = 1, window_from: Optional[int] = None, windowed: Sequence[str] = ()) -> dict:
+    """Same sample ids in every step of every way; per-step losses equal to the reference's within `rtol`.
+
+    With look-ahead (`window` K > 1) the ways in `windowed` may train a sample in another step of its
+    window (aligned windows of K steps from step index `window_from`): from there on their samples are
+    compared per window and their losses are not compared (a reordered step trains other samples, and
+    every later step starts from other weights). Steps before `window_from` are compared as usual.
+    """
+    ref = runs[reference]
+    out = {"same_samples": True, "losses_equal": True, "max_loss_rel_diff": 0.0, "loss_rtol": rtol}
+    if window > 1:
+        out.update(window=window, windows_from_step=window_from, windowed=list(windowed))
+    for name, run in runs.items():
+        a, b = np.asarray(run["losses"]), np.asarray(ref["losses"])
+        mine, theirs = run["samples_per_step"], ref["samples_per_step"]
+        if window > 1 and name in windowed:
+            cut = int(window_from)
+            a, b = a[:cut], b[:cut]
+            same = mine[:cut] == theirs[:cut] and len(mine) == len(theirs) and all(
+                sorted(i for s in mine[w:w + window] for i in s) == sorted(i for s in theirs[w:w + window] for i in s)
+                for w in range(cut, len(theirs), window))
+        else:
+            same = mine == theirs
+        out["same_samples"] = out["same_samples"] and same
+        if a.shape != b.shape:
+            out["losses_equal"] = False
+            continue
+        rel = float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-12))) if a.size else 0.0
+        out["max_loss_rel_diff"] = max(out["max_loss_rel_diff"], rel)
+        out["losses_equal"] = out["losses_equal"] and rel <= rtol
+    return out
+
+
+def format_table(runs: Dict[str, dict]) -> str:
+    none = runs["none"]["slowest_rank_compute_s"]
+    lines = [f"{'way':<16}{'slowest rank s':>15}{'mean rank s':>13}{'imbalance':>11}{'samples':>9}"
+             f"{'tokens/s':>10}{'moved':>7}{'vs none':>9}"]
+    for name, r in runs.items():
+        lines.append(f"{name:<16}{r['slowest_rank_compute_s']:>15.3f}{r['mean_rank_compute_s']:>13.3f}"
+                     f"{100 * r['imbalance']:>10.1f}%{r['samples_trained']:>9d}{r['tokens_per_s']:>10.0f}"
+                     f"{r['moved_samples']:>7d}{100 * (r['slowest_rank_compute_s'] / none - 1):>+8.1f}%")
+    return "\n".join(lines)
+
+
+def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samples_per_rank: int, seed: int,
+             mix: str, wall_s: float, lookahead: int = 0, model: str = "tiny Qwen2-VL") -> dict:
+    """Combine the ranks' records into demo.json's content (pure).
+
+    `by_rank[r][way]`: rank r's record of a way (per-step compute, sample ids, losses, moved samples);
+    `by_rank[0]` also holds every sample's `tokens` and vision `patches`. `model` describes the model.
+    """
+    tokens = np.asarray(by_rank[0]["tokens"])
+    runs = {}
+    for way in WAYS:
+        compute = np.array([by_rank[r][way]["compute"] for r in range(ranks)]).T  # [steps, ranks]
+        samples = [sorted(s for r in range(ranks) for s in by_rank[r][way]["samples"][k])
+                   for k in range(compute.shape[0])]
+        step_tokens = np.array([tokens[s].sum() if s else 0 for s in samples])
+        runs[way] = summarize_way(compute, step_tokens, by_rank[0][way]["losses"], samples,
+                                  by_rank[0][way]["moved"], warmup)
+    hf = by_rank[0]["hf_dp_balance"]
+    runs["hf_dp_balance"].update({k: hf[k] for k in ("cost_model", "vision_cost_model", "vision_tower_balanced",
+                                                      "fit_reports", "applied_steps", "balanced_loader") if k in hf})
+    none, br, ours = (runs[w]["slowest_rank_compute_s"] for w in WAYS)
+    bound = _placement_summary(by_rank, runs, ranks, warmup)
+    return {
+        "settings": {"ranks": ranks, "steps": steps, "warmup_steps": warmup, "samples_per_rank": samples_per_rank,
+                     "samples_per_step": ranks * samples_per_rank, "seed": seed, "mix": mix,
+                     "lookahead_steps": lookahead,
+                     "model": model,
+                     "compute": "thread CPU time of forward+backward+optimizer per rank per step"},
+        "runs": runs,
+        # every way trains the same samples, so the same work: no placement gets the slowest rank below the mean
+        "gain": {"vs_none": 1.0 - ours / none, "vs_batch_rebalance": 1.0 - ours / br,
+                 "batch_rebalance_vs_none": 1.0 - br / none,
+                 "perfect_balance_vs_none": 1.0 - runs["none"]["mean_rank_compute_s"] / none},
+        "invariants": check_invariants(runs, window=lookahead, window_from=warmup, windowed=["hf_dp_balance"]),
+        "placement_bound": bound,
+        "wall_s": wall_s,
+    }
+
+
+def plot(result: dict, path: str) -> None:
+    """Per-step slowest vs mean rank compute for each way (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    colors = {"none": "tab:red", "batch_rebalance": "tab:orange", "hf_dp_balance": "tab:green"}
+    warmup = result["settings"]["warmup_steps"]
+    for way, run in result["runs"].items():
+        x = np.arange(1, len(run["per_step_slowest_s"]) + 1)
+        ax.plot(x, run["per_step_slowest_s"], "-", color=colors.get(way), label=f"{way}: slowest rank")
+        ax.plot(x, run["per_step_mean_s"], "--", color=colors.get(way), alpha=0.6, label=f"{way}: mean rank")
+    ax.axvspan(0.5, warmup + 0.5, color="0.9",
+               label="warm-up, not compared (hf_dp_balance: sampler order until its cost model is fitted)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("rank compute per step (s, thread CPU time)")
+    s = result["settings"]
+    ax.set_title(f"tiny Qwen2-VL, {s['ranks']} gloo ranks, {s['mix']} mix: slowest vs mean rank")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.13))  # below: the lines stay clear
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _placement_summary(by_rank: Dict[int, dict], runs: Dict[str, dict], ranks: int, warmup: int) -> Optional[dict]:
+    """placement_bound of demo.json: per-step excess of the best placement and the reachable cut, priced by
+    the fitted models of hf_dp_balance (None before both were fitted)."""
+    tokens = np.asarray(by_rank[0]["tokens"])
+    hf = by_rank[0]["hf_dp_balance"]
+    if not (hf.get("cost_model") and hf.get("vision_cost_model") and "patches" in by_rank[0]):
+        return None
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.core.costing import planning_costs
+
+    costs = planning_costs(tokens, by_rank[0]["patches"], CostModel.from_dict(hf["cost_model"]),
+                           CostModel.from_dict(hf["vision_cost_model"]))
+    per_step = placement_bound(costs, runs["none"]["samples_per_step"], ranks)
+    compared = np.asarray(per_step[warmup:])
+    constant = hf["cost_model"].get("constant", 0.0) + hf["vision_cost_model"].get("constant", 0.0)
+    none_rank_samples = [[by_rank[r]["none"]["samples"][k] for r in range(ranks)]
+                         for k in range(warmup, len(per_step))]
+    return {"per_step_excess": per_step, "compared_steps_bound_by_one_sample": int((compared > 0.02).sum()),
+             "compared_steps": int(compared.size),
+             **reachable_cut(costs, none_rank_samples, ranks, constant)}
+
+
+def report_lines(result: dict) -> List[str]:
+    """What `hf-dp-balance demo` prints after its table: the cut against none and batch_rebalance, perfect
+    balance, the per-step placement bound and the share of the reachable cut reached, and the invariants."""
+    g, inv, s = result["gain"], result["invariants"], result["settings"]
+    warmup, steps = s["warmup_steps"], s["steps"]
+
+    def cut(x: float) -> str:
+        return f"{100 * abs(x):.1f}% {'lower' if x >= 0 else 'higher'}"
+
+    bound = result.get("placement_bound")
+    reached = ""
+    if bound and bound.get("ceiling", 0) > 0:  # the headline: the share of what per-step placement can reach
+        reached = f" ({100 * g['vs_none'] / bound['ceiling']:.0f}% of the {100 * bound['ceiling']:.1f}% reachable)"
+    lines = [f"\nslowest-rank compute: {cut(g['vs_none'])} than none{reached}, {cut(g['vs_batch_rebalance'])} than "
+             f"batch_rebalance (steps {warmup + 1}..{warmup + steps}; {warmup} warm-up steps not compared)",
+             f"perfect balance (every rank at none's mean rank compute, the same work) would be "
+             f"{100 * g['perfect_balance_vs_none']:.1f}% lower than none"]
+    if bound:
+        lines.append(f"{bound['compared_steps_bound_by_one_sample']} of {bound['compared_steps']} compared steps hold "
+                     f"a sample heavier than a rank's share (fitted costs): no placement within the step gets their "
+                     f"slowest rank down to the mean (placement_bound in the JSON)")
+        if "ceiling" in bound:
+            got = g["vs_none"] / bound["ceiling"] if bound["ceiling"] > 0 else float("nan")
+            lines.append(f"reachable by any per-step placement of these steps (fitted costs): "
+                         f"{100 * bound['ceiling']:.1f}% below none; hf_dp_balance measured "
+                         f"{100 * g['vs_none']:.1f}% ({100 * got:.0f}% of it)")
+    if inv.get("window", 1) > 1:
+        lines.append(f"look-ahead K={inv['window']}: hf_dp_balance may train a sample in another step of its window, "
+                     f"so the per-step bound above does not hold for it; same samples in every step before step "
+                     f"{inv['windows_from_step'] + 1} and in every window of {inv['window']} steps from there: "
+                     f"{inv['same_samples']}; losses equal before step {inv['windows_from_step'] + 1} "
+                     f"(rtol {inv['loss_rtol']:g}): {inv['losses_equal']} "
+                     f"(max rel. diff {inv['max_loss_rel_diff']:.2e})")
+    else:
+        lines.append(f"same samples in every step: {inv['same_samples']}; per-step losses equal "
+                     f"(rtol {inv['loss_rtol']:g}): {inv['losses_equal']} (max rel. diff {inv['max_loss_rel_diff']:.2e})")
+    return lines
