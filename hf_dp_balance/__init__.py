@@ -22,7 +22,7 @@ _EXPORTS = {
     "features_of": "core.cost",
     "PackedCollator": "core.packing",
     "sample_features": "core.packing",
-    "split_packed": "core.packing",
+    "split_packed": "core.unpacking",
     "register_varlen_attention": "runtime.attention",
     "plan_lookahead": "core.lookahead",
     # shell

@@ -200,13 +200,13 @@ def _way_inputs(way: str, world: int, samples, tokens: np.ndarray, opts: dict, c
                   report_to=[], disable_tqdm=True, seed=opts["seed"], learning_rate=1e-3, warmup_steps=0,
                   remove_unused_columns=False, dataloader_drop_last=True, ddp_find_unused_parameters=True,
                   log_level="error")
+    packs = []  # none's fixed-length packs: one per rank per step, equal tokens
+    for k in range(steps):
+        step_ids = list(range(k * B, (k + 1) * B))
+        packs += [[step_ids[i] for i in p] for p in token_balanced_packs(tokens[step_ids], world)]
+    one_pack = TrainingArguments(per_device_train_batch_size=1, train_sampling_strategy="sequential", **common)
     if way == "none":
-        packs = []
-        for k in range(steps):
-            step_ids = list(range(k * B, (k + 1) * B))
-            packs += [[step_ids[i] for i in p] for p in token_balanced_packs(tokens[step_ids], world)]
-        args = TrainingArguments(per_device_train_batch_size=1, train_sampling_strategy="sequential", **common)
-        return _Packs(samples, packs, collator), args, _first, None
+        return _Packs(samples, packs, collator), one_pack, _first, None
     if way == "batch_rebalance":
         # A `datasets.Dataset` with a "length" column, as a Trainer user would give it: Trainer then reads the
         # sampler's lengths from the column instead of loading (and image-processing) every sample on every rank.
@@ -215,13 +215,15 @@ def _way_inputs(way: str, world: int, samples, tokens: np.ndarray, opts: dict, c
         args = TrainingArguments(per_device_train_batch_size=per_rank, train_sampling_strategy="batch_rebalance",
                                  **common)
         return train, args, _RowsCollator(collator), None
-    args = TrainingArguments(per_device_train_batch_size=per_rank, train_sampling_strategy="sequential", **common)
     # Fit one step before the last warm-up step: the step prepared during the fit step keeps its placement, so
     # the first compared step is the first planned with the fitted model. Without vision-tower balancing (the
     # default here) the loader plans each sample at decoder + ViT cost (its images are encoded where it goes);
     # with it (`vision_tower`), the tower is balanced per image from step 1 and the loader plans decoder cost.
     config = DPBalanceConfig(warmup_steps=fit_step(warmup), lookahead_steps=opts["lookahead"],
                              vision=opts["vision"], max_token_ratio=opts["max_token_ratio"])
+    if opts.get("input") == "packed":  # the user's own setup: none's packs are what the balanced way receives
+        return _Packs(samples, packs, collator), one_pack, _first, config
+    args = TrainingArguments(per_device_train_batch_size=per_rank, train_sampling_strategy="sequential", **common)
     return _OrderedSamples(samples, range(steps * B)), args, collator, config
 
 
@@ -241,7 +243,12 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
                        text_config=DEMO_TEXT_CONFIG, vision_config=DEMO_VISION_CONFIG)
     probe = _make_probe(model, key_to_id, on_step_done)
     train, args, collate, config = _way_inputs(way, world, samples, tokens, opts, PackedCollator(model.config))
-    balancer = DPBalanceCallback(config) if config is not None else None
+    if config is None:
+        balancer = None
+    elif opts.get("input") == "packed":
+        balancer = _packed_input_callback(DPBalanceCallback)(config)
+    else:
+        balancer = DPBalanceCallback(config)
     callbacks = [balancer, probe] if balancer is not None else [probe]
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # the demo's own progress bar and table replace the log lines
@@ -258,6 +265,22 @@ def _train_way(way: str, rank: int, world: int, samples, key_to_id: dict, tokens
                  "balanced_loader": balancer.loader is not None}
     torch.distributed.barrier()
     return {"compute": probe.compute, "samples": probe.samples, "losses": losses, "moved": moved, **extra}
+
+
+def _packed_input_callback(base):
+    """`DPBalanceCallback` with the packed-input hook (until the callback takes `packed_input` itself): the
+    Trainer's collator yields packed rows, which `PackedInput` splits before balancing and packs back."""
+    from hf_dp_balance.integrations.install import install_balanced_loader
+    from hf_dp_balance.runtime.packed_input import PackedInput
+
+    class PackedInputCallback(base):
+        def _install_loader(self, train_dataloader, model, args):
+            trainer = self._trainer_ref()
+            self._installed_on = trainer
+            return install_balanced_loader(trainer, self.config,
+                                           packed_input=PackedInput(model.config, collate_fn=trainer.data_collator))
+
+    return PackedInputCallback
 
 
 def _rank_main(rank: int, world: int, lockstep, ds_path: str, opts: dict) -> dict:
@@ -329,8 +352,10 @@ def _build_dataset(path: str, total: int, seed: int, mix: str, progress: bool):
 
 def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_rank: int = 16, seed: int = 0,
              mix: str = "long_tail", max_token_ratio: float = 1.5, vision: bool = False, lookahead: int = 0,
-             progress: bool = True, timeout_s: float = 900.0) -> dict:
-    """Run the three ways at once, each on `ranks` spawned gloo processes, in lockstep; returns demo.json's content."""
+             progress: bool = True, timeout_s: float = 900.0, packed_input: bool = False) -> dict:
+    """Run the three ways at once, each on `ranks` spawned gloo processes, in lockstep; returns demo.json's content.
+
+    `packed_input`: hf_dp_balance receives none's fixed-length packs (the user's own packing) instead of samples."""
     from hf_dp_balance.testing.spawn import run_groups
 
     problem = settings_problem(steps, ranks, warmup, samples_per_rank, lookahead, max_token_ratio)
@@ -342,7 +367,7 @@ def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_ra
         tokens, patches = _build_dataset(ds_path, (steps + warmup) * ranks * samples_per_rank, seed, mix, progress)
         opts = {"steps": steps, "warmup": warmup, "samples_per_rank": samples_per_rank, "seed": seed, "vision": vision,
                 "max_token_ratio": max_token_ratio, "lookahead": lookahead, "workdir": os.path.join(tmp, "out"),
-                "step_timeout_s": timeout_s}
+                "step_timeout_s": timeout_s, "input": "packed" if packed_input else "samples"}
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -366,8 +391,10 @@ def run_demo(steps: int = 15, ranks: int = 4, *, warmup: int = 6, samples_per_ra
     by_rank[0].update(tokens=tokens, patches=patches)
     model = (f"tiny Qwen2-VL (random weights; decoder hidden {DEMO_HIDDEN}, "
              f"{DEMO_TEXT_CONFIG['num_hidden_layers']} layers), varlen attention, gloo, 1 thread per rank")
-    return assemble(by_rank, ranks, steps, warmup, samples_per_rank, seed, mix, time.perf_counter() - started,
-                    lookahead=lookahead, model=model)
+    result = assemble(by_rank, ranks, steps, warmup, samples_per_rank, seed, mix, time.perf_counter() - started,
+                      lookahead=lookahead, model=model)
+    result["settings"]["input"] = "packed" if packed_input else "samples"
+    return result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -386,6 +413,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hf_dp_balance also moves samples between the steps of windows of K steps (the "
                              "library's lookahead_steps): then its samples match none's per window, not per step, "
                              "and its losses after the warm-up are not compared; --warmup must be a multiple of K")
+    parser.add_argument("--input", choices=("samples", "packed"), default="samples",
+                        help="what hf_dp_balance receives: per-sample lists, or none's fixed-length packs (a user "
+                             "who packs already; the packs are split, balanced and packed again, at most as long)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="demo.json", help="where to write the results")
     parser.add_argument("--plot", default="demo.png", help="where to write the plot (PNG); '' for none")
@@ -400,7 +430,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     result = run_demo(args.steps, args.ranks, warmup=args.warmup, samples_per_rank=args.samples_per_rank,
                       seed=args.seed, mix=args.mix, max_token_ratio=args.max_token_ratio,
-                      vision=args.vision_tower, lookahead=args.lookahead, progress=not args.no_progress)
+                      vision=args.vision_tower, lookahead=args.lookahead, progress=not args.no_progress,
+                      packed_input=args.input == "packed")
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     if args.plot:

@@ -1,4 +1,4 @@
-"""Per-sample features, packing of multimodal samples into one row, and the way back.
+"""Per-sample features and packing of multimodal samples into one row (the way back: core/unpacking.py).
 
 Families (from ``model_config.model_type``): ``qwen2_vl``, ``qwen2_5_vl``,
 ``qwen3_vl``, ``internvl``, and any plain causal LM (``text``).
@@ -404,77 +404,6 @@ def ensure_packing_support(model, *, fix: bool = True, extra_attention: Sequence
             f"load the model with attn_implementation in {sorted(allowed)} (or register hf_dp_balance's varlen "
             f"attention) before training on packed rows"
         )
-
-
-def split_packed(batch: Mapping[str, Any], model_config) -> list[dict]:
-    """The per-sample dicts of a packed row (batch size 1), in order.
-
-    Boundaries come from ``position_ids`` (row 0 for Qwen-VL's [4, 1, T]),
-    by `segment_boundaries`. Images / videos / tiles go back to the sample whose
-    placeholder tokens they fill. Exact inverse of `PackedCollator` except the
-    first label of each sample, which packing sets to -100 (it is never a
-    loss target, packed or not).
-    """
-    family = family_of(model_config)
-    for key in REQUIRED_KEYS[family] + ("position_ids",):
-        if batch.get(key) is None:
-            raise ValueError(f"packed batch: key {key!r}: missing")
-    ids = batch["input_ids"]
-    if ids.ndim != 2 or ids.shape[0] != 1:
-        raise ValueError(f"packed batch: key 'input_ids': expected shape [1, T], got {tuple(ids.shape)}")
-    pos = batch["position_ids"]
-    if family in QWEN_FAMILIES:
-        if pos.ndim != 3 or pos.shape[0] != 4:
-            raise ValueError(f"packed batch: key 'position_ids': Qwen-VL packing needs [4, 1, T] (row 0 the plain "
-                             f"positions), got {tuple(pos.shape)}; a [3, 1, T] tensor disables the packing mask")
-        plain = pos[0, 0]
-    else:
-        plain = pos.reshape(-1) if pos.ndim == 2 and pos.shape[0] == 1 else None
-        if plain is None:
-            raise ValueError(f"packed batch: key 'position_ids': expected [1, T], got {tuple(pos.shape)}")
-    if plain.numel() == 0 or int(plain[0]) != 0:
-        raise ValueError("packed batch: key 'position_ids': must start at 0")
-    (edges,) = segment_boundaries(plain)
-    bounds = list(zip(edges, edges[1:]))
-    flat = {k: batch[k][0] for k in ("input_ids", "labels", "mm_token_type_ids") if batch.get(k) is not None}
-    samples = [{k: v[a:b].clone() for k, v in flat.items()} for a, b in bounds]
-
-    if family in QWEN_FAMILIES:
-        merge2 = model_config.vision_config.spatial_merge_size ** 2
-        for tok_id, pix_key, grid_key, extra in (
-            (model_config.image_token_id, "pixel_values", "image_grid_thw", None),
-            (model_config.video_token_id, "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"),
-        ):
-            if batch.get(grid_key) is None:
-                continue
-            grids, pixels = batch[grid_key], batch[pix_key]
-            g = r = 0  # next grid, next pixel row
-            for i, s in enumerate(samples):
-                need = int((s["input_ids"] == tok_id).sum())
-                if need == 0:
-                    continue
-                g0, r0, got = g, r, 0
-                while got < need and g < grids.shape[0]:
-                    rows = int(grids[g].prod())
-                    got += rows // merge2
-                    r += rows
-                    g += 1
-                if got != need:
-                    raise ValueError(f"packed batch: sample {i}: key {grid_key!r}: grids do not match "
-                                     f"the {need} placeholder tokens")
-                s[pix_key] = pixels[r0:r].clone()
-                s[grid_key] = grids[g0:g].clone()
-                if extra and batch.get(extra) is not None:
-                    s[extra] = batch[extra][g0:g].clone()
-    elif family == "internvl" and batch.get("pixel_values") is not None:
-        per_tile = model_config.image_seq_length
-        t = 0
-        for s in samples:
-            tiles = int((s["input_ids"] == model_config.image_token_id).sum()) // per_tile
-            if tiles:
-                s["pixel_values"] = batch["pixel_values"][t:t + tiles].clone()
-                t += tiles
-    return samples
 
 
 # --------------------------------------------------------------------------- sample boundaries of a packed row

@@ -8,6 +8,7 @@ micro-batches per step. The per-step pipeline and look-ahead: docs/exchange.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -57,7 +58,9 @@ class BalancedLoader:
     lists the sample's vision items as (t, h, w) grids or patch counts of one-frame
     items (`core.costing.item_grids`), or is just their count (an int: then no
     vision cost can be planned); default `sample_features` and the sample's grids),
-    `plan_fn` (default `planner.plan_step`).
+    `plan_fn` (default `planner.plan_step`). `packed_input` (a `runtime.packed_input.PackedInput`): the
+    micro-batches are the user's packed rows; they are split into samples before planning, every slot goes
+    back in their layout, and without `config.max_tokens` the cap is the step's longest row (ratio 1.0).
     """
 
     def __init__(self, dataloader: Iterable, config: Optional[DPBalanceConfig] = None, *,
@@ -66,9 +69,15 @@ class BalancedLoader:
                  features_fn: Optional[Callable[[dict], Tuple[int, int]]] = None,
                  plan_fn: Optional[Callable] = None, cost_model: Any = None,
                  exchange: Optional[SampleExchange] = None, sync: Optional[str] = None,
-                 id_key: Optional[str] = None, balancing: bool = True, speed: float = 1.0):
+                 id_key: Optional[str] = None, balancing: bool = True, speed: float = 1.0,
+                 packed_input: Any = None):
         self.dataloader = dataloader
         self.config = config if config is not None else DPBalanceConfig()
+        self.packed_input = packed_input  # runtime.packed_input.PackedInput: the user's micro-batches are packed rows
+        if packed_input is not None:
+            collator = collator or packed_input.collate
+            if self.config.max_tokens is None:  # the cap is the step's longest user row (see token_cap)
+                self.config = dataclasses.replace(self.config, max_token_ratio=1.0)
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps}: must be >= 1")
         self.gradient_accumulation_steps = int(gradient_accumulation_steps)
@@ -216,6 +225,8 @@ class BalancedLoader:
     def _prepare(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
         """Pull up to GA micro-batches and describe every sample (features, cost, encoded size)."""
         rank = self._exchange.rank
+        if self.packed_input is not None:
+            pull = self.packed_input.puller(pull, step, rank)
         micro_batches = pull_micro_batches(step, pull, self.gradient_accumulation_steps, rank)
         prep, grids = describe_samples(step, micro_batches, rank, self.features_fn, self.id_key)
         return cost_rows(prep, grids, self._models)  # one read of the models: costs and version always match

@@ -13,8 +13,8 @@ from hf_dp_balance.core.packing import (
     ensure_packing_support,
     sample_features,
     sample_tensor_keys,
-    split_packed,
 )
+from hf_dp_balance.core.unpacking import split_packed
 
 torch.set_num_threads(1)
 

@@ -1,0 +1,282 @@
+"""Packed rows the user already built -> per-sample dicts, and back into the user's layout.
+
+Guarantee: for rows whose samples fill them in order (what `PackedCollator`, transformers'
+`DataCollatorWithFlattening` and fixed-length packers write), `repack(split_packed(b), layout_of(b))`
+is tensor-equal to `b`. A batch that cannot be split raises ValueError naming the row, the sample and
+the key. The layouts and the rules: docs/packing.md ("Packed input").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from hf_dp_balance.core.packing import (IGNORE_INDEX, QWEN_FAMILIES, REQUIRED_KEYS, SAMPLE_TENSOR_KEYS,
+                                        boundaries_from_cu_seq_lens, family_of, segment_boundaries)
+
+INPUT_SAMPLES = "per-sample lists"
+INPUT_POSITIONS = "packed rows with restarting positions"
+INPUT_CU_SEQ_LENS = "packed rows with cu_seq_lens"
+FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# per-token keys of a packed row that are rebuilt from the boundaries, not carried by a sample
+LAYOUT_KEYS = ("position_ids", "attention_mask", "seq_idx") + FLASH_KEYS
+TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """How the user's collator laid out a micro-batch: what `repack` gives back.
+
+    kind: INPUT_POSITIONS or INPUT_CU_SEQ_LENS. rows / width: the batch's [B, T].
+    keys: the layout keys present (subset of LAYOUT_KEYS). dtypes: their tensor dtypes
+    (`max_length_*`: None when the collator wrote python ints, as `DataCollatorWithFlattening` does).
+    """
+
+    kind: str
+    rows: int
+    width: int
+    keys: tuple[str, ...]
+    dtypes: tuple[tuple[str, Optional[torch.dtype]], ...] = ()
+
+    def dtype(self, key: str) -> Optional[torch.dtype]:
+        return dict(self.dtypes).get(key)
+
+
+def detect_input(micro_batch: Any) -> str:
+    """Which input a micro-batch is: INPUT_SAMPLES (a list of sample dicts), INPUT_CU_SEQ_LENS or
+    INPUT_POSITIONS (a dict of packed rows). Raises for padded rows with no boundaries."""
+    if isinstance(micro_batch, (list, tuple)):
+        return INPUT_SAMPLES
+    if not isinstance(micro_batch, Mapping):
+        raise ValueError(f"micro-batch: expected a list of sample dicts or a dict of packed rows, "
+                         f"got {type(micro_batch).__name__}")
+    if micro_batch.get("cu_seq_lens_q") is not None:
+        return INPUT_CU_SEQ_LENS
+    if micro_batch.get("position_ids") is not None:
+        return INPUT_POSITIONS
+    raise ValueError("packed batch: row 0: key 'position_ids': missing, and no 'cu_seq_lens_q': padded rows "
+                     "with no sample boundaries cannot be split (give per-sample lists, or packed rows with "
+                     "position_ids restarting at 0 per sample or cu_seq_lens)")
+
+
+def layout_of(batch: Mapping[str, Any]) -> PackedLayout:
+    """The `PackedLayout` of a packed batch (see `detect_input`)."""
+    kind = detect_input(batch)
+    ids = batch["input_ids"]
+    keys = tuple(k for k in LAYOUT_KEYS if batch.get(k) is not None)
+    dtypes = tuple((k, batch[k].dtype if isinstance(batch[k], torch.Tensor) else None) for k in keys)
+    return PackedLayout(kind, int(ids.shape[0]), int(ids.shape[1]), keys, dtypes)
+
+
+def row_boundaries(batch: Mapping[str, Any], family: str) -> list[list[int]]:
+    """Per row, `[0, s1, ..., T]`: from `cu_seq_lens_q` (over the flattened rows) when given, else from
+    `position_ids` restarts (`segment_boundaries`). ValueError names the row and the key."""
+    ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.numel() == 0:
+        raise ValueError(f"packed batch: key 'input_ids': expected [B, T], got {tuple(getattr(ids, 'shape', ()))}")
+    rows, width = ids.shape
+    pos = batch.get("position_ids")
+    if pos is not None:
+        want = (4, rows, width) if family in QWEN_FAMILIES else (rows, width)
+        if tuple(pos.shape) != want and not (family not in QWEN_FAMILIES and tuple(pos.shape) == (1, width)):
+            need = ("Qwen-VL packing needs [4, 1, T] per row (row 0 the plain positions; a [3, B, T] tensor "
+                    "disables the packing mask)" if family in QWEN_FAMILIES else "expected [B, T]")
+            raise ValueError(f"packed batch: key 'position_ids': {need}: want {list(want)}, got {list(pos.shape)}")
+    if batch.get("cu_seq_lens_q") is None:
+        plain = pos[0] if family in QWEN_FAMILIES else pos.expand(rows, width)
+        for r in range(rows):
+            if int(plain[r, 0]) != 0:
+                raise ValueError(f"packed batch: row {r}: key 'position_ids': must start at 0")
+        bounds = segment_boundaries(plain)
+    else:
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            if batch.get(key) is not None and not torch.equal(torch.as_tensor(batch[key]).reshape(-1).long(),
+                                                              torch.as_tensor(batch["cu_seq_lens_q"]).reshape(-1).long()):
+                raise ValueError(f"packed batch: key {key!r}: differs from cu_seq_lens_q (self-attention only)")
+        flat = boundaries_from_cu_seq_lens(batch["cu_seq_lens_q"], rows * width)
+        bounds = []
+        for r in range(rows):
+            a, b = r * width, (r + 1) * width
+            if a not in flat or b not in flat:
+                raise ValueError(f"packed batch: row {r}: key 'cu_seq_lens_q': a sample crosses the row's edge")
+            bounds.append([x - a for x in flat if a <= x <= b])
+        if pos is not None and bounds != segment_boundaries(pos):
+            raise ValueError("packed batch: key 'position_ids': restarts differ from cu_seq_lens_q")
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        for r in range(rows):
+            if not bool(torch.as_tensor(mask[r]).bool().all()):
+                raise ValueError(f"packed batch: row {r}: key 'attention_mask': has zeros: padded rows cannot be "
+                                 f"split (pack without padding, boundaries in position_ids or cu_seq_lens)")
+    return bounds
+
+
+def split_packed(batch: Mapping[str, Any], model_config) -> list[dict]:
+    """The per-sample dicts of a packed micro-batch ([B, T] rows), row by row, in order.
+
+    Boundaries: `row_boundaries`. Images / videos / tiles go back to the sample whose placeholder
+    tokens they fill. Exact inverse of `PackedCollator` (and `repack`); a sample keeps its labels as
+    the collator left them, and one whose first label is a target (not -100) after another sample of
+    its row raises: that target would depend on which sample precedes it, which balancing changes.
+    """
+    family = family_of(model_config)
+    for key in REQUIRED_KEYS[family]:
+        if batch.get(key) is None:
+            raise ValueError(f"packed batch: key {key!r}: missing")
+    allowed = set(SAMPLE_TENSOR_KEYS[family]) | set(LAYOUT_KEYS)
+    for key, value in batch.items():
+        if value is not None and key not in allowed:
+            raise ValueError(f"packed batch: key {key!r}: not known how to split it by sample "
+                             f"(a {family} packed row has {sorted(allowed)})")
+    bounds = row_boundaries(batch, family)
+    samples, where = [], []
+    for r, edges in enumerate(bounds):
+        for s, (a, b) in enumerate(zip(edges, edges[1:])):
+            sample = {k: batch[k][r, a:b].clone() for k in TOKEN_KEYS if batch.get(k) is not None}
+            if s > 0 and int(sample["labels"][0]) != IGNORE_INDEX:
+                raise ValueError(f"packed batch: row {r}, sample {s}: key 'labels': the first label is a target "
+                                 f"({int(sample['labels'][0])}), so it learns from the previous sample; mask it "
+                                 f"(-100) in the collator")
+            samples.append(sample)
+            where.append(f"row {r}, sample {s}")
+    if family in QWEN_FAMILIES:
+        _assign_qwen_pixels(samples, where, batch, model_config)
+    elif family == "internvl":
+        _assign_tiles(samples, where, batch, model_config)
+    return samples
+
+
+def _assign_qwen_pixels(samples: list, where: list, batch: Mapping[str, Any], model_config) -> None:
+    """Give each sample the grids (and patch rows) its image / video placeholders need, in order."""
+    merge2 = model_config.vision_config.spatial_merge_size ** 2
+    for tok_id, pix_key, grid_key, extra in (
+        (model_config.image_token_id, "pixel_values", "image_grid_thw", None),
+        (model_config.video_token_id, "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"),
+    ):
+        grids, pixels = batch.get(grid_key), batch.get(pix_key)
+        g = p = 0  # next grid, next patch row
+        for i, s in enumerate(samples):
+            need = int((s["input_ids"] == tok_id).sum())
+            if need == 0:
+                continue
+            for key, value in ((grid_key, grids), (pix_key, pixels)):
+                if value is None:
+                    raise ValueError(f"packed batch: {where[i]}: key {key!r}: missing, the sample has "
+                                     f"{need} placeholder tokens (id {tok_id})")
+            g0, p0, got = g, p, 0
+            while got < need and g < grids.shape[0]:
+                rows = int(grids[g].prod())
+                got, p, g = got + rows // merge2, p + rows, g + 1
+            if got != need or p > pixels.shape[0]:
+                raise ValueError(f"packed batch: {where[i]}: key {grid_key!r}: grids {grids[g0:g].tolist()} do "
+                                 f"not match the sample's {need} placeholder tokens (or {pix_key!r} has too few rows)")
+            s[pix_key], s[grid_key] = pixels[p0:p].clone(), grids[g0:g].clone()
+            if extra and batch.get(extra) is not None:
+                s[extra] = batch[extra][g0:g].clone()
+        if grids is not None and (g != grids.shape[0] or p != pixels.shape[0]):
+            raise ValueError(f"packed batch: key {grid_key!r}: {grids.shape[0] - g} grids / "
+                             f"{pixels.shape[0] - p} {pix_key} rows left over after the last placeholder")
+
+
+def _assign_tiles(samples: list, where: list, batch: Mapping[str, Any], model_config) -> None:
+    """InternVL: each sample's tiles (image_seq_length placeholder tokens per tile), in order."""
+    per_tile, tok_id = model_config.image_seq_length, model_config.image_token_id
+    pixels, t = batch.get("pixel_values"), 0
+    for i, s in enumerate(samples):
+        need = int((s["input_ids"] == tok_id).sum())
+        if need == 0:
+            continue
+        have = 0 if pixels is None else pixels.shape[0] - t
+        if need % per_tile or need // per_tile > have:
+            raise ValueError(f"packed batch: {where[i]}: key 'pixel_values': {need} <IMG_CONTEXT> tokens need "
+                             f"{need / per_tile:g} tiles (image_seq_length {per_tile}), {have} left")
+        s["pixel_values"] = pixels[t:t + need // per_tile].clone()
+        t += need // per_tile
+    if pixels is not None and t != pixels.shape[0]:
+        raise ValueError(f"packed batch: key 'pixel_values': {pixels.shape[0] - t} tiles left over after the "
+                         f"last <IMG_CONTEXT> placeholder")
+
+
+def fill_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Next-fit: sample indices per row, in order, a new row when the next sample would pass `capacity`.
+
+    O(n). Reproduces any packing that filled its rows in order; every row holds at most
+    max(capacity, its one sample) tokens. No samples: one empty row.
+    """
+    rows: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if rows[-1] and used + n > capacity:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
+
+
+def repack(samples: Sequence[Mapping[str, Any]], layout: PackedLayout, collate: Callable[[list], dict],
+           pad_token_id: int, capacity: Optional[int] = None) -> dict:
+    """The samples packed in the user's layout: `collate` (a `PackedCollator`) per row, rows of at most
+    `capacity` tokens (default `layout.width`; one row when the layout has one), padded to the widest with
+    one pad segment (label -100, positions from 0), then the layout keys rebuilt from the boundaries."""
+    lengths = [int(s["input_ids"].numel()) for s in samples]
+    if layout.rows == 1:
+        groups = [list(range(len(samples)))]
+    else:
+        groups = fill_rows(lengths, capacity or layout.width)
+    parts = [collate([samples[i] for i in g]) for g in groups]
+    width = max(p["input_ids"].shape[1] for p in parts)
+    qwen = parts[0]["position_ids"].ndim == 3
+    parts = [_pad_row(p, width, pad_token_id, qwen) for p in parts]
+    # rows stack on dim 0 (Qwen positions [4, 1, T]: dim 1); pixels in row-major sample order, the order
+    # in which the model fills the placeholders
+    batch = {key: torch.cat([p[key] for p in parts if key in p], dim=1 if qwen and key == "position_ids" else 0)
+             for key in dict.fromkeys(k for p in parts for k in p)}
+    return _layout_keys(batch, layout, qwen)
+
+
+def _pad_row(part: dict, width: int, pad_token_id: int, qwen: bool) -> dict:
+    """One collated row widened to `width` by a pad segment that trains nothing."""
+    pad = width - part["input_ids"].shape[1]
+    if pad == 0:
+        return part
+    out = dict(part)
+    out["input_ids"] = torch.cat([part["input_ids"], part["input_ids"].new_full((1, pad), pad_token_id)], dim=1)
+    out["labels"] = torch.cat([part["labels"], part["labels"].new_full((1, pad), IGNORE_INDEX)], dim=1)
+    if "mm_token_type_ids" in part:
+        out["mm_token_type_ids"] = torch.cat([part["mm_token_type_ids"], part["mm_token_type_ids"].new_zeros(1, pad)], 1)
+    arange = torch.arange(pad, dtype=part["position_ids"].dtype)
+    pos = part["position_ids"]
+    out["position_ids"] = torch.cat([pos, arange.expand(pos.shape[0], 1, pad) if qwen else arange[None]], dim=-1)
+    return out
+
+
+def _layout_keys(batch: dict, layout: PackedLayout, qwen: bool) -> dict:
+    """Put back the layout keys the user's collator wrote (and only those), in their dtypes."""
+    pos = batch["position_ids"]
+    plain = pos[0] if qwen else pos
+    rows, width = plain.shape
+    keys = set(layout.keys)
+    if "cu_seq_lens_q" in keys or "seq_idx" in keys:
+        bounds = segment_boundaries(plain)
+        flat = [0] + [r * width + b for r, edges in enumerate(bounds) for b in edges[1:]]
+        lengths = [b - a for a, b in zip(flat, flat[1:])]
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            if key in keys:
+                batch[key] = torch.tensor(flat, dtype=layout.dtype(key))
+        for key in ("max_length_q", "max_length_k"):
+            if key in keys:
+                dtype = layout.dtype(key)
+                batch[key] = max(lengths) if dtype is None else torch.tensor(max(lengths), dtype=dtype)
+        if "seq_idx" in keys:
+            ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+            batch["seq_idx"] = ids.reshape(rows, width).to(layout.dtype("seq_idx"))
+    if "attention_mask" in keys:
+        batch["attention_mask"] = torch.ones(rows, width, dtype=layout.dtype("attention_mask"))
+    if "position_ids" in keys:
+        batch["position_ids"] = pos.to(layout.dtype("position_ids"))
+    else:
+        del batch["position_ids"]
+    return batch

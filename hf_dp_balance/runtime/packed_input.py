@@ -1,0 +1,90 @@
+"""`PackedInput`: the thin layer before `BalancedLoader` for users whose collator already packs.
+
+Each user micro-batch (a list of sample dicts, or a dict of packed rows: position_ids restarting at 0
+per sample, or flash-attention's cu_seq_lens) becomes per-sample dicts (`core.unpacking.split_packed`);
+each balanced slot is packed back in the layout of the first micro-batch (`core.unpacking.repack`):
+cu_seq_lens in, cu_seq_lens out. The kind of input is read from the first micro-batch and logged once;
+a later micro-batch of another kind, or one that cannot be split, raises naming step, rank, micro-batch,
+row, sample and key. Use: `BalancedLoader(dataloader, config, model_config=cfg,
+packed_input=PackedInput(cfg))`; rules and limits: docs/packing.md ("Packed input").
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional
+
+from hf_dp_balance.core.packing import PackedCollator
+from hf_dp_balance.core.unpacking import INPUT_SAMPLES, PackedLayout, detect_input, layout_of, repack, split_packed
+
+logger = logging.getLogger(__name__)
+
+
+class PackedInput:
+    """Per-sample dicts out of the user's micro-batches, and the user's layout back for each slot.
+
+    `model_config`: the model's config (family). `collate_fn`: the user's own collator, called on a
+    micro-batch that arrives as a list (where an installer replaced the dataloader's collate by
+    `list_collate`, as Trainer installation does), so that what is split is what the user's model
+    would have received. `collator`: packs one row (default `PackedCollator(model_config)`; the token cap
+    is the planner's). After the first micro-batch: `kind` (one of core.unpacking's INPUT_*), `layout`
+    (None for per-sample lists) and `pack_length` (the widest row seen on this rank).
+    """
+
+    def __init__(self, model_config: Any, *, collate_fn: Optional[Callable[[list], Any]] = None,
+                 collator: Optional[PackedCollator] = None):
+        self.model_config = model_config
+        self.collate_fn = collate_fn
+        self.collator = collator if collator is not None else PackedCollator(model_config)
+        self.kind: Optional[str] = None
+        self.layout: Optional[PackedLayout] = None
+        self.pack_length = 0
+
+    def samples_of(self, micro_batch: Any, where: str = "micro-batch") -> List[dict]:
+        """The micro-batch's samples, in order (a list passes through); ValueError prefixed by `where`."""
+        try:
+            if self.collate_fn is not None and isinstance(micro_batch, (list, tuple)):
+                micro_batch = self.collate_fn(list(micro_batch))
+            kind = detect_input(micro_batch)
+            if self.kind is None:
+                self._first(kind, micro_batch)
+            elif kind != self.kind:
+                raise ValueError(f"is {kind}, the first micro-batch was {self.kind}")
+            if kind == INPUT_SAMPLES:
+                return list(micro_batch)
+            self.pack_length = max(self.pack_length, int(micro_batch["input_ids"].shape[1]))
+            return split_packed(micro_batch, self.model_config)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+
+    def _first(self, kind: str, micro_batch: Any) -> None:
+        self.kind = kind
+        if kind == INPUT_SAMPLES:
+            logger.info("hf_dp_balance: input: %s (packed with PackedCollator)", kind)
+            return
+        self.layout = layout_of(micro_batch)
+        logger.info("hf_dp_balance: input: %s (%d row(s) of %d tokens per micro-batch, keys %s); balanced rows "
+                    "go back in this layout, at most the step's longest row each", kind, self.layout.rows,
+                    self.layout.width, list(self.layout.keys))
+
+    def puller(self, pull: Callable[[], Optional[Any]], step: int, rank: int) -> Callable[[], Optional[List[dict]]]:
+        """`pull` (next raw micro-batch or None) turned into one that yields each micro-batch's samples."""
+        count = [0]
+
+        def pull_samples():
+            micro_batch = pull()
+            if micro_batch is None:
+                return None
+            where = f"step {step}, rank {rank}, micro-batch {count[0]}"
+            count[0] += 1
+            return self.samples_of(micro_batch, where)
+
+        return pull_samples
+
+    def collate(self, samples: List[dict]) -> Any:
+        """One balanced slot in the user's layout (`PackedCollator`'s row for per-sample lists)."""
+        if self.layout is None:
+            return self.collator(samples)
+        longest = max((int(s["input_ids"].numel()) for s in samples), default=0)
+        return repack(samples, self.layout, self.collator, self.collator.pad_token_id,
+                      capacity=max(self.pack_length, longest))
