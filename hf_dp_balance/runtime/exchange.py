@@ -10,6 +10,7 @@ docs/exchange.md.
 from __future__ import annotations
 
 import datetime
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -28,6 +29,27 @@ class ExchangeError(RuntimeError):
 H_STATUS, H_NUM_SAMPLES, H_NUM_MICRO, H_FLAGS, H_SPEED, H_WIDTH = range(6)
 _MSG_BYTES = 512
 _STORE_PREFIX = "hf_dp_balance/exchange_failed/"
+_STORE_DEADLINE_S = 2.0  # the failure notes are best effort: a stopped store host must not hold the error
+
+
+def call_with_deadline(fn, deadline_s: float, default=None):
+    """`fn()` in a daemon thread, waited for at most `deadline_s`; `default` when it is late or raises.
+
+    For waits that have no timeout of their own (a rendezvous store whose host is stopped keeps the
+    socket open and never answers): the caller goes on, the stuck thread dies with the process.
+    """
+    box = []
+
+    def target():
+        try:
+            box.append(fn())
+        except Exception:  # noqa: BLE001 - best effort, the caller has the real error
+            pass
+
+    worker = threading.Thread(target=target, name="hf_dp_balance-store", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    return box[0] if box else default
 
 
 @dataclass(frozen=True)
@@ -77,25 +99,28 @@ class SampleExchange:
     def report_failure(self, step: int, message: str) -> None:
         """Leave a note in the rendezvous store so that peers stuck in a collective can name this rank."""
         store = self._store()
-        if store is not None:
-            try:
-                store.set(f"{_STORE_PREFIX}{self.rank}", f"step {step}: {message[:300]}")
-            except Exception:  # noqa: BLE001 - the store may be gone with rank 0
-                pass
+        if store is not None:  # the store may be gone or stopped with its host: a deadline, never a hang
+            note = f"step {step}: {message[:300]}"
+            call_with_deadline(lambda: store.set(f"{_STORE_PREFIX}{self.rank}", note), _STORE_DEADLINE_S)
 
     def reported_failures(self) -> Dict[int, str]:
-        """Ranks that left a failure note (best effort: empty when the store is unreachable)."""
-        store, found = self._store(), {}
+        """Ranks that left a failure note (best effort: empty when the store is unreachable or stopped).
+
+        Waits at most `_STORE_DEADLINE_S` in all, whatever the store does.
+        """
+        store = self._store()
         if store is None:
-            return found
-        for r in range(self.world_size):
-            key = f"{_STORE_PREFIX}{r}"
-            try:
+            return {}
+
+        def lookup():
+            found = {}
+            for r in range(self.world_size):
+                key = f"{_STORE_PREFIX}{r}"
                 if store.check([key]):
                     found[r] = store.get(key).decode("utf-8", "replace")
-            except Exception:  # noqa: BLE001
-                break
-        return found
+            return found
+
+        return call_with_deadline(lookup, _STORE_DEADLINE_S, default={})
 
     def _run(self, step: int, phase: str, fn):
         try:

@@ -120,3 +120,38 @@ def run_ranks_allow_failures(fn, world_size: int, *args, timeout: float = 300.0,
             if p.is_alive():
                 p.kill()
     return [got.get(r, (False, "no result before the test's timeout")) for r in range(world_size)]
+
+
+def run_ranks_until(fn, world_size: int, *args, ranks, timeout: float = 120.0, pg_timeout_s: float = 120.0, env=None):
+    """Fault tests: run like `run_ranks`, return {rank: (ok, value_or_traceback, seconds)} once every rank in
+    `ranks` reported (or died, or `timeout` passed), then SIGKILL every process still there (stopped or hung).
+
+    Seconds count from the start of the processes; a rank that did not report is missing from the result.
+    """
+    import time
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout_s, dict(env or {})),
+                         daemon=True) for r in range(world_size)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    got, wanted = {}, set(ranks)
+    try:
+        while not wanted <= set(got) and time.monotonic() - start < timeout:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+                got[rank] = (ok, value, time.monotonic() - start)
+            except queue.Empty:
+                for r in wanted - set(got):
+                    if not procs[r].is_alive():
+                        got[r] = (False, f"process exited with code {procs[r].exitcode}", time.monotonic() - start)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+    return got
