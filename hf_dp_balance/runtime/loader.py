@@ -22,9 +22,9 @@ from hf_dp_balance.core.codec import transfer_layout
 from hf_dp_balance.core.costing import planning_costs, sample_grids
 from hf_dp_balance.runtime.exchange import H_NUM_MICRO, SampleExchange
 from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, F_TOKENS, F_VISION, F_WIDTH, Prepared,
-                                             StepStats, StepWork, cost_rows, default_plan_fn, describe_samples,
-                                             gather_step, list_collate, pull_micro_batches, slot_members,
-                                             slot_samples, validate_plan)
+                                             StepStats, StepWork, agree_plan, check_cap, collate_slots, cost_rows,
+                                             default_plan_fn, describe_samples, gather_step, list_collate,
+                                             pull_micro_batches, slot_members, validate_plan)
 from hf_dp_balance.runtime.step_stream import StepStream
 
 logger = logging.getLogger(__name__)
@@ -253,16 +253,17 @@ class BalancedLoader:
         return cost_rows(prep, grids, self._models)  # one read of the models: costs and version always match
 
     def _plan(self, work: StepWork, balance: bool, speeds: np.ndarray):
-        """(dest_rank, dest_micro, applied, reason) from the work's start placement.
+        """(dest_rank, dest_micro, applied, reason, failure) from the work's start placement.
 
-        Never raises: a planner failure keeps the start placement (invariant 4).
+        Never raises: a planner failure keeps the start placement and returns its message as `failure`
+        (`agree_plan` then makes every rank fall back together, invariant 4).
         """
         world, rows, num_micro = self._exchange.world_size, work.rows, work.num_micro
         owners, micro, cap = work.start_rank, work.start_micro, work.cap
         if not balance:
-            return owners, micro, False, "balancing off (warm-up, disabled or no cost model on some rank)"
+            return owners, micro, False, "balancing off (warm-up, disabled or no cost model on some rank)", None
         if world == 1 or rows.shape[0] == 0:
-            return owners, micro, False, "nothing to balance"
+            return owners, micro, False, "nothing to balance", None
         try:
             plan_fn = self.plan_fn or default_plan_fn()
             tokens = rows[:, F_TOKENS].astype(np.int64)
@@ -274,10 +275,9 @@ class BalancedLoader:
                            min_gain=self.config.min_gain, tolerance=self.config.move_tolerance)
             dest_rank, dest_micro = validate_plan(plan.dest_rank, plan.dest_micro_batch, rows.shape[0], world, num_micro)
             applied = bool(getattr(plan, "applied", True)) and bool(np.any(dest_rank != owners) or np.any(dest_micro != micro))
-            return dest_rank, dest_micro, applied, str(getattr(plan, "reason", "planned"))
-        except Exception as exc:  # invariant 4: planning never stops training
-            logger.warning("hf_dp_balance: step %d: planning failed, no move this step: %r", work.step, exc)
-            return owners, micro, False, f"planner failed: {exc!r}"
+            return dest_rank, dest_micro, applied, str(getattr(plan, "reason", "planned")), None
+        except Exception as exc:  # invariant 4: planning never stops training (agree_plan logs it)
+            return owners, micro, False, f"planner failed: {exc!r}", f"{type(exc).__name__}: {exc}"
 
     def _gather(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         # Balance only when every rank's rows were costed by a model: a model that lands while a rank is
@@ -302,7 +302,11 @@ class BalancedLoader:
         `t0` / `t1`: when the step's gather started / ended (for the statistics).
         """
         ex, rows, holders = self._exchange, work.rows, work.holders
-        dest_rank, dest_micro, applied, reason = self._plan(work, balance, speeds)
+        check_cap(work, self.config.max_tokens, ex.rank)
+        dest_rank, dest_micro, applied, reason, failure = self._plan(work, balance, speeds)
+        if balance and ex.world_size > 1 and rows.shape[0]:  # the planner ran (on every rank alike)
+            dest_rank, dest_micro, fallback = agree_plan(ex, work, dest_rank, dest_micro, failure)
+            applied, reason = (False, fallback) if fallback is not None else (applied, reason)
         t2 = time.perf_counter()
         offset = int(np.searchsorted(holders, ex.rank))  # holders are rank-major
         layout = transfer_layout(holders, dest_rank, rows[:, F_NBYTES].astype(np.int64), ex.rank, ex.world_size)
@@ -311,7 +315,7 @@ class BalancedLoader:
         received = ex.exchange_payloads(work.step, work.samples, offset, layout, work.entries) if moved.any() else {}
         t3 = time.perf_counter()
         by_slot = slot_members(dest_rank, dest_micro, ex.rank, work.num_micro)
-        batches, ids = self._collate_slots(work, by_slot, received)
+        batches, ids = collate_slots(ex, self.collator, work, by_slot, received, self.id_key)
         t4 = time.perf_counter()
 
         costs = rows[:, F_COST]
@@ -327,21 +331,6 @@ class BalancedLoader:
             plan_hash=plan_hash(dest_rank, dest_micro), gather_s=t1 - t0, plan_s=t2 - t1, exchange_s=t3 - t2,
             collate_s=t4 - t3, local_samples=[len(s) for s in by_slot], local_ids=ids)
         return batches, stats
-
-    def _collate_slots(self, work: StepWork, by_slot: List[List[int]], received: dict):
-        """(packed batch of each slot, `id_key` values per slot or None); a collate failure names the slot."""
-        rank = self._exchange.rank
-        batches, ids = [], [] if self.id_key else None
-        for m, members in enumerate(by_slot):
-            slot = slot_samples(work, members, received, rank)
-            if ids is not None:
-                ids.append([s.get(self.id_key) for s in slot])
-            try:
-                batches.append(self.collator(slot))
-            except Exception as exc:
-                raise ValueError(f"step {work.step}, rank {rank}, micro-batch {m}: collating samples "
-                                 f"{members} (global indices) failed: {exc}") from exc
-        return batches, ids
 
     def _run_window(self, step0: int, preps: List[Prepared], error: Optional[str]):
         """Look-ahead over len(preps) steps: yields (batches, stats) in step order, None at the end of the data.

@@ -5,6 +5,7 @@ import signal
 import time
 
 import numpy as np
+import torch
 
 from hf_dp_balance.runtime.exchange import ExchangeError, SampleExchange
 from hf_dp_balance.testing.spawn import run_ranks_until
@@ -40,3 +41,105 @@ def test_stopped_store_host_does_not_hang_the_error_path():
         elapsed, msg = value
         assert msg is not None and "step 1" in msg and "metadata header all_gather" in msg and f"rank {rank}" in msg
         assert elapsed < TIMEOUT_S + 4.0, elapsed  # the store lookup has a deadline (it hung for good before)
+
+
+# ------------------------------------------------------------------ items 2 and 4: through the loader, one spawn
+
+def _text_samples(rank, steps, ga, long_at=None):
+    """Micro-batches of two text samples of uneven lengths; `long_at` = (step, rank): one sample of 900 tokens."""
+    for i in range(steps * ga):
+        mb = []
+        for k in range(2):
+            n = 900 if long_at == (i // ga, rank) and k == 1 else 5 + (37 * (i + k + 3 * rank)) % 60
+            mb.append({"input_ids": torch.ones(n, dtype=torch.int32), "sample_id": 1000 * rank + 10 * i + k})
+        yield mb
+
+
+def _features(sample):
+    return int(sample["input_ids"].numel()), 0
+
+
+def _ids(samples):
+    return {"ids": [s["sample_id"] for s in samples]}
+
+
+class _Planner:
+    """The real planner, but on `rank` at `step` (counted in planner calls) it raises or returns another plan."""
+
+    def __init__(self, rank, step, mode):
+        from hf_dp_balance.core.planner import plan_step
+
+        self.rank, self.step, self.mode, self.calls, self.plan_step = rank, step, mode, 0, plan_step
+
+    def __call__(self, costs, owners, micro, world, num_micro, **kw):
+        plan, self.calls = self.plan_step(costs, owners, micro, world, num_micro, **kw), self.calls + 1
+        if self.calls - 1 == self.step and torch.distributed.get_rank() == self.rank:
+            if self.mode == "raise":
+                raise RuntimeError("planner exploded")
+            plan.dest_rank[:] = (np.asarray(owners) + 1) % world  # a plan no other rank computed
+        return plan
+
+
+def _loader_faults(rank, world):
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.runtime.loader import BalancedLoader
+
+    ga, cfg, model, ex = 2, DPBalanceConfig(timeout_s=20, prefetch_steps=2, min_gain=0.0), CostModel(1.0, 1.0), None
+    out = {}
+
+    def run(name, samples, cfg, collator=_ids, plan_fn=None):
+        nonlocal ex
+        loader = BalancedLoader(samples, cfg, gradient_accumulation_steps=ga, collator=collator, features_fn=_features,
+                                cost_model=model, plan_fn=plan_fn, exchange=ex, id_key="sample_id")
+        ex, steps, t0 = loader.exchange, [], time.monotonic()
+        try:
+            for batches in loader.iter_steps():
+                steps.append(([b["ids"] for b in batches], loader.pop_stats()[0].reason))
+                t0 = time.monotonic()
+            out[name] = (steps, None, 0.0)
+        except RuntimeError as exc:
+            out[name] = (steps, str(exc), time.monotonic() - t0)
+
+    run("cap", _text_samples(rank, 5, ga, long_at=(2, 1)), cfg.replace(max_tokens=500))
+
+    def collator(samples):
+        if rank == 0 and any(s["sample_id"] % 1000 >= 20 for s in samples):  # rank 0's second step
+            raise ValueError("packing exploded")
+        return _ids(samples)
+
+    run("collate", _text_samples(rank, 5, ga), cfg, collator=collator)
+    run("planner raises", _text_samples(rank, 5, ga), cfg, plan_fn=_Planner(1, 2, "raise"))
+    run("plan differs", _text_samples(rank, 5, ga), cfg, plan_fn=_Planner(1, 2, "differ"))
+    return out
+
+
+def test_loader_faults_reach_every_rank_before_the_step_trains():
+    import torch.distributed  # noqa: F401 - _Planner reads the rank
+
+    got = run_ranks_until(_loader_faults, 2, ranks=[0, 1], timeout=150)
+    results = []
+    for rank in (0, 1):
+        ok, value, _ = got[rank]
+        assert ok, value
+        results.append(value)
+    for rank, out in enumerate(results):
+        # item 2: a sample over the hard cap on its own: every rank raises at that step, before it trains
+        steps, msg, elapsed = out["cap"]
+        assert len(steps) == 2 and msg is not None, out["cap"]
+        assert "step 2, token cap: rank 1, micro-batch 0, sample 1 has 900 tokens" in msg and elapsed < 5.0
+        # a collate failure on rank 0 at step 1: rank 1 does not train step 1 either (it did, then timed out)
+        steps, msg, elapsed = out["collate"]
+        assert len(steps) == 1 and msg is not None and elapsed < 5.0, out["collate"]
+        assert "step 1, collate: rank(s) [0]" in msg and "packing exploded" in msg and "micro-batch" in msg
+        # item 4: the planner raises on rank 1 at step 2: every rank trains every step, step 2 unbalanced
+        steps, msg, _ = out["planner raises"]
+        assert msg is None and len(steps) == 5, out["planner raises"]
+        assert "planner failed on rank(s) [1]" in steps[2][1] and "planner exploded" in steps[2][1]
+        # a plan that differs on rank 1: every rank raises at once, naming rank 1
+        steps, msg, elapsed = out["plan differs"]
+        assert len(steps) == 2 and msg is not None and elapsed < 5.0, out["plan differs"]
+        assert "step 2, plan check: the plan of rank(s) [1] differs" in msg
+    for name in ("planner raises",):  # exactly once across the ranks, whatever step 2 did
+        trained = sorted(i for out in results for ids, _ in out[name][0] for mb in ids for i in mb)
+        assert trained == sorted(1000 * r + 10 * i + k for r in (0, 1) for i in range(10) for k in (0, 1))
