@@ -143,3 +143,37 @@ def test_loader_faults_reach_every_rank_before_the_step_trains():
     for name in ("planner raises",):  # exactly once across the ranks, whatever step 2 did
         trained = sorted(i for out in results for ids, _ in out[name][0] for mb in ids for i in mb)
         assert trained == sorted(1000 * r + 10 * i + k for r in (0, 1) for i in range(10) for k in (0, 1))
+
+
+# ------------------------------------------------------------------ item 5: the vision path
+
+def _vision_bad_rows(rank, world):
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.runtime.vision import balance_vision_encoder
+    from hf_dp_balance.testing import data
+    from tests.runtime.test_vision import _qwen_batch
+
+    torch.manual_seed(0)
+    model = balance_vision_encoder(data.make_model("qwen2_vl", seed=0), DPBalanceConfig(vision=True, timeout_s=20))
+    model._dp_balance_vision.step_source = lambda: 40 + model._dp_balance_vision.forwards  # as the callback sets it
+    batch = _qwen_batch("qwen2_vl", [("image", 1, 4, 4)] * (1 + 3 * rank), seed=rank)
+    model(**batch).loss.backward()  # a healthy forward first
+    if rank == 1:  # this rank's pixel rows no longer match its grid
+        batch = {**batch, "pixel_values": batch["pixel_values"][:-3]}
+    t0 = time.monotonic()
+    try:
+        model(**batch)
+    except ExchangeError as exc:
+        return time.monotonic() - t0, str(exc)
+    return time.monotonic() - t0, None
+
+
+def test_bad_pixel_rows_on_one_rank_make_every_rank_raise_at_once():
+    got = run_ranks_until(_vision_bad_rows, 2, ranks=[0, 1], timeout=120)
+    for rank in (0, 1):
+        ok, value, _ = got[rank]
+        assert ok, value
+        elapsed, msg = value
+        assert msg is not None and elapsed < 5.0, value  # the peer timed out (20 s) with a raw gloo error before
+        assert f"step 42, forward 2, rank {rank}, phase local items: rank(s) [1] failed" in msg
+        assert "rank 1: pixel_values has shape" in msg
