@@ -9,7 +9,6 @@ micro-batches per step. The per-step pipeline and look-ahead: docs/exchange.md.
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import threading
 import time
@@ -21,13 +20,15 @@ from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.codec import transfer_layout
 from hf_dp_balance.core.costing import planning_costs, sample_grids
 from hf_dp_balance.runtime.exchange import H_NUM_MICRO, SampleExchange
+from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, F_TOKENS, F_VISION, F_WIDTH, Prepared,
                                              StepStats, StepWork, agree_plan, check_cap, collate_slots, cost_rows,
                                              default_plan_fn, describe_samples, gather_step, list_collate,
                                              pull_micro_batches, slot_members, validate_plan)
 from hf_dp_balance.runtime.step_stream import StepStream
+from hf_dp_balance.runtime.watchdog import Watchdog
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 def plan_hash(dest_rank: np.ndarray, dest_micro: np.ndarray) -> str:
     h = hashlib.sha1(np.ascontiguousarray(dest_rank, dtype=np.int64).tobytes())
@@ -89,7 +90,10 @@ class BalancedLoader:
     lists the sample's vision items as (t, h, w) grids or patch counts of one-frame
     items (`core.costing.item_grids`), or is just their count (an int: then no
     vision cost can be planned); default `sample_features` and the sample's grids),
-    `plan_fn` (default `planner.plan_step`).
+    `plan_fn` (default `planner.plan_step`), `on_fatal` (message -> None: what the watchdog does when a peer
+    stops answering while training; default: log it and exit 1, see `runtime.watchdog`).
+
+    `close()` ends the thread and destroys the side groups this loader created (end of training).
     """
 
     def __init__(self, dataloader: Iterable, config: Optional[DPBalanceConfig] = None, *,
@@ -98,7 +102,8 @@ class BalancedLoader:
                  features_fn: Optional[Callable[[dict], Tuple[int, int]]] = None,
                  plan_fn: Optional[Callable] = None, cost_model: Any = None,
                  exchange: Optional[SampleExchange] = None, sync: Optional[str] = None,
-                 id_key: Optional[str] = None, balancing: bool = True, speed: float = 1.0):
+                 id_key: Optional[str] = None, balancing: bool = True, speed: float = 1.0,
+                 on_fatal: Optional[Callable[[str], None]] = None):
         self.dataloader = dataloader
         self.config = config if config is not None else DPBalanceConfig()
         if gradient_accumulation_steps < 1:
@@ -126,7 +131,11 @@ class BalancedLoader:
         self._models = (cost_model, None, 0)
         self._balancing = bool(balancing)
         self._speed = float(speed)
+        self._owns_exchange = exchange is None  # close() destroys only a group it created
         self._exchange = exchange if exchange is not None else SampleExchange(self.config.timeout_s)
+        self._on_fatal = on_fatal
+        self._watchdog: Optional[Watchdog] = None  # created with the first stream (a collective: main thread)
+        self.step_offset = 0  # the user's step of the next stream's first step (errors name it)
         self._stats: List[StepStats] = []
         self._stats_lock = threading.Lock()
         self._active: Optional[StepStream] = None
@@ -143,6 +152,11 @@ class BalancedLoader:
 
     def set_balancing(self, enabled: bool) -> None:
         self._balancing = bool(enabled)
+
+    def set_step_offset(self, step: int) -> None:
+        """The optimizer step the user sees at the start of the next pass (Trainer: `state.global_step`
+        at the epoch's start, resume included). Errors and `StepStats.step` count from it."""
+        self.step_offset = int(step)
 
     def set_speed(self, speed: float) -> None:
         """This rank's relative speed (1.0 = nominal) for heterogeneous ranks."""
@@ -203,6 +217,8 @@ class BalancedLoader:
         clone.__dict__.update(self.__dict__)
         clone.dataloader = skip_first_batches(self.dataloader, num_batches)
         clone._active, clone._stats, clone._stats_lock = None, [], threading.Lock()
+        clone._owns_exchange = False  # the original's close() destroys its groups
+        clone._watchdog = None
         return clone
 
     def __iter__(self) -> Iterator[Any]:
@@ -230,7 +246,10 @@ class BalancedLoader:
         """
         if self._active is not None:
             self._active.close()
-        self._active = StepStream(self, raw_iterator, step_limit)
+        if self._watchdog is None and self._exchange.world_size > 1 and getattr(self.config, "watchdog", True):
+            self._watchdog = Watchdog(self.config.timeout_s, getattr(self.config, "heartbeat_s", 1.0),
+                                      getattr(self.config, "error_grace_s", 3.0), self._on_fatal)
+        self._active = StepStream(self, raw_iterator, step_limit, self._watchdog)
         return self._active
 
     def stream_for(self, raw_iterator: Iterator, step_limit: Optional[int] = None) -> "StepStream":
@@ -240,9 +259,16 @@ class BalancedLoader:
         return self._active
 
     def close(self) -> None:
+        """Stop the thread, then destroy the watchdog's group and the exchange's (when this loader made it)."""
         if self._active is not None:
             self._active.close()
             self._active = None
+        if self._watchdog is not None:
+            self._watchdog.destroy()
+            self._watchdog = None
+        if self._owns_exchange:
+            self._exchange.destroy()
+            self._owns_exchange = False
 
     # -- one step, run in the background thread ----------------------------------------------
     def _prepare(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:

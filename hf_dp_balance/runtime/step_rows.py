@@ -9,7 +9,6 @@ so a plan changes where a sample is computed, never which samples a step trains 
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -18,8 +17,9 @@ import numpy as np
 from hf_dp_balance.core.codec import encoded_nbytes, sample_entries
 from hf_dp_balance.core.costing import item_grids, planning_costs
 from hf_dp_balance.runtime.exchange import H_FLAGS, H_SPEED, ExchangeError, SampleExchange
+from hf_dp_balance.runtime.logs import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Columns of the per-sample metadata rows gathered from every rank.
 F_MICRO, F_TOKENS, F_VISION, F_COST, F_NBYTES, F_STEP, F_WIDTH = range(7)  # F_STEP: step within a look-ahead window

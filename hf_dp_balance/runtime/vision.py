@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import datetime
 import inspect
-import logging
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -22,11 +21,12 @@ import torch
 from hf_dp_balance.core.costing import item_costs
 from hf_dp_balance.core.routing import VisionRoute, route_items, rows_in_order, take_rows
 from hf_dp_balance.runtime.exchange import ExchangeError
+from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.vision_towers import LocalItems, find_inner
 
 __all__ = ["balance_vision_encoder", "VisionBalancer"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 # Per-forward stats kept until popped; older ones are dropped if nobody pops them.
 _MAX_STATS = 1024
 _MSG_BYTES = 512  # a failed rank's message in the item count gather's second round
@@ -77,12 +77,14 @@ class VisionBalancer:
         self.config = config if config is not None else DPBalanceConfig()
         self.cost_model = cost_model if cost_model is not None else CostModel.default_vision()
         self.inner, self.tower = find_inner(model)
+        self._owns_group = False
         if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # An own communicator with the default group's ranks and backend: the
             # backward all_to_all then never interleaves with DDP's gradient
             # all-reduce on the default group (orders could differ across ranks).
             group = dist.new_group(backend=dist.get_backend(),
                                    timeout=datetime.timedelta(seconds=self.config.timeout_s))
+            self._owns_group = True  # remove() destroys it (each gloo group is a mesh of sockets and threads)
         self.group = group
         self.forwards = 0  # balanced training forwards so far (named in errors)
         # () -> the optimizer step the user sees, for errors; the callback may set it (default: none)
@@ -103,9 +105,18 @@ class VisionBalancer:
         return stats
 
     def remove(self) -> None:
+        """Take the hooks off and destroy the process group this balancer created (end of training)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._owns_group:
+            import torch.distributed as dist
+
+            self._owns_group = False
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # noqa: BLE001 - already torn down with the default group
+                pass
 
     # -- hooks --------------------------------------------------------------------
 

@@ -177,3 +177,77 @@ def test_bad_pixel_rows_on_one_rank_make_every_rank_raise_at_once():
         assert msg is not None and elapsed < 5.0, value  # the peer timed out (20 s) with a raw gloo error before
         assert f"step 42, forward 2, rank {rank}, phase local items: rank(s) [1] failed" in msg
         assert "rank 1: pixel_values has shape" in msg
+
+
+# ------------------------------------------------------------------ item 3: a peer stops while the main thread trains
+
+def _train_loop_peer_stops(rank, world, outdir, victim, signum):
+    """A loop whose every step ends in a training all_reduce on the default group (DDP's place); at step 4 the
+    victim stops (or dies) inside the "forward". Survivors block in the all_reduce; the watchdog must end them."""
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.runtime.loader import BalancedLoader
+
+    err = os.open(os.path.join(outdir, f"stderr_{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)  # the watchdog's one message goes to stderr
+    cfg = DPBalanceConfig(timeout_s=TIMEOUT_S, prefetch_steps=2, min_gain=0.0)
+    loader = BalancedLoader(_text_samples(rank, 30, 2), cfg, gradient_accumulation_steps=2, collator=_ids,
+                            features_fn=_features, cost_model=CostModel(1.0, 1.0))
+    loader.set_step_offset(40)  # as the callback does: errors name the user's step
+    for step, batches in enumerate(loader.iter_steps()):
+        if step == 4 and rank == victim:
+            with open(os.path.join(outdir, "fault_time"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signum)
+        torch.distributed.all_reduce(torch.ones(1))  # the training collective
+    return "finished"
+
+
+def _peer_stops(tmp_path, victim, signum):
+    start = time.time()
+    got = run_ranks_until(_train_loop_peer_stops, 3, str(tmp_path), victim, signum,
+                          ranks=[r for r in range(3) if r != victim], timeout=90, pg_timeout_s=300)
+    fault = float((tmp_path / "fault_time").read_text())
+    for rank in (r for r in range(3) if r != victim):
+        ok, value, seconds = got[rank]
+        assert not ok and "exited with code 1" in value, value
+        assert start + seconds - fault < TIMEOUT_S + 10.0  # the default group would wait its 300 s
+        msg = (tmp_path / f"stderr_{rank}").read_text()
+        assert f"hf_dp_balance: step 44, rank {rank}, phase liveness check" in msg, msg
+
+
+def test_a_stopped_peer_ends_every_surviving_rank_blocked_in_training(tmp_path):
+    _peer_stops(tmp_path, 2, signal.SIGSTOP)
+
+
+# ------------------------------------------------------------------ item 7: side groups end with training
+
+def _open_close_cycles(rank, world, cycles):
+    import threading
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.runtime.loader import BalancedLoader
+    from hf_dp_balance.runtime.vision import balance_vision_encoder
+    from hf_dp_balance.testing import data
+
+    model = data.make_model("qwen2_vl", seed=0)
+    counts = []
+    for _ in range(cycles):  # one "train()": a loader (exchange + watchdog groups) and a vision balancer
+        balance_vision_encoder(model, DPBalanceConfig(vision=True, timeout_s=20))
+        loader = BalancedLoader(_text_samples(rank, 3, 2), DPBalanceConfig(timeout_s=20), gradient_accumulation_steps=2,
+                                collator=_ids, features_fn=_features, cost_model=CostModel(1.0, 1.0))
+        assert len(list(loader.iter_steps())) == 3
+        loader.close()
+        model._dp_balance_vision.remove()
+        time.sleep(0.3)  # let finished threads go
+        counts.append((threading.active_count(), len(os.listdir("/proc/self/fd"))))
+    return counts
+
+
+def test_side_groups_are_destroyed_when_training_ends():
+    got = run_ranks_until(_open_close_cycles, 2, 4, ranks=[0, 1], timeout=120)
+    for rank in (0, 1):
+        ok, counts, _ = got[rank]
+        assert ok, counts
+        assert counts[-1] == counts[1], counts  # (threads, fds) after cycles 2..4: no growth (+3 groups per cycle before)
