@@ -110,14 +110,26 @@ def _describe(sample: Any, where: str, features_fn: Callable) -> Tuple[list, int
         tokens, vision = features_fn(sample)
     except Exception as exc:  # name the sample, keep the cause
         raise ValueError(f"{where}: cannot compute its features: {exc}") from exc
+    tokens = _whole_count(tokens, "tokens", where)
     try:
         grids = None if isinstance(vision, (int, np.integer)) else item_grids(vision)
-    except ValueError as exc:
-        raise ValueError(f"{where}: negative features tokens={tokens}, vision={vision}: {exc}") from exc
-    count = int(vision) if grids is None else grids.shape[0]
-    if not (tokens >= 0 and count >= 0):
-        raise ValueError(f"{where}: negative features tokens={tokens}, vision={vision}")
-    return entries, int(tokens), grids, count
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(f"{where}: bad vision features {vision!r}: {exc}") from exc
+    count = _whole_count(vision, "vision item count", where) if grids is None else grids.shape[0]
+    return entries, tokens, grids, count
+
+
+def _whole_count(value: Any, what: str, where: str) -> int:
+    """`value` as a non-negative int64 count, or a ValueError that says what is wrong (inf, NaN, negative...)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{where}: feature {what}={value!r} is not a number: {exc}") from exc
+    if not np.isfinite(number):
+        raise ValueError(f"{where}: feature {what}={value!r} is not finite")
+    if number < 0 or number != int(number) or number >= 2 ** 53:
+        raise ValueError(f"{where}: feature {what}={value!r} must be a whole number in [0, 2**53)")
+    return int(number)
 
 
 def describe_samples(step: int, micro_batches: Sequence[list], rank: int, features_fn: Callable,

@@ -251,3 +251,19 @@ def test_side_groups_are_destroyed_when_training_ends():
         ok, counts, _ = got[rank]
         assert ok, counts
         assert counts[-1] == counts[1], counts  # (threads, fds) after cycles 2..4: no growth (+3 groups per cycle before)
+
+
+# ------------------------------------------------------------------ item 9: bad features name their culprit
+
+def test_bad_features_name_the_sample_and_say_what_is_wrong():
+    import pytest
+
+    from hf_dp_balance.runtime.step_rows import describe_samples
+
+    for tokens, vision, why in ((float("inf"), 0, "tokens=inf is not finite"), (float("nan"), 0, "tokens=nan is not finite"),
+                                (torch.tensor(float("inf")), 0, "is not finite"), (-3, 0, "tokens=-3 must be a whole"),
+                                (2.5, 0, "must be a whole"), (4, -1, "vision item count=-1 must be a whole"),
+                                (4, [[1, -2, 2]], "bad vision features")):
+        with pytest.raises(ValueError, match=rf"^step 2, rank 1, micro-batch 0, sample 1: .*{why}"):
+            describe_samples(2, [[{"a": 1}, {"a": 2}]], 1, lambda s, t=tokens, v=vision: (t, v) if s["a"] == 2 else (1, 0),
+                             None)
