@@ -267,3 +267,54 @@ def test_bad_features_name_the_sample_and_say_what_is_wrong():
         with pytest.raises(ValueError, match=rf"^step 2, rank 1, micro-batch 0, sample 1: .*{why}"):
             describe_samples(2, [[{"a": 1}, {"a": 2}]], 1, lambda s, t=tokens, v=vision: (t, v) if s["a"] == 2 else (1, 0),
                              None)
+
+
+# ------------------------------------------------------------------ item 3 under a stock Trainer
+
+def _trainer_peer_stops(rank, world, outdir, signum):
+    """Stock Trainer + DPBalanceCallback on gloo (DDP, ddp_timeout at its default 1800 s); rank 2 stops in the
+    forward of step 4, balancing on from the start."""
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.core.packing import PackedCollator
+    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from hf_dp_balance.testing.data import make_model
+
+    err = os.open(os.path.join(outdir, f"stderr_{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)
+    transformers.logging.set_verbosity_error()
+    model = make_model("text", seed=0)
+    samples = [{"input_ids": torch.arange(2, 8 + (17 * i) % 90), "labels": torch.arange(2, 8 + (17 * i) % 90)}
+               for i in range(240)]
+    args = TrainingArguments(output_dir=outdir, use_cpu=True, per_device_train_batch_size=3,
+                             gradient_accumulation_steps=2, max_steps=20, optim="sgd", learning_rate=0.1,
+                             report_to=[], logging_steps=1, save_strategy="no", remove_unused_columns=False,
+                             disable_tqdm=True, seed=0, dataloader_drop_last=True)
+    trainer = Trainer(model=model, args=args, train_dataset=samples, data_collator=PackedCollator(model.config),
+                      callbacks=[DPBalanceCallback(DPBalanceConfig(min_gain=0.0, timeout_s=TIMEOUT_S),
+                                                   cost_model=CostModel(quadratic=1.0, linear=20.0))])
+
+    def hook(module, args, kwargs):
+        if rank == 2 and trainer.state.global_step == 4:
+            with open(os.path.join(outdir, "fault_time"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signum)
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    trainer.train()
+    return "finished"
+
+
+def test_a_stopped_rank_under_a_stock_trainer_ends_the_others_with_our_error(tmp_path):
+    start = time.time()
+    got = run_ranks_until(_trainer_peer_stops, 3, str(tmp_path), signal.SIGSTOP, ranks=[0, 1], timeout=150)
+    fault = float((tmp_path / "fault_time").read_text())
+    for rank in (0, 1):
+        ok, value, seconds = got[rank]
+        assert not ok and "exited with code 1" in value, value
+        assert start + seconds - fault < TIMEOUT_S + 10.0  # torch's own error would come after ddp_timeout (1800 s)
+        msg = (tmp_path / f"stderr_{rank}").read_text()
+        assert f"rank {rank}, phase liveness check" in msg and "hf_dp_balance: step " in msg, msg
