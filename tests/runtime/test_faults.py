@@ -23,6 +23,18 @@ def _timed(fn):
         return time.monotonic() - t0, str(exc)
 
 
+def _errors(got, ranks):
+    """{rank: (seconds, ExchangeError message)} of ranks whose function returned `_timed`'s result after raising."""
+    out = {}
+    for rank in ranks:
+        ok, value, _ = got[rank]
+        assert ok, value
+        elapsed, msg = value
+        assert msg is not None, f"rank {rank} did not raise"
+        out[rank] = (elapsed, msg)
+    return out
+
+
 # ------------------------------------------------------------------ item 1: the store's host stopped
 
 def _store_host_stops(rank, world):
@@ -35,11 +47,8 @@ def _store_host_stops(rank, world):
 
 def test_stopped_store_host_does_not_hang_the_error_path():
     got = run_ranks_until(_store_host_stops, 3, ranks=[1, 2], timeout=60)
-    for rank in (1, 2):
-        ok, value, _ = got[rank]
-        assert ok, value
-        elapsed, msg = value
-        assert msg is not None and "step 1" in msg and "metadata header all_gather" in msg and f"rank {rank}" in msg
+    for rank, (elapsed, msg) in _errors(got, [1, 2]).items():
+        assert "step 1" in msg and "metadata header all_gather" in msg and f"rank {rank}" in msg
         assert elapsed < TIMEOUT_S + 4.0, elapsed  # the store lookup has a deadline (it hung for good before)
 
 
@@ -160,21 +169,13 @@ def _vision_bad_rows(rank, world):
     model(**batch).loss.backward()  # a healthy forward first
     if rank == 1:  # this rank's pixel rows no longer match its grid
         batch = {**batch, "pixel_values": batch["pixel_values"][:-3]}
-    t0 = time.monotonic()
-    try:
-        model(**batch)
-    except ExchangeError as exc:
-        return time.monotonic() - t0, str(exc)
-    return time.monotonic() - t0, None
+    return _timed(lambda: model(**batch))
 
 
 def test_bad_pixel_rows_on_one_rank_make_every_rank_raise_at_once():
     got = run_ranks_until(_vision_bad_rows, 2, ranks=[0, 1], timeout=120)
-    for rank in (0, 1):
-        ok, value, _ = got[rank]
-        assert ok, value
-        elapsed, msg = value
-        assert msg is not None and elapsed < 5.0, value  # the peer timed out (20 s) with a raw gloo error before
+    for rank, (elapsed, msg) in _errors(got, [0, 1]).items():
+        assert elapsed < 5.0, elapsed  # the peer timed out (20 s) with a raw gloo error before
         assert f"step 42, forward 2, rank {rank}, phase local items: rank(s) [1] failed" in msg
         assert "rank 1: pixel_values has shape" in msg
 
