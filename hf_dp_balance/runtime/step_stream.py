@@ -3,8 +3,9 @@
 The thread prepares, gathers, plans, exchanges and packs each step (the loader's `_prepare`, `_run_step`,
 `_run_window`) and queues the packed micro-batches, at most `prefetch_steps` ahead. It stops only while
 waiting on a full queue, never between collectives, so ranks that consume the same steps stop at the same
-step; a local failure is told to the peers at the next gather, and any failure reaches the consumer's
-thread with its traceback.
+step; a local failure before the gather is told to the peers at that gather (cap, plan and collate
+failures are agreed within the step), and any failure reaches the consumer's thread with its traceback.
+While the stream is open the loader's `Watchdog` runs its liveness rounds (runtime/watchdog.py).
 """
 
 from __future__ import annotations
