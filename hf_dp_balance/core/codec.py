@@ -23,7 +23,7 @@ KIND_TENSOR, KIND_NDARRAY, KIND_INT, KIND_FLOAT, KIND_BOOL, KIND_STR, KIND_LIST,
 _DTYPES: Tuple[torch.dtype, ...] = (
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
-    torch.complex64, torch.complex128,
+    torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
 )
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 
@@ -43,22 +43,36 @@ class SampleEntry:
     data: torch.Tensor  # contiguous, flattened to 1-d bytes (uint8)
 
 
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
 def _as_entry(key: Any, value: Any, where: str) -> SampleEntry:
-    """One dict item as (kind, dtype, shape, bytes); a clear ValueError for what cannot be sent."""
+    """One dict item as (kind, dtype, shape, bytes); a ValueError naming `where` and the key for what cannot be
+    sent (also for what numpy / torch refuse with TypeError / OverflowError / RuntimeError)."""
     if not isinstance(key, str):
         raise ValueError(f"{where}: key {key!r} is not a string; sample dict keys must be strings")
-    kbytes = key.encode("utf-8")
+    try:
+        return _entry(key, key.encode("utf-8"), value, where)
+    except (TypeError, OverflowError, RuntimeError) as exc:
+        raise ValueError(f"{where}: key {key!r}: value of type {type(value).__name__} cannot be sent ({exc}); "
+                         f"supported: {_SUPPORTED}") from exc
+
+
+def _entry(key: str, kbytes: bytes, value: Any, where: str) -> SampleEntry:
     if value is None:
         return SampleEntry(kbytes, KIND_NONE, 0, (), torch.empty(0, dtype=torch.uint8))
     if isinstance(value, torch.Tensor):
         kind, t = KIND_TENSOR, value.detach()
     elif isinstance(value, np.ndarray):
-        if value.dtype.kind not in "biufc":
-            raise ValueError(f"{where}: key {key!r}: numpy array of dtype {value.dtype} cannot be sent (numeric only)")
+        if value.dtype.kind not in "biufc" or value.dtype.itemsize > (16 if value.dtype.kind == "c" else 8):
+            raise ValueError(f"{where}: key {key!r}: numpy array of dtype {value.dtype} cannot be sent (numeric "
+                             f"dtypes of at most 64 bits per part; cast long double to float64)")
         kind, t = KIND_NDARRAY, torch.from_numpy(np.ascontiguousarray(value))
     elif isinstance(value, bool):
         kind, t = KIND_BOOL, torch.tensor(value, dtype=torch.bool)
     elif isinstance(value, (int, np.integer)):
+        if not _INT64[0] <= int(value) <= _INT64[1]:
+            raise ValueError(f"{where}: key {key!r}: int {int(value)} does not fit in int64")
         kind, t = KIND_INT, torch.tensor(int(value), dtype=torch.int64)
     elif isinstance(value, (float, np.floating)):
         kind, t = KIND_FLOAT, torch.tensor(float(value), dtype=torch.float64)
@@ -71,7 +85,7 @@ def _as_entry(key: Any, value: Any, where: str) -> SampleEntry:
             arr = np.asarray(value)
         except ValueError as exc:  # ragged nested lists
             raise ValueError(f"{where}: key {key!r}: list cannot be sent ({exc}); supported: {_SUPPORTED}") from None
-        if arr.dtype.kind not in "biuf":
+        if arr.dtype.kind not in "biuf" or arr.dtype == object:
             raise ValueError(f"{where}: key {key!r}: list of {arr.dtype} values cannot be sent; supported: {_SUPPORTED}")
         kind, t = KIND_LIST, torch.from_numpy(np.ascontiguousarray(arr))
     else:

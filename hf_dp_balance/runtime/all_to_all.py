@@ -19,10 +19,10 @@ class _AllToAllRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tensor, send_counts, recv_counts, group):
+    def forward(ctx, tensor, send_counts, recv_counts, group, where):
         import torch.distributed as dist
 
-        ctx.send_counts, ctx.recv_counts, ctx.group = send_counts, recv_counts, group
+        ctx.send_counts, ctx.recv_counts, ctx.group, ctx.where = send_counts, recv_counts, group, where
         out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
         dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv_counts,
                                input_split_sizes=send_counts, group=group)
@@ -33,19 +33,24 @@ class _AllToAllRows(torch.autograd.Function):
         import torch.distributed as dist
 
         grad_in = grad_out.new_empty((sum(ctx.send_counts), *grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), output_split_sizes=ctx.send_counts,
-                               input_split_sizes=ctx.recv_counts, group=ctx.group)
-        return grad_in, None, None, None
+        try:
+            dist.all_to_all_single(grad_in, grad_out.contiguous(), output_split_sizes=ctx.send_counts,
+                                   input_split_sizes=ctx.recv_counts, group=ctx.group)
+        except RuntimeError as exc:  # the backward runs far from the forward: say which exchange it was
+            raise RuntimeError(f"{ctx.where or 'all_to_all_rows backward'}: collective failed (a peer died, hung "
+                               f"or failed): {exc}") from exc
+        return grad_in, None, None, None, None
 
 
-def all_to_all_rows(tensor: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group=None) -> torch.Tensor:
+def all_to_all_rows(tensor: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group=None,
+                    where: str = "") -> torch.Tensor:
     """Rows [n, ...] split by `send_counts` (rows per destination rank) -> rows received, by source rank.
 
     Differentiable: the backward pass is the reverse all_to_all (gradients go
     back to the rows' owners; works on gloo). Counts must agree pairwise across
     ranks (send_counts[j] on rank i == recv_counts[i] on rank j). Every rank of
     the group must call it (also in backward, which autograd guarantees when
-    every rank's output takes part in its loss).
+    every rank's output takes part in its loss). `where` names the exchange in a backward failure.
     """
     import torch.distributed as dist
 
@@ -56,7 +61,7 @@ def all_to_all_rows(tensor: torch.Tensor, send_counts: Sequence[int], recv_count
         raise ValueError(f"send_counts / recv_counts need one entry per rank of the group ({world})")
     if sum(send_counts) != tensor.shape[0]:
         raise ValueError(f"send_counts sum to {sum(send_counts)} but the tensor has {tensor.shape[0]} rows")
-    return _AllToAllRows.apply(tensor, send_counts, recv_counts, group)
+    return _AllToAllRows.apply(tensor, send_counts, recv_counts, group, where)
 
 
 __all__ = ["all_to_all_rows"]

@@ -10,8 +10,9 @@ docs/exchange.md.
 from __future__ import annotations
 
 import datetime
+import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -28,6 +29,27 @@ class ExchangeError(RuntimeError):
 H_STATUS, H_NUM_SAMPLES, H_NUM_MICRO, H_FLAGS, H_SPEED, H_WIDTH = range(6)
 _MSG_BYTES = 512
 _STORE_PREFIX = "hf_dp_balance/exchange_failed/"
+_STORE_DEADLINE_S = 2.0  # the failure notes are best effort: a stopped store host must not hold the error
+
+
+def call_with_deadline(fn, deadline_s: float, default=None):
+    """`fn()` in a daemon thread, waited for at most `deadline_s`; `default` when it is late or raises.
+
+    For waits that have no timeout of their own (a rendezvous store whose host is stopped keeps the
+    socket open and never answers): the caller goes on, the stuck thread dies with the process.
+    """
+    box = []
+
+    def target():
+        try:
+            box.append(fn())
+        except Exception:  # noqa: BLE001 - best effort, the caller has the real error
+            pass
+
+    worker = threading.Thread(target=target, name="hf_dp_balance-store", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    return box[0] if box else default
 
 
 @dataclass(frozen=True)
@@ -80,25 +102,29 @@ class SampleExchange:
     def report_failure(self, step: int, message: str) -> None:
         """Leave a note in the rendezvous store so that peers stuck in a collective can name this rank."""
         store = self._store()
-        if store is not None:
-            try:
-                store.set(f"{_STORE_PREFIX}{self._global_ranks[self.rank]}", f"step {step}: {message[:300]}")
-            except Exception:  # noqa: BLE001 - the store may be gone with rank 0
-                pass
+        if store is not None:  # the store may be gone or stopped with its host: a deadline, never a hang
+            note = f"step {step}: {message[:300]}"
+            key = f"{_STORE_PREFIX}{self._global_ranks[self.rank]}"  # global: several subgroups share one store
+            call_with_deadline(lambda: store.set(key, note), _STORE_DEADLINE_S)
 
     def reported_failures(self) -> Dict[int, str]:
-        """Ranks that left a failure note (best effort: empty when the store is unreachable)."""
-        store, found = self._store(), {}
+        """Ranks that left a failure note (best effort: empty when the store is unreachable or stopped).
+
+        Waits at most `_STORE_DEADLINE_S` in all, whatever the store does.
+        """
+        store = self._store()
         if store is None:
-            return found
-        for r in range(self.world_size):
-            key = f"{_STORE_PREFIX}{self._global_ranks[r]}"
-            try:
+            return {}
+
+        def lookup():
+            found = {}
+            for r in range(self.world_size):
+                key = f"{_STORE_PREFIX}{self._global_ranks[r]}"
                 if store.check([key]):
                     found[r] = store.get(key).decode("utf-8", "replace")
-            except Exception:  # noqa: BLE001
-                break
-        return found
+            return found
+
+        return call_with_deadline(lookup, _STORE_DEADLINE_S, default={})
 
     def _run(self, step: int, phase: str, fn):
         try:
@@ -141,14 +167,7 @@ class SampleExchange:
 
         failed = np.flatnonzero(headers[:, H_STATUS] != 0)
         if failed.size:
-            msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
-            text = (error or "").encode("utf-8", "replace")[:_MSG_BYTES]
-            if text:
-                msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-            msgs = [torch.empty_like(msg) for _ in range(self.world_size)]
-            self._run(step, "failure message all_gather", lambda: dist.all_gather(msgs, msg, group=self.group))
-            texts = [msgs[r].numpy().tobytes().rstrip(b"\x00").decode("utf-8", "replace") for r in failed]
-            detail = "; ".join(f"rank {r}: {t}" for r, t in zip(failed.tolist(), texts))
+            detail = "; ".join(f"rank {r}: {t}" for r, t in self._gather_messages(step, failed, error).items())
             raise ExchangeError(f"hf_dp_balance sample exchange, step {step}: rank(s) {failed.tolist()} failed "
                                 f"before the exchange: {detail}")
 
@@ -164,6 +183,37 @@ class SampleExchange:
         all_rows = np.concatenate([gathered[r].numpy()[: counts[r]] for r in range(self.world_size)], axis=0)
         owners = np.repeat(np.arange(self.world_size, dtype=np.int64), counts)
         return GatheredMetadata(headers, all_rows, owners)
+
+    def _gather_messages(self, step: int, failed: np.ndarray, error: Optional[str]) -> Dict[int, str]:
+        """{rank: message} of the `failed` ranks (one all_gather of fixed-size text; every rank calls it)."""
+        msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+        text = (error or "").encode("utf-8", "replace")[:_MSG_BYTES]
+        if text:
+            msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        msgs = [torch.empty_like(msg) for _ in range(self.world_size)]
+        self._run(step, "failure message all_gather", lambda: self._dist.all_gather(msgs, msg, group=self.group))
+        return {int(r): msgs[r].numpy().tobytes().rstrip(b"\x00").decode("utf-8", "replace") for r in failed}
+
+    def agree(self, step: int, phase: str, value: int = 0, error: Optional[str] = None) -> Tuple[np.ndarray, Dict[int, str]]:
+        """(every rank's int64 `value`, {rank: message} of the ranks that passed `error`), equal on every rank.
+
+        One all_gather of two int64 per rank; one more fetches the messages only when some rank failed.
+        A rank's local failure in `phase` thus reaches every peer before the step goes on (no timeout).
+        """
+        mine = torch.tensor([1 if error is not None else 0, int(value)], dtype=torch.int64)
+        both = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._run(step, f"{phase} all_gather", lambda: self._dist.all_gather(both, mine, group=self.group))
+        table = torch.stack(both).numpy()
+        failed = np.flatnonzero(table[:, 0] != 0)
+        return table[:, 1].copy(), (self._gather_messages(step, failed, error) if failed.size else {})
+
+    def raise_if_failed(self, step: int, phase: str, error: Optional[str] = None) -> None:
+        """`agree` on a local failure: when any rank passes `error`, every rank raises `ExchangeError` naming them."""
+        _, failed = self.agree(step, phase, error=error)
+        if failed:
+            detail = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+            raise ExchangeError(f"hf_dp_balance, step {step}, {phase}: rank(s) {sorted(failed)} failed "
+                                f"(raised on rank {self.rank}): {detail}")
 
     def exchange_payloads(self, step: int, local_samples: Sequence[Mapping[str, Any]], local_offset: int,
                           layout: TransferLayout, entries: Optional[Sequence[List[SampleEntry]]] = None

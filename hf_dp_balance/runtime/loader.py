@@ -9,7 +9,6 @@ micro-batches per step. The per-step pipeline and look-ahead: docs/exchange.md.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
@@ -22,13 +21,15 @@ from hf_dp_balance.core.codec import transfer_layout
 from hf_dp_balance.core.costing import planning_costs, sample_grids
 from hf_dp_balance.core.steps import plan_hash, slot_loads, step_imbalance
 from hf_dp_balance.runtime.exchange import H_NUM_MICRO, SampleExchange
+from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, F_TOKENS, F_VISION, F_WIDTH, Prepared,
-                                             StepStats, StepWork, cost_rows, default_plan_fn, describe_samples,
-                                             gather_step, list_collate, pull_micro_batches, slot_members,
-                                             slot_samples, validate_plan)
+                                             StepStats, StepWork, agree_plan, check_cap, collate_slots, cost_rows,
+                                             default_plan_fn, describe_samples, gather_step, list_collate,
+                                             pull_micro_batches, slot_members, validate_plan)
 from hf_dp_balance.runtime.step_stream import StepStream
+from hf_dp_balance.runtime.watchdog import Watchdog
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def token_cap(tokens: np.ndarray, num_slots: int, config: DPBalanceConfig, largest_slot: int = 0) -> int:
@@ -61,6 +62,10 @@ class BalancedLoader:
     `plan_fn` (default `planner.plan_step`). `packed_input` (a `runtime.packed_input.PackedInput`): the
     micro-batches are the user's packed rows; they are split into samples before planning, every slot goes
     back in their layout, and without `config.max_tokens` the cap is the step's longest row (ratio 1.0).
+    `on_fatal` (message -> None: what the watchdog does when a peer stops answering while training;
+    default: log it and exit 1, see `runtime.watchdog`).
+
+    `close()` ends the thread and destroys the side groups this loader created (end of training).
     """
 
     def __init__(self, dataloader: Iterable, config: Optional[DPBalanceConfig] = None, *,
@@ -70,7 +75,7 @@ class BalancedLoader:
                  plan_fn: Optional[Callable] = None, cost_model: Any = None,
                  exchange: Optional[SampleExchange] = None, sync: Optional[str] = None,
                  id_key: Optional[str] = None, balancing: bool = True, speed: float = 1.0,
-                 packed_input: Any = None):
+                 packed_input: Any = None, on_fatal: Optional[Callable[[str], None]] = None):
         self.dataloader = dataloader
         self.config = config if config is not None else DPBalanceConfig()
         self.packed_input = packed_input  # runtime.packed_input.PackedInput: the user's micro-batches are packed rows
@@ -103,7 +108,11 @@ class BalancedLoader:
         self._models = (cost_model, None, 0)
         self._balancing = bool(balancing)
         self._speed = float(speed)
+        self._owns_exchange = exchange is None  # close() destroys only a group it created
         self._exchange = exchange if exchange is not None else SampleExchange(self.config.timeout_s)
+        self._on_fatal = on_fatal
+        self._watchdog: Optional[Watchdog] = None  # created with the first stream (a collective: main thread)
+        self.step_offset = 0  # the user's step of the next stream's first step (errors name it)
         self._stats: List[StepStats] = []
         self._stats_lock = threading.Lock()
         self._active: Optional[StepStream] = None
@@ -120,6 +129,11 @@ class BalancedLoader:
 
     def set_balancing(self, enabled: bool) -> None:
         self._balancing = bool(enabled)
+
+    def set_step_offset(self, step: int) -> None:
+        """The optimizer step the user sees at the start of the next pass (Trainer: `state.global_step`
+        at the epoch's start, resume included). Errors and `StepStats.step` count from it."""
+        self.step_offset = int(step)
 
     def set_speed(self, speed: float) -> None:
         """This rank's relative speed (1.0 = nominal) for heterogeneous ranks."""
@@ -180,6 +194,8 @@ class BalancedLoader:
         clone.__dict__.update(self.__dict__)
         clone.dataloader = skip_first_batches(self.dataloader, num_batches)
         clone._active, clone._stats, clone._stats_lock = None, [], threading.Lock()
+        clone._owns_exchange = False  # the original's close() destroys its groups
+        clone._watchdog = None
         return clone
 
     def __iter__(self) -> Iterator[Any]:
@@ -207,7 +223,10 @@ class BalancedLoader:
         """
         if self._active is not None:
             self._active.close()
-        self._active = StepStream(self, raw_iterator, step_limit)
+        if self._watchdog is None and self._exchange.world_size > 1 and getattr(self.config, "watchdog", True):
+            self._watchdog = Watchdog(self.config.timeout_s, getattr(self.config, "heartbeat_s", 1.0),
+                                      getattr(self.config, "error_grace_s", 3.0), self._on_fatal)
+        self._active = StepStream(self, raw_iterator, step_limit, self._watchdog)
         return self._active
 
     def stream_for(self, raw_iterator: Iterator, step_limit: Optional[int] = None) -> "StepStream":
@@ -217,9 +236,16 @@ class BalancedLoader:
         return self._active
 
     def close(self) -> None:
+        """Stop the thread, then destroy the watchdog's group and the exchange's (when this loader made it)."""
         if self._active is not None:
             self._active.close()
             self._active = None
+        if self._watchdog is not None:
+            self._watchdog.destroy()
+            self._watchdog = None
+        if self._owns_exchange:
+            self._exchange.destroy()
+            self._owns_exchange = False
 
     # -- one step, run in the background thread ----------------------------------------------
     def _prepare(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
@@ -232,16 +258,17 @@ class BalancedLoader:
         return cost_rows(prep, grids, self._models)  # one read of the models: costs and version always match
 
     def _plan(self, work: StepWork, balance: bool, speeds: np.ndarray):
-        """(dest_rank, dest_micro, applied, reason) from the work's start placement.
+        """(dest_rank, dest_micro, applied, reason, failure) from the work's start placement.
 
-        Never raises: a planner failure keeps the start placement (invariant 4).
+        Never raises: a planner failure keeps the start placement and returns its message as `failure`
+        (`agree_plan` then makes every rank fall back together, invariant 4).
         """
         world, rows, num_micro = self._exchange.world_size, work.rows, work.num_micro
         owners, micro, cap = work.start_rank, work.start_micro, work.cap
         if not balance:
-            return owners, micro, False, "balancing off (warm-up, disabled or no cost model on some rank)"
+            return owners, micro, False, "balancing off (warm-up, disabled or no cost model on some rank)", None
         if world == 1 or rows.shape[0] == 0:
-            return owners, micro, False, "nothing to balance"
+            return owners, micro, False, "nothing to balance", None
         try:
             plan_fn = self.plan_fn or default_plan_fn()
             tokens = rows[:, F_TOKENS].astype(np.int64)
@@ -253,10 +280,9 @@ class BalancedLoader:
                            min_gain=self.config.min_gain, tolerance=self.config.move_tolerance)
             dest_rank, dest_micro = validate_plan(plan.dest_rank, plan.dest_micro_batch, rows.shape[0], world, num_micro)
             applied = bool(getattr(plan, "applied", True)) and bool(np.any(dest_rank != owners) or np.any(dest_micro != micro))
-            return dest_rank, dest_micro, applied, str(getattr(plan, "reason", "planned"))
-        except Exception as exc:  # invariant 4: planning never stops training
-            logger.warning("hf_dp_balance: step %d: planning failed, no move this step: %r", work.step, exc)
-            return owners, micro, False, f"planner failed: {exc!r}"
+            return dest_rank, dest_micro, applied, str(getattr(plan, "reason", "planned")), None
+        except Exception as exc:  # invariant 4: planning never stops training (agree_plan logs it)
+            return owners, micro, False, f"planner failed: {exc!r}", f"{type(exc).__name__}: {exc}"
 
     def _gather(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         # Balance only when every rank's rows were costed by a model: a model that lands while a rank is
@@ -281,7 +307,11 @@ class BalancedLoader:
         `t0` / `t1`: when the step's gather started / ended (for the statistics).
         """
         ex, rows, holders = self._exchange, work.rows, work.holders
-        dest_rank, dest_micro, applied, reason = self._plan(work, balance, speeds)
+        check_cap(work, self.config.max_tokens, ex.rank)
+        dest_rank, dest_micro, applied, reason, failure = self._plan(work, balance, speeds)
+        if balance and ex.world_size > 1 and rows.shape[0]:  # the planner ran (on every rank alike)
+            dest_rank, dest_micro, fallback = agree_plan(ex, work, dest_rank, dest_micro, failure)
+            applied, reason = (False, fallback) if fallback is not None else (applied, reason)
         t2 = time.perf_counter()
         offset = int(np.searchsorted(holders, ex.rank))  # holders are rank-major
         layout = transfer_layout(holders, dest_rank, rows[:, F_NBYTES].astype(np.int64), ex.rank, ex.world_size)
@@ -290,7 +320,7 @@ class BalancedLoader:
         received = ex.exchange_payloads(work.step, work.samples, offset, layout, work.entries) if moved.any() else {}
         t3 = time.perf_counter()
         by_slot = slot_members(dest_rank, dest_micro, ex.rank, work.num_micro)
-        batches, ids = self._collate_slots(work, by_slot, received)
+        batches, ids = collate_slots(ex, self.collator, work, by_slot, received, self.id_key)
         t4 = time.perf_counter()
 
         costs = rows[:, F_COST]
@@ -306,21 +336,6 @@ class BalancedLoader:
             plan_hash=plan_hash(dest_rank, dest_micro), gather_s=t1 - t0, plan_s=t2 - t1, exchange_s=t3 - t2,
             collate_s=t4 - t3, local_samples=[len(s) for s in by_slot], local_ids=ids)
         return batches, stats
-
-    def _collate_slots(self, work: StepWork, by_slot: List[List[int]], received: dict):
-        """(packed batch of each slot, `id_key` values per slot or None); a collate failure names the slot."""
-        rank = self._exchange.rank
-        batches, ids = [], [] if self.id_key else None
-        for m, members in enumerate(by_slot):
-            slot = slot_samples(work, members, received, rank)
-            if ids is not None:
-                ids.append([s.get(self.id_key) for s in slot])
-            try:
-                batches.append(self.collator(slot))
-            except Exception as exc:
-                raise ValueError(f"step {work.step}, rank {rank}, micro-batch {m}: collating samples "
-                                 f"{members} (global indices) failed: {exc}") from exc
-        return batches, ids
 
     def _run_window(self, step0: int, preps: List[Prepared], error: Optional[str]):
         """Look-ahead over len(preps) steps: yields (batches, stats) in step order, None at the end of the data.

@@ -8,6 +8,7 @@ so a plan changes where a sample is computed, never which samples a step trains 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -15,7 +16,10 @@ import numpy as np
 
 from hf_dp_balance.core.codec import encoded_nbytes, sample_entries
 from hf_dp_balance.core.costing import item_grids, planning_costs
-from hf_dp_balance.runtime.exchange import H_FLAGS, H_SPEED, SampleExchange
+from hf_dp_balance.runtime.exchange import H_FLAGS, H_SPEED, ExchangeError, SampleExchange
+from hf_dp_balance.runtime.logs import get_logger
+
+logger = get_logger(__name__)
 
 # Columns of the per-sample metadata rows gathered from every rank.
 F_MICRO, F_TOKENS, F_VISION, F_COST, F_NBYTES, F_STEP, F_WIDTH = range(7)  # F_STEP: step within a look-ahead window
@@ -106,14 +110,26 @@ def _describe(sample: Any, where: str, features_fn: Callable) -> Tuple[list, int
         tokens, vision = features_fn(sample)
     except Exception as exc:  # name the sample, keep the cause
         raise ValueError(f"{where}: cannot compute its features: {exc}") from exc
+    tokens = _whole_count(tokens, "tokens", where)
     try:
         grids = None if isinstance(vision, (int, np.integer)) else item_grids(vision)
-    except ValueError as exc:
-        raise ValueError(f"{where}: negative features tokens={tokens}, vision={vision}: {exc}") from exc
-    count = int(vision) if grids is None else grids.shape[0]
-    if not (tokens >= 0 and count >= 0):
-        raise ValueError(f"{where}: negative features tokens={tokens}, vision={vision}")
-    return entries, int(tokens), grids, count
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(f"{where}: bad vision features {vision!r}: {exc}") from exc
+    count = _whole_count(vision, "vision item count", where) if grids is None else grids.shape[0]
+    return entries, tokens, grids, count
+
+
+def _whole_count(value: Any, what: str, where: str) -> int:
+    """`value` as a non-negative int64 count, or a ValueError that says what is wrong (inf, NaN, negative...)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{where}: feature {what}={value!r} is not a number: {exc}") from exc
+    if not np.isfinite(number):
+        raise ValueError(f"{where}: feature {what}={value!r} is not finite")
+    if number < 0 or number != int(number) or number >= 2 ** 53:
+        raise ValueError(f"{where}: feature {what}={value!r} must be a whole number in [0, 2**53)")
+    return int(number)
 
 
 def describe_samples(step: int, micro_batches: Sequence[list], rank: int, features_fn: Callable,
@@ -202,7 +218,89 @@ def slot_samples(work: StepWork, members: Sequence[int], received: Dict[int, dic
     return [received[g] if work.holders[g] != rank else work.samples[g - offset] for g in members]
 
 
+def plan_digest(dest_rank: np.ndarray, dest_micro: np.ndarray) -> int:
+    """52 bits of a hash of (dest rank, dest micro-batch) as an int (exact in an int64 gather)."""
+    h = hashlib.sha1(np.ascontiguousarray(dest_rank, dtype=np.int64).tobytes())
+    h.update(np.ascontiguousarray(dest_micro, dtype=np.int64).tobytes())
+    return int(h.hexdigest()[:13], 16)
+
+
+def agree_plan(ex: SampleExchange, work: StepWork, dest_rank: np.ndarray, dest_micro: np.ndarray,
+               failure: Optional[str]):
+    """Compare plans across ranks before anything moves: (dest_rank, dest_micro, fallback reason or None).
+
+    One small gather of every rank's plan digest and planner-failed flag. A planner that failed on any
+    rank makes every rank keep the start placement and log it (invariant 4); plans that differ (every
+    rank plans from the same gathered numbers, so a rank's planner or inputs are broken) raise
+    `ExchangeError` on every rank, naming the ranks whose plan differs from the others'.
+    """
+    digests, failed = ex.agree(work.step, "plan check", plan_digest(dest_rank, dest_micro), failure)
+    if failed:
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        logger.warning("hf_dp_balance: step %d: planning failed on rank(s) %s; every rank keeps its samples "
+                       "this step: %s", work.step, sorted(failed), detail)
+        return work.start_rank, work.start_micro, f"planner failed on rank(s) {sorted(failed)}: {detail}"
+    values, counts = np.unique(digests, return_counts=True)
+    if values.size > 1:
+        top = np.flatnonzero(counts == counts.max())
+        reference = values[top[0]] if top.size == 1 else digests[0]  # a tie: rank 0's plan is the reference
+        odd = np.flatnonzero(digests != reference).tolist()
+        raise ExchangeError(f"hf_dp_balance, step {work.step}, plan check: the plan of rank(s) {odd} differs from "
+                            f"the other ranks' (digests {[f'{int(d):013x}' for d in digests]}; raised on rank "
+                            f"{ex.rank}); every rank plans from the same gathered numbers, so the planner or "
+                            f"its inputs differ on those ranks")
+    return dest_rank, dest_micro, None
+
+
+def check_cap(work: StepWork, cap: Optional[int], rank: int) -> None:
+    """A sample over the hard cap (`max_tokens`) on its own raises `ExchangeError` before anything moves.
+
+    Every rank sees the same gathered tokens, so every rank raises the same error without a collective;
+    it names the sample as the rank that holds it pulled it (rank, micro-batch, position).
+    """
+    rows = work.rows
+    over = np.flatnonzero(rows[:, F_TOKENS] > cap) if cap is not None else np.zeros(0, dtype=np.int64)
+    if not over.size:
+        return
+    g = int(over[0])
+    holder, m, j = int(work.holders[g]), int(rows[g, F_MICRO]), int(rows[g, F_STEP])
+    same = (work.holders[:g] == holder) & (rows[:g, F_MICRO] == m) & (rows[:g, F_STEP] == j)
+    raise ExchangeError(
+        f"hf_dp_balance, step {work.step}, token cap: rank {holder}, micro-batch {m}, sample {int(same.sum())} "
+        f"has {int(rows[g, F_TOKENS])} tokens, over the hard cap max_tokens={cap} on its own"
+        + (f" ({over.size - 1} more samples over the cap)" if over.size > 1 else "")
+        + f"; raised on every rank before any sample moved (this is rank {rank})")
+
+
+def collate_slots(ex: SampleExchange, collator: Callable, work: StepWork, by_slot: List[List[int]],
+                  received: Dict[int, dict], id_key: Optional[str]):
+    """(packed batch of each slot, `id_key` values per slot or None).
+
+    A collate failure on any rank raises `ExchangeError` on every rank, naming the rank, the slot and the
+    cause, before any rank hands the step to training (one small gather per step).
+    """
+    rank = ex.rank
+    batches, ids = [], [] if id_key else None
+    error, cause = None, None
+    for m, members in enumerate(by_slot):
+        slot = slot_samples(work, members, received, rank)
+        if ids is not None:
+            ids.append([s.get(id_key) for s in slot])
+        try:
+            batches.append(collator(slot))
+        except Exception as exc:  # noqa: BLE001 - told to every rank below
+            error = (f"step {work.step}, rank {rank}, micro-batch {m}: collating samples {members} "
+                     f"(global indices) failed: {type(exc).__name__}: {exc}")
+            cause = exc
+            break
+    try:
+        ex.raise_if_failed(work.step, "collate", error)
+    except ExchangeError as exc:
+        raise exc from cause
+    return batches, ids
+
+
 __all__ = ["F_MICRO", "F_TOKENS", "F_VISION", "F_COST", "F_NBYTES", "F_STEP", "F_WIDTH", "FLAG_BALANCE",
            "MODEL_VERSION_SHIFT", "StepStats", "list_collate", "Prepared", "StepWork", "pull_micro_batches",
            "describe_samples", "cost_rows", "gather_step", "validate_plan", "default_plan_fn", "slot_members",
-           "slot_samples"]
+           "slot_samples", "plan_digest", "agree_plan", "check_cap", "collate_slots"]

@@ -3,8 +3,9 @@
 The thread prepares, gathers, plans, exchanges and packs each step (the loader's `_prepare`, `_run_step`,
 `_run_window`) and queues the packed micro-batches, at most `prefetch_steps` ahead. It stops only while
 waiting on a full queue, never between collectives, so ranks that consume the same steps stop at the same
-step; a local failure is told to the peers at the next gather, and any failure reaches the consumer's
-thread with its traceback.
+step; a local failure before the gather is told to the peers at that gather (cap, plan and collate
+failures are agreed within the step), and any failure reaches the consumer's thread with its traceback.
+While the stream is open the loader's `Watchdog` runs its liveness rounds (runtime/watchdog.py).
 """
 
 from __future__ import annotations
@@ -25,15 +26,19 @@ if TYPE_CHECKING:
 class StepStream:
     """The background thread of one pass over a raw micro-batch iterator, and its bounded queue."""
 
-    def __init__(self, loader: "BalancedLoader", source: Iterator, step_limit: Optional[int]):
+    def __init__(self, loader: "BalancedLoader", source: Iterator, step_limit: Optional[int], watchdog=None):
         self.loader = loader
         self.source = source
         self.step_limit = step_limit
+        self.first_step = loader.step_offset  # the user's step of this pass's first step
+        self.rank = loader.exchange.rank
         self._queue: "queue.Queue[tuple]" = queue.Queue(maxsize=loader.config.prefetch_steps)
         self._stop = threading.Event()
         self._done = False
         self.consumed = 0  # steps handed to the consumer so far (the stream's step index of the next one)
         self._first_error: Optional[BaseException] = None
+        self._thread_error: Optional[BaseException] = None  # what the thread failed with (for the watchdog)
+        self._error_taken = False  # the consumer took an error or closed the stream: nothing to end here
         # First pull in the caller's thread (see BalancedLoader.open_stream).
         self._peeked: List[Any] = []
         self._exhausted = False
@@ -44,6 +49,14 @@ class StepStream:
                 self._exhausted = True
         self._thread = threading.Thread(target=self._main, name="hf_dp_balance-exchange", daemon=True)
         self._thread.start()
+        self._watchdog = watchdog
+        if watchdog is not None:
+            watchdog.start(self.describe, lambda: self._error_taken)
+
+    def describe(self) -> Tuple[str, str]:
+        """("step S, rank R" of the step in training, the thread's error or ""): the watchdog's context."""
+        where = f"step {self.first_step + max(0, self.consumed - 1)}, rank {self.rank}"
+        return where, "" if self._thread_error is None else f"; the exchange thread failed: {self._thread_error}"
 
     def _pull(self) -> Optional[list]:
         if self._peeked:
@@ -89,15 +102,15 @@ class StepStream:
 
     def _main(self) -> None:
         loader = self.loader
-        step = 0
+        step = first = self.first_step
         pending: Optional[Tuple[BaseException, str]] = None  # a local failure, told to the peers at the next gather
         try:
-            while self.step_limit is None or step < self.step_limit:
+            while self.step_limit is None or step - first < self.step_limit:
                 if not self._wait_for_model_or_consumer():
                     return
                 span = max(1, loader.config.lookahead_steps)  # steps prepared and gathered together
                 if self.step_limit is not None:
-                    span = min(span, self.step_limit - step)
+                    span = min(span, self.step_limit - (step - first))
                 preps: List[Prepared] = []
                 if pending is None:
                     try:
@@ -140,6 +153,7 @@ class StepStream:
                 raise pending[0]
             self._put(("end",))
         except BaseException as exc:  # noqa: BLE001 - reaches the main thread with its traceback
+            self._thread_error = exc
             self._put(("error", exc, traceback.format_exc()))
 
     def next_step(self) -> Optional[list]:
@@ -158,23 +172,33 @@ class StepStream:
         wait = time.perf_counter() - t0
         if item[0] == "end":
             self._done = True
+            self._stop_watchdog()
             return None
         if item[0] == "error":
             self._done = True
+            self._error_taken = True
             exc, tb = item[1], item[2]
             raise RuntimeError(f"hf_dp_balance BalancedLoader background thread failed: {exc}\n"
                                f"--- thread traceback ---\n{tb}") from exc
         _, batches, stats = item
         stats.wait_s = wait
-        self.consumed = stats.step + 1
+        self.consumed = stats.step + 1 - self.first_step
         self.loader._record(stats)
         return batches
 
     def close(self) -> None:
         """Stop the thread at its next full-queue wait; waits for the step in flight (its peers finish it too)."""
         self._stop.set()
+        self._error_taken = True
+        self._stop_watchdog()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self.loader.config.timeout_s + 5.0)
+
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
 
 
 __all__ = ["StepStream"]

@@ -13,21 +13,23 @@ from __future__ import annotations
 import collections
 import datetime
 import inspect
-import logging
-from typing import Deque, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from hf_dp_balance.core.costing import item_costs
 from hf_dp_balance.core.routing import VisionRoute, route_items, rows_in_order, take_rows
+from hf_dp_balance.runtime.exchange import ExchangeError
+from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.vision_towers import LocalItems, find_inner
 
 __all__ = ["balance_vision_encoder", "VisionBalancer"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 # Per-forward stats kept until popped; older ones are dropped if nobody pops them.
 _MAX_STATS = 1024
+_MSG_BYTES = 512  # a failed rank's message in the item count gather's second round
 
 
 # --------------------------------------------------------------------------- autograd pieces
@@ -75,13 +77,18 @@ class VisionBalancer:
         self.config = config if config is not None else DPBalanceConfig()
         self.cost_model = cost_model if cost_model is not None else CostModel.default_vision()
         self.inner, self.tower = find_inner(model)
+        self._owns_group = False
         if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # An own communicator with the default group's ranks and backend: the
             # backward all_to_all then never interleaves with DDP's gradient
             # all-reduce on the default group (orders could differ across ranks).
             group = dist.new_group(backend=dist.get_backend(),
                                    timeout=datetime.timedelta(seconds=self.config.timeout_s))
+            self._owns_group = True  # remove() destroys it (each gloo group is a mesh of sockets and threads)
         self.group = group
+        self.forwards = 0  # balanced training forwards so far (named in errors)
+        # () -> the optimizer step the user sees, for errors; the callback may set it (default: none)
+        self.step_source: Optional[Callable[[], int]] = None
         self._stats: Deque[dict] = collections.deque(maxlen=_MAX_STATS)
         self._pending_tie: Optional[torch.Tensor] = None
         self._handles = [
@@ -98,9 +105,18 @@ class VisionBalancer:
         return stats
 
     def remove(self) -> None:
+        """Take the hooks off and destroy the process group this balancer created (end of training)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._owns_group:
+            import torch.distributed as dist
+
+            self._owns_group = False
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # noqa: BLE001 - already torn down with the default group
+                pass
 
     # -- hooks --------------------------------------------------------------------
 
@@ -150,6 +166,21 @@ class VisionBalancer:
 
     # -- one balanced forward ---------------------------------------------------------
 
+    def _where(self, phase: str) -> str:
+        import torch.distributed as dist
+
+        step = f"step {self.step_source()}, " if self.step_source is not None else ""
+        return (f"hf_dp_balance vision balancing, {step}forward {self.forwards}, rank {dist.get_rank(self.group)}, "
+                f"phase {phase}")
+
+    def _collective(self, phase: str, fn):
+        """`fn()` (a collective on the group); a failure or timeout raises `ExchangeError` naming where."""
+        try:
+            return fn()
+        except RuntimeError as exc:
+            raise ExchangeError(f"{self._where(phase)}: collective failed (timeout {self.config.timeout_s:g}s; "
+                                f"a peer died, hung or failed): {exc}") from exc
+
     def _comm_device(self) -> torch.device:
         import torch.distributed as dist
 
@@ -157,26 +188,46 @@ class VisionBalancer:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _gather_grids(self, grids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(item_rank, grids) of every item of every rank, rank-major (two all_gathers)."""
+    def _gather_grids(self, grids: np.ndarray, error: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray]:
+        """(item_rank, grids) of every item of every rank, rank-major (two all_gathers).
+
+        The first gather carries a failure flag: when any rank passes `error` (its pixel rows are bad),
+        every rank raises `ExchangeError` naming those ranks and their messages (one more gather).
+        """
         import torch.distributed as dist
 
         world = dist.get_world_size(self.group)
         dev = self._comm_device()
-        count = torch.tensor([grids.shape[0]], dtype=torch.int64, device=dev)
+        count = torch.tensor([grids.shape[0], error is not None], dtype=torch.int64, device=dev)
         counts = [torch.zeros_like(count) for _ in range(world)]
-        dist.all_gather(counts, count, group=self.group)
-        counts = [int(c.item()) for c in counts]
+        self._collective("item count all_gather", lambda: dist.all_gather(counts, count, group=self.group))
+        failed = [r for r, c in enumerate(counts) if int(c[1])]
+        if failed:
+            raise ExchangeError(f"{self._where('local items')}: rank(s) {failed} failed: "
+                                + "; ".join(f"rank {r}: {m}" for r, m in self._messages(failed, error, dev).items()))
+        counts = [int(c[0].item()) for c in counts]
         width = max(counts)
         if width == 0:
             return np.zeros(0, dtype=np.int64), np.zeros((0, 3), dtype=np.int64)
         padded = torch.zeros((width, 3), dtype=torch.int64, device=dev)
         padded[:grids.shape[0]] = torch.as_tensor(grids, dtype=torch.int64)
         gathered = [torch.zeros_like(padded) for _ in range(world)]
-        dist.all_gather(gathered, padded, group=self.group)
+        self._collective("item grids all_gather", lambda: dist.all_gather(gathered, padded, group=self.group))
         all_grids = np.concatenate([g[:c].cpu().numpy() for g, c in zip(gathered, counts)])
         item_rank = np.repeat(np.arange(world, dtype=np.int64), counts)
         return item_rank, all_grids
+
+    def _messages(self, failed: List[int], error: Optional[str], dev: torch.device) -> Dict[int, str]:
+        """{rank: message} of the `failed` ranks: one all_gather of fixed-size text (every rank calls it)."""
+        import torch.distributed as dist
+
+        text = (error or "").encode("utf-8", "replace")[:_MSG_BYTES]
+        msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+        msg[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        msg = msg.to(dev)
+        msgs = [torch.zeros_like(msg) for _ in range(dist.get_world_size(self.group))]
+        self._collective("failure message all_gather", lambda: dist.all_gather(msgs, msg, group=self.group))
+        return {r: bytes(msgs[r].cpu().tolist()).rstrip(b"\x00").decode("utf-8", "replace") for r in failed}
 
     def balanced_encode(self, kwargs: dict):
         """Run steps 1-5 for this rank's forward kwargs.
@@ -191,12 +242,15 @@ class VisionBalancer:
         from hf_dp_balance.core.steps import step_imbalance
 
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        if kwargs.get("mm_encoder_outputs") is not None:
-            items, used = None, []  # precomputed by the caller: take part with no items
-        else:
-            items, used = self.tower.local_items(kwargs, rank)
+        self.forwards += 1
+        items, used, error = None, [], None  # mm_encoder_outputs precomputed by the caller: take part with no items
+        if kwargs.get("mm_encoder_outputs") is None:
+            try:
+                items, used = self.tower.local_items(kwargs, rank)
+            except ValueError as exc:  # bad pixel rows here: every rank raises at the gather, none times out
+                error = f"{type(exc).__name__}: {exc}"
         local_grids = items.grids if items is not None else np.zeros((0, 3), dtype=np.int64)
-        item_rank, grids = self._gather_grids(local_grids)
+        item_rank, grids = self._gather_grids(local_grids, error)
         n_local = int(local_grids.shape[0])
         stats = {"applied": False, "items": int(grids.shape[0]), "items_moved": 0,
                  "pixel_bytes_moved": 0, "embedding_bytes_moved": 0,
@@ -274,8 +328,9 @@ class VisionBalancer:
         else:
             send, kept = no_rows, no_rows
         received = send.new_empty((sum(route.recv_in_rows), self.tower.row_width))
-        dist.all_to_all_single(received, send.contiguous(), output_split_sizes=route.recv_in_rows,
-                               input_split_sizes=route.send_in_rows, group=self.group)
+        self._collective("pixel all_to_all", lambda: dist.all_to_all_single(
+            received, send.contiguous(), output_split_sizes=route.recv_in_rows,
+            input_split_sizes=route.send_in_rows, group=self.group))
         return received if kept.shape[0] == 0 else kept if received.shape[0] == 0 else torch.cat([kept, received])
 
     def _encode(self, pixels: torch.Tensor, grids: np.ndarray, kwargs: dict) -> Tuple[torch.Tensor, bool]:
@@ -302,10 +357,13 @@ class VisionBalancer:
         from hf_dp_balance.runtime.all_to_all import all_to_all_rows
 
         if differentiable:
-            return all_to_all_rows(moved_out, route.send_out_rows, route.recv_out_rows, group=self.group)
+            return self._collective("embedding all_to_all", lambda: all_to_all_rows(
+                moved_out, route.send_out_rows, route.recv_out_rows, group=self.group,
+                where=self._where("embedding gradient all_to_all (backward)")))
         back = moved_out.new_empty((sum(route.recv_out_rows), self.tower.out_width))
-        dist.all_to_all_single(back, moved_out.contiguous(), output_split_sizes=route.recv_out_rows,
-                               input_split_sizes=route.send_out_rows, group=self.group)
+        self._collective("embedding all_to_all", lambda: dist.all_to_all_single(
+            back, moved_out.contiguous(), output_split_sizes=route.recv_out_rows,
+            input_split_sizes=route.send_out_rows, group=self.group))
         return back
 
     def _own_outputs(self, items: LocalItems, kept_out: torch.Tensor, back: torch.Tensor, route: VisionRoute):

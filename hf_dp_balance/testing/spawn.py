@@ -186,3 +186,32 @@ def run_groups(fn, groups: Sequence[str], world_size: int, *args, timeout: float
     if late:
         raise RankFailed(f"{late} (group, rank) did not finish within {timeout:.0f}s")
     return {g: [outs[g, r] for r in range(world_size)] for g in groups}
+
+
+def run_ranks_until(fn, world_size: int, *args, ranks, timeout: float = 120.0, pg_timeout_s: float = 120.0, env=None):
+    """Fault tests: run like `run_ranks`, return {rank: (ok, value_or_traceback, seconds)} once every rank in
+    `ranks` reported (or died, or `timeout` passed), then SIGKILL every process still there (stopped or hung).
+
+    Seconds count from the start of the processes; a rank that did not report is missing from the result.
+    """
+    start = time.monotonic()
+    procs, results, _ = _spawn(fn, [None], world_size, args, pg_timeout_s, env, lockstep=False)
+    got, wanted = {}, set(ranks)
+    try:
+        while not wanted <= set(got) and time.monotonic() - start < timeout:
+            try:
+                kind, (_, rank), value = results.get(timeout=0.5)
+                if kind != "progress":
+                    got[rank] = (kind == "done", value, time.monotonic() - start)
+            except queue.Empty:
+                for r in wanted - set(got):
+                    if not procs[None, r].is_alive():
+                        got[r] = (False, f"process exited with code {procs[None, r].exitcode}",
+                                  time.monotonic() - start)
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+        for p in procs.values():
+            p.join(timeout=5)
+    return got

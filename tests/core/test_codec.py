@@ -85,3 +85,20 @@ def test_decode_received_splits_whole_samples_and_rejects_a_cut_payload():
     with pytest.raises(PayloadError, match="step 4: corrupt payload from rank 0"):
         cut = transfer_layout(np.array([0]), np.array([1]), sizes[:1] - 8, 1, 3)  # split shorter than the sample
         decode_received(bufs[0][:-8], cut, step=4)
+
+
+def test_codec_names_sample_key_and_rank_for_out_of_range_values_and_sends_unsigned_arrays():
+    where = "step 3, rank 1, micro-batch 0, sample 2"
+    for value, why in ((2 ** 70, "does not fit in int64"), (-(2 ** 63) - 1, "does not fit in int64"),
+                       ([2 ** 70, 1], "list of object"), (np.zeros(2, dtype=np.longdouble), "cast long double"),
+                       (np.zeros(2, dtype=np.clongdouble), "cast long double")):
+        if np.dtype(np.longdouble).itemsize <= 8 and isinstance(value, np.ndarray):
+            continue  # long double is float64 on this platform: sendable
+        with pytest.raises(ValueError, match=rf"^{where}: key 'x': .*{why}"):
+            encode_sample({"x": value}, where)
+    for dtype in (np.uint16, np.uint32, np.uint64):  # documented as supported, refused before
+        arr = np.array([0, 7, np.iinfo(dtype).max], dtype=dtype)
+        got = decode_sample(encode_sample({"x": arr}, where))["x"]
+        assert got.dtype == arr.dtype and np.array_equal(got, arr)
+    got = decode_sample(encode_sample({"x": float("inf"), "y": [1.0, float("nan")], "z": 2 ** 63 - 1}))
+    assert got["x"] == float("inf") and np.isnan(got["y"][1]) and got["z"] == 2 ** 63 - 1

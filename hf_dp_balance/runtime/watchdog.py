@@ -1,0 +1,113 @@
+"""Liveness of the ranks while the main thread trains: a stopped or dead peer ends this process with our error.
+
+A stopped rank holds its peers inside a training collective (DDP's all-reduce) until `ddp_timeout`
+(30 min by default), and the exchange thread may be idle on its full queue, so no side collective ever
+times out. The `Watchdog` runs a tiny all_reduce on its own gloo group every `heartbeat_s` while a stream
+is open; when a round fails or times out (`timeout_s`), it waits `error_grace_s` for the main thread to
+take the library's error itself, then logs one message naming the step, the rank and the phase, and
+ends the process with exit code 1. Every rank leaves the rounds together: a closing rank says so in a
+round and every rank stops after that round. Details: docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from hf_dp_balance.runtime.logs import get_logger
+
+logger = get_logger(__name__)
+FATAL_EXIT_CODE = 1
+
+
+def end_process(message: str) -> None:
+    """The default fatal action: the message to the log (transformers' handler, or logging's last resort:
+    stderr), then exit code 1 without clean-up (the main thread is stuck in a collective)."""
+    logger.error(message)
+    for handler in logging.getLogger().handlers + logger.handlers + getattr(logger.parent, "handlers", []):
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(FATAL_EXIT_CODE)
+
+
+class Watchdog:
+    """Heartbeat rounds on an own gloo group while a stream is open; `on_fatal(message)` when a peer is gone.
+
+    `describe()` gives the message's context: ("step S, rank R", the exchange thread's error or "");
+    `taken()` tells whether the main thread has taken an error (then nothing is ended here).
+    Create it on every rank in the same order (it creates a process group).
+    """
+
+    def __init__(self, timeout_s: float, heartbeat_s: float = 1.0, error_grace_s: float = 3.0,
+                 on_fatal: Optional[Callable[[str], None]] = None):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.timeout_s, self.heartbeat_s, self.error_grace_s = float(timeout_s), float(heartbeat_s), float(error_grace_s)
+        self.on_fatal = on_fatal or end_process
+        self.rank = dist.get_rank()
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        self._closing = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self, describe: Callable[[], Tuple[str, str]], taken: Callable[[], bool]) -> None:
+        """Start the rounds (after `stop()` of the previous stream, if any)."""
+        self.stop()
+        self._closing.clear()
+        self._thread = threading.Thread(target=self._rounds, args=(describe, taken), name="hf_dp_balance-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def _rounds(self, describe: Callable[[], Tuple[str, str]], taken: Callable[[], bool]) -> None:
+        flag = torch.zeros(1, dtype=torch.int64)
+        while True:
+            flag.fill_(1 if self._closing.is_set() else 0)
+            t0 = time.monotonic()
+            try:
+                self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self.group)
+            except Exception as exc:  # noqa: BLE001 - a peer stopped, died or left without closing
+                if self._closing.is_set():
+                    return
+                self._fatal(describe, taken, f"{type(exc).__name__} after {time.monotonic() - t0:.1f}s: "
+                                             f"{str(exc).splitlines()[0] if str(exc) else ''}")
+                return
+            if int(flag.item()) > 0:  # some rank closed its stream: every rank stops after this round
+                return
+            self._closing.wait(self.heartbeat_s)
+
+    def _fatal(self, describe: Callable[[], Tuple[str, str]], taken: Callable[[], bool], cause: str) -> None:
+        deadline = time.monotonic() + self.error_grace_s
+        while time.monotonic() < deadline:  # the main thread may still take our error and raise it itself
+            if taken() or self._closing.is_set():
+                return
+            time.sleep(0.05)
+        where, detail = describe()
+        self.on_fatal(f"hf_dp_balance: {where}, phase liveness check: a peer stopped answering within "
+                      f"timeout_s={self.timeout_s:g}s while this rank trained (it would wait in the training "
+                      f"collective until ddp_timeout); ending this process (cause: {cause}){detail}")
+
+    def stop(self) -> None:
+        """Leave the rounds (every rank leaves after the next one); waits at most timeout_s + 2 s."""
+        if self._thread is None:
+            return
+        self._closing.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.timeout_s + 2.0)
+        self._thread = None
+
+    def destroy(self) -> None:
+        self.stop()
+        try:
+            self._dist.destroy_process_group(self.group)
+        except Exception:  # noqa: BLE001 - already torn down with the default group
+            pass
+
+
+__all__ = ["Watchdog", "end_process", "FATAL_EXIT_CODE"]
