@@ -241,9 +241,25 @@ def _open_close_cycles(rank, world, cycles):
         assert len(list(loader.iter_steps())) == 3
         loader.close()
         model._dp_balance_vision.remove()
-        time.sleep(0.3)  # let finished threads go
-        counts.append((threading.active_count(), len(os.listdir("/proc/self/fd"))))
+        counts.append(_settled_counts())
     return counts
+
+
+def _settled_counts(settle_s: float = 0.5, limit_s: float = 10.0):
+    """(threads, open fds) once they have not changed for `settle_s`: finished threads take a moment to go,
+    longer on a loaded machine."""
+    import threading
+
+    def now():
+        return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+    last, since, start = now(), time.monotonic(), time.monotonic()
+    while time.monotonic() - since < settle_s and time.monotonic() - start < limit_s:
+        time.sleep(0.05)
+        current = now()
+        if current != last:
+            last, since = current, time.monotonic()
+    return last
 
 
 def test_side_groups_are_destroyed_when_training_ends():
