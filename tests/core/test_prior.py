@@ -98,3 +98,49 @@ def test_from_config_names_what_is_missing():
         CostModel.from_config(_published_configs()[0], module="vision")
     with pytest.raises(ValueError, match="module"):
         CostModel.from_config(_published_configs()[0], module="audio")
+
+
+def _fixed_length_steps(seed, steps=16, ranks=8, pack=8192, noise=0.03):
+    """Steps of fixed-length packs (sum L equal on every rank) timed by a known model: 3% noise."""
+    import numpy as np
+
+    from hf_dp_balance.core.cost import features_of
+
+    rng = np.random.default_rng(seed)
+    prior = CostModel.from_config(_published_configs()[0])
+    scale = 1.0 / 400.0  # TFLOPs -> s at 400 TFLOP/s
+    lin = prior.linear * scale
+    truth = CostModel(prior.quadratic * scale * 1.3, lin, 0.001 * lin * pack, 0.05 * lin * pack)
+    packs = []
+    for _ in range(steps * ranks):
+        lengths, left = [], pack
+        while left > 0:
+            lengths.append(int(min(left, max(16, rng.lognormal(np.log(300), 0.9)))))
+            left -= lengths[-1]
+        packs.append(lengths)
+    feats = np.stack([features_of(p) for p in packs]).reshape(steps, ranks, 4)
+    return prior, truth, feats, truth.predict(feats) * rng.lognormal(0.0, noise, size=(steps, ranks))
+
+
+@pytest.mark.parametrize("mode", ["step_max", "per_rank"])
+def test_the_prior_makes_fixed_length_packs_tell_a_sample_s_cost(mode):
+    # sum(L) is the same on every rank: without a prior the linear term and the constant trade freely.
+    import numpy as np
+
+    from hf_dp_balance.core.fitting import fit_cost_model
+
+    lengths = np.arange(16, 4096, 16)
+    errors = {True: [], False: []}
+    for seed in range(3):
+        prior, truth, feats, times = _fixed_length_steps(seed)
+        y = times if mode == "per_rank" else times.max(axis=1)
+        for with_prior in (True, False):
+            fit = fit_cost_model(feats, y, mode=mode, holdout=0, prior=prior if with_prior else None)
+            assert np.all(fit.model.coefficients >= 0)
+            err = np.abs(fit.model.sample_costs(lengths) / truth.sample_costs(lengths) - 1).mean()
+            errors[with_prior].append(err)
+            if with_prior:
+                assert len(fit.report.prior_scales) == 4 and fit.report.prior_scales[0] > 0
+    assert np.median(errors[True]) < 0.12, errors
+    if mode == "step_max":
+        assert np.median(errors[True]) < np.median(errors[False]), errors
