@@ -145,16 +145,20 @@ class DPBalanceCallback(TrainerCallback):
             # Our own gloo group: coefficients and timing records travel beside training's
             # collectives (NCCL on GPUs) without touching them.
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.config.timeout_s))
-        device = getattr(args, "device", torch.device("cpu"))
-        timing = resolve_timing(self.config.timing, torch.device(device).type)
-        decoder, vision, fitted_step = self._restore(args, state)
-        self.fitter = CostModelFitter(self.config, rank=self._rank, world=self._world, group=self._group,
-                                      timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step)
-        self._install_hooks(model, timing)
-        if self.config.vision and model is not None:
-            self._install_vision(model)
+        device_type = torch.device(getattr(args, "device", torch.device("cpu"))).type
         if train_dataloader is not None and self._world > 1:
             self.loader = self._install_loader(train_dataloader, model, args)
+        # DDP (`step`): the forward has no collective, its device time is this rank's own compute.
+        sync = getattr(self.loader, "sync", None) or ("step" if self.config.sync == "auto" else self.config.sync)
+        timing = resolve_timing(self.config.timing, device_type, sync)
+        decoder, vision, fitted_step = self._restore(args, state)
+        prior, vision_prior = _priors(getattr(model, "config", None)) if self.config.prior else (None, None)
+        self.fitter = CostModelFitter(self.config, rank=self._rank, world=self._world, group=self._group,
+                                      timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step,
+                                      prior=prior, vision_prior=vision_prior)
+        self._install_hooks(model, timing, device_type)
+        if self.config.vision and model is not None:
+            self._install_vision(model)
         self._publish_models()
         if self.config.verbose and self._rank == 0:
             logger.info("dp_balance: on (%d ranks, timing=%s, fitted=%s)", self._world, timing,
@@ -182,26 +186,29 @@ class DPBalanceCallback(TrainerCallback):
         except ImportError as exc:
             logger.warning("dp_balance: vision balancing unavailable (%s)", exc)
             return
-        balance_vision_encoder(model, self.config, cost_model=self.vision_model)
+        balance_vision_encoder(model, self.config, cost_model=self.fitter.planning_models()[1])
         self._vision = getattr(model, "_dp_balance_vision", None)
 
-    def _install_hooks(self, model, timing: str) -> None:
+    def _install_hooks(self, model, timing: str, device_type: str = "cpu") -> None:
         # A previous train() that raised never reached on_train_end: drop its hooks, or every
         # forward would be recorded twice.
         self._remove_hooks()
-        self.recorder = StepRecorder(StepClock(timing))
+        self.recorder = StepRecorder(StepClock(timing, device_type))
         if model is not None:
             self.recorder.install(model)
 
     def _publish_models(self) -> None:
-        """Hand the current cost models to the loader and the vision wrapper (None: keep everything in place)."""
+        """Hand the current cost models (the fitted ones, else the FLOP priors) and this rank's speed to the
+        loader and the vision wrapper (no model: keep everything in place)."""
+        decoder, vision = self.fitter.planning_models()
         if self.loader is not None and hasattr(self.loader, "set_cost_model"):
             # Without vision-tower balancing a sample's images are encoded where the sample goes, so
             # the loader plans with decoder + vision cost; with it, the tower is balanced per image.
-            vision = None if self.config.vision else self.vision_model
-            self.loader.set_cost_model(self.decoder_model, vision=vision)
-        if self._vision is not None and self.vision_model is not None:
-            self._vision.cost_model = self.vision_model
+            self.loader.set_cost_model(decoder, vision=None if self.config.vision else vision)
+            if hasattr(self.loader, "set_speed"):
+                self.loader.set_speed(float(self.fitter.speeds[self._rank]))
+        if self._vision is not None and vision is not None:
+            self._vision.cost_model = vision
 
     # -- timing -------------------------------------------------------------------------
 
@@ -321,6 +328,25 @@ class DPBalanceCallback(TrainerCallback):
 
 
 # --------------------------------------------------------------------------- small shell helpers
+
+
+def _priors(model_config):
+    """(decoder prior, vision prior) from the model's config (`CostModel.from_config`); None for what the
+    config does not describe (logged once: planning then waits for the fit)."""
+    if model_config is None:
+        return None, None
+    try:
+        decoder = CostModel.from_config(model_config)
+    except ValueError as exc:
+        logger.warning("dp_balance: no FLOP prior from %s (%s); nothing is planned before the first fit",
+                       type(model_config).__name__, exc)
+        return None, None
+    try:
+        vision = CostModel.from_config(model_config, module="vision")
+    except ValueError:
+        vision = None  # a text model, or a tower we do not describe: the decoder prior alone
+    return decoder, vision
+
 
 
 def _calling_instance(cls, max_depth: int = 8):
