@@ -214,9 +214,10 @@ class CostModelFitter:
                    "speeds": None if speeds is None else speeds.tolist()}
         vfeats = np.stack([g[2][-steps:] for g in gathered], axis=1)
         vtimes = np.stack([g[3][-steps:] for g in gathered], axis=1)
-        if (vtimes > 0).sum() >= _MIN_VISION_OBSERVATIONS:  # the tower was timed: fit it
+        timed = vtimes > 0  # a (step, rank) whose tower ran no image is no observation
+        if timed.sum() >= _MIN_VISION_OBSERVATIONS:  # the tower was timed: fit it
             try:
-                payload["vision"] = fit_cost_model(vfeats, vtimes, mode="per_rank",
+                payload["vision"] = fit_cost_model(vfeats[timed][:, None, :], vtimes[timed][:, None], mode="per_rank",
                                                    prior=self.vision_prior).model.to_dict()
             except (ValueError, RuntimeError, FloatingPointError) as exc:
                 logger.warning("dp_balance: vision cost model fit failed: %s", exc)
