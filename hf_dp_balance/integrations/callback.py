@@ -25,7 +25,8 @@ from transformers.trainer_callback import DefaultFlowCallback
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
-from hf_dp_balance.runtime.fitter import CostModelFitter, StepClock, StepRecorder, image_patches, resolve_timing
+from hf_dp_balance.runtime.fitter import (CostModelFitter, StepClock, StepRecorder, image_patches, priors_from_config,
+                                          resolve_timing)
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class DPBalanceCallback(TrainerCallback):
         sync = getattr(self.loader, "sync", None) or ("step" if self.config.sync == "auto" else self.config.sync)
         timing = resolve_timing(self.config.timing, device_type, sync)
         decoder, vision, fitted_step = self._restore(args, state)
-        prior, vision_prior = _priors(getattr(model, "config", None)) if self.config.prior else (None, None)
+        prior, vision_prior = priors_from_config(getattr(model, "config", None)) if self.config.prior else (None, None)
         self.fitter = CostModelFitter(self.config, rank=self._rank, world=self._world, group=self._group,
                                       timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step,
                                       prior=prior, vision_prior=vision_prior)
@@ -328,25 +329,6 @@ class DPBalanceCallback(TrainerCallback):
 
 
 # --------------------------------------------------------------------------- small shell helpers
-
-
-def _priors(model_config):
-    """(decoder prior, vision prior) from the model's config (`CostModel.from_config`); None for what the
-    config does not describe (logged once: planning then waits for the fit)."""
-    if model_config is None:
-        return None, None
-    try:
-        decoder = CostModel.from_config(model_config)
-    except ValueError as exc:
-        logger.warning("dp_balance: no FLOP prior from %s (%s); nothing is planned before the first fit",
-                       type(model_config).__name__, exc)
-        return None, None
-    try:
-        vision = CostModel.from_config(model_config, module="vision")
-    except ValueError:
-        vision = None  # a text model, or a tower we do not describe: the decoder prior alone
-    return decoder, vision
-
 
 
 def _calling_instance(cls, max_depth: int = 8):

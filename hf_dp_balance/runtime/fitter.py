@@ -59,6 +59,24 @@ def resolve_fit_mode(fit_mode: str, timing: str) -> str:
     return "step_max" if timing == "wall" else "per_rank"
 
 
+def priors_from_config(model_config) -> Tuple[Optional[CostModel], Optional[CostModel]]:
+    """(decoder prior, vision prior) from the model's config (`CostModel.from_config`); None for what the
+    config does not describe (logged once: planning then waits for the fit)."""
+    if model_config is None:
+        return None, None
+    try:
+        decoder = CostModel.from_config(model_config)
+    except ValueError as exc:
+        logger.warning("dp_balance: no FLOP prior from %s (%s); nothing is planned before the first fit",
+                       type(model_config).__name__, exc)
+        return None, None
+    try:
+        vision = CostModel.from_config(model_config, module="vision")
+    except ValueError:
+        vision = None  # a text model, or a tower we do not describe: the decoder prior alone
+    return decoder, vision
+
+
 # A rank's speed is reported only beyond this relative distance from 1: timing noise alone moves the
 # median residual of a few steps by ~1%, and a plan must not chase it.
 SPEED_DEADBAND = 0.02
@@ -253,5 +271,5 @@ class CostModelFitter:
 
 # StepClock, StepRecorder and what a micro-batch computes live in runtime.recorder; importable from here.
 __all__ = ["CostModelFitter", "MAX_FIT_REPORTS", "MAX_RECORDS", "MAX_WINDOW_STEPS", "SPEED_DEADBAND", "StepClock",
-           "StepRecord", "StepRecorder", "image_patches", "micro_batch_lengths", "rank_speeds", "resolve_fit_mode",
-           "resolve_timing", "synchronize", "vision_tower"]
+           "StepRecord", "StepRecorder", "image_patches", "micro_batch_lengths", "priors_from_config", "rank_speeds",
+           "resolve_fit_mode", "resolve_timing", "synchronize", "vision_tower"]

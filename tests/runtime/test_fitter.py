@@ -231,3 +231,14 @@ def test_the_vision_tower_is_fitted_when_some_steps_had_no_images():
     assert fitter.vision is not None
     check = np.stack([features_of(rng.integers(64, 1024, size=2)) for _ in range(16)])
     assert np.max(np.abs(fitter.vision.predict(check) / VISION.predict(check) - 1)) < 1e-3
+
+
+def test_priors_from_a_model_config():
+    from hf_dp_balance.runtime.fitter import priors_from_config
+    from hf_dp_balance.testing.data import tiny_config
+
+    decoder, vision = priors_from_config(tiny_config("qwen2_vl"))
+    assert decoder == CostModel.from_config(tiny_config("qwen2_vl"))
+    assert vision == CostModel.from_config(tiny_config("qwen2_vl"), module="vision")
+    assert priors_from_config(tiny_config("text"))[1] is None  # no tower: the decoder prior alone
+    assert priors_from_config(object()) == (None, None) and priors_from_config(None) == (None, None)
