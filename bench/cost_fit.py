@@ -7,6 +7,11 @@ Qwen2-VL vision tower called directly with pixel rows and grid_thw, on sets of
 images of 64..4096 patches. Compute of a pack = its thread CPU time
 (`time.thread_time()`), robust to the other processes sharing the cores.
 
+First, synthetic step times with known coefficients (bench/cost_fit_synthetic.py: fixed-length packs,
+8-128 ranks, 8-16 warm-up steps, 3% noise): per-rank, step-max and prior-regularised fits, held-out
+MAPE of pack cost, step and single-sample cost; and the per-rank fit on warm-up steps balanced by the
+prior vs as dealt. Then the real CPU timings below, with the fits around `CostModel.from_config`.
+
 Every pack is one "rank" observation. Compared on held-out packs:
   ours       CostModel fitted per rank from the first --fit-packs packs
   tokens     time = k * tokens (fixed-length packing's assumption), k fitted
@@ -34,8 +39,9 @@ from typing import List
 import numpy as np
 import torch
 
+import cost_fit_synthetic  # bench/ (run as a script: its folder is on sys.path)
 from hf_dp_balance.runtime.attention import register_varlen_attention
-from hf_dp_balance.core.cost import features_of
+from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model
 
 RANKS = 8
@@ -103,16 +109,31 @@ def time_rounds(calls, repeats: int, label: str, seed: int = 0) -> np.ndarray:
     return times
 
 
-def time_decoder(packs, hidden: int, layers: int, repeats: int, vocab: int = 1024) -> np.ndarray:
-    """Forward + backward of a small Qwen2 with the varlen attention on each pack; [packs, repeats] s."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def decoder_config(hidden: int, layers: int, vocab: int = 1024):
+    from transformers import Qwen2Config
 
-    name = register_varlen_attention()
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 8 * 8, num_hidden_layers=layers,
         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
         max_position_embeddings=65536, use_cache=False, bos_token_id=1, eos_token_id=2,
     )
+
+
+def vision_config(embed_dim: int, depth: int):
+    """A Qwen2-VL composite config around the tower (the prior reads `vision_config`)."""
+    from transformers import Qwen2VLConfig
+
+    return Qwen2VLConfig(vision_config=dict(
+        depth=depth, embed_dim=embed_dim, hidden_size=2 * embed_dim, num_heads=max(1, embed_dim // 32), mlp_ratio=4,
+        patch_size=14, temporal_patch_size=2, spatial_merge_size=2))
+
+
+def time_decoder(packs, hidden: int, layers: int, repeats: int, vocab: int = 1024) -> np.ndarray:
+    """Forward + backward of a small Qwen2 with the varlen attention on each pack; [packs, repeats] s."""
+    from transformers import Qwen2ForCausalLM
+
+    name = register_varlen_attention()
+    config = decoder_config(hidden, layers, vocab)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM._from_config(config, attn_implementation=name)
     g = torch.Generator().manual_seed(0)
@@ -133,13 +154,9 @@ def time_decoder(packs, hidden: int, layers: int, repeats: int, vocab: int = 102
 
 def time_vision(packs, embed_dim: int, depth: int, repeats: int) -> np.ndarray:
     """Forward + backward of a Qwen2-VL vision tower (default sdpa: one call per image); [packs, repeats] s."""
-    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-    config = Qwen2VLVisionConfig(
-        depth=depth, embed_dim=embed_dim, hidden_size=2 * embed_dim, num_heads=max(1, embed_dim // 32), mlp_ratio=4,
-        patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
-    )
+    config = vision_config(embed_dim, depth).vision_config
     torch.manual_seed(0)
     tower = Qwen2VisionTransformerPretrainedModel._from_config(config, attn_implementation="sdpa")
     patch_dim = 3 * 2 * 14 * 14
@@ -202,8 +219,10 @@ def draw_steps(rng, pool: np.ndarray, steps: int) -> np.ndarray:
     return rng.integers(0, len(pool), size=(steps, RANKS))
 
 
-def compare(title: str, timed: Timed, fit_packs: int, train_packs: int, warmup_steps: int, draws: int, seed: int) -> dict:
-    """Print and return the side-by-side held-out errors of one module."""
+def compare(title: str, timed: Timed, fit_packs: int, train_packs: int, warmup_steps: int, draws: int, seed: int,
+            prior=None) -> dict:
+    """Print and return the side-by-side held-out errors of one module (`prior`: also the fits around it;
+    single-sample MAPE against the per-rank fit on every pack, the best estimate of the truth here)."""
     f, t = timed.features, timed.times
     fit_idx = np.arange(fit_packs)
     train_idx = np.arange(train_packs)
@@ -218,6 +237,13 @@ def compare(title: str, timed: Timed, fit_packs: int, train_packs: int, warmup_s
         "tokens only": tokens_k * f[:, 1],
         "BatchRebalanceSampler cost": rebalance_k * rebalance,
     }
+    fitted = {"ours (per-rank fit)": ours}
+    if prior is not None:
+        around = fit_cost_model(f[fit_idx][:, None, :], t[fit_idx][:, None], mode="per_rank", holdout=0,
+                                prior=prior).model
+        predictions["ours (per-rank fit + prior)"] = around.predict(f)
+        fitted["ours (per-rank fit + prior)"] = around
+        predictions["prior alone (one scale)"] = scale_fit(prior.predict(f[fit_idx]), t[fit_idx]) * prior.predict(f)
 
     rng = np.random.default_rng(seed)
     test_steps = test_idx[draw_steps(rng, test_idx, 500)]
@@ -233,14 +259,24 @@ def compare(title: str, timed: Timed, fit_packs: int, train_packs: int, warmup_s
         print(f"  {label:34s} {100 * pack_err.mean():9.2f}% {100 * pack_err.max():12.2f}% {100 * step_err:9.2f}%")
 
     # step-max fit: only the slowest of RANKS ranks observed per step
-    step_max_errors = []
-    for d in range(draws):
-        idx = train_idx[draw_steps(np.random.default_rng(seed + 1 + d), train_idx, warmup_steps)]
-        model = fit_cost_model(f[idx], t[idx].max(axis=1), mode="step_max", holdout=0).model
-        step_max_errors.append(mape(model.step_time(f[test_steps]), true_step))
-    label = f"ours (step-max fit, {warmup_steps} steps)"
-    results[label] = {"step_mape": float(np.median(step_max_errors))}
-    print(f"  {label:34s} {'-':>10s} {'-':>13s} {100 * np.median(step_max_errors):9.2f}%  (median of {draws} draws)")
+    reference = fit_cost_model(f[:, None, :], t[:, None], mode="per_rank", holdout=0).model
+    singles = np.concatenate([np.asarray(p, float) for p in timed.packs])
+    for label, model in fitted.items():
+        results[label]["single_mape"] = mape(model.sample_costs(singles), reference.sample_costs(singles))
+    for with_prior in ((False, True) if prior is not None else (False,)):
+        step_max_errors, single_errors = [], []
+        for d in range(draws):
+            idx = train_idx[draw_steps(np.random.default_rng(seed + 1 + d), train_idx, warmup_steps)]
+            model = fit_cost_model(f[idx], t[idx].max(axis=1), mode="step_max", holdout=0,
+                                   prior=prior if with_prior else None).model
+            step_max_errors.append(mape(model.step_time(f[test_steps]), true_step))
+            single_errors.append(mape(model.sample_costs(singles), reference.sample_costs(singles)))
+        label = f"ours (step-max fit{' + prior' if with_prior else ''}, {warmup_steps} steps)"
+        results[label] = {"step_mape": float(np.median(step_max_errors)), "single_mape": float(np.median(single_errors))}
+        print(f"  {label:34s} {'-':>10s} {'-':>13s} {100 * np.median(step_max_errors):9.2f}%  (median of {draws} draws;"
+              f" single sample vs the all-pack fit {100 * np.median(single_errors):.1f}%)")
+    for label, model in fitted.items():
+        print(f"  {label}: single-sample cost vs the per-rank fit on all packs {100 * results[label]['single_mape']:.2f}%")
     m = ours
     print(f"  ours: cost = {m.quadratic:.4g}*sum(L^2) + {m.linear:.4g}*sum(L) + {m.per_sample:.4g}*n + {m.constant:.4g} s"
           f"  (attention = dense at L = {m.linear / m.quadratic if m.quadratic else float('inf'):.0f})")
@@ -279,13 +315,13 @@ def warmup_table(title: str, timed: Timed, train_packs: int, draws: int, seed: i
 # --------------------------------------------------------------------------- main
 
 
-def report(key: str, title: str, lengths, samples: np.ndarray, args, record: dict) -> None:
+def report(key: str, title: str, lengths, samples: np.ndarray, args, record: dict, prior=None) -> None:
     """Print the noise, the fit comparison and the warm-up table of one module's timings; fill `record`."""
     timed = Timed(lengths, np.stack([features_of(p) for p in lengths]), samples.min(axis=1))
     print(f"\n{key} timing noise: {noise_summary(samples)}")
     record[key] = {"lengths": lengths, "times": timed.times.tolist(), "samples": samples.tolist()}
     record[f"{key}_results"] = compare(title, timed, args.fit_packs, args.train_packs, args.warmup_steps, args.draws,
-                                       args.seed)
+                                       args.seed, prior)
     record[f"{key}_warmup"] = warmup_table(title, timed, args.train_packs, args.draws, args.seed)
 
 
@@ -309,7 +345,14 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per pack (interleaved rounds; minimum kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", help="write the timed features / times / results as JSON here (input of `hf-dp-balance fit`)")
+    parser.add_argument("--synthetic-only", action="store_true", help="the synthetic known-coefficient tables only")
     args = parser.parse_args(argv)
+    synthetic = cost_fit_synthetic.run(draws=args.draws)
+    cost_fit_synthetic.print_table(synthetic)
+    conditioning = cost_fit_synthetic.conditioning(draws=args.draws)
+    cost_fit_synthetic.print_conditioning(conditioning)
+    if args.synthetic_only:
+        return 0
     hidden = args.hidden
     layers = args.layers or (4 if args.full else 2)
     vision_embed = args.vision_embed
@@ -325,12 +368,15 @@ def main(argv=None) -> int:
     n_packs = args.train_packs + args.test_packs
     rng = np.random.default_rng(args.seed)
     wall = time.perf_counter()
-    record = {"argv": sys.argv[1:], "layers": layers, "hidden": hidden, "tokens": [min_tokens, max_tokens]}
+    record = {"argv": sys.argv[1:], "layers": layers, "hidden": hidden, "tokens": [min_tokens, max_tokens],
+              "synthetic": {f"attn_off={k[0]} ranks={k[1]} warmup={k[2]}": v for k, v in synthetic.items()},
+              "conditioning": conditioning}
 
     packs = pack_compositions(rng, n_packs, min_tokens, max_tokens, min_len=128)
     print(f"decoder: Qwen2 hidden {hidden}, {layers} layers, varlen attention, 1 thread; {n_packs} packs of "
           f"{min_tokens}-{max_tokens} tokens", file=sys.stderr)
-    report("decoder", "Decoder", packs, time_decoder(packs, hidden, layers, args.repeats), args, record)
+    report("decoder", "Decoder", packs, time_decoder(packs, hidden, layers, args.repeats), args, record,
+           CostModel.from_config(decoder_config(hidden, layers)))
 
     if not args.skip_vision:
         # images of 64..4096 patches; a "pack" is one rank's images (total patches like the decoder's tokens)
@@ -341,7 +387,7 @@ def main(argv=None) -> int:
         print(f"vision: Qwen2-VL tower embed {vision_embed}, depth {vision_depth}, sdpa per image; "
               f"{n_packs} sets of images of {min_patches}-{max_patches} patches", file=sys.stderr)
         report("vision", "Vision tower", vlengths, time_vision(vlengths, vision_embed, vision_depth, args.repeats),
-               args, record)
+               args, record, CostModel.from_config(vision_config(vision_embed, vision_depth), module="vision"))
 
     print(f"\nwall time {time.perf_counter() - wall:.0f} s (timings are thread CPU time; the machine was shared)")
     if args.save:

@@ -35,7 +35,8 @@ class DPBalanceConfig:
     warmup_steps: int = 5
     """Optimizer steps timed before the cost model is fitted. The first step planned with it is step
     warmup_steps + 2: the step already prepared when the fit lands keeps its placement (until a model is
-    set the loader prepares one step ahead only, whatever `prefetch_steps`)."""
+    set the loader prepares one step ahead only, whatever `prefetch_steps`). With `prior` (the default) the
+    steps before are planned with the model's FLOP prior."""
 
     max_token_ratio: float = 1.2
     """Hard per-rank (per micro-batch slot) token cap, as a multiple of the mean tokens per slot."""
@@ -62,9 +63,21 @@ class DPBalanceConfig:
 
     timing: str = "auto"
     """Clock of each rank's step and of the vision tower inside it: `thread_cpu` (the main thread's CPU time:
-    clean per-rank compute on CPU), `wall` (synchronised wall time: accelerators, whose kernels run
-    asynchronously), or `auto` (thread_cpu on a CPU device, wall otherwise). `auto` fit mode follows it:
-    per_rank for thread_cpu, step_max for wall (ranks meet in the gradient all-reduce)."""
+    clean per-rank compute on CPU), `wall` (synchronised wall time of the step: accelerators, whose kernels
+    run asynchronously), `forward_events` (the model's forward passes only, on device events (CUDA) or
+    synchronised wall clock, x3 for forward + backward: no collective inside under DDP), or `auto`
+    (thread_cpu on a CPU device; on accelerators forward_events under DDP, wall under FSDP / ZeRO-3).
+    `auto` fit mode follows it: per_rank for thread_cpu and forward_events, step_max for wall."""
+
+    prior: bool = True
+    """Plan from the first step with the FLOP prior of the model's config (`CostModel.from_config`) until the
+    fit lands, and fit around it (a scale per term, pulled toward the prior's shape). False: no plan before
+    the fit (the first step planned is warmup_steps + 2) and four free coefficients."""
+
+    estimate_speeds: bool = True
+    """Estimate each rank's relative speed from its residuals at every fit (a rank consistently slower for
+    the same predicted work gets a speed below 1) and give it to the planner; logged as
+    dp_balance/speed_rank_<k>."""
 
     timeout_s: float = 600.0
     """Communication timeout of the side group: a dead or failing rank raises after this, never hangs."""

@@ -17,8 +17,12 @@ FIT_MODES = ("auto", "per_rank", "step_max")
 # The clock that times each rank's step (and the vision tower inside it): the main thread's CPU time
 # (clean per-rank compute on CPU, where a rank blocked in a collective burns no CPU) or synchronised
 # wall time (accelerators: kernels run asynchronously, CPU time would measure their launches only).
-# `auto`: thread CPU time on a CPU device, wall time on any other.
-TIMING_MODES = ("thread_cpu", "wall")
+# `forward_events`: each rank's forward passes alone (device events on CUDA, synchronised wall clock
+# elsewhere), x3 for forward + backward: under DDP the forward has no collective, so it is a clean
+# per-rank observation on accelerators.
+# `auto`: thread CPU time on a CPU device; on accelerators forward events under DDP, wall time where the
+# forward itself meets other ranks (FSDP / ZeRO-3).
+TIMING_MODES = ("thread_cpu", "wall", "forward_events")
 TIMING_CHOICES = ("auto",) + TIMING_MODES
 
 __all__ = ["FIT_MODES", "SYNC_CHOICES", "SYNC_MODES", "TIMING_CHOICES", "TIMING_MODES"]

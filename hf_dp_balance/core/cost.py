@@ -90,6 +90,15 @@ class CostModel:
         return cls(quadratic=per_l2 / 1e12, linear=6.0 * params / 1e12, per_sample=0.0, constant=0.0)
 
     @classmethod
+    def from_config(cls, model_config, module: str = "decoder") -> "CostModel":
+        """FLOP prior in TFLOPs from a transformers config: forward + backward of one sample of L tokens
+        (`module="decoder"`, causal attention within the sample) or one frame of L patches (`"vision"`).
+        Formulas: `core.prior` and docs/cost_model.md. ValueError when the config lacks a needed size."""
+        from hf_dp_balance.core.prior import prior_coefficients
+
+        return cls(*(c / 1e12 for c in prior_coefficients(model_config, module)))
+
+    @classmethod
     def default_decoder(cls) -> "CostModel":
         """Prior before fitting: a 7B decoder (d=4096, 32 layers, causal); attention equals the
         dense layers near L = 53K tokens."""

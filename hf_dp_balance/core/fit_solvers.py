@@ -41,35 +41,48 @@ def _robust_scale(residuals: np.ndarray) -> float:
     return max(1.4826 * float(mad), _MIN_RELATIVE_SCALE)
 
 
-def fit_per_rank(x: np.ndarray, y: np.ndarray, robust: bool) -> Tuple[np.ndarray, np.ndarray]:
+def _nnls_penalised(a: np.ndarray, b: np.ndarray, penalty: Optional[np.ndarray]) -> np.ndarray:
+    """argmin ||a t - b||^2 + ||penalty t||^2 over t >= 0 (penalty rows: target 0)."""
+    from scipy.optimize import nnls
+
+    if penalty is not None and penalty.size:
+        a = np.vstack([a, penalty])
+        b = np.concatenate([b, np.zeros(penalty.shape[0])])
+    return nnls(a, b)[0]
+
+
+def fit_per_rank(x: np.ndarray, y: np.ndarray, robust: bool,
+                 penalty: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Non-negative fit of y ~ x @ theta minimising relative residuals (x already scaled).
 
     x [m, 4], y [m]. NNLS start; then Huber (bounded least_squares) and a
     refit on the observations whose relative residual is within
-    `_OUTLIER_SIGMAS` robust sigmas. Returns (theta, inlier mask).
+    `_OUTLIER_SIGMAS` robust sigmas. `penalty` [p, 4]: extra residual rows
+    `penalty @ theta` (a prior's pull, never outliers). Returns (theta, inlier mask).
     """
-    from scipy.optimize import least_squares, nnls
+    from scipy.optimize import least_squares
 
+    penalty = np.zeros((0, N_FEATURES)) if penalty is None else penalty
     a = x / y[:, None]
     ones = np.ones_like(y)
-    theta, _ = nnls(a, ones)
+    theta = _nnls_penalised(a, ones, penalty)
     inliers = np.ones(y.shape, dtype=bool)
     if not robust:
         return theta, inliers
     scale = _robust_scale(a @ theta - 1.0)
     huber = least_squares(
-        lambda t: a @ t - 1.0, np.maximum(theta, 1e-12), jac=lambda t: a, bounds=(0.0, np.inf),
-        loss="huber", f_scale=scale, method="trf",
+        lambda t: np.concatenate([a @ t - 1.0, penalty @ t]), np.maximum(theta, 1e-12),
+        jac=lambda t: np.vstack([a, penalty]), bounds=(0.0, np.inf), loss="huber", f_scale=scale, method="trf",
     )
     theta = huber.x
     residual = a @ theta - 1.0
     scale = _robust_scale(residual)
     inliers = np.abs(residual - np.median(residual)) <= _OUTLIER_SIGMAS * scale
     if inliers.sum() >= N_FEATURES and not inliers.all():
-        theta, _ = nnls(a[inliers], ones[inliers])
+        theta = _nnls_penalised(a[inliers], ones[inliers], penalty)
     else:
         inliers[:] = True
-        theta, _ = nnls(a, ones)
+        theta = _nnls_penalised(a, ones, penalty)
     return theta, inliers
 
 
@@ -83,8 +96,10 @@ def _soft_max(c: np.ndarray, tau: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return value, e / total
 
 
-def _step_max_solve(x: np.ndarray, y: np.ndarray, theta0: np.ndarray, temperatures, loss: str, scale: float) -> np.ndarray:
-    """Bounded least squares of relative residuals softmax_tau(x @ theta)/y - 1, annealing tau."""
+def _step_max_solve(x: np.ndarray, y: np.ndarray, theta0: np.ndarray, temperatures, loss: str, scale: float,
+                    penalty: np.ndarray) -> np.ndarray:
+    """Bounded least squares of relative residuals softmax_tau(x @ theta)/y - 1 (and the penalty rows
+    penalty @ theta), annealing tau."""
     from scipy.optimize import least_squares
 
     theta = np.maximum(theta0, 1e-12)
@@ -93,52 +108,52 @@ def _step_max_solve(x: np.ndarray, y: np.ndarray, theta0: np.ndarray, temperatur
 
         def residual(t, tau=tau):
             value, _ = _soft_max(x @ t, tau)
-            return value / y - 1.0
+            return np.concatenate([value / y - 1.0, penalty @ t])
 
         def jacobian(t, tau=tau):
             _, w = _soft_max(x @ t, tau)
-            return np.einsum("sr,srk->sk", w, x) / y[:, None]
+            return np.vstack([np.einsum("sr,srk->sk", w, x) / y[:, None], penalty])
 
         theta = least_squares(residual, theta, jac=jacobian, bounds=(0.0, np.inf), loss=loss, f_scale=scale, method="trf").x
         theta = np.maximum(theta, 1e-15)  # trf wants a strictly feasible start for the next temperature
     return theta
 
 
-def fit_step_max(x: np.ndarray, y: np.ndarray, robust: bool, temperature: Optional[float]) -> Tuple[np.ndarray, np.ndarray]:
+def fit_step_max(x: np.ndarray, y: np.ndarray, robust: bool, temperature: Optional[float],
+                 penalty: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Non-negative fit of step times y [S] ~ max_r x[S, r] @ theta (x scaled), via a soft-max.
 
     Start: alternate "which rank is the slowest under theta" and NNLS on those
     ranks' rows (a few rounds). Then bounded least squares through a soft-max
     whose temperature is relative to each step's time, annealed towards the
-    max; Huber and an inlier refit as in the per-rank fit.
+    max; Huber and an inlier refit as in the per-rank fit. `penalty` as in `fit_per_rank`.
     """
-    from scipy.optimize import nnls
-
+    penalty = np.zeros((0, N_FEATURES)) if penalty is None else penalty
     ones = np.ones_like(y)
-    theta, _ = nnls(x.mean(axis=1) / y[:, None], ones)  # the mean rank: a start that underestimates
+    theta = _nnls_penalised(x.mean(axis=1) / y[:, None], ones, penalty)  # the mean rank: underestimates
     for _ in range(8):
         slowest = np.argmax(x @ theta, axis=1)
         rows = x[np.arange(len(y)), slowest]
-        new, _ = nnls(rows / y[:, None], ones)
+        new = _nnls_penalised(rows / y[:, None], ones, penalty)
         if np.allclose(new, theta, rtol=1e-6, atol=1e-12):
             break
         theta = new
     temps = (temperature,) if temperature is not None else ANNEAL_TEMPERATURES
     inliers = np.ones(y.shape, dtype=bool)
     if not robust:
-        return _step_max_solve(x, y, theta, temps, "linear", 1.0), inliers
+        return _step_max_solve(x, y, theta, temps, "linear", 1.0, penalty), inliers
     slowest_value = (x @ theta).max(axis=1)
     scale = _robust_scale(slowest_value / y - 1.0)
-    theta = _step_max_solve(x, y, theta, temps, "huber", scale)
+    theta = _step_max_solve(x, y, theta, temps, "huber", scale, penalty)
     value, _ = _soft_max(x @ theta, temps[-1] * y)
     residual = value / y - 1.0
     scale = _robust_scale(residual)
     inliers = np.abs(residual - np.median(residual)) <= _OUTLIER_SIGMAS * scale
     if inliers.sum() >= N_FEATURES and not inliers.all():
-        theta = _step_max_solve(x[inliers], y[inliers], theta, temps[-1:], "linear", 1.0)
+        theta = _step_max_solve(x[inliers], y[inliers], theta, temps[-1:], "linear", 1.0, penalty)
     else:
         inliers[:] = True
-        theta = _step_max_solve(x, y, theta, temps[-1:], "linear", 1.0)
+        theta = _step_max_solve(x, y, theta, temps[-1:], "linear", 1.0, penalty)
     return theta, inliers
 
 

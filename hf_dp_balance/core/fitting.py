@@ -46,10 +46,14 @@ class FitReport:
     n_outliers: int
     outlier_steps: Tuple[int, ...]
     temperature: Optional[float]
+    prior_scales: Optional[Tuple[float, ...]] = None
+    """With a prior: each coefficient over the prior's (NaN where the prior's is 0): seconds per FLOP."""
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["outlier_steps"] = list(self.outlier_steps)
+        if self.prior_scales is not None:
+            d["prior_scales"] = list(self.prior_scales)
         return d
 
     def summary(self) -> str:
@@ -109,15 +113,60 @@ def _validate(features, times) -> Tuple[np.ndarray, np.ndarray]:
     return features, times
 
 
-def _fit(features: np.ndarray, times: np.ndarray, mode: str, robust: bool, temperature: Optional[float]):
+# Default pull toward the prior's shape: a deviation d of two terms' scales (relative) costs as much as a
+# relative residual of PRIOR_STRENGTH * d on every observation (measured: bench/cost_fit.py).
+PRIOR_STRENGTH = 0.03
+
+
+def prior_penalty(prior: Optional[CostModel], features: np.ndarray, times: np.ndarray, scale: np.ndarray,
+                  strength: float) -> Optional[np.ndarray]:
+    """Penalty rows [p, 4] on the scaled coefficients theta (= coefficient * scale); None without a prior.
+
+    The prior fixes the ratios between the terms it prices, never their unit: each priced term's scale
+    (coefficient / prior's, seconds per FLOP) is pulled toward the scale of the term that carries most of
+    the prior's cost, relative to a reference scale (median time over prior cost). The terms it leaves at
+    0 (per sample, per step) are pulled toward 0 in units of a typical observed time: on fixed-length
+    packs sum(L) is the same on every rank and step, so only this pull separates the linear term from
+    the constant. Weight `strength * sqrt(observations)`: a relative deviation d costs as much as a
+    relative residual of `strength * d` on every observation."""
+    if prior is None or strength <= 0:
+        return None
+    coef = prior.coefficients
+    priced = np.flatnonzero(coef > 0)
+    predicted = features @ coef  # [S, R]
+    observed = times if times.ndim == 2 else times[:, None]
+    reference = predicted if times.ndim == 2 else predicted.max(axis=1, keepdims=True)
+    ok = reference > 0
+    if not priced.size or not ok.any():
+        return None
+    s_ref = float(np.median(observed[ok] / reference[ok]))
+    weight = strength * math.sqrt(times.size)
+    main = priced[np.argmax(coef[priced] * scale[priced])]  # the term with the largest share of the prior's cost
+    rows = []
+    for k in range(N_FEATURES):
+        row = np.zeros(N_FEATURES)
+        if k in priced and k != main:
+            row[k] = weight / (s_ref * scale[k] * coef[k])
+            row[main] = -weight / (s_ref * scale[main] * coef[main])
+        elif k not in priced:
+            row[k] = weight / float(np.median(observed))  # theta_k is the term's RMS contribution in seconds
+        else:
+            continue
+        rows.append(row)
+    return np.array(rows) if rows else None
+
+
+def _fit(features: np.ndarray, times: np.ndarray, mode: str, robust: bool, temperature: Optional[float],
+         prior: Optional[CostModel] = None, strength: float = PRIOR_STRENGTH):
     """Fit on already validated data; returns (CostModel, inlier mask shaped like times)."""
     scale = column_scale(features)
     x = features / scale
+    penalty = prior_penalty(prior, features, times, scale, strength)
     if mode == "per_rank":
-        theta, inliers = fit_per_rank(x.reshape(-1, N_FEATURES), times.reshape(-1), robust)
+        theta, inliers = fit_per_rank(x.reshape(-1, N_FEATURES), times.reshape(-1), robust, penalty)
         inliers = inliers.reshape(times.shape)
     else:
-        theta, inliers = fit_step_max(x, times, robust, temperature)
+        theta, inliers = fit_step_max(x, times, robust, temperature, penalty)
     coefficients = np.maximum(theta, 0.0) / scale
     return CostModel(*coefficients.tolist()), inliers
 
@@ -178,12 +227,12 @@ def _holdout_steps(steps: int, per_step: int, holdout: float, seed: int) -> np.n
     return np.sort(np.random.default_rng(seed).permutation(steps)[:n_heldout])
 
 
-def _heldout_scores(features, times, test_steps, mode, robust, temperature) -> Tuple[float, float, float]:
+def _heldout_scores(features, times, test_steps, mode, robust, temperature, prior, strength) -> Tuple[float, float, float]:
     """(R^2, MAPE, step MAPE) of a model fitted without `test_steps`, on them (NaN when none)."""
     if not test_steps.size:
         return float("nan"), float("nan"), float("nan")
     train_steps = np.setdiff1d(np.arange(features.shape[0]), test_steps)
-    trial, _ = _fit(features[train_steps], times[train_steps], mode, robust, temperature)
+    trial, _ = _fit(features[train_steps], times[train_steps], mode, robust, temperature, prior, strength)
     pred, true = _targets(trial, features[test_steps], times[test_steps], mode)
     true_step = times[test_steps] if times.ndim == 1 else times[test_steps].max(axis=1)
     return _r2(pred, true), _mape(pred, true), _mape(trial.step_time(features[test_steps]), true_step)
@@ -198,6 +247,8 @@ def fit_cost_model(
     temperature: Optional[float] = None,
     robust: bool = True,
     seed: int = 0,
+    prior: Optional[CostModel] = None,
+    prior_strength: float = PRIOR_STRENGTH,
 ) -> FitResult:
     """Fit a non-negative `CostModel` to measured times.
 
@@ -213,6 +264,10 @@ def fit_cost_model(
     holdout: fraction of steps (a seeded random choice) held out to measure R^2
     and MAPE; the returned model is then refitted on all steps.
     robust: Huber loss, then drop observations beyond 4 robust sigmas and refit.
+    prior: a `CostModel` whose ratios between its non-zero terms the fit keeps unless the data says
+    otherwise (`CostModel.from_config`): each term gets its own non-negative scale, pulled toward one
+    common scale with `prior_strength` (`prior_penalty`); terms the prior leaves at 0 are fitted freely.
+    Without a prior: four free non-negative coefficients.
 
     Raises ValueError naming the step / rank / value of bad data, a shape
     mismatch, or fewer observations than the 4 unknowns.
@@ -222,9 +277,10 @@ def fit_cost_model(
     mode, times = _resolve_mode(features, times, mode)
     steps, ranks, _ = features.shape
     test_steps = _holdout_steps(steps, ranks if mode == "per_rank" else 1, holdout, seed)
-    r2, mape, step_mape = _heldout_scores(features, times, test_steps, mode, robust, temperature)
+    r2, mape, step_mape = _heldout_scores(features, times, test_steps, mode, robust, temperature, prior,
+                                          prior_strength)
 
-    model, inliers = _fit(features, times, mode, robust, temperature)
+    model, inliers = _fit(features, times, mode, robust, temperature, prior, prior_strength)
     pred, true = _targets(model, features, times, mode)
     keep = inliers.ravel()
     report = FitReport(
@@ -240,6 +296,8 @@ def fit_cost_model(
         n_outliers=int((~inliers).sum()),
         outlier_steps=tuple(int(s) for s in np.flatnonzero(~inliers.reshape(steps, -1).all(axis=1))),
         temperature=(temperature if temperature is not None else ANNEAL_TEMPERATURES[-1]) if mode == "step_max" else None,
+        prior_scales=None if prior is None else tuple(
+            float(c / p) if p > 0 else float("nan") for c, p in zip(model.coefficients, prior.coefficients)),
     )
     return FitResult(model=model, report=report)
 
@@ -247,19 +305,20 @@ def fit_cost_model(
 # --------------------------------------------------------------------------- fitting from training records
 
 
-def fit_from_records(features, times, mode: str) -> FitResult:
+def fit_from_records(features, times, mode: str, prior: Optional[CostModel] = None) -> FitResult:
     """Fit the decoder cost model from gathered records: features [steps, ranks, 4], times [steps, ranks].
 
     The first recorded step is dropped when there are at least 3 (allocator warm-up,
-    lazy initialisation); `step_max` fits the slowest rank of each step only.
+    lazy initialisation); `step_max` fits the slowest rank of each step only; `prior` as in
+    `fit_cost_model`.
     """
     features = np.asarray(features, dtype=np.float64)
     times = np.asarray(times, dtype=np.float64)
     if features.shape[0] >= 3:
         features, times = features[1:], times[1:]
     if mode == "step_max":
-        return fit_cost_model(features, times.max(axis=1), mode="step_max")
-    return fit_cost_model(features, times, mode="per_rank")
+        return fit_cost_model(features, times.max(axis=1), mode="step_max", prior=prior)
+    return fit_cost_model(features, times, mode="per_rank", prior=prior)
 
 
 def compute_imbalance(times) -> float:
@@ -274,4 +333,5 @@ def compute_imbalance(times) -> float:
     return float((times.max(axis=1)[ok] / mean[ok] - 1.0).mean())
 
 
-__all__ = ["FitReport", "FitResult", "compute_imbalance", "fit_cost_model", "fit_from_records"]
+__all__ = ["FitReport", "FitResult", "PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model", "fit_from_records",
+           "prior_penalty"]

@@ -74,8 +74,13 @@ class DPBalanceArguments:
         "or auto (follows the timing clock)", "fit_mode", FIT_MODES))
     dp_balance_timing: str = field(default="auto", metadata=_help(
         "Clock of each rank's step and its vision tower: thread_cpu (CPU time of the main thread), wall "
-        "(synchronised wall time, accelerators), or auto (thread_cpu on CPU, wall otherwise)", "timing",
+        "(synchronised wall time, accelerators), forward_events (forward passes on device events, x3), or auto "
+        "(thread_cpu on CPU; forward_events under DDP, wall under FSDP / ZeRO-3 on accelerators)", "timing",
         TIMING_CHOICES))
+    dp_balance_prior: bool = field(default=True, metadata=_help(
+        "Plan from step 1 with the model config's FLOP prior until the fit lands, and fit around it", "prior"))
+    dp_balance_estimate_speeds: bool = field(default=True, metadata=_help(
+        "Estimate per-rank speeds from the fit's residuals and plan with them", "estimate_speeds"))
     dp_balance_timeout_s: float = field(default=600.0, metadata=_help(
         "Seconds before a collective of the side group fails: a dead rank raises, never hangs", "timeout_s"))
     dp_balance_prefetch_steps: int = field(default=2, metadata=_help(

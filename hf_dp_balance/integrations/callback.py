@@ -25,7 +25,8 @@ from transformers.trainer_callback import DefaultFlowCallback
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
-from hf_dp_balance.runtime.fitter import CostModelFitter, StepClock, StepRecorder, image_patches, resolve_timing
+from hf_dp_balance.runtime.fitter import (CostModelFitter, StepClock, StepRecorder, image_patches, priors_from_config,
+                                          resolve_timing)
 
 logger = logging.getLogger(__name__)
 
@@ -145,16 +146,20 @@ class DPBalanceCallback(TrainerCallback):
             # Our own gloo group: coefficients and timing records travel beside training's
             # collectives (NCCL on GPUs) without touching them.
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.config.timeout_s))
-        device = getattr(args, "device", torch.device("cpu"))
-        timing = resolve_timing(self.config.timing, torch.device(device).type)
-        decoder, vision, fitted_step = self._restore(args, state)
-        self.fitter = CostModelFitter(self.config, rank=self._rank, world=self._world, group=self._group,
-                                      timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step)
-        self._install_hooks(model, timing)
-        if self.config.vision and model is not None:
-            self._install_vision(model)
+        device_type = torch.device(getattr(args, "device", torch.device("cpu"))).type
         if train_dataloader is not None and self._world > 1:
             self.loader = self._install_loader(train_dataloader, model, args)
+        # DDP (`step`): the forward has no collective, its device time is this rank's own compute.
+        sync = getattr(self.loader, "sync", None) or ("step" if self.config.sync == "auto" else self.config.sync)
+        timing = resolve_timing(self.config.timing, device_type, sync)
+        decoder, vision, fitted_step = self._restore(args, state)
+        prior, vision_prior = priors_from_config(getattr(model, "config", None)) if self.config.prior else (None, None)
+        self.fitter = CostModelFitter(self.config, rank=self._rank, world=self._world, group=self._group,
+                                      timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step,
+                                      prior=prior, vision_prior=vision_prior)
+        self._install_hooks(model, timing, device_type)
+        if self.config.vision and model is not None:
+            self._install_vision(model)
         self._publish_models()
         if self.config.verbose and self._rank == 0:
             logger.info("dp_balance: on (%d ranks, timing=%s, fitted=%s)", self._world, timing,
@@ -182,26 +187,29 @@ class DPBalanceCallback(TrainerCallback):
         except ImportError as exc:
             logger.warning("dp_balance: vision balancing unavailable (%s)", exc)
             return
-        balance_vision_encoder(model, self.config, cost_model=self.vision_model)
+        balance_vision_encoder(model, self.config, cost_model=self.fitter.planning_models()[1])
         self._vision = getattr(model, "_dp_balance_vision", None)
 
-    def _install_hooks(self, model, timing: str) -> None:
+    def _install_hooks(self, model, timing: str, device_type: str = "cpu") -> None:
         # A previous train() that raised never reached on_train_end: drop its hooks, or every
         # forward would be recorded twice.
         self._remove_hooks()
-        self.recorder = StepRecorder(StepClock(timing))
+        self.recorder = StepRecorder(StepClock(timing, device_type))
         if model is not None:
             self.recorder.install(model)
 
     def _publish_models(self) -> None:
-        """Hand the current cost models to the loader and the vision wrapper (None: keep everything in place)."""
+        """Hand the current cost models (the fitted ones, else the FLOP priors) and this rank's speed to the
+        loader and the vision wrapper (no model: keep everything in place)."""
+        decoder, vision = self.fitter.planning_models()
         if self.loader is not None and hasattr(self.loader, "set_cost_model"):
             # Without vision-tower balancing a sample's images are encoded where the sample goes, so
             # the loader plans with decoder + vision cost; with it, the tower is balanced per image.
-            vision = None if self.config.vision else self.vision_model
-            self.loader.set_cost_model(self.decoder_model, vision=vision)
-        if self._vision is not None and self.vision_model is not None:
-            self._vision.cost_model = self.vision_model
+            self.loader.set_cost_model(decoder, vision=None if self.config.vision else vision)
+            if hasattr(self.loader, "set_speed"):
+                self.loader.set_speed(float(self.fitter.speeds[self._rank]))
+        if self._vision is not None and vision is not None:
+            self._vision.cost_model = vision
 
     # -- timing -------------------------------------------------------------------------
 

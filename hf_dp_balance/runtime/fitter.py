@@ -1,28 +1,28 @@
 """Cost-model fitting across data-parallel ranks, framework-free (torch and torch.distributed only).
 
-`StepRecorder` measures what this rank computed in one optimizer step (per-sample token lengths from
-forward pre-hooks, image patches and the vision tower's time from hooks on the tower) and how long
-the step took, on one `StepClock` for both. `CostModelFitter` keeps the bounded timing records,
-gathers them over a side gloo group, fits on rank 0 (`core.fitting`), broadcasts the coefficients,
-and refits every `refit_every` steps. Guarantees: after `fit(step)` every rank holds the same
-models (rank 0's, bit for bit); memory is bounded whatever the run length (records, the measured
-window and the fit reports are capped). `fit` and `window_metrics` are collectives: every rank calls
-them at the same step. Trainer's `DPBalanceCallback` only adapts its events to these objects.
+`runtime.recorder.StepRecorder` measures what this rank computed in one optimizer step and how long it
+took. `CostModelFitter` keeps the bounded timing records, gathers them over a side gloo group, fits on
+rank 0 (`core.fitting`, around the FLOP prior when one is given), estimates each rank's speed from its
+residuals, broadcasts, and refits every `refit_every` steps. Until the first fit it plans with the prior
+(`planning_models`). Guarantees: after `fit(step)` every rank holds the same models and speeds (rank 0's,
+bit for bit); memory is bounded whatever the run length (records, the measured window and the fit reports
+are capped). `fit` and `window_metrics` are collectives: every rank calls them at the same step.
+Trainer's `DPBalanceCallback` only adapts its events to these objects.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import time
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import compute_imbalance, fit_cost_model, fit_from_records
-from hf_dp_balance.core.packing import segment_lengths
+from hf_dp_balance.runtime.recorder import (StepClock, StepRecorder, image_patches, micro_batch_lengths,
+                                            synchronize, vision_tower)
 
 logger = logging.getLogger(__name__)
 
@@ -39,168 +39,61 @@ _MIN_VISION_OBSERVATIONS = 8
 # --------------------------------------------------------------------------- clock
 
 
-def resolve_timing(timing: str, device_type: str) -> str:
-    """`auto` -> `thread_cpu` on a CPU device, `wall` on any accelerator; explicit choices stay."""
+def resolve_timing(timing: str, device_type: str, sync: Optional[str] = None) -> str:
+    """`auto` -> `thread_cpu` on a CPU device; on an accelerator `forward_events` under DDP (`sync="step"`:
+    its forward has no collective), `wall` where the forward meets other ranks (`micro_batch`: FSDP /
+    ZeRO-3) or the strategy is unknown (None). Explicit choices stay."""
     if timing != "auto":
         return timing
-    return "thread_cpu" if device_type == "cpu" else "wall"
+    if device_type == "cpu":
+        return "thread_cpu"
+    return "forward_events" if sync == "step" else "wall"
 
 
 def resolve_fit_mode(fit_mode: str, timing: str) -> str:
     """`auto` -> `per_rank` with thread CPU time (clean per-rank compute: a rank blocked in a collective
-    burns no CPU); `step_max` with wall time (ranks meet in the gradient all-reduce)."""
+    burns no CPU) or forward events (no collective in a DDP forward); `step_max` with wall time (ranks
+    meet in the gradient all-reduce)."""
     if fit_mode != "auto":
         return fit_mode
-    return "per_rank" if timing == "thread_cpu" else "step_max"
+    return "step_max" if timing == "wall" else "per_rank"
 
 
-def synchronize() -> None:
-    """Wait for the accelerator's queued kernels (CUDA), so that wall time covers their compute."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-class StepClock:
-    """The one clock of a run: `thread_cpu` (`time.thread_time`) or `wall` (synchronised `perf_counter`).
-
-    The step and the vision tower inside it read the same clock, so their difference is the decoder's time.
-    """
-
-    def __init__(self, timing: str):
-        if timing not in ("thread_cpu", "wall"):
-            raise ValueError(f"StepClock: timing={timing!r} must be 'thread_cpu' or 'wall' (resolve 'auto' first)")
-        self.timing = timing
-
-    def now(self) -> float:
-        if self.timing == "wall":
-            synchronize()
-            return time.perf_counter()
-        return time.thread_time()
+def priors_from_config(model_config) -> Tuple[Optional[CostModel], Optional[CostModel]]:
+    """(decoder prior, vision prior) from the model's config (`CostModel.from_config`); None for what the
+    config does not describe (logged once: planning then waits for the fit)."""
+    if model_config is None:
+        return None, None
+    try:
+        decoder = CostModel.from_config(model_config)
+    except ValueError as exc:
+        logger.warning("dp_balance: no FLOP prior from %s (%s); nothing is planned before the first fit",
+                       type(model_config).__name__, exc)
+        return None, None
+    try:
+        vision = CostModel.from_config(model_config, module="vision")
+    except ValueError:
+        vision = None  # a text model, or a tower we do not describe: the decoder prior alone
+    return decoder, vision
 
 
-# --------------------------------------------------------------------------- what a micro-batch computes
+# A rank's speed is reported only beyond this relative distance from 1: timing noise alone moves the
+# median residual of a few steps by ~1%, and a plan must not chase it.
+SPEED_DEADBAND = 0.02
 
 
-def micro_batch_lengths(inputs: Dict[str, Any]) -> List[int]:
-    """Per-sample token lengths of one micro-batch, as the model will compute it.
-
-    Packed rows ([B, T] or Qwen-VL's [4, B, T] position ids): the samples of
-    `core.packing.segment_lengths`. Padded rows: the attention mask's row sums.
-    Otherwise every row is one sample.
-    """
-    import torch
-
-    pos = inputs.get("position_ids")
-    if isinstance(pos, torch.Tensor) and (pos.dim() == 2 or (pos.dim() == 3 and pos.shape[0] == 4)):
-        return segment_lengths(pos)
-    mask = inputs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        return [int(x) for x in mask.sum(dim=1).tolist()]
-    ids = inputs.get("input_ids")
-    if isinstance(ids, torch.Tensor):
-        return [int(ids.shape[-1])] * (int(ids.shape[0]) if ids.dim() == 2 else 1)
-    return []
-
-
-def image_patches(inputs: Dict[str, Any]) -> List[int]:
-    """Patches of every frame of every image / video in a micro-batch: the vision cost model's unit
-    (`core.costing.frame_patches`: a Qwen-VL grid (t, h, w) is t frames of h*w; InternVL: one tile each)."""
-    import torch
-
-    from hf_dp_balance.core.costing import frame_patches
-
-    out: List[int] = []
-    for key in ("image_grid_thw", "video_grid_thw"):
-        grid = inputs.get(key)
-        if isinstance(grid, torch.Tensor) and grid.numel():
-            out.extend(int(x) for x in frame_patches(grid.detach().cpu().numpy().reshape(-1, 3))[0].tolist())
-    if not out and inputs.get("pixel_values") is not None and inputs.get("image_grid_thw") is None:
-        pv = inputs["pixel_values"]
-        if isinstance(pv, torch.Tensor) and pv.dim() == 4:  # InternVL tiles: cost per tile is fixed
-            out.extend([int(pv.shape[-1] * pv.shape[-2]) // (14 * 14)] * int(pv.shape[0]))
-    return out
-
-
-def vision_tower(model):
-    """The vision tower module of a Qwen-VL / InternVL model, or None."""
-    for path in ("model.visual", "visual", "model.vision_tower", "vision_tower"):
-        obj = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if obj is not None:
-            return obj
-    return None
-
-
-class StepRecorder:
-    """What this rank computed in the current optimizer step, and how long it took (on `clock`)."""
-
-    def __init__(self, clock: StepClock):
-        self.clock = clock
-        self.lengths: List[int] = []
-        self.patches: List[int] = []
-        self.vision_s = 0.0
-        self.started: Optional[float] = None
-        self._hooks: list = []
-
-    def begin(self) -> None:
-        self.lengths, self.patches, self.vision_s = [], [], 0.0
-        self.started = self.clock.now()
-
-    def end(self) -> Optional[float]:
-        """Seconds since `begin` (None when no step was begun)."""
-        if self.started is None:
-            return None
-        elapsed = self.clock.now() - self.started
-        self.started = None
-        return elapsed
-
-    def install(self, model) -> None:
-        """Hooks: the model's forward inputs give the sample lengths (and, without a separate tower, the
-        image patches); the vision tower's forward gives the images it really computes and its time.
-        Installing again first removes this recorder's previous hooks (no forward is recorded twice)."""
-        self.remove()
-        tower = vision_tower(model)
-
-        def before_forward(module, args, kwargs):
-            inputs = dict(kwargs)
-            self.lengths.extend(micro_batch_lengths(inputs))
-            if tower is None:
-                self.patches.extend(image_patches(inputs))
-            return None
-
-        self._hooks.append(model.register_forward_pre_hook(before_forward, with_kwargs=True))
-        if tower is not None:
-            self._install_tower(tower)
-
-    def _install_tower(self, tower) -> None:
-        marks = {}
-
-        def tower_begin(module, args, kwargs):
-            # The images this rank's tower really computes (after vision balancing moved some).
-            grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
-            if grid is not None:
-                self.patches.extend(image_patches({"image_grid_thw": grid}))
-            elif args and hasattr(args[0], "dim") and args[0].dim() == 4:  # InternVL tiles
-                self.patches.extend(image_patches({"pixel_values": args[0]}))
-            marks["t"] = self.clock.now()
-
-        def tower_end(module, args, output):
-            if "t" in marks:
-                # Backward of the tower costs ~2x its forward: 3x forward is its share of the step.
-                self.vision_s += 3.0 * (self.clock.now() - marks.pop("t"))
-
-        self._hooks.append(tower.register_forward_pre_hook(tower_begin, with_kwargs=True))
-        self._hooks.append(tower.register_forward_hook(tower_end))
-
-    def remove(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+def rank_speeds(model: CostModel, features: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """Relative speed of each rank [R] from per-rank times [S, R] of work `features` [S, R, 4]: the median
+    over steps of predicted / observed time, divided by its median over ranks (a rank consistently slower
+    for the same predicted work gets < 1); within `SPEED_DEADBAND` of 1: exactly 1."""
+    predicted = model.predict(features)
+    ok = (predicted > 0) & (times > 0)
+    ratio = np.where(ok, predicted / np.where(ok, times, 1.0), np.nan)
+    per_rank = np.nanmedian(ratio, axis=0)
+    if not np.all(np.isfinite(per_rank)):
+        return np.ones(features.shape[1])
+    speeds = per_rank / np.median(per_rank)
+    return np.where(np.abs(speeds - 1.0) <= SPEED_DEADBAND, 1.0, speeds)
 
 
 # --------------------------------------------------------------------------- fitting across ranks
@@ -224,11 +117,14 @@ class CostModelFitter:
             carries records and coefficients (None with world 1).
         timing: the resolved clock (`thread_cpu` / `wall`); `fit_mode="auto"` follows it.
         decoder, vision, fitted_step: models to start from (a checkpoint, `cost_model_path`).
+        prior, vision_prior: FLOP priors (`CostModel.from_config`): planned with until the first fit, and
+            fitted around (`config.prior`).
     """
 
     def __init__(self, config: DPBalanceConfig, *, rank: int = 0, world: int = 1, group=None,
                  timing: str = "thread_cpu", decoder: Optional[CostModel] = None,
-                 vision: Optional[CostModel] = None, fitted_step: int = -1):
+                 vision: Optional[CostModel] = None, fitted_step: int = -1,
+                 prior: Optional[CostModel] = None, vision_prior: Optional[CostModel] = None):
         self.config = config
         self.rank, self.world, self.group = rank, world, group
         self.timing = timing
@@ -236,9 +132,18 @@ class CostModelFitter:
         self.decoder: Optional[CostModel] = decoder
         self.vision: Optional[CostModel] = vision
         self.fitted_step = fitted_step
+        self.prior, self.vision_prior = (prior, vision_prior) if config.prior else (None, None)
+        self.speeds = np.ones(world)  # relative speed of every rank (1: nominal), from the last fit
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
         self.window: collections.deque = collections.deque(maxlen=MAX_WINDOW_STEPS)  # step seconds since the last log
         self.fit_reports: collections.deque = collections.deque(maxlen=MAX_FIT_REPORTS)
+
+    def planning_models(self) -> Tuple[Optional[CostModel], Optional[CostModel]]:
+        """(decoder, vision) the loader plans with: the fitted models, else the priors. The vision prior
+        only beside the decoder prior: one plan never adds seconds to FLOPs."""
+        if self.decoder is not None:
+            return self.decoder, self.vision
+        return self.prior, self.vision_prior if self.prior is not None else None
 
     # -- recording ----------------------------------------------------------------------
 
@@ -297,6 +202,8 @@ class CostModelFitter:
             self.fitted_step = step
         if payload.get("vision") is not None:
             self.vision = CostModel.from_dict(payload["vision"])
+        if payload.get("speeds") is not None:
+            self.speeds = np.asarray(payload["speeds"], dtype=np.float64)
         if payload.get("report"):
             self.fit_reports.append({"step": step, **payload["report"]})
         if payload.get("error"):
@@ -311,15 +218,25 @@ class CostModelFitter:
         feats = np.stack([g[0][-steps:] for g in gathered], axis=1)
         times = np.stack([g[1][-steps:] for g in gathered], axis=1)
         try:
-            result = fit_from_records(feats, times, self.fit_mode)
+            result = fit_from_records(feats, times, self.fit_mode, prior=self.prior)
+            speeds = None
+            if self.config.estimate_speeds and self.fit_mode == "per_rank":
+                # Fit on speed-corrected times, so a slow rank does not bend the shared model toward it.
+                speeds = rank_speeds(result.model, feats, times)
+                if np.any(speeds != 1.0):
+                    result = fit_from_records(feats, times * speeds, self.fit_mode, prior=self.prior)
+                    speeds = rank_speeds(result.model, feats, times)
         except (ValueError, RuntimeError, FloatingPointError) as exc:
             return {"error": str(exc)}
-        payload = {"decoder": result.model.to_dict(), "report": result.report.to_dict()}
+        payload = {"decoder": result.model.to_dict(), "report": result.report.to_dict(),
+                   "speeds": None if speeds is None else speeds.tolist()}
         vfeats = np.stack([g[2][-steps:] for g in gathered], axis=1)
         vtimes = np.stack([g[3][-steps:] for g in gathered], axis=1)
-        if (vtimes > 0).sum() >= _MIN_VISION_OBSERVATIONS:  # the tower was timed: fit it
+        timed = vtimes > 0  # a (step, rank) whose tower ran no image is no observation
+        if timed.sum() >= _MIN_VISION_OBSERVATIONS:  # the tower was timed: fit it
             try:
-                payload["vision"] = fit_cost_model(vfeats, vtimes, mode="per_rank").model.to_dict()
+                payload["vision"] = fit_cost_model(vfeats[timed][:, None, :], vtimes[timed][:, None], mode="per_rank",
+                                                   prior=self.vision_prior).model.to_dict()
             except (ValueError, RuntimeError, FloatingPointError) as exc:
                 logger.warning("dp_balance: vision cost model fit failed: %s", exc)
         return payload
@@ -339,14 +256,20 @@ class CostModelFitter:
         return {"compute_imbalance": compute_imbalance(arr), "slowest_rank_compute_s": float(arr.max(axis=1).sum())}
 
     def model_metrics(self) -> Dict[str, float]:
-        """The decoder coefficients in force (`cost_<name>`) and `fitted` (1.0 once a model is set)."""
+        """The decoder coefficients in force (`cost_<name>`), `fitted` (1.0 once a model is set),
+        `planning_with_prior` (1.0 while the prior plans) and every rank's `speed_rank_<k>`."""
         out = {}
         if self.decoder is not None:
             out.update({f"cost_{name}": value for name, value in self.decoder.to_dict().items()})
         out["fitted"] = float(self.decoder is not None)
+        if self.prior is not None:
+            out["planning_with_prior"] = float(self.decoder is None)
+        if self.config.estimate_speeds and self.world > 1:
+            out.update({f"speed_rank_{k}": float(v) for k, v in enumerate(self.speeds)})
         return out
 
 
-__all__ = ["CostModelFitter", "MAX_FIT_REPORTS", "MAX_RECORDS", "MAX_WINDOW_STEPS", "StepClock", "StepRecord",
-           "StepRecorder", "image_patches", "micro_batch_lengths", "resolve_fit_mode", "resolve_timing",
-           "synchronize", "vision_tower"]
+# StepClock, StepRecorder and what a micro-batch computes live in runtime.recorder; importable from here.
+__all__ = ["CostModelFitter", "MAX_FIT_REPORTS", "MAX_RECORDS", "MAX_WINDOW_STEPS", "SPEED_DEADBAND", "StepClock",
+           "StepRecord", "StepRecorder", "image_patches", "micro_batch_lengths", "priors_from_config", "rank_speeds",
+           "resolve_fit_mode", "resolve_timing", "synchronize", "vision_tower"]

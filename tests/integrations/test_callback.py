@@ -124,7 +124,8 @@ def _train_save_resume(rank, world, out_dir):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    first, cb1, seen1 = _trainer(out_dir, max_steps=8, save_steps=4)
+    # Without the FLOP prior (the no-prior path): nothing is planned before the fit.
+    first, cb1, seen1 = _trainer(out_dir, max_steps=8, save_steps=4, dp_balance_prior=False)
     first.train()
     saved_path = os.path.join(out_dir, "checkpoint-4", CHECKPOINT_FILE)
     dist.barrier()
@@ -185,6 +186,28 @@ def test_trainer_with_callback_fits_logs_checkpoints_and_resumes(tmp_path):
     assert resumed == second_part_original
     assert not set(resumed) & set(first_part)
     assert len(set(first_part)) == len(first_part)
+
+
+def _prior_warmup(rank, world, out_dir):
+    torch.set_num_threads(1)
+    trainer, cb, _ = _trainer(out_dir, max_steps=5, save_steps=100)
+    trainer.train()
+    return {"log_history": trainer.state.log_history, "fitted_step": cb.fitted_step,
+            "prior": cb.fitter.prior.to_dict() if cb.fitter.prior else None}
+
+
+def test_warm_up_steps_are_planned_with_the_flop_prior(tmp_path):
+    from hf_dp_balance.testing.data import tiny_config
+
+    r0, r1 = run_ranks(_prior_warmup, 2, str(tmp_path), timeout=240)
+    assert r0["prior"] == CostModel.from_config(tiny_config("text")).to_dict() == r1["prior"]
+    assert r0["fitted_step"] == r1["fitted_step"] == 3  # the prior does not postpone the fit
+    logs = {h["step"]: h for h in r0["log_history"] if "loss" in h}
+    # Planned from the first step: warm-up steps move samples, under the same hard cap.
+    assert sum(logs[s].get("dp_balance/applied", 0.0) for s in (1, 2, 3)) >= 1, logs
+    assert all(logs[s]["dp_balance/planning_with_prior"] == (1.0 if s < 3 else 0.0) for s in logs)
+    assert all(h["dp_balance/imbalance_after"] <= h["dp_balance/imbalance_before"] + 1e-9
+               for h in logs.values() if "dp_balance/imbalance_after" in h)
 
 
 def _refits(rank, world, out_dir):

@@ -90,3 +90,155 @@ def test_records_and_window_stay_bounded_when_nothing_logs():
     assert metrics["slowest_rank_compute_s"] == pytest.approx(0.1 * MAX_WINDOW_STEPS)
     assert len(fitter.window) == 0 and fitter.window_metrics() == {}
     assert fitter.model_metrics() == {**{f"cost_{k}": v for k, v in DECODER.to_dict().items()}, "fitted": 1.0}
+
+
+# --------------------------------------------------------------------------- timing modes, prior, speeds
+
+
+def test_auto_timing_follows_the_device_and_the_strategy():
+    # DDP (`step`): no collective inside the forward, so its device time is a clean per-rank observation.
+    assert resolve_timing("auto", "cuda", "step") == "forward_events"
+    assert resolve_timing("auto", "cuda", "micro_batch") == "wall"  # FSDP / ZeRO-3 forwards meet other ranks
+    assert resolve_timing("auto", "cpu", "step") == "thread_cpu"
+    assert resolve_fit_mode("auto", "forward_events") == "per_rank"
+
+
+@pytest.mark.parametrize("timing", ["forward_events", "wall", "thread_cpu"])
+def test_forward_events_time_the_forwards_only(timing):
+    # Stand-in for device work on CPU: the forward waits 0.1 s, and the step waits 0.2 s outside it
+    # (an all-reduce, the optimizer). forward_events sees 3 x the forward only (the event path's CPU
+    # fallback: synchronised wall clock), wall the whole step, thread_cpu neither wait.
+    import time
+
+    from hf_dp_balance.runtime.recorder import StepRecorder
+    from hf_dp_balance.testing.data import make_model
+
+    model = make_model("text", seed=0)
+    recorder = StepRecorder(StepClock(timing, "cpu"))
+    recorder.install(model)
+    model.register_forward_pre_hook(lambda module, args: time.sleep(0.1))  # runs after ours: inside the span
+    recorder.begin()
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    time.sleep(0.2)
+    elapsed = recorder.end()
+    recorder.remove()
+    assert recorder.lengths == [8]
+    if timing == "forward_events":
+        assert 0.3 <= elapsed < 0.3 + 3 * 0.08
+    elif timing == "wall":
+        assert elapsed >= 0.3
+    else:
+        assert elapsed < 0.1
+
+
+def test_the_prior_plans_until_the_fit_lands():
+    # FLOP-like units, the decoder's shape (the per-sample and per-step terms are for the fit to find)
+    prior, vision_prior = CostModel(2e-7 * 1e3, 1e-4 * 1e3), CostModel(4e-8 * 1e3, 2e-5 * 1e3)
+    fitter = CostModelFitter(DPBalanceConfig(warmup_steps=6), prior=prior, vision_prior=vision_prior)
+    assert fitter.planning_models() == (prior, vision_prior)
+    assert fitter.model_metrics()["planning_with_prior"] == 1.0
+    rng = np.random.default_rng(0)
+    fitted = [fitter.end_step(step, *_synthetic_step(rng, 0, step)) for step in range(1, 8)]
+    assert fitted == [False] * 5 + [True, False]  # the prior does not postpone the first fit
+    decoder, vision = fitter.planning_models()
+    assert decoder is fitter.decoder and vision is fitter.vision and decoder != prior
+    assert fitter.model_metrics()["planning_with_prior"] == 0.0
+    check = np.stack([features_of(rng.integers(16, 2048, size=4)) for _ in range(16)])
+    assert np.max(np.abs(decoder.predict(check) / DECODER.predict(check) - 1)) < 0.05  # fitted around the prior
+    off = CostModelFitter(DPBalanceConfig(prior=False), prior=prior, vision_prior=vision_prior)
+    assert off.planning_models() == (None, None)
+
+
+def test_rank_speeds_from_residuals():
+    from hf_dp_balance.runtime.fitter import rank_speeds
+
+    rng = np.random.default_rng(1)
+    feats = np.stack([[features_of(rng.integers(16, 2048, size=5)) for _ in range(4)] for _ in range(10)])
+    times = DECODER.predict(feats) * rng.lognormal(0, 0.01, size=(10, 4))
+    times[:, 2] *= 1.25  # rank 2 takes 25% longer for the same work
+    speeds = rank_speeds(DECODER, feats, times)
+    assert speeds[2] == pytest.approx(0.8, rel=0.03)
+    assert np.all(speeds[[0, 1, 3]] == 1.0)  # within the noise deadband: exactly nominal
+
+
+def _slowed_rank(rank, world):
+    """Real compute timed on the thread's CPU clock: work per token and per token pair of each sample;
+    rank 3 repeats the per-token work (extra work per token). Fit across the 4 ranks, then plan real steps."""
+    import torch.distributed as dist
+
+    from hf_dp_balance.runtime.loader import BalancedLoader, list_collate
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(1)
+    group = dist.new_group(backend="gloo")
+    fitter = CostModelFitter(DPBalanceConfig(warmup_steps=12, refit_every=0), rank=rank, world=world, group=group,
+                             timing="thread_cpu")
+    clock = StepClock("thread_cpu")
+    weight = torch.randn(128, 128)
+    rng = np.random.default_rng([rank, 5])
+
+    def compute(lengths, rounds):
+        start = clock.now()
+        for n in lengths:
+            x = torch.randn(n, 128)
+            for _ in range(rounds):
+                x = torch.tanh(x @ weight)
+            (x @ x.T).sum()
+        return clock.now() - start
+
+    slowed = 8 if rank == 3 else 5  # rank 3: 1.6x the per-token work
+    for step in range(1, 13):  # medians over 12 steps: a loaded machine's odd slow step does not decide
+        lengths = rng.integers(64, 1024, size=rng.integers(2, 6)).tolist()
+        fitter.end_step(step, lengths, compute(lengths, slowed))
+    # the truth: the same work at the nominal and the slowed rate, on this rank's clock
+    reference = [512, 256, 768]
+    true_speed = min(compute(reference, 5) for _ in range(5)) / min(compute(reference, 8) for _ in range(5))
+    # the slowed rank gets proportionally less work: plan a few steps of text samples with the speeds
+    samples = [[{"input_ids": torch.zeros(int(n), dtype=torch.int32)} for n in rng.integers(64, 1024, size=6)]
+               for _ in range(4)]
+    loader = BalancedLoader(DataLoader(samples, batch_size=None, collate_fn=list_collate),
+                            DPBalanceConfig(timeout_s=60, min_gain=0.0, max_token_ratio=2.0),
+                            collator=lambda s: [int(x["input_ids"].numel()) for x in s],
+                            features_fn=lambda s: (int(s["input_ids"].numel()), 0), cost_model=fitter.decoder)
+    loader.set_speed(float(fitter.speeds[rank]))
+    work = [float(fitter.decoder.sample_costs(batch[0]).sum()) for batch in loader.iter_steps()]
+    return {"speeds": fitter.speeds.tolist(), "work": work, "metrics": fitter.model_metrics(),
+            "true_speed": true_speed}
+
+
+def test_a_slowed_rank_is_found_and_given_less_work():
+    results = run_ranks(_slowed_rank, 4, timeout=240)
+    speeds = np.array(results[0]["speeds"])
+    assert all(r["speeds"] == results[0]["speeds"] for r in results)  # one broadcast: every rank alike
+    expected = float(np.median(speeds[:3])) * results[3]["true_speed"]  # measured on rank 3: ~0.7
+    assert speeds[3] == pytest.approx(expected, rel=0.10), speeds
+    assert results[0]["metrics"]["speed_rank_3"] == speeds[3]
+    work = np.array([r["work"] for r in results])  # [ranks, steps] predicted cost planned on each rank
+    share = work[3].sum() / work[:3].mean(axis=0).sum()
+    assert share == pytest.approx(speeds[3] / speeds[:3].mean(), rel=0.15), (share, speeds)
+
+
+def test_the_vision_tower_is_fitted_when_some_steps_had_no_images():
+    # A rank whose step held no image timed its tower at 0 s: that is no observation, not a bad one.
+    fitter = CostModelFitter(DPBalanceConfig(warmup_steps=12, prior=False))
+    rng = np.random.default_rng(4)
+    for step in range(1, 13):
+        lengths, elapsed, patches, vision_s = _synthetic_step(rng, 0, step)
+        if step % 3 == 0:
+            elapsed, patches, vision_s = elapsed - vision_s, [], 0.0
+        fitter.end_step(step, lengths, elapsed, patches, vision_s)
+    assert fitter.vision is not None
+    check = np.stack([features_of(rng.integers(64, 1024, size=2)) for _ in range(16)])
+    assert np.max(np.abs(fitter.vision.predict(check) / VISION.predict(check) - 1)) < 1e-3
+
+
+def test_priors_from_a_model_config():
+    from hf_dp_balance.runtime.fitter import priors_from_config
+    from hf_dp_balance.testing.data import tiny_config
+
+    decoder, vision = priors_from_config(tiny_config("qwen2_vl"))
+    assert decoder == CostModel.from_config(tiny_config("qwen2_vl"))
+    assert vision == CostModel.from_config(tiny_config("qwen2_vl"), module="vision")
+    assert priors_from_config(tiny_config("text"))[1] is None  # no tower: the decoder prior alone
+    assert priors_from_config(object()) == (None, None) and priors_from_config(None) == (None, None)

@@ -1,0 +1,191 @@
+"""Calibrate the cost model on one GPU: Qwen2-VL-2B-sized decoder and vision tower, random weights, bf16.
+
+For the day a GPU is available. Times forward + backward (CUDA events) of the decoder on packs of many
+compositions (flash-attention-2 varlen when installed, else hf_dp_balance's varlen attention over SDPA)
+and of the vision tower on sets of frames; each pack is one per-rank observation. Fits per rank on the
+first packs, with and without the FLOP prior (`CostModel.from_config`), and prints held-out MAPE of pack
+cost and of single-sample cost (packs holding one sample, timed on their own), with the fitted
+coefficients next to the prior's (the prior scaled by the fitted seconds per FLOP).
+
+    python bench/gpu_calibrate.py            # the GPU run (cuda, bf16, 2B sizes, packs of 4K-16K tokens)
+    python bench/gpu_calibrate.py --tiny     # the same code on CPU: tiny configs, float32, small packs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+import cost_fit  # bench/: pack_compositions, image_grids (run as a script: its folder is on sys.path)
+from hf_dp_balance.core.cost import COEFF_NAMES, CostModel, features_of
+from hf_dp_balance.core.fitting import fit_cost_model
+
+
+def qwen2_vl_2b_config():
+    """Qwen2-VL-2B's published sizes (config.json), built from the class: no download."""
+    from transformers import Qwen2VLConfig
+
+    return Qwen2VLConfig(
+        text_config=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, use_cache=False),
+        vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2))
+
+
+def attention_implementation(device: str) -> str:
+    if device == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    from hf_dp_balance.runtime.attention import register_varlen_attention
+
+    return register_varlen_attention()
+
+
+class Timer:
+    """Seconds of fn() on the device: CUDA events on a GPU, thread CPU time on CPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __call__(self, fn) -> float:
+        if self.device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        t0 = time.thread_time()
+        fn()
+        return time.thread_time() - t0
+
+
+def decoder_runner(config, device: str, dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    text = config.text_config.to_dict()
+    text.pop("model_type", None)
+    lm_config = Qwen2Config(**{k: v for k, v in text.items() if k in Qwen2Config().to_dict() or k == "head_dim"})
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM._from_config(lm_config, attn_implementation=attention_implementation(device))
+    model.to(device=device, dtype=dtype)
+    vocab = lm_config.vocab_size
+
+    def run(lengths):
+        ids = torch.randint(0, vocab, (1, int(sum(lengths))), device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+        model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def vision_runner(config, device: str, dtype):
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    vc = config.vision_config
+    torch.manual_seed(0)
+    tower = Qwen2VisionTransformerPretrainedModel._from_config(vc, attn_implementation="sdpa").to(device, dtype)
+    patch_dim = 3 * vc.temporal_patch_size * vc.patch_size ** 2
+
+    def run(patches):
+        grid = cost_fit.image_grids(patches).to(device)
+        pixels = torch.randn(int(grid.prod(dim=1).sum()), patch_dim, device=device, dtype=dtype)
+        out = tower(pixels, grid_thw=grid)
+        getattr(out, "pooler_output", out).float().square().mean().backward()
+        tower.zero_grad(set_to_none=True)
+
+    return run, lambda patches: [int(g[1] * g[2]) for g in cost_fit.image_grids(patches).tolist()]
+
+
+def measure(timer, run, items, repeats: int) -> np.ndarray:
+    """Minimum over `repeats` interleaved rounds of each item's time."""
+    timer(lambda: run(max(items, key=sum)))  # warm-up at the largest size (allocator, kernels)
+    times = np.full(len(items), np.inf)
+    for _ in range(repeats):
+        for i in np.random.default_rng(len(items)).permutation(len(items)):
+            times[i] = min(times[i], timer(lambda: run(items[i])))
+    return times
+
+
+def _mape(pred, true) -> float:
+    return float(np.mean(np.abs(np.asarray(pred) - true) / true))
+
+
+def calibrate(name: str, packs, singles, run, timer, prior: CostModel, fit_packs: int, repeats: int) -> dict:
+    """Fit per rank on the first `fit_packs` packs (with / without the prior); held-out pack and
+    single-sample MAPE; coefficients next to the prior's."""
+    times = measure(timer, run, packs, repeats)
+    single_times = measure(timer, run, [[n] for n in singles], repeats)
+    feats = np.stack([features_of(p) for p in packs])
+    test = np.arange(fit_packs, len(packs))
+    print(f"\n{name}: {len(packs)} packs ({fit_packs} fitted, {test.size} held out), {len(singles)} single samples")
+    out = {}
+    for label, with_prior in (("per-rank fit", None), ("per-rank fit + prior", prior)):
+        fit = fit_cost_model(feats[:fit_packs, None, :], times[:fit_packs, None], mode="per_rank", holdout=0,
+                             prior=with_prior)
+        model = fit.model
+        # a single sample timed alone also pays the pack's constant
+        single_pred = model.sample_costs(np.asarray(singles)) + model.constant
+        out[label] = {"pack_mape": _mape(model.predict(feats[test]), times[test]),
+                      "single_mape": _mape(single_pred, single_times), "model": model.to_dict()}
+        print(f"  {label:22s} held-out pack MAPE {100 * out[label]['pack_mape']:6.2f}%   "
+              f"single-sample MAPE {100 * out[label]['single_mape']:6.2f}%")
+    fitted = CostModel.from_dict(out["per-rank fit + prior"]["model"])
+    per_tflop = fitted.linear / prior.linear if prior.linear else float("nan")  # the prior is in TFLOPs
+    print(f"  {'coefficient':12s} {'fitted (s)':>12s} {'prior x s/TFLOP':>16s}   (dense layers at "
+          f"{1 / per_tflop:.3g} effective TFLOP/s)")
+    for k, cname in enumerate(COEFF_NAMES):
+        print(f"  {cname:12s} {fitted.coefficients[k]:12.4g} {prior.coefficients[k] * per_tflop:16.4g}")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny configs, float32: checks the code path")
+    parser.add_argument("--packs", type=int, default=None, help="packs per module (default 40, --tiny 10)")
+    parser.add_argument("--fit-packs", type=int, default=None, help="packs fitted (default 16, --tiny 6)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-vision", action="store_true")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        from hf_dp_balance.testing.data import tiny_config
+
+        config, device, dtype = tiny_config("qwen2_vl"), "cpu", torch.float32
+        tokens, patches, n, fit_n = (256, 1024), (256, 1024), args.packs or 10, args.fit_packs or 6
+        torch.set_num_threads(1)
+    else:
+        if not torch.cuda.is_available():
+            print("gpu_calibrate: no CUDA device (use --tiny to check the code path on CPU)", file=sys.stderr)
+            return 2
+        config, device, dtype = qwen2_vl_2b_config(), "cuda", torch.bfloat16
+        tokens, patches, n, fit_n = (4096, 16384), (1024, 8192), args.packs or 40, args.fit_packs or 16
+    rng = np.random.default_rng(0)
+    timer = Timer(device)
+    wall = time.perf_counter()
+    print(f"device {device}, dtype {dtype}, decoder attention {attention_implementation(device)}")
+    packs = cost_fit.pack_compositions(rng, n, tokens[0], tokens[1], min_len=64)
+    singles = sorted({int(x) for x in np.linspace(64, tokens[1], 8)})
+    calibrate("decoder", packs, singles, decoder_runner(config, device, dtype), timer,
+              CostModel.from_config(config), fit_n, args.repeats)
+    if not args.skip_vision:
+        run, frames_of = vision_runner(config, device, dtype)
+        vpacks = [frames_of(p) for p in cost_fit.pack_compositions(rng, n, patches[0], patches[1], min_len=64,
+                                                                    quantum=4)]
+        vsingles = frames_of(sorted({int(x) // 4 * 4 for x in np.linspace(64, patches[1] // 2, 6)}))
+        calibrate("vision tower (per frame)", vpacks, vsingles, run, timer,
+                  CostModel.from_config(config, module="vision"), fit_n, args.repeats)
+    print(f"\nwall time {time.perf_counter() - wall:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
