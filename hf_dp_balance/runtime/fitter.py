@@ -13,7 +13,6 @@ Trainer's `DPBalanceCallback` only adapts its events to these objects.
 from __future__ import annotations
 
 import collections
-import logging
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -23,8 +22,9 @@ from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import compute_imbalance, fit_cost_model, fit_from_records
 from hf_dp_balance.runtime.recorder import (StepClock, StepRecorder, image_patches, micro_batch_lengths,
                                             synchronize, vision_tower)
+from hf_dp_balance.runtime.logs import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Timing records kept for refits: enough steps to determine the 4 unknowns many times over.
 MAX_RECORDS = 64

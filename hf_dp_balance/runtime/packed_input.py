@@ -11,13 +11,13 @@ packed_input=PackedInput(cfg))`; rules and limits: docs/packing.md ("Packed inpu
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, List, Optional
 
 from hf_dp_balance.core.packing import PackedCollator
 from hf_dp_balance.core.unpacking import INPUT_SAMPLES, PackedLayout, detect_input, layout_of, repack, split_packed
+from hf_dp_balance.runtime.logs import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class PackedInput:
