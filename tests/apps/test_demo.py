@@ -159,6 +159,7 @@ def test_demo_runs_three_ways_on_two_ranks(tmp_path):
     assert all(0 <= i < (k + 1) * 8 for k, s in enumerate(ids) for i in s)  # step k: samples k*8.. (or a twin)
     assert png.stat().st_size > 10_000
     ours = result["runs"]["hf_dp_balance"]
-    # fitted at the end of step fit_step(2) = 2; steps up to the fit's next one were prepared without a model
+    # fitted at the end of step fit_step(2) = 2; the steps before are planned with the FLOP prior (whether a
+    # step is applied depends on its gain: tests/integrations/test_callback.py checks the prior's warm-up)
     assert [r["step"] for r in ours["fit_reports"]][:1] == [2]
-    assert ours["applied_steps"][:3] == [0, 0, 0]
+    assert len(ours["applied_steps"]) == 4

@@ -2,7 +2,10 @@
 
 import json
 
+import pytest
 
+
+@pytest.mark.dist  # the demo command spawns its ranks
 def test_demo_balances_the_packs_none_trains(tmp_path):
     from hf_dp_balance.apps.cli import main
 
@@ -16,4 +19,4 @@ def test_demo_balances_the_packs_none_trains(tmp_path):
     ours, none = result["runs"]["hf_dp_balance"], result["runs"]["none"]
     assert ours["samples_trained"] == none["samples_trained"] == 2 * 2 * 4
     # (whether samples move depends on the cost model fitted from this machine's timings: not asserted)
-    assert ours["applied_steps"][:3] == [0, 0, 0] and len(ours["losses"]) == 4
+    assert len(ours["applied_steps"]) == len(ours["losses"]) == 4  # warm-up planned with the prior, then the fit
