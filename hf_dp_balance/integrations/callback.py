@@ -13,24 +13,22 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import os
 import sys
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
-import numpy as np
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
+from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, balance_metrics, summarize_step_stats
 from hf_dp_balance.runtime.fitter import CostModelFitter, StepClock, StepRecorder, image_patches, resolve_timing
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "dp_balance_cost_model.json"
-LOG_PREFIX = "dp_balance/"
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -255,11 +253,8 @@ class DPBalanceCallback(TrainerCallback):
 
     def _prepare_logs(self) -> None:
         """At a log step (every rank reaches it): measured imbalance over the window, loader counters."""
-        logs: Dict[str, float] = self.fitter.window_metrics()
-        logs.update(_loader_stats(self.loader))
-        logs.update(_vision_stats(self._vision))
-        logs.update(self.fitter.model_metrics())
-        self._pending_logs = {LOG_PREFIX + k: float(v) for k, v in logs.items() if v is not None}
+        take = getattr(self.loader, "pop_stats", None)
+        self._pending_logs = balance_metrics(self.fitter, take() if callable(take) else [], self._vision)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self._active or not self._pending_logs or logs is None or "loss" not in logs:
@@ -336,47 +331,7 @@ def _calling_instance(cls, max_depth: int = 8):
     return None
 
 
-def summarize_step_stats(stats: Sequence[Any]) -> Dict[str, float]:
-    """Loader statistics of the steps since the last log: mean predicted imbalance before / after,
-    steps applied / skipped, samples and bytes moved (sums)."""
-    if not stats:
-        return {}
-    before = [s.imbalance_before for s in stats if math.isfinite(s.imbalance_before)]
-    after = [s.imbalance_after for s in stats if math.isfinite(s.imbalance_after)]
-    out = {
-        "applied": float(sum(1 for s in stats if s.applied)),
-        "skipped": float(sum(1 for s in stats if not s.applied)),
-        "moved_samples": float(sum(s.moved_samples for s in stats)),
-        "moved_bytes": float(sum(s.moved_bytes for s in stats)),
-        "wait_s": float(sum(getattr(s, "wait_s", 0.0) for s in stats)),
-    }
-    if before:
-        out["imbalance_before"] = float(np.mean(before))
-    if after:
-        out["imbalance_after"] = float(np.mean(after))
-    return out
-
-
-def _vision_stats(balancer) -> Dict[str, float]:
-    """Vision-tower balancing since the last call: forwards applied / skipped, images moved."""
-    take = getattr(balancer, "pop_stats", None)
-    stats = take() if callable(take) else []
-    if not stats:
-        return {}
-    out = {"vision_applied": float(sum(1 for s in stats if s.get("applied"))),
-           "vision_skipped": float(sum(1 for s in stats if not s.get("applied")))}
-    out["vision_moved_images"] = float(sum(s.get("items_moved", 0) for s in stats))
-    out["vision_moved_bytes"] = float(sum(s.get("pixel_bytes_moved", 0) + s.get("embedding_bytes_moved", 0)
-                                          for s in stats))
-    return out
-
-
-def _loader_stats(loader) -> Dict[str, float]:
-    """Counters of the balanced loader since the last call (empty without a loader)."""
-    take = getattr(loader, "pop_stats", None)
-    return summarize_step_stats(take()) if callable(take) else {}
-
-
-# image_patches lives in runtime.fitter; importable from here as before.
-__all__ = ["DPBalanceCallback", "CHECKPOINT_FILE", "image_patches", "load_checkpoint_models", "resolve_config",
+# image_patches (runtime.fitter), LOG_PREFIX and summarize_step_stats (runtime.balance_metrics): importable
+# from here as before.
+__all__ = ["DPBalanceCallback", "CHECKPOINT_FILE", "LOG_PREFIX", "image_patches", "load_checkpoint_models", "resolve_config",
            "summarize_step_stats"]
