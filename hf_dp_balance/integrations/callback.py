@@ -19,7 +19,6 @@ import weakref
 from typing import Any, Dict, List, Optional
 
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import DefaultFlowCallback
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
@@ -86,7 +85,6 @@ class DPBalanceCallback(TrainerCallback):
         self.loader = None
         self._group = None
         self._rank, self._world = 0, 1
-        self._pending_logs: Dict[str, float] = {}
         self._vision = None
         self._trainer_ref = None
         self._installed_on = None
@@ -116,19 +114,13 @@ class DPBalanceCallback(TrainerCallback):
     # -- wiring -------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
-        # Trainer puts the reporting callbacks (TensorBoard, W&B, ...) before the user's; they read
-        # `logs` in their own on_log, so ours must run first for them to see the dp_balance keys.
-        # DefaultFlowCallback stays first: it sets `control.should_log`, which our on_step_end reads.
-        handler = sys._getframe(1).f_locals.get("self")
-        callbacks = getattr(handler, "callbacks", None)
-        if isinstance(callbacks, list) and any(cb is self for cb in callbacks):
-            others = [cb for cb in callbacks if cb is not self]
-            at = 1 if others and isinstance(others[0], DefaultFlowCallback) else 0
-            callbacks[:] = others[:at] + [self] + others[at:]
-        # Callbacks are never handed the Trainer; the balanced loader's trainer mode (which keeps
-        # Trainer's own resume / skip_first_batches) needs it, so find the Trainer that is calling us.
-        trainer = _calling_instance(Trainer)
+        trainer = _trainer_calling(self)
+        # The balanced loader's trainer mode (Trainer's own resume / skip_first_batches) needs the Trainer.
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
+        if trainer is not None:
+            # Reporting callbacks (TensorBoard, W&B, printer, ...) read `logs` in their own on_log, and
+            # Trainer puts them before the user's: ours must run first for them to see the dp_balance keys.
+            place_before_log_readers(trainer.callback_handler.callbacks, self)
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         self.config = resolve_config(self._explicit_config, args)
@@ -220,8 +212,6 @@ class DPBalanceCallback(TrainerCallback):
         rec = self.recorder
         if self.fitter.end_step(state.global_step, rec.lengths, elapsed, rec.patches, rec.vision_s):
             self._publish_models()
-        if control.should_log:
-            self._prepare_logs()
         self._checkpoint_on_window_boundary(state, control)
 
     def _checkpoint_on_window_boundary(self, state, control) -> None:
@@ -255,19 +245,22 @@ class DPBalanceCallback(TrainerCallback):
 
     # -- logging ------------------------------------------------------------------------
 
-    def _prepare_logs(self) -> None:
-        """At a log step (every rank reaches it): measured imbalance over the window, loader counters."""
+    def _collect_logs(self) -> Dict[str, float]:
+        """At a training log (every rank logs the same steps): measured imbalance over the window (a
+        collective), loader and vision counters, the cost model."""
         take = getattr(self.loader, "pop_stats", None)
-        self._pending_logs = balance_metrics(self.fitter, take() if callable(take) else [], self._vision)
+        return balance_metrics(self.fitter, take() if callable(take) else [], self._vision)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not self._active or not self._pending_logs or logs is None or "loss" not in logs:
+        # Computed here, not at on_step_end from control.should_log: no reliance on DefaultFlowCallback
+        # having run before us. Training logs carry "loss" on every rank; eval and summary logs do not.
+        if not self._active or self.fitter is None or logs is None or "loss" not in logs:
             return
-        logs.update(self._pending_logs)
+        ours = self._collect_logs()
+        logs.update(ours)
         # Trainer appended a copy of `logs` to log_history just before on_log: complete that entry too.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(self._pending_logs)
-        self._pending_logs = {}
+            state.log_history[-1].update(ours)
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -322,15 +315,31 @@ class DPBalanceCallback(TrainerCallback):
 # --------------------------------------------------------------------------- small shell helpers
 
 
-def _calling_instance(cls, max_depth: int = 8):
-    """The nearest `self` up the call stack that is an instance of `cls` (None if there is none)."""
+def place_before_log_readers(callbacks: list, callback: Any) -> None:
+    """Move `callback` in place right before the first other callback that reads logs (overrides `on_log`)."""
+    if not any(cb is callback for cb in callbacks):
+        return
+    others = [cb for cb in callbacks if cb is not callback]
+    at = next((i for i, cb in enumerate(others) if type(cb).on_log is not TrainerCallback.on_log), len(others))
+    callbacks[:] = others[:at] + [callback] + others[at:]
+
+
+def _trainer_calling(callback, max_depth: int = 8):
+    """The Trainer whose callback handler runs `callback`'s event now (on_init_end), or None.
+
+    Contained here because Trainer offers no hook for it: events are never handed the Trainer (nor its
+    callback handler), yet the only data hook that survives a mid-epoch resume is the instance's
+    `get_batch_samples` (skip_first_batches rebuilds the prepared loader from its parts, so no balanced
+    loader composed with it survives), and only the handler's list decides who reads `logs` first.
+    The one frame inspection of the package: the nearest Trainer up the event's call that holds `callback`.
+    """
     frame = sys._getframe(1)
     for _ in range(max_depth):
         frame = frame.f_back
         if frame is None:
             return None
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, cls):
+        if isinstance(candidate, Trainer) and any(cb is callback for cb in candidate.callback_handler.callbacks):
             return candidate
     return None
 

@@ -24,7 +24,8 @@ import torch
 from hf_dp_balance.core.codec import decode_sample, encode_sample
 from hf_dp_balance.runtime.exchange import ExchangeError
 from hf_dp_balance.runtime.loader import BalancedLoader, slot_loads, step_imbalance
-from hf_dp_balance.runtime.step_rows import F_COST, F_MICRO, F_NBYTES, F_WIDTH, Prepared, StepStats, StepWork
+from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_WIDTH, Prepared, StepStats, StepWork,
+                                             pull_micro_batches)
 
 # Header broadcast by rank 0 each step (float64): then per rank its sample count, then its payload bytes.
 D_STATUS, D_NUM_MICRO, D_NUM_SAMPLES, D_APPLIED, D_BEFORE, D_AFTER, D_MOVED, D_MOVED_BYTES, D_WIDTH = range(9)
@@ -57,15 +58,7 @@ class DispatchedLoader(BalancedLoader):
         world, sizes = self._exchange.world_size, []
 
         def pull_global():  # one micro-batch slot of every rank, as the dispatcher slices it
-            parts = []
-            for _ in range(world):
-                mb = pull()
-                if mb is None:
-                    break
-                if not isinstance(mb, (list, tuple)):
-                    raise ValueError(f"step {step}: the dataloader yielded a {type(mb).__name__}, not a list of "
-                                     f"sample dicts; its collate_fn must defer packing (list_collate)")
-                parts.append(list(mb))
+            parts = pull_micro_batches(step, pull, world, 0)
             if not parts:
                 return None
             sizes.append([len(p) for p in parts])
