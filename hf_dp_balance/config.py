@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional
 
-from hf_dp_balance.core.choices import FIT_MODES, SYNC_CHOICES, TIMING_CHOICES
+from hf_dp_balance.core.choices import FIT_MODES, INPUT_CHOICES, SYNC_CHOICES, TIMING_CHOICES
 
 ENV_PREFIX = "HF_DP_BALANCE_"
 
@@ -94,6 +94,12 @@ class DPBalanceConfig:
     verbose: bool = False
     """Log a line per step on rank 0 in addition to the periodic metrics."""
 
+    input: str = "auto"
+    """What the training dataloader yields: `samples` (per-sample dicts, packed by the library) or `packed`
+    (rows the user's collator packed: split, rebalanced, packed back in their layout, no row longer than the
+    step's longest). `auto`: `packed` when the Trainer's data collator is the user's own, not `PackedCollator`
+    or one of transformers' padding defaults."""
+
     def __post_init__(self) -> None:
         def bad(name: str, value, why: str) -> None:
             raise ValueError(f"DPBalanceConfig.{name}={value!r}: {why}")
@@ -112,6 +118,8 @@ class DPBalanceConfig:
             bad("sync", self.sync, f"must be one of {SYNC_CHOICES}")
         if self.fit_mode not in FIT_MODES:
             bad("fit_mode", self.fit_mode, f"must be one of {FIT_MODES}")
+        if self.input not in INPUT_CHOICES:
+            bad("input", self.input, f"must be one of {INPUT_CHOICES}")
         if self.timing not in TIMING_CHOICES:
             bad("timing", self.timing, f"must be one of {TIMING_CHOICES}")
         if self.refit_every < 0:

@@ -25,4 +25,11 @@ FIT_MODES = ("auto", "per_rank", "step_max")
 TIMING_MODES = ("thread_cpu", "wall", "forward_events")
 TIMING_CHOICES = ("auto",) + TIMING_MODES
 
-__all__ = ["FIT_MODES", "SYNC_CHOICES", "SYNC_MODES", "TIMING_CHOICES", "TIMING_MODES"]
+# What the training dataloader yields: per-sample dicts that the library packs (`samples`), or rows the
+# user's collator already packed, split and packed back in their layout (`packed`). `auto`: packed when the
+# Trainer's data collator is the user's own (not PackedCollator, not transformers' padding defaults).
+INPUT_MODES = ("samples", "packed")
+INPUT_CHOICES = ("auto",) + INPUT_MODES
+
+__all__ = ["FIT_MODES", "INPUT_CHOICES", "INPUT_MODES", "SYNC_CHOICES", "SYNC_MODES", "TIMING_CHOICES",
+           "TIMING_MODES"]

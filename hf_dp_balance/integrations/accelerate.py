@@ -9,21 +9,25 @@
 
 Only the data-parallel dimension is balanced: the group comes from the accelerator's device mesh
 (dp_replicate x dp_shard) or `data_parallel_group=`. The balancer makes two side gloo groups over it
-per loader (the exchange thread's, and one for the main thread's per-step item count), times each
-rank's steps between the loader's own step boundaries into `timings` (a `StepTimings`), and plans
-with the cost model it is given (`cost_model=`, or `config.cost_model_path`); without one it packs
+(the exchange thread's per loader, and one for the main thread: the per-step item count and the
+fitter), times each rank's steps between the loader's own step boundaries and fits, broadcasts and
+refits the cost model with the fitter the Trainer callback uses (`runtime.fitter.CostModelFitter`),
+unless it is given one (`cost_model=`, or `config.cost_model_path`). Until a model is fitted it packs
 and times but moves nothing.
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
 from typing import Any, List, Optional
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.integrations.accelerate_loader import BalancedDataLoader
+from hf_dp_balance.runtime.balance_metrics import balance_metrics
+from hf_dp_balance.runtime.fitter import (CostModelFitter, StepClock, StepRecorder, image_patches,
+                                          micro_batch_lengths, resolve_timing)
 from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
-from hf_dp_balance.runtime.step_timing import StepClock, StepTimings
 
 _MAX_STATS = 4096  # step statistics kept for inspection (`step_stats`)
 
@@ -59,7 +63,8 @@ class DPBalancer:
         model: the (prepared) model; its config selects the packing (`PackedCollator`, features).
         config: `DPBalanceConfig` (`HF_DP_BALANCE_*` environment variables apply on top).
         model_config: instead of `model` (or when the model has no `config`).
-        cost_model / vision_cost_model: fitted `CostModel`s to plan with (else `config.cost_model_path`).
+        cost_model / vision_cost_model: fitted `CostModel`s to plan with (else `config.cost_model_path`,
+            refitted every `refit_every` steps; else fitted after `warmup_steps`, as the Trainer callback).
         data_parallel_group: a ProcessGroup, a 1-D DeviceMesh or a `DataParallelGroup` (default: from
             the accelerator's device mesh, else every process).
         further keywords go to `BalancedLoader` (collator, features_fn, plan_fn, id_key, ...).
@@ -79,25 +84,51 @@ class DPBalancer:
         self.config = DPBalanceConfig.from_env(config)
         self.model_config = _model_config(model, model_config)
         self.data_parallel = resolve_data_parallel_group(accelerator, data_parallel_group)
-        if cost_model is None and self.config.cost_model_path:
-            from hf_dp_balance.core.cost import CostModel
-
-            cost_model = CostModel.load(self.config.cost_model_path)
-        self.cost_model, self.vision_cost_model = cost_model, vision_cost_model
         self.gradient_accumulation_steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
         self.sync = _sync_mode(accelerator, self.config)
         device = getattr(accelerator, "device", None)
         self.device = device
-        self.timings = StepTimings()
-        self._clock = StepClock(getattr(device, "type", "cpu"))
         self._loader_kwargs = loader_kwargs
-        self._loaders: List[Any] = []   # (BalancedLoader-like, restore callables, groups)
+        self._loaders: List[Any] = []   # (BalancedLoader-like, restore callables)
         self._groups: List[Any] = []
         self._control_group = self.data_parallel.new_side_group(self.config.timeout_s)
         self._groups.append(self._control_group)
+        timing = resolve_timing(self.config.timing, getattr(device, "type", "cpu"))
+        self.fitter = self._make_fitter(timing, cost_model, vision_cost_model)
+        self.recorder = StepRecorder(StepClock(timing))
+        self._model = getattr(model, "module", model)  # DDP / DeepSpeed wrappers: hooks on the inner model
+        if self._model is not None:
+            self.recorder.install(self._model)  # sample lengths, images and the vision tower's time, as Trainer's
         self.step_stats: collections.deque = collections.deque(maxlen=_MAX_STATS)
         self._pending_stats: List[Any] = []
         self._closed = False
+
+    def _make_fitter(self, timing: str, decoder, vision) -> CostModelFitter:
+        """The fitter; a model given here is used as is, `cost_model_path`'s is refitted."""
+        fitted_step = -1  # a model given here: no refit (as `DPBalanceCallback(cost_model=...)`)
+        if decoder is None and self.config.cost_model_path:
+            from hf_dp_balance.core.cost import CostModel
+
+            decoder, fitted_step = CostModel.load(self.config.cost_model_path), 0
+        import torch.distributed as dist
+
+        # One fit over every process: tp / cp peers of a data-parallel index must plan with the same model
+        # (or their batches would differ), so the data-parallel groups of all slices share it.
+        group = self._control_group
+        if self.data_parallel.size != dist.get_world_size():
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.config.timeout_s))
+            self._groups.append(group)
+        return CostModelFitter(self.config, rank=dist.get_rank(), world=dist.get_world_size(), group=group,
+                               timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step)
+
+    @property
+    def cost_model(self):
+        """The decoder cost model the loaders plan with (None until fitted or given)."""
+        return self.fitter.decoder
+
+    @property
+    def vision_cost_model(self):
+        return self.fitter.vision
 
     # -- building the balanced loader -----------------------------------------------------------
     def prepare(self, dataloader) -> BalancedDataLoader:
@@ -133,10 +164,10 @@ class DPBalancer:
                               exchange=SampleExchange(self.config.timeout_s, group=group), sync=self.sync,
                               **self._loader_kwargs)
         if self.cost_model is not None:
-            loader.set_cost_model(self.cost_model, vision=None if self.config.vision else self.vision_cost_model)
+            self._publish(loader)
         self._loaders.append((loader, restore))
         return BalancedDataLoader(prepared, lambda raw: loader.iter_steps(raw), device=self.device,
-                                  count_items=self._global_count, clock=self._clock, length=length,
+                                  count_items=self._global_count, recorder=self.recorder, length=length,
                                   on_step=self._step_done, before_last=lambda step: self._collect_stats(loader))
 
     def _dispatches(self, dataloader) -> bool:
@@ -206,37 +237,38 @@ class DPBalancer:
         self._pending_stats.extend(stats)
 
     def _step_done(self, step: int, batches: list, seconds: Optional[float]) -> None:
-        """A step's micro-batches were all trained: record its timing.
+        """A step's micro-batches were all trained: record its timing, fit when due (warm-up, refit_every).
 
-        Runs on every data-parallel rank at the same step (main thread, between the user's steps), so a
-        collective is safe here. Plug point for the cross-rank fitter (runtime/fitter.py): after
-        `self.timings.record(...)`, when a fit is due (warm-up done / refit_every), gather the records,
-        fit on rank 0, broadcast, then `self.cost_model = decoder` and, for every `loader, _ in
-        self._loaders`, `loader.set_cost_model(decoder, vision=None if config.vision else vision)`.
+        Runs on every data-parallel rank at the same step (main thread, between the user's steps), so the
+        fitter's collectives are safe here. Without a model to hook, the step's packed rows tell what it computed.
         """
-        from hf_dp_balance.integrations.callback import feature_row, image_patches, segment_lengths
+        if seconds is None:
+            return
+        rec = self.recorder
+        if self._model is None:
+            for b in batches:
+                rec.lengths.extend(micro_batch_lengths(b))
+                rec.patches.extend(image_patches(b))
+        if self.fitter.end_step(step + 1, rec.lengths, seconds, rec.patches, rec.vision_s):  # steps done, as Trainer
+            for loader, _ in self._loaders:
+                self._publish(loader)
 
-        lengths, patches = [], []
-        for b in batches:
-            lengths.extend(segment_lengths(b))
-            patches.extend(image_patches(b))
-        if seconds is not None:
-            self.timings.record(step, feature_row(lengths), feature_row(patches), seconds)
+    def _publish(self, loader) -> None:
+        # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with both.
+        loader.set_cost_model(self.cost_model, vision=None if self.config.vision else self.vision_cost_model)
+        vision = getattr(self._model, "_dp_balance_vision", None)  # balance_vision_encoder(model, ...)
+        if vision is not None and self.vision_cost_model is not None:
+            vision.cost_model = self.vision_cost_model
 
     # -- results and teardown ------------------------------------------------------------------
     def metrics(self) -> dict:
-        """The dp_balance/* numbers of the steps since the last call (local: no collective)."""
-        from hf_dp_balance.integrations.callback import LOG_PREFIX, summarize_step_stats
-
+        """The `dp_balance/*` numbers of the steps since the last call, as the Trainer callback logs them
+        (plus `dp_balance/steps`). A collective on the balancer's side group: every data-parallel rank
+        calls it at the same step."""
         stats, self._pending_stats = self._pending_stats, []
-        out = dict(summarize_step_stats(stats))
-        out["steps"] = float(len(stats))
-        if self.cost_model is not None:
-            for name, value in self.cost_model.to_dict().items():
-                if isinstance(value, (int, float)):
-                    out[f"cost_{name}"] = float(value)
-        out["fitted"] = float(self.cost_model is not None)
-        return {LOG_PREFIX + k: float(v) for k, v in out.items()}
+        out = balance_metrics(self.fitter, stats, getattr(self._model, "_dp_balance_vision", None))
+        out["dp_balance/steps"] = float(len(stats))
+        return out
 
     def close(self) -> None:
         """Stop every exchange thread, put back what `prepare` changed, destroy the side groups."""
@@ -250,6 +282,7 @@ class DPBalancer:
             for undo in reversed(restore):
                 undo()
         self._loaders = []
+        self.recorder.remove()
         for group in self._groups:
             try:
                 dist.destroy_process_group(group)

@@ -82,20 +82,23 @@ class BalancedDataLoader:
     `steps_source(raw_iterator)` yields each optimizer step's list of packed micro-batches (CPU);
     `prepared`: accelerate's prepared loader (len, set_epoch, dataset, ... pass through to it);
     `count_items(local_count) -> global count` sums over the data-parallel group;
-    `on_step(step, batches, seconds)` receives every completed step (timing records);
+    `recorder`: the step's timer (`runtime.fitter.StepRecorder`: `begin()` at the step's first micro-batch,
+    `end()` after its last one came back; with the wall clock the loader's own wait inside the step is
+    left out); `on_step(step, batches, seconds)` receives every completed step (timing records);
     `before_last(step)` runs right before the step's last micro-batch is handed out (its statistics are
     complete then, and a loop that logs after that micro-batch's optimizer step sees them).
     """
 
     def __init__(self, prepared: Any, steps_source: Callable[[Iterator], Iterator[list]], *, device: Any,
-                 count_items: Callable[[int], int], clock: Any, on_step: Callable[[int, list, float], None],
+                 count_items: Callable[[int], int], recorder: Any, on_step: Callable[[int, list, float], None],
                  before_last: Optional[Callable[[int], None]] = None,
                  gradient_state: Any = None, length: Optional[Callable[[], int]] = None):
         self.prepared = prepared
         self._steps_source = steps_source
         self._device = device
         self._count_items = count_items
-        self._clock = clock
+        self._recorder = recorder
+        self._waited = 0.0               # wall seconds this step waited for the next one (left out of wall timing)
         self._on_step = on_step
         self._before_last = before_last
         self._length = length
@@ -147,9 +150,16 @@ class BalancedDataLoader:
         self._steps_done, self._micro_done = step + 1, self._micro_done + num_micro
         t0 = time.perf_counter()
         upcoming = next(steps, None)
-        self._clock.exclude(time.perf_counter() - t0)
+        self._waited += time.perf_counter() - t0
         self.end_of_dataloader = upcoming is None
         return upcoming
+
+    def _step_seconds(self) -> Optional[float]:
+        """The step's time on the recorder's clock; wall time leaves out the wait for the next step."""
+        seconds = self._recorder.end()
+        if seconds is not None and self._recorder.clock.timing == "wall":
+            seconds = max(seconds - self._waited, 0.0)
+        return seconds
 
     def __iter__(self):
         from accelerate.utils import send_to_device
@@ -175,9 +185,10 @@ class BalancedDataLoader:
                     batch["num_items_in_batch"] = total
                     batch = send_to_device(batch, self._device) if self._device is not None else batch
                     if i == 0:
-                        self._clock.start()
+                        self._waited = 0.0
+                        self._recorder.begin()
                     yield batch
-                self._on_step(step, current, self._clock.stop())
+                self._on_step(step, current, self._step_seconds())
                 current = upcoming
             self._epoch, self._steps_done, self._micro_done = None, 0, 0  # a finished pass resumes at the next
         finally:

@@ -22,7 +22,7 @@ from typing import Mapping, Optional
 from transformers import TrainingArguments
 
 from hf_dp_balance.config import DPBalanceConfig
-from hf_dp_balance.core.choices import FIT_MODES, SYNC_CHOICES, TIMING_CHOICES
+from hf_dp_balance.core.choices import FIT_MODES, INPUT_CHOICES, SYNC_CHOICES, TIMING_CHOICES
 
 ARG_PREFIX = "dp_balance"
 
@@ -92,6 +92,10 @@ class DPBalanceArguments:
         "JSON of a fitted cost model to start from; skips the warm-up fit", "cost_model_path"))
     dp_balance_verbose: bool = field(default=False, metadata=_help(
         "Log a line per step on rank 0 besides the periodic dp_balance/* metrics", "verbose"))
+    dp_balance_input: str = field(default="auto", metadata=_help(
+        "What the dataloader yields: samples (per-sample dicts, packed by the library) or packed (rows your "
+        "collator packed: split, rebalanced, packed back in your layout); auto: packed when the Trainer's data "
+        "collator is your own", "input", INPUT_CHOICES))
 
     def __post_init__(self) -> None:
         # Fail at parse time, not at the first training step.

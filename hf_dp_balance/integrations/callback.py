@@ -12,26 +12,23 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
-import math
 import os
 import sys
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
-import numpy as np
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import DefaultFlowCallback
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
+from hf_dp_balance.runtime.logs import get_logger, set_verbose
+from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, balance_metrics, summarize_step_stats
 from hf_dp_balance.runtime.fitter import (CostModelFitter, StepClock, StepRecorder, image_patches, priors_from_config,
                                           resolve_timing)
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 CHECKPOINT_FILE = "dp_balance_cost_model.json"
-LOG_PREFIX = "dp_balance/"
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -89,11 +86,11 @@ class DPBalanceCallback(TrainerCallback):
         self.loader = None
         self._group = None
         self._rank, self._world = 0, 1
-        self._pending_logs: Dict[str, float] = {}
         self._vision = None
         self._trainer_ref = None
         self._installed_on = None
         self._active = False
+        self._global_step = 0  # Trainer's state.global_step at the last step or epoch begin
         self._save_held = False  # a checkpoint waits for the end of a look-ahead window
         self._hold_warned = False
 
@@ -119,27 +116,26 @@ class DPBalanceCallback(TrainerCallback):
     # -- wiring -------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
-        # Trainer puts the reporting callbacks (TensorBoard, W&B, ...) before the user's; they read
-        # `logs` in their own on_log, so ours must run first for them to see the dp_balance keys.
-        # DefaultFlowCallback stays first: it sets `control.should_log`, which our on_step_end reads.
-        handler = sys._getframe(1).f_locals.get("self")
-        callbacks = getattr(handler, "callbacks", None)
-        if isinstance(callbacks, list) and any(cb is self for cb in callbacks):
-            others = [cb for cb in callbacks if cb is not self]
-            at = 1 if others and isinstance(others[0], DefaultFlowCallback) else 0
-            callbacks[:] = others[:at] + [self] + others[at:]
-        # Callbacks are never handed the Trainer; the balanced loader's trainer mode (which keeps
-        # Trainer's own resume / skip_first_batches) needs it, so find the Trainer that is calling us.
-        trainer = _calling_instance(Trainer)
+        trainer = _trainer_calling(self)
+        # The balanced loader's trainer mode (Trainer's own resume / skip_first_batches) needs the Trainer.
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
+        if trainer is not None:
+            # Reporting callbacks (TensorBoard, W&B, printer, ...) read `logs` in their own on_log, and
+            # Trainer puts them before the user's: ours must run first for them to see the dp_balance keys.
+            place_before_log_readers(trainer.callback_handler.callbacks, self)
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         self.config = resolve_config(self._explicit_config, args)
         if not self.config.enabled:
             return
+        set_verbose(self.config.verbose)  # --dp_balance_verbose shows our INFO lines whatever Trainer's log level
         import torch
         import torch.distributed as dist
 
+        from hf_dp_balance.integrations.trl import check_sft_setup
+
+        # TRL's SFTTrainer: its settings that would feed the loader other samples than the user's (same on every rank)
+        check_sft_setup(args, getattr(train_dataloader, "dataset", None), getattr(model, "config", None))
         self._active = True
         if dist.is_available() and dist.is_initialized():
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
@@ -176,7 +172,8 @@ class DPBalanceCallback(TrainerCallback):
         trainer = self._trainer_ref() if self._trainer_ref is not None else None
         if trainer is not None and trainer.callback_handler.train_dataloader is train_dataloader:
             self._installed_on = trainer
-            return install_balanced_loader(trainer, self.config)
+            packed = packed_input_for(self.config.input, trainer.data_collator, getattr(model, "config", None))
+            return install_balanced_loader(trainer, self.config, packed_input=packed)
         self._installed_on = train_dataloader
         return install_balanced_loader(train_dataloader, self.config, model_config=getattr(model, "config", None),
                                        gradient_accumulation_steps=args.gradient_accumulation_steps)
@@ -189,6 +186,8 @@ class DPBalanceCallback(TrainerCallback):
             return
         balance_vision_encoder(model, self.config, cost_model=self.fitter.planning_models()[1])
         self._vision = getattr(model, "_dp_balance_vision", None)
+        if self._vision is not None:  # errors name the optimizer step the user sees (1-based, as Trainer logs)
+            self._vision.step_source = lambda: self._global_step + 1
 
     def _install_hooks(self, model, timing: str, device_type: str = "cpu") -> None:
         # A previous train() that raised never reached on_train_end: drop its hooks, or every
@@ -213,7 +212,14 @@ class DPBalanceCallback(TrainerCallback):
 
     # -- timing -------------------------------------------------------------------------
 
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._global_step = state.global_step
+        if self._active and self.loader is not None and hasattr(self.loader, "set_step_offset"):
+            # the loader counts steps from 0 in every pass (epoch, resume): its errors name the user's step
+            self.loader.set_step_offset(state.global_step + 1)
+
     def on_step_begin(self, args, state, control, **kwargs):
+        self._global_step = state.global_step
         if self._active and self.recorder is not None:
             self.recorder.begin()
 
@@ -226,8 +232,6 @@ class DPBalanceCallback(TrainerCallback):
         rec = self.recorder
         if self.fitter.end_step(state.global_step, rec.lengths, elapsed, rec.patches, rec.vision_s):
             self._publish_models()
-        if control.should_log:
-            self._prepare_logs()
         self._checkpoint_on_window_boundary(state, control)
 
     def _checkpoint_on_window_boundary(self, state, control) -> None:
@@ -261,22 +265,22 @@ class DPBalanceCallback(TrainerCallback):
 
     # -- logging ------------------------------------------------------------------------
 
-    def _prepare_logs(self) -> None:
-        """At a log step (every rank reaches it): measured imbalance over the window, loader counters."""
-        logs: Dict[str, float] = self.fitter.window_metrics()
-        logs.update(_loader_stats(self.loader))
-        logs.update(_vision_stats(self._vision))
-        logs.update(self.fitter.model_metrics())
-        self._pending_logs = {LOG_PREFIX + k: float(v) for k, v in logs.items() if v is not None}
+    def _collect_logs(self) -> Dict[str, float]:
+        """At a training log (every rank logs the same steps): measured imbalance over the window (a
+        collective), loader and vision counters, the cost model."""
+        take = getattr(self.loader, "pop_stats", None)
+        return balance_metrics(self.fitter, take() if callable(take) else [], self._vision)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not self._active or not self._pending_logs or logs is None or "loss" not in logs:
+        # Computed here, not at on_step_end from control.should_log: no reliance on DefaultFlowCallback
+        # having run before us. Training logs carry "loss" on every rank; eval and summary logs do not.
+        if not self._active or self.fitter is None or logs is None or "loss" not in logs:
             return
-        logs.update(self._pending_logs)
+        ours = self._collect_logs()
+        logs.update(ours)
         # Trainer appended a copy of `logs` to log_history just before on_log: complete that entry too.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(self._pending_logs)
-        self._pending_logs = {}
+            state.log_history[-1].update(ours)
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -331,60 +335,57 @@ class DPBalanceCallback(TrainerCallback):
 # --------------------------------------------------------------------------- small shell helpers
 
 
-def _calling_instance(cls, max_depth: int = 8):
-    """The nearest `self` up the call stack that is an instance of `cls` (None if there is none)."""
+def place_before_log_readers(callbacks: list, callback: Any) -> None:
+    """Move `callback` in place right before the first other callback that reads logs (overrides `on_log`)."""
+    if not any(cb is callback for cb in callbacks):
+        return
+    others = [cb for cb in callbacks if cb is not callback]
+    at = next((i for i, cb in enumerate(others) if type(cb).on_log is not TrainerCallback.on_log), len(others))
+    callbacks[:] = others[:at] + [callback] + others[at:]
+
+
+def _trainer_calling(callback, max_depth: int = 8):
+    """The Trainer whose callback handler runs `callback`'s event now (on_init_end), or None.
+
+    Contained here because Trainer offers no hook for it: events are never handed the Trainer (nor its
+    callback handler), yet the only data hook that survives a mid-epoch resume is the instance's
+    `get_batch_samples` (skip_first_batches rebuilds the prepared loader from its parts, so no balanced
+    loader composed with it survives), and only the handler's list decides who reads `logs` first.
+    The one frame inspection of the package: the nearest Trainer up the event's call that holds `callback`.
+    """
     frame = sys._getframe(1)
     for _ in range(max_depth):
         frame = frame.f_back
         if frame is None:
             return None
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, cls):
+        if isinstance(candidate, Trainer) and any(cb is callback for cb in candidate.callback_handler.callbacks):
             return candidate
     return None
 
 
-def summarize_step_stats(stats: Sequence[Any]) -> Dict[str, float]:
-    """Loader statistics of the steps since the last log: mean predicted imbalance before / after,
-    steps applied / skipped, samples and bytes moved (sums)."""
-    if not stats:
-        return {}
-    before = [s.imbalance_before for s in stats if math.isfinite(s.imbalance_before)]
-    after = [s.imbalance_after for s in stats if math.isfinite(s.imbalance_after)]
-    out = {
-        "applied": float(sum(1 for s in stats if s.applied)),
-        "skipped": float(sum(1 for s in stats if not s.applied)),
-        "moved_samples": float(sum(s.moved_samples for s in stats)),
-        "moved_bytes": float(sum(s.moved_bytes for s in stats)),
-        "wait_s": float(sum(getattr(s, "wait_s", 0.0) for s in stats)),
-    }
-    if before:
-        out["imbalance_before"] = float(np.mean(before))
-    if after:
-        out["imbalance_after"] = float(np.mean(after))
-    return out
+# image_patches (runtime.fitter), LOG_PREFIX and summarize_step_stats (runtime.balance_metrics): importable
+# from here as before.
 
+def packed_input_for(mode: str, data_collator: Any, model_config: Any):
+    """`PackedInput` over the user's collator when the rows it yields are packed, else None (per-sample).
 
-def _vision_stats(balancer) -> Dict[str, float]:
-    """Vision-tower balancing since the last call: forwards applied / skipped, images moved."""
-    take = getattr(balancer, "pop_stats", None)
-    stats = take() if callable(take) else []
-    if not stats:
-        return {}
-    out = {"vision_applied": float(sum(1 for s in stats if s.get("applied"))),
-           "vision_skipped": float(sum(1 for s in stats if not s.get("applied")))}
-    out["vision_moved_images"] = float(sum(s.get("items_moved", 0) for s in stats))
-    out["vision_moved_bytes"] = float(sum(s.get("pixel_bytes_moved", 0) + s.get("embedding_bytes_moved", 0)
-                                          for s in stats))
-    return out
+    `mode` is `DPBalanceConfig.input`; `auto` takes the rows as packed when the collator is the user's own:
+    not our `PackedCollator` (the library packs) nor one of transformers' padding defaults (Trainer's when
+    none is given), whose padded rows have no sample boundaries to split at.
+    """
+    if mode == "samples" or data_collator is None or model_config is None:
+        return None
+    from transformers.data.data_collator import DataCollatorWithPadding, default_data_collator
 
+    from hf_dp_balance.core.packing import PackedCollator
+    from hf_dp_balance.runtime.packed_input import PackedInput
 
-def _loader_stats(loader) -> Dict[str, float]:
-    """Counters of the balanced loader since the last call (empty without a loader)."""
-    take = getattr(loader, "pop_stats", None)
-    return summarize_step_stats(take()) if callable(take) else {}
+    ours_or_default = isinstance(data_collator, (PackedCollator, DataCollatorWithPadding)) or \
+        data_collator is default_data_collator
+    if mode == "auto" and ours_or_default:
+        return None
+    return PackedInput(model_config, collate_fn=data_collator)
 
-
-# image_patches lives in runtime.fitter; importable from here as before.
-__all__ = ["DPBalanceCallback", "CHECKPOINT_FILE", "image_patches", "load_checkpoint_models", "resolve_config",
+__all__ = ["DPBalanceCallback", "CHECKPOINT_FILE", "LOG_PREFIX", "image_patches", "load_checkpoint_models", "resolve_config",
            "summarize_step_stats"]

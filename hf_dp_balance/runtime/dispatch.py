@@ -21,9 +21,14 @@ from typing import Callable, Iterator, List, Optional
 import numpy as np
 import torch
 
-from hf_dp_balance.runtime.exchange import ExchangeError, decode_sample, encode_sample
-from hf_dp_balance.runtime.loader import (F_COST, F_MICRO, F_NBYTES, BalancedLoader, StepStats, _Prepared,
-                                          slot_loads, step_imbalance)
+from hf_dp_balance.core.codec import decode_sample, encode_sample
+from hf_dp_balance.runtime.exchange import ExchangeError
+from hf_dp_balance.runtime.loader import BalancedLoader, slot_loads, step_imbalance
+from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_WIDTH, Prepared, StepStats, StepWork,
+                                             pull_micro_batches)
+from hf_dp_balance.runtime.logs import get_logger
+
+logger = get_logger(__name__)
 
 # Header broadcast by rank 0 each step (float64): then per rank its sample count, then its payload bytes.
 D_STATUS, D_NUM_MICRO, D_NUM_SAMPLES, D_APPLIED, D_BEFORE, D_AFTER, D_MOVED, D_MOVED_BYTES, D_WIDTH = range(9)
@@ -49,22 +54,14 @@ class DispatchedLoader(BalancedLoader):
         # only rank 0 reads data; the stream's first pull elsewhere takes a placeholder
         return super().open_stream(raw_iterator if self.is_source else iter([None]), step_limit)
 
-    def _prepare(self, step: int, pull: Callable[[], Optional[list]]) -> _Prepared:
+    def _prepare(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
         """Rank 0: the step's global batch as GA micro-batches of all ranks' raw batches; else nothing."""
         if not self.is_source:
-            return _Prepared([], [], [], np.zeros((0, 7)), model_version=None)
+            return Prepared([], [], [], np.zeros((0, F_WIDTH)), model_version=None)
         world, sizes = self._exchange.world_size, []
 
         def pull_global():  # one micro-batch slot of every rank, as the dispatcher slices it
-            parts = []
-            for _ in range(world):
-                mb = pull()
-                if mb is None:
-                    break
-                if not isinstance(mb, (list, tuple)):
-                    raise ValueError(f"step {step}: the dataloader yielded a {type(mb).__name__}, not a list of "
-                                     f"sample dicts; its collate_fn must defer packing (list_collate)")
-                parts.append(list(mb))
+            parts = pull_micro_batches(step, pull, world, 0)
             if not parts:
                 return None
             sizes.append([len(p) for p in parts])
@@ -75,7 +72,7 @@ class DispatchedLoader(BalancedLoader):
             if sizes else np.zeros(0, dtype=np.int64)
         return prep
 
-    def _run_step(self, step: int, prep: Optional[_Prepared], error: Optional[str]):
+    def _run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         """Rank 0 plans and sends; every rank receives its samples and packs its slots."""
         ex = self._exchange
         t0 = time.perf_counter()
@@ -123,7 +120,7 @@ class DispatchedLoader(BalancedLoader):
         ex._run(step, "dispatch header broadcast", lambda: dist.broadcast(t, group=ex.group, group_src=0))
         return t.numpy()
 
-    def _plan_and_send(self, step: int, prep: Optional[_Prepared], error: Optional[str]):
+    def _plan_and_send(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         """Rank 0: plan the global batch, broadcast the header, send each rank its samples.
 
         Returns (header, this rank's [(global index, slot, sample)])."""
@@ -141,8 +138,11 @@ class DispatchedLoader(BalancedLoader):
         rows, start = prep.rows, self._start_ranks
         micro = rows[:, F_MICRO].astype(np.int64)
         balance = prep.model_version is not None and self._balancing and self.config.enabled
-        dest_rank, dest_micro, applied, _ = self._plan(step, rows, start, micro, num_micro, balance,
-                                                       np.ones(world))
+        work = StepWork(step, rows, start, start, micro, num_micro, prep.samples, prep.entries)
+        # only rank 0 plans here, so a planner failure needs no agreement: it keeps every sample in place
+        dest_rank, dest_micro, applied, reason, failure = self._plan(work, balance, np.ones(world))
+        if failure is not None:
+            logger.warning("hf_dp_balance: step %d: %s; every sample stays in place", step, reason)
         moved = dest_rank != start
         costs = rows[:, F_COST]
         head[D_NUM_MICRO], head[D_NUM_SAMPLES], head[D_APPLIED] = num_micro, rows.shape[0], float(applied)

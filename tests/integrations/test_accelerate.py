@@ -253,6 +253,71 @@ def test_tp_peers_get_identical_batches_and_each_dp_group_trains_every_sample_on
         assert out[group[0]]["moved"] > 0  # balancing applied
 
 
+def _spin(seconds: float) -> None:
+    import time
+
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _fits_by_itself(rank, world):
+    """No cost model given: the balancer times the loop's steps, fits after warm-up and refits, over a
+    2 (dp) x 2 (tp) mesh; the loop burns CPU as a*L^2 + b*L per sample (what the fit must find)."""
+    from accelerate import Accelerator
+    from accelerate.data_loader import prepare_data_loader
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.integrations.accelerate import DPBalancer
+    from hf_dp_balance.runtime.fitter import micro_batch_lengths
+    from hf_dp_balance.testing.data import tiny_config
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+    shard = prepare_data_loader(torch.utils.data.DataLoader(_TextSamples(48), batch_size=2),
+                                num_processes=2, process_index=mesh["dp"].get_local_rank(), put_on_device=False)
+    cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, max_token_ratio=3.0, warmup_steps=2, refit_every=2)
+    digests, models, metrics = [], [], []
+    with DPBalancer(acc, model_config=tiny_config("text"), config=cfg, data_parallel_group=mesh["dp"],
+                    id_key="sample_id") as balancer:
+        loader = balancer.prepare(shard)
+        for i, batch in enumerate(loader):
+            digests.append(_digest(batch))
+            _spin(sum(2e-6 * n * n + 1e-4 * n for n in micro_batch_lengths(batch)))
+            if i % GA == GA - 1:  # a step's last micro-batch: the model in force after it
+                model = balancer.cost_model
+                models.append(None if model is None else model.to_dict())
+                metrics.append(balancer.metrics())
+        fits = [r["step"] for r in balancer.fitter.fit_reports]
+        moved = [s.moved_samples for s in balancer.step_stats]
+        ids = [i for s in balancer.step_stats for mb in s.local_ids for i in mb]
+        same = balancer._loaders[0][0].cost_model is balancer.cost_model
+    return {"digests": digests, "models": models, "metrics": metrics, "fits": fits, "moved": moved, "ids": ids,
+            "loader_has_it": same}
+
+
+def test_the_balancer_fits_and_refits_by_itself_with_one_model_for_every_tp_slice():
+    out = run_ranks(_fits_by_itself, 4, timeout=180, pg_timeout_s=60)
+    for o in out:
+        assert o["fits"] == [2, 4, 6]  # after warm-up, then every refit_every steps, with no call from the loop
+        assert o["loader_has_it"]
+        assert o["models"] == out[0]["models"]  # one fit for every process: tp slices plan alike
+        # read inside a step, the model is the one in force when it began: fitted at the end of step 2
+        assert o["models"][:2] == [None, None] and o["models"][2] is not None
+        assert sum(o["moved"][:3]) == 0  # warm-up (the step prepared before the fit landed keeps its place)
+        m = o["metrics"][-1]
+        assert m["dp_balance/fitted"] == 1.0 and m["dp_balance/compute_imbalance"] >= 0.0
+        assert m["dp_balance/slowest_rank_compute_s"] > 0.0 and "dp_balance/cost_quadratic" in m
+    assert sum(out[0]["moved"][3:]) > 0  # then it balances
+    fitted = out[0]["models"][-1]
+    assert fitted["quadratic"] > 0.0
+    for a, b in ((0, 1), (2, 3)):  # tp peers: identical batches all along, fitted model included
+        assert out[a]["digests"] == out[b]["digests"]
+    for group in ((0, 2), (1, 3)):
+        assert sorted(i for r in group for i in out[r]["ids"]) == list(range(48))
+
+
 # --------------------------------------------------------------------------- dispatch mode
 
 

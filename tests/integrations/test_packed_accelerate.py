@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_dp_balance.testing.spawn import RankFailed, run_ranks
+from hf_dp_balance.testing.spawn import run_ranks
 
 GA = 2
 
@@ -55,10 +55,6 @@ def _balanced_and_unbalanced(rank, world, family):
     return {"on": on, "off": off, "moved": moved, "kinds": kinds}
 
 
-# main 7a6145c: DPBalancer._step_done imports feature_row from integrations.callback, which no longer defines
-# it, so every DPBalancer loop raises at its first step. With that import bypassed locally both cases pass
-# (rel < 1e-5, samples moved). Strict: the mark fails once main is fixed, so it is removed then.
-@pytest.mark.xfail(raises=RankFailed, strict=True, reason="DPBalancer._step_done's import of feature_row (main)")
 @pytest.mark.parametrize("family", ["text", "qwen2_vl"])
 def test_a_packing_collator_in_the_accelerate_loop_gives_the_unbalanced_gradients(family):
     out = run_ranks(_balanced_and_unbalanced, 2, family, timeout=300, pg_timeout_s=60)

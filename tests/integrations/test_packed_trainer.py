@@ -1,4 +1,4 @@
-"""A stock Trainer whose data collator already packs, balanced by DPBalanceCallback with the packed-input hook."""
+"""A stock Trainer whose data collator already packs, balanced by DPBalanceCallback (input="auto" splits its rows)."""
 
 import torch
 
@@ -12,7 +12,6 @@ def _train(rank, world, outdir, family, layout):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.integrations.callback import DPBalanceCallback
-    from hf_dp_balance.integrations.install import install_balanced_loader
     from hf_dp_balance.runtime.packed_input import PackedInput
     from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
     from tests.packed_users import UserCollator
@@ -22,13 +21,11 @@ def _train(rank, world, outdir, family, layout):
     data = [to_sample(r) for r in build_synthetic_dataset(family, 24, seed=1, scale=1 / 32)]  # 2 steps
 
     class PackedInputCallback(DPBalanceCallback):
-        """The one-line hook: the user's collator packs, PackedInput splits before balancing."""
+        """The stock callback (input="auto" finds the user's packing collator); keeps the stats for the test."""
 
         def _install_loader(self, train_dataloader, model, args):
-            trainer = self._trainer_ref()
-            self._installed_on = trainer
-            loader = install_balanced_loader(trainer, self.config,
-                                             packed_input=PackedInput(model.config, collate_fn=trainer.data_collator))
+            loader = super()._install_loader(train_dataloader, model, args)
+            assert isinstance(loader.packed_input, PackedInput)  # the user's own collator: its rows are split
             self.packed_input, self.stats, take = loader.packed_input, [], loader.pop_stats
 
             def pop_stats():  # the callback pops the stats for its logs; keep a copy for the test
