@@ -153,7 +153,7 @@ def _make_probe(model, key_to_id: dict, on_step_done):
     """
     from transformers import TrainerCallback
 
-    from hf_dp_balance.core.packing import segment_boundaries
+    from hf_dp_balance.core.boundaries import segment_boundaries
 
     class Probe(TrainerCallback):
         def __init__(self):

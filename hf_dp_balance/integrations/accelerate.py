@@ -12,8 +12,9 @@ Only the data-parallel dimension is balanced: the group comes from the accelerat
 (the exchange thread's per loader, and one for the main thread: the per-step item count and the
 fitter), times each rank's steps between the loader's own step boundaries and fits, broadcasts and
 refits the cost model with the fitter the Trainer callback uses (`runtime.fitter.CostModelFitter`),
-unless it is given one (`cost_model=`, or `config.cost_model_path`). Until a model is fitted it packs
-and times but moves nothing.
+unless it is given one (`cost_model=`, or `config.cost_model_path`). Until a model is fitted it plans
+with the FLOP prior of the model's config (`config.prior`), like the Trainer callback. A DataLoader whose
+collator packs rows itself is split and packed back in its layout (`config.input`, the callback's rule).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.integrations.accelerate_loader import BalancedDataLoader
 from hf_dp_balance.runtime.balance_metrics import balance_metrics
 from hf_dp_balance.runtime.fitter import (CostModelFitter, StepClock, StepRecorder, image_patches,
-                                          micro_batch_lengths, resolve_timing)
+                                          micro_batch_lengths, priors_from_config, resolve_timing)
+from hf_dp_balance.runtime.packed_input import packed_input_for
 from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
 
 _MAX_STATS = 4096  # step statistics kept for inspection (`step_stats`)
@@ -93,9 +95,11 @@ class DPBalancer:
         self._groups: List[Any] = []
         self._control_group = self.data_parallel.new_side_group(self.config.timeout_s)
         self._groups.append(self._control_group)
-        timing = resolve_timing(self.config.timing, getattr(device, "type", "cpu"))
+        device_type = getattr(device, "type", "cpu")
+        # DDP (`step`): the forward has no collective, its device time is this rank's own compute.
+        timing = resolve_timing(self.config.timing, device_type, self.sync)
         self.fitter = self._make_fitter(timing, cost_model, vision_cost_model)
-        self.recorder = StepRecorder(StepClock(timing))
+        self.recorder = StepRecorder(StepClock(timing, device_type))
         self._model = getattr(model, "module", model)  # DDP / DeepSpeed wrappers: hooks on the inner model
         if self._model is not None:
             self.recorder.install(self._model)  # sample lengths, images and the vision tower's time, as Trainer's
@@ -118,8 +122,11 @@ class DPBalancer:
         if self.data_parallel.size != dist.get_world_size():
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.config.timeout_s))
             self._groups.append(group)
+        # Until the first fit, plan with the model config's FLOP prior (as the Trainer callback does).
+        prior, vision_prior = priors_from_config(self.model_config) if self.config.prior else (None, None)
         return CostModelFitter(self.config, rank=dist.get_rank(), world=dist.get_world_size(), group=group,
-                               timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step)
+                               timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step,
+                               prior=prior, vision_prior=vision_prior)
 
     @property
     def cost_model(self):
@@ -145,6 +152,7 @@ class DPBalancer:
         from hf_dp_balance.runtime.exchange import SampleExchange
 
         config = self.config
+        user_collate = getattr(getattr(dataloader, "base_dataloader", dataloader), "collate_fn", None)
         if self._dispatches(dataloader):
             from hf_dp_balance.runtime.dispatch import DispatchedLoader as loader_class
 
@@ -159,12 +167,14 @@ class DPBalancer:
             length = None
         group = self.data_parallel.new_side_group(self.config.timeout_s)
         self._groups.append(group)
+        kwargs = dict(self._loader_kwargs)
+        if "packed_input" not in kwargs:  # the rule the Trainer callback follows (`DPBalanceConfig.input`)
+            kwargs["packed_input"] = packed_input_for(config.input, user_collate, self.model_config)
         loader = loader_class(prepared, config, gradient_accumulation_steps=self.gradient_accumulation_steps,
                               model_config=self.model_config, cost_model=None,
                               exchange=SampleExchange(self.config.timeout_s, group=group), sync=self.sync,
-                              **self._loader_kwargs)
-        if self.cost_model is not None:
-            self._publish(loader)
+                              **kwargs)
+        self._publish(loader)
         self._loaders.append((loader, restore))
         return BalancedDataLoader(prepared, lambda raw: loader.iter_steps(raw), device=self.device,
                                   count_items=self._global_count, recorder=self.recorder, length=length,
@@ -254,8 +264,14 @@ class DPBalancer:
                 self._publish(loader)
 
     def _publish(self, loader) -> None:
+        """The models to plan with (the fitted ones, else the FLOP priors) to `loader` and the vision wrapper."""
+        decoder, vision_model = self.fitter.planning_models()
+        if decoder is None:
+            return
         # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with both.
-        loader.set_cost_model(self.cost_model, vision=None if self.config.vision else self.vision_cost_model)
+        loader.set_cost_model(decoder, vision=None if self.config.vision else vision_model)
+        if hasattr(loader, "set_speed"):  # this process's relative speed from the last fit (1.0 before)
+            loader.set_speed(float(self.fitter.speeds[self.fitter.rank]))
         vision = getattr(self._model, "_dp_balance_vision", None)  # balance_vision_encoder(model, ...)
         if vision is not None and self.vision_cost_model is not None:
             vision.cost_model = self.vision_cost_model

@@ -23,6 +23,7 @@ from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
 from hf_dp_balance.runtime.logs import get_logger, set_verbose
 from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, balance_metrics, summarize_step_stats
+from hf_dp_balance.runtime.packed_input import packed_input_for
 from hf_dp_balance.runtime.fitter import (CostModelFitter, StepClock, StepRecorder, image_patches, priors_from_config,
                                           resolve_timing)
 
@@ -366,26 +367,6 @@ def _trainer_calling(callback, max_depth: int = 8):
 
 # image_patches (runtime.fitter), LOG_PREFIX and summarize_step_stats (runtime.balance_metrics): importable
 # from here as before.
-
-def packed_input_for(mode: str, data_collator: Any, model_config: Any):
-    """`PackedInput` over the user's collator when the rows it yields are packed, else None (per-sample).
-
-    `mode` is `DPBalanceConfig.input`; `auto` takes the rows as packed when the collator is the user's own:
-    not our `PackedCollator` (the library packs) nor one of transformers' padding defaults (Trainer's when
-    none is given), whose padded rows have no sample boundaries to split at.
-    """
-    if mode == "samples" or data_collator is None or model_config is None:
-        return None
-    from transformers.data.data_collator import DataCollatorWithPadding, default_data_collator
-
-    from hf_dp_balance.core.packing import PackedCollator
-    from hf_dp_balance.runtime.packed_input import PackedInput
-
-    ours_or_default = isinstance(data_collator, (PackedCollator, DataCollatorWithPadding)) or \
-        data_collator is default_data_collator
-    if mode == "auto" and ours_or_default:
-        return None
-    return PackedInput(model_config, collate_fn=data_collator)
 
 __all__ = ["DPBalanceCallback", "CHECKPOINT_FILE", "LOG_PREFIX", "image_patches", "load_checkpoint_models", "resolve_config",
            "summarize_step_stats"]

@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from hf_dp_balance.core.packing import boundaries_from_cu_seq_lens, segment_boundaries
+from hf_dp_balance.core.boundaries import boundaries_from_cu_seq_lens, segment_boundaries
 
 DEFAULT_NAME = "hf_dp_balance_varlen"
 
@@ -41,7 +41,7 @@ def _attend(q, k, v, *, causal: bool, scale: Optional[float], dropout: float, wi
 
 def _packed_boundaries(position_ids, cu_seq_lens_q, batch: int, q_len: int) -> List[List[int]]:
     """Per row, the segment boundaries `[0, ..., q_len]`: from `cu_seq_lens_q`, else from the position
-    restarts (`core.packing.segment_boundaries`), else one sequence per row."""
+    restarts (`core.boundaries.segment_boundaries`), else one sequence per row."""
     if cu_seq_lens_q is not None:
         if batch != 1:
             raise ValueError(f"{DEFAULT_NAME}: cu_seq_lens_q needs a single packed row, got batch size {batch}")

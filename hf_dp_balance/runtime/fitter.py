@@ -186,7 +186,7 @@ class CostModelFitter:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, group_src=0, group=self.group)  # the group's first rank fits
         return box[0]
 
     def fit(self, step: int) -> None:

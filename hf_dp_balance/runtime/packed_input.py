@@ -88,3 +88,30 @@ class PackedInput:
         longest = max((int(s["input_ids"].numel()) for s in samples), default=0)
         return repack(samples, self.layout, self.collator, self.collator.pad_token_id,
                       capacity=max(self.pack_length, longest))
+
+
+def packed_input_for(mode: str, collate_fn: Any, model_config: Any) -> Optional[PackedInput]:
+    """`PackedInput` over the user's collator when the rows it yields are packed, else None (per-sample).
+
+    One rule for every front end (the Trainer callback and `DPBalancer.prepare`). `mode` is
+    `DPBalanceConfig.input`; `auto` takes the rows as packed when the collator is the user's own: not our
+    `PackedCollator` (the library packs), not our `list_collate`, and not a padding or stacking default
+    (transformers' `default_data_collator` / `DataCollatorWithPadding`, torch's `default_collate` /
+    `default_convert`), whose rows have no sample boundaries to split at. `packed` always splits.
+    """
+    if mode == "samples" or collate_fn is None or model_config is None:
+        return None
+    if mode == "auto" and _is_library_or_default_collate(collate_fn):
+        return None
+    return PackedInput(model_config, collate_fn=collate_fn)
+
+
+def _is_library_or_default_collate(collate_fn: Any) -> bool:
+    from torch.utils.data import default_collate, default_convert
+    from transformers.data.data_collator import DataCollatorWithPadding, default_data_collator
+
+    from hf_dp_balance.runtime.step_rows import list_collate
+
+    if isinstance(collate_fn, (PackedCollator, DataCollatorWithPadding)):
+        return True
+    return any(collate_fn is f for f in (default_data_collator, default_collate, default_convert, list_collate))

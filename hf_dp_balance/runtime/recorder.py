@@ -12,7 +12,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from hf_dp_balance.core.choices import TIMING_MODES
-from hf_dp_balance.core.packing import segment_lengths
+from hf_dp_balance.core.boundaries import segment_lengths
 
 
 def synchronize() -> None:
@@ -68,7 +68,7 @@ def micro_batch_lengths(inputs: Dict[str, Any]) -> List[int]:
     """Per-sample token lengths of one micro-batch, as the model will compute it.
 
     Packed rows ([B, T] or Qwen-VL's [4, B, T] position ids): the samples of
-    `core.packing.segment_lengths`. Padded rows: the attention mask's row sums.
+    `core.boundaries.segment_lengths`. Padded rows: the attention mask's row sums.
     Otherwise every row is one sample.
     """
     import torch

@@ -305,7 +305,7 @@ def test_qwen2_5_video_seconds_per_grid_shape_the_packed_positions(models, sampl
 
 
 def test_segment_boundaries_follow_position_restarts():
-    from hf_dp_balance.core.packing import boundaries_from_cu_seq_lens, segment_boundaries, segment_lengths
+    from hf_dp_balance.core.boundaries import boundaries_from_cu_seq_lens, segment_boundaries, segment_lengths
 
     assert segment_boundaries(torch.tensor([[0, 1, 2, 0, 1, 0]])) == [[0, 3, 5, 6]]
     assert segment_boundaries(torch.tensor([[3, 4, 5]])) == [[0, 3]]  # a row starting without 0: one sample

@@ -305,8 +305,10 @@ def test_the_balancer_fits_and_refits_by_itself_with_one_model_for_every_tp_slic
         assert o["models"] == out[0]["models"]  # one fit for every process: tp slices plan alike
         # read inside a step, the model is the one in force when it began: fitted at the end of step 2
         assert o["models"][:2] == [None, None] and o["models"][2] is not None
-        assert sum(o["moved"][:3]) == 0  # warm-up (the step prepared before the fit landed keeps its place)
+        # before the fit, the FLOP prior of the model config plans (as under Trainer): warm-up is balanced
+        assert o["moved"][0] > 0 and o["metrics"][0]["dp_balance/planning_with_prior"] == 1.0
         m = o["metrics"][-1]
+        assert m["dp_balance/planning_with_prior"] == 0.0
         assert m["dp_balance/fitted"] == 1.0 and m["dp_balance/compute_imbalance"] >= 0.0
         assert m["dp_balance/slowest_rank_compute_s"] > 0.0 and "dp_balance/cost_quadratic" in m
     assert sum(out[0]["moved"][3:]) > 0  # then it balances

@@ -8,7 +8,7 @@ from hf_dp_balance.testing.spawn import run_ranks
 GA = 2
 
 
-def _train(acc, family, samples, balanced):
+def _train(acc, family, samples, balanced, hook):
     """The synced gradient of every optimizer step (flat, float64) and the step stats."""
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
@@ -24,10 +24,13 @@ def _train(acc, family, samples, balanced):
     model, optimizer = acc.prepare(model, optimizer)
     cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, enabled=balanced)
     grads, kinds = [], []
-    # the hook: the user's own collator goes to PackedInput (prepare defers the loader's collate)
+    # explicit: the user's own collator goes to PackedInput (prepare defers the loader's collate);
+    # auto: prepare finds the user's collator itself (`DPBalanceConfig.input`, the Trainer callback's rule)
+    explicit = {"packed_input": PackedInput(config, collate_fn=user_collator)} if hook == "explicit" else {}
     with DPBalancer(acc, model=model, config=cfg, cost_model=CostModel(quadratic=1.0, linear=5.0),
-                    packed_input=PackedInput(config, collate_fn=user_collator)) as balancer:
+                    **explicit) as balancer:
         loader = balancer.prepare(torch.utils.data.DataLoader(samples, batch_size=3, collate_fn=user_collator))
+        assert isinstance(balancer._loaders[0][0].packed_input, PackedInput)
         for batch in loader:
             kinds.append(sorted(k for k in batch if k.startswith(("cu_seq_lens", "max_length"))))
             with acc.accumulate(model):
@@ -40,7 +43,7 @@ def _train(acc, family, samples, balanced):
     return torch.stack(grads).numpy(), moved, kinds
 
 
-def _balanced_and_unbalanced(rank, world, family):
+def _balanced_and_unbalanced(rank, world, family, hook):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -50,14 +53,14 @@ def _balanced_and_unbalanced(rank, world, family):
     acc = Accelerator(gradient_accumulation_steps=GA, cpu=True,
                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=family != "text")])
     samples = [to_sample(r) for r in build_synthetic_dataset(family, 12 * world, seed=1, scale=1 / 32)]
-    on, moved, kinds = _train(acc, family, samples, True)
-    off, _, _ = _train(acc, family, samples, False)
+    on, moved, kinds = _train(acc, family, samples, True, hook)
+    off, _, _ = _train(acc, family, samples, False, hook)
     return {"on": on, "off": off, "moved": moved, "kinds": kinds}
 
 
-@pytest.mark.parametrize("family", ["text", "qwen2_vl"])
-def test_a_packing_collator_in_the_accelerate_loop_gives_the_unbalanced_gradients(family):
-    out = run_ranks(_balanced_and_unbalanced, 2, family, timeout=300, pg_timeout_s=60)
+@pytest.mark.parametrize("family,hook", [("text", "auto"), ("qwen2_vl", "explicit")])
+def test_a_packing_collator_in_the_accelerate_loop_gives_the_unbalanced_gradients(family, hook):
+    out = run_ranks(_balanced_and_unbalanced, 2, family, hook, timeout=300, pg_timeout_s=60)
     on, off = torch.from_numpy(out[0]["on"]), torch.from_numpy(out[0]["off"])
     assert on.shape == off.shape and on.shape[0] == 2
     assert float(((on - off).norm(dim=1) / off.norm(dim=1)).max()) < 1e-5

@@ -121,3 +121,27 @@ def test_a_micro_batch_of_another_kind_raises_naming_it():
         packed.samples_of(samples, "micro-batch 7")
     empty = packed.collate([])  # an empty slot: a no-op row in the user's layout
     assert set(empty) == set(rows) and empty["input_ids"].shape == (1, 1)
+
+
+def test_packed_input_for_tells_the_users_packing_from_the_defaults():
+    """One rule for Trainer and DPBalancer: only a collator of the user's own is taken as packing."""
+    from torch.utils.data import default_collate, default_convert
+    from transformers.data.data_collator import default_data_collator
+
+    from hf_dp_balance.core.packing import PackedCollator
+    from hf_dp_balance.runtime.packed_input import PackedInput, packed_input_for
+    from hf_dp_balance.runtime.step_rows import list_collate
+    from hf_dp_balance.testing.data import tiny_config
+
+    config = tiny_config("text")
+
+    def users_own(batch):
+        return batch
+
+    for default in (default_collate, default_convert, default_data_collator, list_collate, PackedCollator(config)):
+        assert packed_input_for("auto", default, config) is None, default
+        assert isinstance(packed_input_for("packed", default, config), PackedInput)  # the user said so
+    found = packed_input_for("auto", users_own, config)
+    assert isinstance(found, PackedInput) and found.collate_fn is users_own
+    assert packed_input_for("samples", users_own, config) is None
+    assert packed_input_for("auto", users_own, None) is None  # no model config: nothing to pack with
