@@ -153,9 +153,16 @@ class DPBalancer:
 
         config = self.config
         user_collate = getattr(getattr(dataloader, "base_dataloader", dataloader), "collate_fn", None)
+        packed_input = self._loader_kwargs.get("packed_input")
         if self._dispatches(dataloader):
             from hf_dp_balance.runtime.dispatch import DispatchedLoader as loader_class
 
+            if packed_input is not None or config.input == "packed":
+                # rank 0 alone reads (and would split) the rows, so the other ranks never see the user's layout
+                raise ValueError("DPBalancer: packed input (input='packed' or packed_input=) is not supported in "
+                                 "dispatch mode; give per-sample rows (input='samples', the library packs) or "
+                                 "Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False))")
+            packed_input = False  # per-sample, packed here (a user's collator is deferred, not split)
             prepared, restore = self._plain_for_dispatch(dataloader)
             config = config.replace(lookahead_steps=0)
             size = self.data_parallel.size
@@ -168,8 +175,10 @@ class DPBalancer:
         group = self.data_parallel.new_side_group(self.config.timeout_s)
         self._groups.append(group)
         kwargs = dict(self._loader_kwargs)
-        if "packed_input" not in kwargs:  # the rule the Trainer callback follows (`DPBalanceConfig.input`)
+        if packed_input is None:  # the rule the Trainer callback follows (`DPBalanceConfig.input`)
             kwargs["packed_input"] = packed_input_for(config.input, user_collate, self.model_config)
+        elif packed_input is False:
+            kwargs["packed_input"] = None
         loader = loader_class(prepared, config, gradient_accumulation_steps=self.gradient_accumulation_steps,
                               model_config=self.model_config, cost_model=None,
                               exchange=SampleExchange(self.config.timeout_s, group=group), sync=self.sync,

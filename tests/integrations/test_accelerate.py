@@ -365,7 +365,14 @@ def _dispatched(rank, world, kind, log):
         ids = [int(i) for s in balancer.step_stats for mb in s.local_ids for i in mb]
         moved = sum(s.moved_samples for s in balancer.step_stats)
         loader_type = type(balancer._loaders[0][0]).__name__
-    return {"ids": ids, "moved": moved, "syncs": syncs, "loader": loader_type}
+    refused = ""
+    if kind == "to_iterable":  # rank 0 alone would split packed rows: refused by name before anything runs
+        with DPBalancer(acc, model_config=tiny_config("text"), config=cfg.replace(input="packed")) as packed:
+            try:
+                packed.prepare(torch.utils.data.DataLoader(data, batch_size=2))
+            except ValueError as exc:
+                refused = str(exc)
+    return {"ids": ids, "moved": moved, "syncs": syncs, "loader": loader_type, "refused": refused}
 
 
 @pytest.mark.parametrize("kind", ["to_iterable", "from_generator", "dispatcher"])
@@ -379,6 +386,8 @@ def test_dispatch_mode_balances_streaming_data_read_on_rank_0_only(kind, tmp_pat
     assert out[0]["syncs"] == out[1]["syncs"] == expected_syncs(7, GA)
     if kind == "from_generator":
         assert open(log).read().split() == ["0"]  # only rank 0 read the stream
+    if kind == "to_iterable":
+        assert all("not supported in dispatch mode" in o["refused"] for o in out)
 
 
 # --------------------------------------------------------------------------- resume
