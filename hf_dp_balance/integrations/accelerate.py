@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 from typing import Any, List, Optional
 
 from hf_dp_balance.config import DPBalanceConfig
@@ -64,6 +65,7 @@ def _name_distributed_errors(owner, name: str, loader, step):
 
     call, own = getattr(owner, name), vars(owner).get(name)
 
+    @functools.wraps(call)  # keeps __wrapped__: accelerate's unwrap_model walks that chain of forward
     def named(*args, **kwargs):
         with training_errors(loader(), step=step):
             return call(*args, **kwargs)
