@@ -240,10 +240,14 @@ def main(argv=None):
 
 
 def _write(path, table, command, only):
-    """The table under the marker of `path`; with `only` (names), those faults' rows replace theirs in the table."""
+    """The table under the marker of `path`; with `only` (names), those faults' rows replace theirs in the table.
+    The text after the old table (its reading) is kept."""
     marker = "<!-- table: bench/reliability.py -->"
     text = open(path).read() if os.path.exists(path) else marker
     head, _, old = text.partition(marker)
+    old_lines = old.strip().splitlines()
+    last_row = max((i for i, line in enumerate(old_lines) if line.startswith("|")), default=len(old_lines) - 1)
+    tail = "\n".join(old_lines[last_row + 1:]).strip()
     runs = f"`{command}`, timeout_s={TIMEOUT_S:g}, {WORLD} gloo ranks, fault at step {FAULT_STEP} (user step " \
            f"{100 + FAULT_STEP}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     if only is not None:
@@ -254,7 +258,7 @@ def _write(path, table, command, only):
         table = "\n".join(new[:2] + [line for line in kept if not line.startswith("| fault |")] + new[2:])
         runs = "\n".join(notes + [runs + " (rows of: " + "; ".join(only) + ")"])
     with open(path, "w") as f:
-        f.write(head + marker + "\n\n" + runs + "\n\n" + table + "\n")
+        f.write(head + marker + "\n\n" + runs + "\n\n" + table + "\n" + ("\n" + tail + "\n" if tail else ""))
 
 
 if __name__ == "__main__":
