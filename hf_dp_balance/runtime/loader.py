@@ -342,7 +342,8 @@ class BalancedLoader:
 
         One gather for the window. When every rank holds the full window and
         balancing is on, `plan_lookahead` chooses each sample's step within the
-        window and `assign_slots` its start slot; then every step is planned and
+        window and `assign_slots` its start slot, agreed across ranks (`agree_lookahead`:
+        all fall back together or all raise); then every step is planned and
         exchanged as usual (samples move from the rank that holds them). Else
         (warm-up, the end of the data) the steps run one by one.
         """
