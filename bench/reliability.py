@@ -2,11 +2,14 @@
 
 Each run: 3 ranks train a tiny Qwen2-VL through `BalancedLoader` (real samples, `PackedCollator`) and
 `balance_vision_encoder`, ending every step in a default-group all_reduce of the gradients (DDP's place;
-the default group's timeout is 300 s, as a long `ddp_timeout`). At step FAULT_STEP one fault is injected:
-SIGKILL / SIGSTOP of a rank (0 = the store's host, 2 = a plain peer) in the forward, in the exchange
-thread (inside the planner) or inside the vision tower; a dataset item raising; a sample over the hard
-cap; a planner raising on one rank; a plan that differs on one rank. For every surviving rank the table
-gives how it ended, the seconds from the fault to its end and the first line of its message.
+the default group's timeout is 300 s, as a long `ddp_timeout`); the step runs inside
+`runtime.watchdog.training_errors`, as Trainer's `training_step` and DPBalancer's `accelerator.backward`
+do. At step FAULT_STEP one fault is injected: SIGKILL / SIGSTOP of a rank (0 = the store's host, 2 = a
+plain peer) in the forward, in the exchange thread (inside the planner) or inside the vision tower; a
+dataset item raising; a sample over the hard cap; a planner raising on one rank; a plan that differs on
+one rank; with `lookahead_steps=3`, the look-ahead planner raising or planning another window on one rank
+(the window of steps FAULT_STEP..FAULT_STEP+2). For every surviving rank the table gives how it ended,
+the seconds from the fault to its end and the first line of its message.
 
     PYTHONPATH=$PWD python bench/reliability.py [--write docs/reliability.md] [--only NAME]
 """
@@ -35,7 +38,9 @@ def _faults():
     return kills + text + [("dataset __getitem__ raises on rank 1", "getitem", 1, None),
                     ("sample over the cap on rank 1", "cap", 1, None),
                     ("planner raises on rank 1", "planner raises", 1, None),
-                    ("plan differs on rank 1", "plan differs", 1, None)]
+                    ("plan differs on rank 1", "plan differs", 1, None),
+                    ("look-ahead planner raises on rank 1", "look-ahead raises", 1, None),
+                    ("look-ahead plan differs on rank 1", "look-ahead differs", 1, None)]
 
 
 def _mark(outdir):
@@ -96,6 +101,27 @@ def _planner(rank, place, outdir, victim, sig):
     return plan_fn
 
 
+def _patch_lookahead(rank, place, outdir):
+    """On rank 1, the look-ahead planner's window starting at FAULT_STEP raises or plans another window."""
+    import numpy as np
+
+    from hf_dp_balance.core import lookahead
+
+    real, calls = lookahead.plan_lookahead, [0]
+
+    def plan_lookahead(costs, tokens, steps, num_ranks, *, window, **kw):
+        new_step = real(costs, tokens, steps, num_ranks, window=window, **kw)
+        calls[0] += 1
+        if rank == 1 and calls[0] - 1 == FAULT_STEP // window:
+            _mark(outdir)
+            if place == "look-ahead raises":
+                raise RuntimeError("look-ahead planner exploded")
+            return (np.asarray(new_step) + 1) % window
+        return new_step
+
+    lookahead.plan_lookahead = plan_lookahead  # this rank process only; read by BalancedLoader per window
+
+
 def _rank(rank, world, place, victim, sig, outdir):
     import torch
     import torch.distributed as dist
@@ -104,6 +130,7 @@ def _rank(rank, world, place, victim, sig, outdir):
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.runtime.loader import BalancedLoader
     from hf_dp_balance.runtime.vision import balance_vision_encoder
+    from hf_dp_balance.runtime.watchdog import training_errors
     from hf_dp_balance.testing import data
 
     err = os.open(os.path.join(outdir, f"stderr_{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -112,7 +139,10 @@ def _rank(rank, world, place, victim, sig, outdir):
     model.config.text_config.use_cache = False
     dist.barrier()  # model set-up skews the ranks by seconds on a loaded machine: the side groups' rendezvous
     cfg = DPBalanceConfig(timeout_s=TIMEOUT_S, prefetch_steps=2, min_gain=0.0, vision=place != "forward text",
-                          max_tokens=1500 if place == "cap" else None)
+                          max_tokens=1500 if place == "cap" else None,
+                          lookahead_steps=3 if place.startswith("look-ahead") else 0)
+    if place.startswith("look-ahead"):
+        _patch_lookahead(rank, place, outdir)
     balancer = balance_vision_encoder(model, cfg)._dp_balance_vision if cfg.vision else None
     if place == "vision tower" and rank == victim:
         def pre_hook(module, args, kwargs):
@@ -131,11 +161,12 @@ def _rank(rank, world, place, victim, sig, outdir):
     for step, batches in enumerate(loader.iter_steps()):
         if step == FAULT_STEP and place in ("forward", "forward text") and rank == victim:
             _hit(outdir, victim, sig)
-        for batch in batches:
-            model(**batch).loss.backward()
-        for p in model.parameters():  # DDP's gradient all-reduce: the training collective
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
+        with training_errors(loader):  # a distributed error here: the library's, naming step, rank, phase
+            for batch in batches:
+                model(**batch).loss.backward()
+            for p in model.parameters():  # DDP's gradient all-reduce: the training collective
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
         opt.step()
         opt.zero_grad()
         steps += 1
@@ -162,7 +193,7 @@ def run_one(name, place, victim, sig):
         ok, value, seconds = got[r]
         stderr = open(os.path.join(outdir, f"stderr_{r}")).read() if os.path.exists(os.path.join(outdir, f"stderr_{r}")) else ""
         if ok:
-            how, msg = f"finished ({value} steps)", _first(stderr, "planning failed") or ""
+            how, msg = f"finished ({value} steps)", _first(stderr, "failed on rank(s)") or ""
         elif "exited with code" in str(value):
             how, msg = str(value).replace("process ", ""), _first(stderr, "hf_dp_balance")
         else:
@@ -209,10 +240,14 @@ def main(argv=None):
 
 
 def _write(path, table, command, only):
-    """The table under the marker of `path`; with `only` (names), those faults' rows replace theirs in the table."""
+    """The table under the marker of `path`; with `only` (names), those faults' rows replace theirs in the table.
+    The text after the old table (its reading) is kept."""
     marker = "<!-- table: bench/reliability.py -->"
     text = open(path).read() if os.path.exists(path) else marker
     head, _, old = text.partition(marker)
+    old_lines = old.strip().splitlines()
+    last_row = max((i for i, line in enumerate(old_lines) if line.startswith("|")), default=len(old_lines) - 1)
+    tail = "\n".join(old_lines[last_row + 1:]).strip()
     runs = f"`{command}`, timeout_s={TIMEOUT_S:g}, {WORLD} gloo ranks, fault at step {FAULT_STEP} (user step " \
            f"{100 + FAULT_STEP}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     if only is not None:
@@ -223,7 +258,7 @@ def _write(path, table, command, only):
         table = "\n".join(new[:2] + [line for line in kept if not line.startswith("| fault |")] + new[2:])
         runs = "\n".join(notes + [runs + " (rows of: " + "; ".join(only) + ")"])
     with open(path, "w") as f:
-        f.write(head + marker + "\n\n" + runs + "\n\n" + table + "\n")
+        f.write(head + marker + "\n\n" + runs + "\n\n" + table + "\n" + ("\n" + tail + "\n" if tail else ""))
 
 
 if __name__ == "__main__":

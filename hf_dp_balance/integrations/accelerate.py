@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 from typing import Any, List, Optional
 
 from hf_dp_balance.config import DPBalanceConfig
@@ -55,6 +56,24 @@ def _model_config(model, model_config):
         return model_config
     inner = getattr(model, "module", model)  # DDP / DeepSpeed wrappers
     return getattr(inner, "config", None)
+
+
+def _name_distributed_errors(owner, name: str, loader, step):
+    """Wrap `owner.name` (an instance attribute, until the returned undo): a torch.distributed error inside it
+    (a peer killed while this rank is in DDP's collectives) is raised as the library's error naming the
+    step (`step()`), the rank and the phase, chained from it (`runtime.watchdog.training_errors`; `loader()`:
+    the BalancedLoader iterated now). Anything else passes through untouched."""
+    from hf_dp_balance.runtime.watchdog import training_errors
+
+    call, own = getattr(owner, name), vars(owner).get(name)
+
+    @functools.wraps(call)  # keeps __wrapped__: accelerate's unwrap_model walks that chain of forward
+    def named(*args, **kwargs):
+        with training_errors(loader(), step=step):
+            return call(*args, **kwargs)
+
+    setattr(owner, name, named)
+    return (lambda: setattr(owner, name, own)) if own is not None else (lambda: vars(owner).pop(name, None))
 
 
 class DPBalancer:
@@ -106,6 +125,17 @@ class DPBalancer:
         self.step_stats: collections.deque = collections.deque(maxlen=_MAX_STATS)
         self._pending_stats: List[Any] = []
         self._closed = False
+        # The training collectives run in the user's calls: their distributed errors name step, rank and phase.
+        self._steps_trained = 0  # optimizer steps trained through the balanced loaders (all passes)
+        self._unwrap = [_name_distributed_errors(self.accelerator, "backward", self._current_loader, self._step)]
+        if model is not None:  # DDP's forward broadcasts buffers
+            self._unwrap.append(_name_distributed_errors(model, "forward", self._current_loader, self._step))
+
+    def _current_loader(self):
+        return self._loaders[-1][0] if self._loaders else None
+
+    def _step(self) -> int:
+        return self._steps_trained + 1  # the step in training, counted from 1 as Trainer's global_step + 1
 
     def _make_fitter(self, timing: str, decoder, vision) -> CostModelFitter:
         """The fitter; a model given here is used as is, `cost_model_path`'s is refitted."""
@@ -261,6 +291,7 @@ class DPBalancer:
         Runs on every data-parallel rank at the same step (main thread, between the user's steps), so the
         fitter's collectives are safe here. Without a model to hook, the step's packed rows tell what it computed.
         """
+        self._steps_trained += 1
         if seconds is None:
             return
         rec = self.recorder
@@ -307,6 +338,8 @@ class DPBalancer:
             for undo in reversed(restore):
                 undo()
         self._loaders = []
+        for undo in self._unwrap:
+            undo()
         self.recorder.remove()
         for group in self._groups:
             try:

@@ -31,6 +31,10 @@ Two ways in, both by `install_balanced_loader`:
   that takes the step from the balanced stream over Trainer's own epoch
   iterator, then calls Trainer's `_get_num_items_in_batch` on the packed
   rows. Resume (`skip_first_batches`), `set_epoch`, `len()` stay Trainer's.
+  The instance's `training_step` is wrapped too: a torch.distributed error in
+  it (a peer killed while this rank is in DDP's all-reduce) is raised as the
+  library's error naming the user's step, the rank and the phase
+  (`runtime.watchdog.training_errors`); so is one from the item count's all_gather.
   Call it after the train dataloader exists (from `on_train_begin` with a
   reference to the trainer, or by overriding `get_train_dataloader`).
 
@@ -48,6 +52,7 @@ from typing import Any, Callable, Optional
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.runtime.loader import BalancedLoader, list_collate
+from hf_dp_balance.runtime.watchdog import training_errors
 
 _INSTALLED_ATTR = "_hf_dp_balance_installation"
 _MISSING = object()  # "this attribute was not there before install"
@@ -68,6 +73,7 @@ class _Installation:
     collate_fn: Any                    # inner.collate_fn before install
     device: Any = _MISSING             # trainer mode: dataloader.device before install
     get_batch_samples: Any = _MISSING  # trainer mode: the instance's own get_batch_samples before install
+    training_step: Any = _MISSING      # trainer mode: the instance's own training_step before install
     base_dataloader: Any = _MISSING    # dataloader mode: the shard's inner loader before install
 
 
@@ -222,6 +228,8 @@ def install_balanced_loader(target, config: Optional[DPBalanceConfig] = None, *,
         # Bound to this installation, not looked up on the trainer: a stale patch can never reach a newer loader.
         trainer.get_batch_samples = types.MethodType(functools.partial(_balanced_get_batch_samples, loader=loader),
                                                      trainer)
+        record.training_step = vars(trainer).get("training_step", _MISSING)
+        trainer.training_step = _named_training_step(trainer, trainer.training_step, loader)
     else:
         record.base_dataloader = inner
         dataloader.base_dataloader = _BalancedBase(inner, loader)
@@ -240,7 +248,19 @@ def _balanced_get_batch_samples(self, epoch_iterator, num_batches: int, device, 
     if len(batches) > num_batches:
         raise RuntimeError(f"hf_dp_balance: the balanced stream produced {len(batches)} micro-batches for a step "
                            f"where Trainer expects {num_batches}; gradient_accumulation_steps changed?")
-    return batches, self._get_num_items_in_batch(batches, device)
+    with training_errors(loader, "num_items_in_batch all_gather (Trainer)", lambda: self.state.global_step + 1):
+        return batches, self._get_num_items_in_batch(batches, device)
+
+
+def _named_training_step(trainer, training_step: Callable, loader: BalancedLoader) -> Callable:
+    """`training_step` (bound) whose distributed errors name the user's step (`global_step + 1`: the step in
+    training), the rank and the phase; everything else passes through untouched."""
+    @functools.wraps(training_step)
+    def named(*args, **kwargs):
+        with training_errors(loader, step=lambda: trainer.state.global_step + 1):
+            return training_step(*args, **kwargs)
+
+    return named
 
 
 def uninstall_balanced_loader(target) -> None:
@@ -248,7 +268,7 @@ def uninstall_balanced_loader(target) -> None:
 
     Stops the exchange thread, then puts back exactly what install changed: the
     inner loader's collate, the shard's device (trainer mode) or inner loader
-    (dataloader mode), the instance's `get_batch_samples`, and removes the
+    (dataloader mode), the instance's `get_batch_samples` and `training_step`, and removes the
     installation record, so the next `install_balanced_loader` builds a fresh
     loader. The target is restored even when stopping the thread fails.
     """
@@ -264,10 +284,12 @@ def uninstall_balanced_loader(target) -> None:
         record.inner.collate_fn = record.collate_fn
         if record.device is not _MISSING:
             record.dataloader.device = record.device
-        if record.get_batch_samples is not _MISSING:
-            target.get_batch_samples = record.get_batch_samples
-        elif "get_batch_samples" in vars(target):
-            del target.get_batch_samples
+        for name in ("get_batch_samples", "training_step"):
+            before = getattr(record, name)
+            if before is not _MISSING:
+                setattr(target, name, before)
+            elif name in vars(target):
+                delattr(target, name)
 
 
 __all__ = ["install_balanced_loader", "installed_loader", "uninstall_balanced_loader"]

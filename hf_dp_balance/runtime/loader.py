@@ -23,8 +23,8 @@ from hf_dp_balance.core.steps import plan_hash, slot_loads, step_imbalance
 from hf_dp_balance.runtime.exchange import H_NUM_MICRO, SampleExchange
 from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, F_TOKENS, F_VISION, F_WIDTH, Prepared,
-                                             StepStats, StepWork, agree_plan, check_cap, collate_slots, cost_rows,
-                                             default_plan_fn, describe_samples, gather_step, list_collate,
+                                             StepStats, StepWork, agree_lookahead, agree_plan, check_cap, collate_slots,
+                                             cost_rows, default_plan_fn, describe_samples, gather_step, list_collate,
                                              pull_micro_batches, slot_members, validate_plan)
 from hf_dp_balance.runtime.step_stream import StepStream
 from hf_dp_balance.runtime.watchdog import Watchdog
@@ -342,7 +342,8 @@ class BalancedLoader:
 
         One gather for the window. When every rank holds the full window and
         balancing is on, `plan_lookahead` chooses each sample's step within the
-        window and `assign_slots` its start slot; then every step is planned and
+        window and `assign_slots` its start slot, agreed across ranks (`agree_lookahead`:
+        all fall back together or all raise); then every step is planned and
         exchanged as usual (samples move from the rank that holds them). Else
         (warm-up, the end of the data) the steps run one by one.
         """
@@ -376,16 +377,17 @@ class BalancedLoader:
             sel = steps == j
             largest = int(slot_loads(tokens[sel], holders[sel], micro[sel], world, ga).max())
             cap = max(cap, token_cap(tokens[sel], world * ga, self.config, largest))
+        kept, failure = (steps, holders, micro), None
         try:
             # DDP meets once per step: a rank (its GA micro-batches) is the unit an outlier must not share;
             # FSDP / ZeRO-3 meets every micro-batch: the unit is a slot.
             units, unit_cap = (world, cap * ga) if self.sync == "step" else (world * ga, cap)
             new_step = plan_lookahead(rows[:, F_COST], tokens, steps, units, window=k, max_tokens=unit_cap)
             slot = assign_slots(tokens, steps, new_step, micro * world + holders, world * ga, cap)
-            start_rank, start_micro, note = slot % world, slot // world, ""
-        except Exception as exc:  # invariant 4
-            logger.warning("hf_dp_balance: steps %d..%d: look-ahead failed, steps kept: %r", step0, step0 + k - 1, exc)
-            new_step, start_rank, start_micro, note = steps, holders, micro, f"look-ahead failed: {exc!r}; "
+            planned = (np.asarray(new_step, dtype=np.int64), slot % world, slot // world)
+        except Exception as exc:  # noqa: BLE001 - invariant 4: every rank falls back together (agree_lookahead)
+            planned, failure = kept, f"{type(exc).__name__}: {exc}"
+        new_step, start_rank, start_micro, note = agree_lookahead(ex, step0, k, kept, planned, failure)
         my_first = int(np.searchsorted(holders, ex.rank))
         for j in range(k):
             idx = np.flatnonzero(new_step == j)  # ascending global index: still rank-major by holder

@@ -218,38 +218,78 @@ def slot_samples(work: StepWork, members: Sequence[int], received: Dict[int, dic
     return [received[g] if work.holders[g] != rank else work.samples[g - offset] for g in members]
 
 
-def plan_digest(dest_rank: np.ndarray, dest_micro: np.ndarray) -> int:
-    """52 bits of a hash of (dest rank, dest micro-batch) as an int (exact in an int64 gather)."""
-    h = hashlib.sha1(np.ascontiguousarray(dest_rank, dtype=np.int64).tobytes())
-    h.update(np.ascontiguousarray(dest_micro, dtype=np.int64).tobytes())
+def plan_digest(*arrays: np.ndarray) -> int:
+    """52 bits of a hash of the plan's arrays (dest rank, dest micro-batch, ...) as an int (exact in an int64 gather)."""
+    h = hashlib.sha1()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
     return int(h.hexdigest()[:13], 16)
+
+
+def agree_digests(ex: SampleExchange, step: int, where: str, phase: str, digest: int,
+                  failure: Optional[str]) -> Dict[int, str]:
+    """{rank: message} of the ranks whose planner failed (equal on every rank; empty: every plan agreed).
+
+    One small gather of every rank's digest and failed flag (`SampleExchange.agree`). Digests that differ
+    while no planner failed raise `ExchangeError` on every rank, naming the ranks whose plan differs from
+    the majority's (a tie: rank 0's). `where` names the step(s) in the message ("step 7", "steps 7..9").
+    """
+    digests, failed = ex.agree(step, phase, digest, failure)
+    if failed:
+        return failed
+    values, counts = np.unique(digests, return_counts=True)
+    if values.size > 1:
+        top = np.flatnonzero(counts == counts.max())
+        reference = values[top[0]] if top.size == 1 else digests[0]  # a tie: rank 0's plan is the reference
+        odd = np.flatnonzero(digests != reference).tolist()
+        raise ExchangeError(f"hf_dp_balance, {where}, {phase}: the plan of rank(s) {odd} differs from "
+                            f"the other ranks' (digests {[f'{int(d):013x}' for d in digests]}; raised on rank "
+                            f"{ex.rank}); every rank plans from the same gathered numbers, so the planner or "
+                            f"its inputs differ on those ranks")
+    return {}
+
+
+def failure_detail(failed: Dict[int, str]) -> str:
+    return "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
 
 
 def agree_plan(ex: SampleExchange, work: StepWork, dest_rank: np.ndarray, dest_micro: np.ndarray,
                failure: Optional[str]):
     """Compare plans across ranks before anything moves: (dest_rank, dest_micro, fallback reason or None).
 
-    One small gather of every rank's plan digest and planner-failed flag. A planner that failed on any
-    rank makes every rank keep the start placement and log it (invariant 4); plans that differ (every
-    rank plans from the same gathered numbers, so a rank's planner or inputs are broken) raise
-    `ExchangeError` on every rank, naming the ranks whose plan differs from the others'.
+    `agree_digests` on the plan: a planner that failed on any rank makes every rank keep the start
+    placement and log it (invariant 4); plans that differ raise `ExchangeError` on every rank.
     """
-    digests, failed = ex.agree(work.step, "plan check", plan_digest(dest_rank, dest_micro), failure)
+    failed = agree_digests(ex, work.step, f"step {work.step}", "plan check", plan_digest(dest_rank, dest_micro),
+                           failure)
     if failed:
-        detail = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        detail = failure_detail(failed)
         logger.warning("hf_dp_balance: step %d: planning failed on rank(s) %s; every rank keeps its samples "
                        "this step: %s", work.step, sorted(failed), detail)
         return work.start_rank, work.start_micro, f"planner failed on rank(s) {sorted(failed)}: {detail}"
-    values, counts = np.unique(digests, return_counts=True)
-    if values.size > 1:
-        top = np.flatnonzero(counts == counts.max())
-        reference = values[top[0]] if top.size == 1 else digests[0]  # a tie: rank 0's plan is the reference
-        odd = np.flatnonzero(digests != reference).tolist()
-        raise ExchangeError(f"hf_dp_balance, step {work.step}, plan check: the plan of rank(s) {odd} differs from "
-                            f"the other ranks' (digests {[f'{int(d):013x}' for d in digests]}; raised on rank "
-                            f"{ex.rank}); every rank plans from the same gathered numbers, so the planner or "
-                            f"its inputs differ on those ranks")
     return dest_rank, dest_micro, None
+
+
+def agree_lookahead(ex: SampleExchange, step0: int, window: int, kept: Tuple[np.ndarray, ...],
+                    planned: Tuple[np.ndarray, ...], failure: Optional[str]):
+    """(new step, start rank, start micro-batch, note) of every window sample, agreed across ranks.
+
+    `planned`: this rank's look-ahead result, `kept`: the steps and slots as they came. `agree_digests` on
+    the look-ahead plan: when it failed on any rank (`failure`: this rank's message), every rank keeps the
+    steps as they came and logs which rank failed and why (invariant 4; `note` prefixes each step's
+    reason); look-ahead plans that differ raise `ExchangeError` on every rank, naming the odd ranks.
+    """
+    where = f"steps {step0}..{step0 + window - 1}"
+    if ex.world_size > 1:
+        failed = agree_digests(ex, step0, where, "look-ahead plan check", plan_digest(*planned), failure)
+    else:
+        failed = {ex.rank: failure} if failure is not None else {}
+    if failed:
+        detail = failure_detail(failed)
+        logger.warning("hf_dp_balance: %s: look-ahead failed on rank(s) %s; every rank keeps the steps as they "
+                       "came: %s", where, sorted(failed), detail)
+        return (*kept, f"look-ahead failed on rank(s) {sorted(failed)}: {detail}; ")
+    return (*planned, "")
 
 
 def check_cap(work: StepWork, cap: Optional[int], rank: int) -> None:
@@ -303,4 +343,4 @@ def collate_slots(ex: SampleExchange, collator: Callable, work: StepWork, by_slo
 __all__ = ["F_MICRO", "F_TOKENS", "F_VISION", "F_COST", "F_NBYTES", "F_STEP", "F_WIDTH", "FLAG_BALANCE",
            "MODEL_VERSION_SHIFT", "StepStats", "list_collate", "Prepared", "StepWork", "pull_micro_batches",
            "describe_samples", "cost_rows", "gather_step", "validate_plan", "default_plan_fn", "slot_members",
-           "slot_samples", "plan_digest", "agree_plan", "check_cap", "collate_slots"]
+           "slot_samples", "plan_digest", "agree_digests", "failure_detail", "agree_plan", "agree_lookahead", "check_cap", "collate_slots"]

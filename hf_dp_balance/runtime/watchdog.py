@@ -6,25 +6,33 @@ times out. The `Watchdog` runs a tiny all_reduce on its own gloo group every `he
 is open; when a round fails or times out (`timeout_s`), it waits `error_grace_s` for the main thread to
 take the library's error itself, then logs one message naming the step, the rank and the phase, and
 ends the process with exit code 1. Every rank leaves the rounds together: a closing rank says so in a
-round and every rank stops after that round. Details: docs/reliability.md.
+round and every rank stops after that round. `training_error` turns a distributed error raised by the
+training step itself (a killed peer: gloo's "Connection reset by peer") into the library's error naming
+the step, the rank and the phase. Details: docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import sys
 import threading
 import time
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
 
+from hf_dp_balance.runtime.exchange import ExchangeError
 from hf_dp_balance.runtime.logs import get_logger
 
 logger = get_logger(__name__)
 FATAL_EXIT_CODE = 1
+TRAINING_PHASE = "training step (DDP gradient all-reduce / forward-backward collective)"
+# Text by which a plain RuntimeError is known to come from a torch.distributed backend or its store.
+_BACKEND_MARKERS = ("gloo", "nccl", "NCCL", "ProcessGroup", "c10d", "TCPStore", "Connection reset by peer",
+                    "Connection closed by peer")
 
 
 def end_process(message: str) -> None:
@@ -55,12 +63,14 @@ class Watchdog:
         self.rank = dist.get_rank()
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         self._closing = threading.Event()
+        self._raised = threading.Event()  # the main thread raised the library's error itself (stand_down)
         self._thread: Optional[threading.Thread] = None
 
     def start(self, describe: Callable[[], Tuple[str, str]], taken: Callable[[], bool]) -> None:
         """Start the rounds (after `stop()` of the previous stream, if any)."""
         self.stop()
         self._closing.clear()
+        self._raised.clear()
         self._thread = threading.Thread(target=self._rounds, args=(describe, taken), name="hf_dp_balance-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -85,13 +95,17 @@ class Watchdog:
     def _fatal(self, describe: Callable[[], Tuple[str, str]], taken: Callable[[], bool], cause: str) -> None:
         deadline = time.monotonic() + self.error_grace_s
         while time.monotonic() < deadline:  # the main thread may still take our error and raise it itself
-            if taken() or self._closing.is_set():
+            if taken() or self._closing.is_set() or self._raised.is_set():
                 return
             time.sleep(0.05)
         where, detail = describe()
         self.on_fatal(f"hf_dp_balance: {where}, phase liveness check: a peer stopped answering within "
                       f"timeout_s={self.timeout_s:g}s while this rank trained (it would wait in the training "
                       f"collective until ddp_timeout); ending this process (cause: {cause}){detail}")
+
+    def stand_down(self) -> None:
+        """The main thread raises the library's error itself: a failed round ends nothing (one message)."""
+        self._raised.set()
 
     def stop(self) -> None:
         """Leave the rounds (every rank leaves after the next one); waits at most timeout_s + 2 s."""
@@ -110,4 +124,58 @@ class Watchdog:
             pass
 
 
-__all__ = ["Watchdog", "end_process", "FATAL_EXIT_CODE"]
+def is_distributed_error(exc: BaseException) -> bool:
+    """Whether `exc` is a torch.distributed failure: a `DistError` (or subclass), or a RuntimeError whose
+    text comes from gloo / NCCL / the store. The library's own errors (they say "hf_dp_balance") are not."""
+    text = str(exc)
+    if isinstance(exc, ExchangeError) or "hf_dp_balance" in text.split("\n", 1)[0]:
+        return False
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _BACKEND_MARKERS)
+
+
+def training_error(loader: Any, exc: BaseException, phase: str = TRAINING_PHASE,
+                   step: Optional[int] = None) -> Optional[ExchangeError]:
+    """The library's error for `exc`, raised by a training collective on this rank; None when `exc` is not a
+    distributed failure (or there is no `BalancedLoader`): then the caller re-raises it untouched.
+
+    Names the step (`step`, else the loader's stream: the step in training), the rank, `phase`, and the ranks
+    that left a failure note in the store (at most 2 s; a killed rank leaves none). Tells the loader's
+    watchdog to stand down: the caller raises this error (chained from `exc`), the only message.
+    """
+    if loader is None or not is_distributed_error(exc):
+        return None
+    exchange = loader.exchange
+    stream = getattr(loader, "_active", None)
+    if step is not None or stream is None:
+        where = f"step {step if step is not None else '?'}, rank {exchange.rank}"
+    else:
+        where = stream.describe()[0]
+    watchdog = getattr(loader, "_watchdog", None)
+    if watchdog is not None:
+        watchdog.stand_down()
+    failed = exchange.reported_failures()
+    who = (" (ranks that reported a failure: " + ", ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+           + ")") if failed else ""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return ExchangeError(f"hf_dp_balance: {where}, phase {phase}: a peer died or failed{who}: "
+                         f"{type(exc).__name__}: {first}")
+
+
+@contextlib.contextmanager
+def training_errors(loader: Any, phase: str = TRAINING_PHASE, step: Optional[Callable[[], int]] = None) -> Iterator[None]:
+    """Run a training step's collectives: a distributed error inside comes out as `training_error`'s,
+    chained `from` the original; any other exception passes through untouched. `step()`: the user's step."""
+    try:
+        yield
+    except Exception as exc:
+        error = training_error(loader, exc, phase, step() if step is not None else None)
+        if error is None:
+            raise
+        raise error from exc
+
+
+__all__ = ["Watchdog", "end_process", "FATAL_EXIT_CODE", "TRAINING_PHASE", "is_distributed_error",
+           "training_error", "training_errors"]

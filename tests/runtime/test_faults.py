@@ -72,6 +72,26 @@ def _ids(samples):
     return {"ids": [s["sample_id"] for s in samples]}
 
 
+def _consume(loader):
+    """(per step: (ids per micro-batch, reason), the RuntimeError's message or None, seconds since the last step)."""
+    steps, t0 = [], time.monotonic()
+    try:
+        for batches in loader.iter_steps():
+            steps.append(([b["ids"] for b in batches], loader.pop_stats()[0].reason))
+            t0 = time.monotonic()
+        return steps, None, 0.0
+    except RuntimeError as exc:
+        return steps, str(exc), time.monotonic() - t0
+
+
+def _results(fn):
+    """What `fn` returned on each of 2 ranks (both must return)."""
+    got = run_ranks_until(fn, 2, ranks=[0, 1], timeout=150)
+    for rank in (0, 1):
+        assert got[rank][0], got[rank][1]
+    return [got[rank][1] for rank in (0, 1)]
+
+
 class _Planner:
     """The real planner, but on `rank` at `step` (counted in planner calls) it raises or returns another plan."""
 
@@ -101,14 +121,7 @@ def _loader_faults(rank, world):
         nonlocal ex
         loader = BalancedLoader(samples, cfg, gradient_accumulation_steps=ga, collator=collator, features_fn=_features,
                                 cost_model=model, plan_fn=plan_fn, exchange=ex, id_key="sample_id")
-        ex, steps, t0 = loader.exchange, [], time.monotonic()
-        try:
-            for batches in loader.iter_steps():
-                steps.append(([b["ids"] for b in batches], loader.pop_stats()[0].reason))
-                t0 = time.monotonic()
-            out[name] = (steps, None, 0.0)
-        except RuntimeError as exc:
-            out[name] = (steps, str(exc), time.monotonic() - t0)
+        ex, out[name] = loader.exchange, _consume(loader)
 
     run("cap", _text_samples(rank, 5, ga, long_at=(2, 1)), cfg.replace(max_tokens=500))
 
@@ -126,12 +139,7 @@ def _loader_faults(rank, world):
 def test_loader_faults_reach_every_rank_before_the_step_trains():
     import torch.distributed  # noqa: F401 - _Planner reads the rank
 
-    got = run_ranks_until(_loader_faults, 2, ranks=[0, 1], timeout=150)
-    results = []
-    for rank in (0, 1):
-        ok, value, _ = got[rank]
-        assert ok, value
-        results.append(value)
+    results = _results(_loader_faults)
     for rank, out in enumerate(results):
         # item 2: a sample over the hard cap on its own: every rank raises at that step, before it trains
         steps, msg, elapsed = out["cap"]
@@ -152,6 +160,61 @@ def test_loader_faults_reach_every_rank_before_the_step_trains():
     for name in ("planner raises",):  # exactly once across the ranks, whatever step 2 did
         trained = sorted(i for out in results for ids, _ in out[name][0] for mb in ids for i in mb)
         assert trained == sorted(1000 * r + 10 * i + k for r in (0, 1) for i in range(10) for k in (0, 1))
+
+
+# ------------------------------------------------------------------ item 4 with look-ahead: the window's plan is agreed
+
+class _Lookahead:
+    """The real look-ahead planner, but on `rank` at its `call`-th call it raises or returns another plan."""
+
+    def __init__(self, real, rank, call, mode):
+        self.real, self.rank, self.call, self.mode, self.calls = real, rank, call, mode, 0
+
+    def __call__(self, costs, tokens, steps, num_ranks, *, window, **kw):
+        new_step, self.calls = self.real(costs, tokens, steps, num_ranks, window=window, **kw), self.calls + 1
+        if self.calls - 1 == self.call and torch.distributed.get_rank() == self.rank:
+            if self.mode == "raise":
+                raise RuntimeError("look-ahead exploded")
+            return (np.asarray(new_step) + 1) % window  # a window plan no other rank computed
+        return new_step
+
+
+def _lookahead_faults(rank, world):
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core import lookahead
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.runtime.loader import BalancedLoader
+
+    cfg = DPBalanceConfig(timeout_s=20, prefetch_steps=2, min_gain=0.0, lookahead_steps=3)
+    real, ex, out = lookahead.plan_lookahead, None, {}
+    for name, mode in (("look-ahead raises", "raise"), ("look-ahead differs", "differ")):
+        lookahead.plan_lookahead = _Lookahead(real, 1, 0, mode)  # rank 1, the first window (steps 0..2)
+        loader = BalancedLoader(_text_samples(rank, 6, 2), cfg, gradient_accumulation_steps=2, collator=_ids,
+                                features_fn=_features, cost_model=CostModel(1.0, 1.0), exchange=ex, id_key="sample_id")
+        try:
+            ex, out[name] = loader.exchange, _consume(loader)
+        finally:
+            lookahead.plan_lookahead = real
+    return out
+
+
+def test_a_lookahead_failure_or_differing_window_plan_is_agreed_by_every_rank():
+    import torch.distributed  # noqa: F401 - _Lookahead reads the rank
+
+    results = _results(_lookahead_faults)
+    for out in results:
+        # the look-ahead raises on rank 1 in the first window: every rank keeps that window's steps as they came
+        steps, msg, _ = out["look-ahead raises"]
+        assert msg is None and len(steps) == 6, out["look-ahead raises"]
+        for j, (_, reason) in enumerate(steps):
+            failed = "look-ahead failed on rank(s) [1]: rank 1: RuntimeError: look-ahead exploded" in reason
+            assert failed == (j < 3), (j, reason)  # the second window is planned again
+        # a window plan that differs on rank 1: every rank raises before the window trains, naming rank 1
+        steps, msg, elapsed = out["look-ahead differs"]
+        assert steps == [] and msg is not None and elapsed < 5.0, out["look-ahead differs"]
+        assert "steps 0..2, look-ahead plan check: the plan of rank(s) [1] differs" in msg, msg
+    trained = sorted(i for out in results for ids, _ in out["look-ahead raises"][0] for mb in ids for i in mb)
+    assert trained == sorted(1000 * r + 10 * i + k for r in (0, 1) for i in range(12) for k in (0, 1))  # exactly once
 
 
 # ------------------------------------------------------------------ item 5: the vision path
