@@ -184,7 +184,7 @@ def step_max_likelihood(params: np.ndarray, x: np.ndarray, log_y: np.ndarray, pe
 
     theta, log_sigma = params[:N_FEATURES], float(params[N_FEATURES])
     sigma = math.exp(log_sigma)
-    c = np.maximum(x @ theta, 1e-300)  # an empty rank with no constant: never the slowest
+    c = np.maximum(x @ theta, 1e-12 * np.exp(log_y)[:, None])  # a rank of ~no cost: never the slowest
     z = (log_y[:, None] - np.log(c)) / sigma
     log_cdf = log_ndtr(z)
     log_mills = -0.5 * z * z - _LOG_SQRT_2PI - log_cdf  # log(phi / Phi)

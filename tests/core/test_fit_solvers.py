@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hf_dp_balance.core.cost import CostModel, features_of
@@ -83,13 +83,16 @@ def test_the_old_soft_max_fit_stays_available_and_reads_the_noise_as_cost():
     assert abs(np.median(over[True])) < 0.02, over
 
 
-@settings(max_examples=12, deadline=None)
-@given(shares=st.lists(st.floats(0.05, 1.0), min_size=4, max_size=4), ranks=st.sampled_from([4, 16, 64]),
-       seed=st.integers(0, 2**16))
-def test_noise_free_step_times_give_back_the_truth(shares, ranks, seed):
-    """Zero noise: the fitted noise goes to its floor and the coefficients are the truth's."""
+@settings(max_examples=10, deadline=None)
+@given(dense=st.lists(st.floats(0.3, 1.0), min_size=2, max_size=2),
+       overhead=st.lists(st.floats(0.02, 0.3), min_size=2, max_size=2),
+       ranks=st.sampled_from([4, 16, 64]), seed=st.integers(0, 2**16))
+def test_noise_free_step_times_give_back_the_truth(dense, overhead, ranks, seed):
+    """Zero noise: the fitted noise goes to its floor and the coefficients are the truth's, wherever the
+    slowest ranks determine them (their feature rows span all four terms). 48 steps: with 12, one draw in
+    8 leaves the soft-max start (old and new fit alike) in a local optimum that fits every step within 1%."""
     rng = np.random.default_rng(seed)
-    steps = 12
+    steps = 48
     feats = np.zeros((steps, ranks, 4))
     for s in range(steps):
         for r in range(ranks):  # packs of 512..8192 tokens in 1..32 uneven samples: every term varies
@@ -97,9 +100,11 @@ def test_noise_free_step_times_give_back_the_truth(shares, ranks, seed):
             tokens = int(rng.integers(512, 8193))
             feats[s, r] = features_of(np.maximum(np.round(rng.dirichlet(np.ones(n)) * tokens), 1))
     typical = feats.reshape(-1, 4).mean(axis=0)
-    truth = CostModel(*(np.asarray(shares) / typical))  # each term's share of a typical rank's cost
-    times = truth.predict(feats).max(axis=1)
-    fit = fit_cost_model(feats, times, mode="step_max", holdout=0)
-    assert fit.report.step_noise == pytest.approx(1e-4, rel=0.5)
-    np.testing.assert_allclose(fit.model.step_time(feats), times, rtol=2e-3)
-    np.testing.assert_allclose(fit.model.coefficients, truth.coefficients, rtol=0.02)
+    truth = CostModel(*(np.asarray(dense + overhead) / typical))  # each term's share of a typical rank's cost
+    costs = truth.predict(feats)
+    slowest = feats[np.arange(steps), costs.argmax(axis=1)] / typical
+    assume(np.linalg.cond(slowest) < 1e3)  # else no fit could tell the terms apart from the slowest ranks
+    fit = fit_cost_model(feats, costs.max(axis=1), mode="step_max", holdout=0)
+    assert fit.report.step_noise < 2e-3
+    np.testing.assert_allclose(fit.model.step_time(feats), costs.max(axis=1), rtol=2e-3)
+    np.testing.assert_allclose(fit.model.coefficients, truth.coefficients, rtol=0.01)
