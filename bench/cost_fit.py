@@ -247,12 +247,12 @@ def compare(title: str, timed: Timed, fit_packs: int, train_packs: int, warmup_s
     results = {}
     print(f"\n{title}: fitted on {fit_packs} packs, evaluated on {len(test_idx)} held-out packs "
           f"and 500 simulated {RANKS}-rank steps drawn from them")
-    print(f"  {'model':34s} {'pack MAPE':>10s} {'pack max APE':>13s} {'step MAPE':>10s}")
+    print(f"  {'model':36s} {'pack MAPE':>10s} {'pack max APE':>13s} {'step MAPE':>10s}")
     for label, pred in predictions.items():
         pack_err = np.abs(pred[test_idx] - t[test_idx]) / t[test_idx]
         step_err = mape(pred[test_steps].max(axis=1), true_step)
         results[label] = {"pack_mape": float(pack_err.mean()), "pack_max_ape": float(pack_err.max()), "step_mape": step_err}
-        print(f"  {label:34s} {100 * pack_err.mean():9.2f}% {100 * pack_err.max():12.2f}% {100 * step_err:9.2f}%")
+        print(f"  {label:36s} {100 * pack_err.mean():9.2f}% {100 * pack_err.max():12.2f}% {100 * step_err:9.2f}%")
 
     # step-max fit: only the slowest of RANKS ranks observed per step
     reference = fit_cost_model(f[:, None, :], t[:, None], mode="per_rank", holdout=0).model
@@ -269,7 +269,7 @@ def compare(title: str, timed: Timed, fit_packs: int, train_packs: int, warmup_s
             single_errors.append(mape(fit.model.sample_costs(singles), reference.sample_costs(singles)))
         label = f"ours (step-max {'new' if noise else 'old'}{' + prior' if with_prior else ''}, {warmup_steps} st.)"
         results[label] = {"step_mape": float(np.median(step_max_errors)), "single_mape": float(np.median(single_errors))}
-        print(f"  {label:34s} {'-':>10s} {'-':>13s} {100 * np.median(step_max_errors):9.2f}%  (median of {draws} draws;"
+        print(f"  {label:36s} {'-':>10s} {'-':>13s} {100 * np.median(step_max_errors):9.2f}%  (median of {draws} draws;"
               f" single sample vs the all-pack fit {100 * np.median(single_errors):.1f}%)")
     for label, model in fitted.items():
         print(f"  {label}: single-sample cost vs the per-rank fit on all packs {100 * results[label]['single_mape']:.2f}%")
