@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fit_solvers import expected_step_max, step_max_likelihood
 from hf_dp_balance.core.fitting import fit_cost_model
+from tests.core.test_prior import _fixed_length_steps  # Qwen2-7B's prior, attention 30% slower; fixed-length packs
 
 
 def test_likelihood_gradient_matches_finite_differences():
@@ -32,27 +33,6 @@ def test_expected_step_max_matches_monte_carlo():
     # the bias the noise-aware fit removes: the slowest of 128 equal ranks at 3% noise is ~+8% slow
     assert 0.07 < expected_step_max(np.ones((1, 128)), 0.03)[0] - 1 < 0.09
     np.testing.assert_array_equal(expected_step_max(costs, 0.0), costs.max(axis=1))
-
-
-def _fixed_length_steps(seed, steps, ranks, pack=8192, noise=0.03):
-    """Qwen2-7B's FLOP prior at 400 TFLOP/s with attention 30% slower, a per-sample and a per-step cost;
-    fixed-length packs of lognormal samples (sum L equal on every rank); lognormal rank noise."""
-    from transformers import Qwen2Config
-
-    rng = np.random.default_rng(seed)
-    prior = CostModel.from_config(Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                                              num_key_value_heads=4, intermediate_size=18944, vocab_size=152064))
-    lin = prior.linear / 400.0  # TFLOPs -> s at 400 TFLOP/s
-    truth = CostModel(prior.quadratic / 400.0 * 1.3, lin, 0.001 * lin * pack, 0.05 * lin * pack)
-    packs = []
-    for _ in range(steps * ranks):
-        lengths, left = [], pack
-        while left > 0:
-            lengths.append(int(min(left, max(16, rng.lognormal(np.log(300), 0.9)))))
-            left -= lengths[-1]
-        packs.append(lengths)
-    feats = np.stack([features_of(p) for p in packs]).reshape(steps, ranks, 4)
-    return prior, truth, feats, truth.predict(feats) * rng.lognormal(0.0, noise, size=(steps, ranks))
 
 
 def test_at_128_ranks_a_single_sample_s_cost_comes_from_step_times_alone():
