@@ -12,9 +12,8 @@ coefficients >= 0 and the inlier mask. The method: docs/cost_model.md.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import math
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -178,7 +177,7 @@ def step_max_likelihood(params: np.ndarray, x: np.ndarray, log_y: np.ndarray, pe
     sum_r phi(z_sr) / sigma * prod_{j != r} Phi(z_sj): one rank is the slowest, all others finish at or
     before it (so every rank, not only the slowest, informs the fit). params = (theta [4], log sigma).
     The prior's rows add ||penalty @ theta||^2 / (2 penalty_scale^2): relative residuals of that scale,
-    as in the least-squares fits. Pure numpy; stable in log space (log_ndtr) for any z.
+    as in the least-squares fits. numpy / scipy; stable in log space (log_ndtr) for any z.
     """
     from scipy.special import log_ndtr
 

@@ -126,8 +126,9 @@ def _validate(features, times) -> Tuple[np.ndarray, np.ndarray]:
 # relative residual of PRIOR_STRENGTH * d on every observation (measured: bench/cost_fit.py).
 PRIOR_STRENGTH = 0.03
 # The same for the noise-aware step-max fit: its likelihood reads every rank of a step (each finished at
-# or before the slowest), so it holds the data more tightly than one residual per step; measured on
-# bench/cost_fit_synthetic.py's grid, 0.1 beats 0.03 and 0.3 there (docs/benchmarks/cost_fit.md).
+# or before the slowest), so it holds the data more tightly than one residual per step. Measured on
+# bench/cost_fit_synthetic.py's grid against 0.03 and 0.3: the narrowest spread at 128 ranks
+# (docs/benchmarks/cost_fit.md, run 5).
 STEP_MAX_PRIOR_STRENGTH = 0.1
 
 
