@@ -7,19 +7,14 @@ Qwen2-VL vision tower called directly with pixel rows and grid_thw, on sets of
 images of 64..4096 patches. Compute of a pack = its thread CPU time
 (`time.thread_time()`), robust to the other processes sharing the cores.
 
-First, synthetic step times with known coefficients (bench/cost_fit_synthetic.py: fixed-length packs,
-8-128 ranks, 8-16 warm-up steps, 3% noise): per-rank, step-max and prior-regularised fits, held-out
-MAPE of pack cost, step and single-sample cost; and the per-rank fit on warm-up steps balanced by the
-prior vs as dealt. Then the real CPU timings below, with the fits around `CostModel.from_config`.
-
-Every pack is one "rank" observation. Compared on held-out packs:
+First, synthetic step times with known coefficients (bench/cost_fit_synthetic.py). Then real CPU timings,
+with fits around `CostModel.from_config` too. Every pack is one "rank" observation. On held-out packs:
   ours       CostModel fitted per rank from the first --fit-packs packs
   tokens     time = k * tokens (fixed-length packing's assumption), k fitted
   rebalance  transformers' BatchRebalanceSampler cost bs*max_len + 0.001*bs*max_len^2, scale fitted
-and the step time of simulated steps (8 ranks drawn from the held-out packs,
-step time = slowest rank), including the step-max fit (only the step time is
-observed) from W warm-up steps drawn from the training packs. The warm-up
-table gives step-time MAPE against the number of warm-up steps for both modes.
+and the step time of simulated steps (8 ranks drawn from the held-out packs, step time = slowest rank),
+with the step-max fits (old soft-max, new noise-aware; only the step time observed) from W warm-up
+steps drawn from the training packs; the warm-up table: step-time MAPE against the warm-up steps.
 
     python bench/cost_fit.py          # reduced: hidden 256, 2 layers, packs of 2K-4K tokens; ViT 128 wide, depth 2
     python bench/cost_fit.py --full   # the issue's sizes: hidden 256, 4 layers, packs of 4K-8K tokens; ViT depth 4
@@ -40,6 +35,7 @@ import numpy as np
 import torch
 
 import cost_fit_synthetic  # bench/ (run as a script: its folder is on sys.path)
+from cost_fit_synthetic import predicted_steps
 from hf_dp_balance.runtime.attention import register_varlen_attention
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model
@@ -251,29 +247,29 @@ def compare(title: str, timed: Timed, fit_packs: int, train_packs: int, warmup_s
     results = {}
     print(f"\n{title}: fitted on {fit_packs} packs, evaluated on {len(test_idx)} held-out packs "
           f"and 500 simulated {RANKS}-rank steps drawn from them")
-    print(f"  {'model':34s} {'pack MAPE':>10s} {'pack max APE':>13s} {'step MAPE':>10s}")
+    print(f"  {'model':36s} {'pack MAPE':>10s} {'pack max APE':>13s} {'step MAPE':>10s}")
     for label, pred in predictions.items():
         pack_err = np.abs(pred[test_idx] - t[test_idx]) / t[test_idx]
         step_err = mape(pred[test_steps].max(axis=1), true_step)
         results[label] = {"pack_mape": float(pack_err.mean()), "pack_max_ape": float(pack_err.max()), "step_mape": step_err}
-        print(f"  {label:34s} {100 * pack_err.mean():9.2f}% {100 * pack_err.max():12.2f}% {100 * step_err:9.2f}%")
+        print(f"  {label:36s} {100 * pack_err.mean():9.2f}% {100 * pack_err.max():12.2f}% {100 * step_err:9.2f}%")
 
     # step-max fit: only the slowest of RANKS ranks observed per step
     reference = fit_cost_model(f[:, None, :], t[:, None], mode="per_rank", holdout=0).model
     singles = np.concatenate([np.asarray(p, float) for p in timed.packs])
     for label, model in fitted.items():
         results[label]["single_mape"] = mape(model.sample_costs(singles), reference.sample_costs(singles))
-    for with_prior in ((False, True) if prior is not None else (False,)):
+    for noise, with_prior in [(n, p) for n in (False, True) for p in ((False, True) if prior is not None else (False,))]:
         step_max_errors, single_errors = [], []
         for d in range(draws):
             idx = train_idx[draw_steps(np.random.default_rng(seed + 1 + d), train_idx, warmup_steps)]
-            model = fit_cost_model(f[idx], t[idx].max(axis=1), mode="step_max", holdout=0,
-                                   prior=prior if with_prior else None).model
-            step_max_errors.append(mape(model.step_time(f[test_steps]), true_step))
-            single_errors.append(mape(model.sample_costs(singles), reference.sample_costs(singles)))
-        label = f"ours (step-max fit{' + prior' if with_prior else ''}, {warmup_steps} steps)"
+            fit = fit_cost_model(f[idx], t[idx].max(axis=1), mode="step_max", holdout=0, step_noise=noise,
+                                 prior=prior if with_prior else None)
+            step_max_errors.append(mape(predicted_steps(fit.model, fit.report.step_noise, f[test_steps]), true_step))
+            single_errors.append(mape(fit.model.sample_costs(singles), reference.sample_costs(singles)))
+        label = f"ours (step-max {'new' if noise else 'old'}{' + prior' if with_prior else ''}, {warmup_steps} st.)"
         results[label] = {"step_mape": float(np.median(step_max_errors)), "single_mape": float(np.median(single_errors))}
-        print(f"  {label:34s} {'-':>10s} {'-':>13s} {100 * np.median(step_max_errors):9.2f}%  (median of {draws} draws;"
+        print(f"  {label:36s} {'-':>10s} {'-':>13s} {100 * np.median(step_max_errors):9.2f}%  (median of {draws} draws;"
               f" single sample vs the all-pack fit {100 * np.median(single_errors):.1f}%)")
     for label, model in fitted.items():
         print(f"  {label}: single-sample cost vs the per-rank fit on all packs {100 * results[label]['single_mape']:.2f}%")
@@ -285,30 +281,32 @@ def compare(title: str, timed: Timed, fit_packs: int, train_packs: int, warmup_s
 
 
 def warmup_table(title: str, timed: Timed, train_packs: int, draws: int, seed: int, steps_list=(1, 2, 4, 8, 16, 32)) -> dict:
-    """Step-time MAPE against warm-up steps: per-rank (RANKS observations per step) vs step-max (one)."""
+    """Step-time MAPE against warm-up steps: per-rank (RANKS observations per step) vs step-max (one; old
+    soft-max fit and the new noise-aware one)."""
     f, t = timed.features, timed.times
     train_idx, test_idx = np.arange(train_packs), np.arange(train_packs, len(t))
     test_steps = test_idx[draw_steps(np.random.default_rng(seed), test_idx, 500)]
     true_step = t[test_steps].max(axis=1)
     print(f"\n{title}: step-time MAPE vs warm-up steps ({RANKS} ranks; median of {draws} draws from {train_packs} training packs)")
-    print(f"  {'warm-up steps':>13s} {'per-rank':>9s} {'step-max':>9s}")
+    columns = {"per_rank": ("per_rank", False), "step_max_old": ("step_max", False), "step_max": ("step_max", True)}
+    print(f"  {'warm-up steps':>13s} {'per-rank':>9s} {'step-max old':>12s} {'step-max new':>12s}")
     table = {}
     for steps in steps_list:
         row = {}
-        for mode in ("per_rank", "step_max"):
+        for column, (mode, noise) in columns.items():
             if (steps * (RANKS if mode == "per_rank" else 1)) < 4:
-                row[mode] = float("nan")
+                row[column] = float("nan")
                 continue
             errors = []
             for d in range(draws):
                 idx = train_idx[draw_steps(np.random.default_rng(seed + 100 * steps + d), train_idx, steps)]
                 times = t[idx] if mode == "per_rank" else t[idx].max(axis=1)
-                model = fit_cost_model(f[idx], times, mode=mode, holdout=0).model
-                errors.append(mape(model.step_time(f[test_steps]), true_step))
-            row[mode] = float(np.median(errors))
+                fit = fit_cost_model(f[idx], times, mode=mode, holdout=0, step_noise=noise)
+                errors.append(mape(predicted_steps(fit.model, fit.report.step_noise, f[test_steps]), true_step))
+            row[column] = float(np.median(errors))
         table[steps] = row
-        cells = ["      n/a" if math.isnan(row[m]) else f"{100 * row[m]:8.2f}%" for m in ("per_rank", "step_max")]
-        print(f"  {steps:13d} {cells[0]} {cells[1]}")
+        cells = ["n/a" if math.isnan(row[m]) else f"{100 * row[m]:.2f}%" for m in columns]
+        print(f"  {steps:13d} {cells[0]:>9s} {cells[1]:>12s} {cells[2]:>12s}")
     return table
 
 

@@ -5,9 +5,11 @@ them), sample lengths lognormal (median 300, sigma 0.9, WORKLOAD_STATS.md's text
 noise on each rank's time. The truth is a FLOP prior (`CostModel.from_config`, a Qwen2-7B decoder) in
 seconds at a fixed throughput, plus a per-sample and a per-step constant, with the attention term's
 efficiency off the prior's by `--attention-off` (real kernels never run attention at the GEMMs' rate).
-Fits compared: per-rank, step-max, and both around the prior (`prior=`), on warm-up steps; held-out
-MAPE of pack cost (per rank), of the step (slowest rank), and of a single sample's cost over lengths
-drawn from the same mix. Imported by bench/cost_fit.py (one run: synthetic and real timings).
+Fits compared: per-rank, step-max, and both around the prior (`prior=`), on warm-up steps; step-max
+both as the soft-max fit of the step time to the slowest rank's cost (`step_noise=False`, "old") and
+as the noise-aware maximum-likelihood fit (the default, "new"); held-out MAPE of pack cost (per rank),
+of the step (slowest rank; the new fit predicts E[max] under its fitted noise), and of a single
+sample's cost over lengths drawn from the same mix. Imported by bench/cost_fit.py (one run: synthetic and real timings).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.cost import CostModel, features_of
+from hf_dp_balance.core.fit_solvers import expected_step_max
 from hf_dp_balance.core.fitting import fit_cost_model
 
 THROUGHPUT = 400e12  # FLOP/s of the synthetic accelerator (only ratios matter)
@@ -60,14 +63,24 @@ def _mape(pred, true) -> float:
     return float(np.mean(np.abs(np.asarray(pred) - true) / true))
 
 
-def fits(prior: CostModel, feats, times, strength: float) -> dict:
+FITS = {  # column: (mode, step_noise, with the prior)
+    "per_rank": ("per_rank", False, False),
+    "per_rank + prior": ("per_rank", False, True),
+    "step_max old": ("step_max", False, False),
+    "step_max old + prior": ("step_max", False, True),
+    "step_max new": ("step_max", True, False),
+    "step_max new + prior": ("step_max", True, True),
+}
+
+
+def fits(prior: CostModel, feats, times, strength) -> dict:
+    """name -> (model, rank noise sigma or None) for every fit of FITS; `strength` None: the fit's default."""
     out = {}
-    for mode in ("per_rank", "step_max"):
+    for name, (mode, noise, with_prior) in FITS.items():
         y = times if mode == "per_rank" else times.max(axis=1)
-        out[mode] = fit_cost_model(feats, y, mode=mode, holdout=0).model
-        out[f"{mode} + prior"] = fit_cost_model(feats, y, mode=mode, holdout=0, prior=prior,
-                                                prior_strength=strength).model
-    out["prior alone (scaled)"] = None
+        result = fit_cost_model(feats, y, mode=mode, holdout=0, step_noise=noise, prior=prior if with_prior else None,
+                                prior_strength=strength)
+        out[name] = (result.model, result.report.step_noise)
     return out
 
 
@@ -78,21 +91,26 @@ def scaled_prior(prior: CostModel, feats, times) -> CostModel:
     return CostModel(*(prior.coefficients * k))
 
 
-def evaluate(truth: CostModel, model: CostModel, test_feats, test_times, singles) -> dict:
+def predicted_steps(model: CostModel, sigma, features) -> np.ndarray:
+    """Step times a fit predicts: the slowest rank's cost, or E[max] under its fitted rank noise sigma."""
+    return model.step_time(features) if sigma is None else expected_step_max(model.predict(features), sigma)
+
+
+def evaluate(truth: CostModel, model: CostModel, sigma, test_feats, test_times, singles) -> dict:
+    """Held-out MAPE of pack, step (E[max] under the fitted rank noise sigma when there is one), single
+    sample, and single sample after one best common scale."""
     pred = model.predict(test_feats)
     mine, true = model.sample_costs(singles), truth.sample_costs(singles)
     k = float(np.sum(mine / true) / np.sum((mine / true) ** 2))  # best common scale: what placement sees
     return {"pack": _mape(pred.ravel(), test_times.ravel()),
-            "step": _mape(pred.max(axis=1), test_times.max(axis=1)),
+            "step": _mape(predicted_steps(model, sigma, test_feats), test_times.max(axis=1)),
             "single": _mape(mine, true), "shape": _mape(k * mine, true)}
 
 
 def run(ranks_list=(8, 32, 128), warmup_list=(8, 16), draws: int = 5, pack: int = 8192, noise: float = 0.03,
         attention_off=(0.0, 0.5), strength=None, seed: int = 0) -> dict:
-    """Median over `draws` of each fit's held-out errors, per (attention_off, ranks, warm-up steps)."""
-    from hf_dp_balance.core.fitting import PRIOR_STRENGTH
-
-    strength = PRIOR_STRENGTH if strength is None else strength
+    """Median over `draws` of each fit's held-out errors, per (attention_off, ranks, warm-up steps);
+    `strength` None: each fit's default prior strength."""
     prior = qwen2_7b_prior()
     results = {}
     for off in attention_off:
@@ -106,9 +124,10 @@ def run(ranks_list=(8, 32, 128), warmup_list=(8, 16), draws: int = 5, pack: int 
                     test_feats, test_times = simulate(rng, truth, 20, ranks, pack, noise)
                     singles = np.concatenate(fixed_length_packs(rng, 20, pack))
                     models = fits(prior, feats, times, strength)
-                    models["prior alone (scaled)"] = scaled_prior(prior, feats, times)
-                    for name, model in models.items():
-                        cells.setdefault(name, []).append(evaluate(truth, model, test_feats, test_times, singles))
+                    models["prior alone (scaled)"] = (scaled_prior(prior, feats, times), None)
+                    for name, (model, sigma) in models.items():
+                        cells.setdefault(name, []).append(
+                            evaluate(truth, model, sigma, test_feats, test_times, singles))
                 results[(off, ranks, warmup)] = {
                     name: {k: float(np.median([c[k] for c in rows])) for k in ("pack", "step", "single", "shape")}
                     for name, rows in cells.items()}
@@ -170,11 +189,25 @@ def print_table(results: dict) -> None:
     print("\nSynthetic step times, known coefficients (Qwen2-7B FLOPs prior; fixed-length packs of 8192; 3% noise);"
           " held-out MAPE pack / step / single sample / single sample up to one common scale, median of draws")
     names = list(next(iter(results.values())))
-    print(f"  {'attn off':>8s} {'ranks':>5s} {'warm-up':>7s} " + " ".join(f"{n:>29s}" for n in names))
+    print(f"  {'attn off':>8s} {'ranks':>5s} {'warm-up':>7s} " + " ".join(f"{n:>22s}" for n in names))
     for (off, ranks, warmup), row in results.items():
-        cells = " ".join(f"{100 * row[n]['pack']:5.1f}/{100 * row[n]['step']:4.1f}/{100 * row[n]['single']:5.1f}/"
+        cells = " ".join(f"{100 * row[n]['pack']:4.1f}/{100 * row[n]['step']:4.1f}/{100 * row[n]['single']:4.1f}/"
                          f"{100 * row[n]['shape']:4.1f}%" for n in names)
         print(f"  {100 * off:7.0f}% {ranks:5d} {warmup:7d} {cells}")
+    print_single_summary(results)
+
+
+def print_single_summary(results: dict) -> None:
+    """Single-sample MAPE of the step-max fits by rank count: median and range over the cells."""
+    print("\n  single-sample MAPE from step times alone, by ranks (median over cells [min-max])")
+    ranks_list = sorted({k[1] for k in results})
+    for name in [n for n in next(iter(results.values())) if n.startswith("step_max")]:
+        parts = []
+        for ranks in ranks_list:
+            vals = [100 * row[name]["single"] for k, row in results.items() if k[1] == ranks]
+            parts.append(f"{ranks} ranks {np.median(vals):5.1f}% [{min(vals):.1f}-{max(vals):.1f}]")
+        every = [100 * row[name]["single"] for row in results.values()]
+        print(f"  {name:22s} " + "  ".join(parts) + f"  all {np.median(every):5.1f}%")
 
 
 if __name__ == "__main__":

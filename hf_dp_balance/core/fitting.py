@@ -1,4 +1,8 @@
-"""Fitting a `CostModel` to measured times: per-rank, or step-max through a soft-max over ranks.
+"""Fitting a `CostModel` to measured times: per-rank, or step-max (the slowest rank of each step).
+
+Step-max, by default, is the maximum-likelihood fit of the step time as the max over ranks of noisy
+rank times (the noise sigma is estimated with the coefficients, so E[max] over ranks' noise is not
+read as cost); `step_noise=False` is the plain soft-max fit.
 
 Guarantees: every coefficient is >= 0; residuals are relative (the planner cares about ratios and
 timings are heteroscedastic); Huber-weighted, then observations beyond 4 robust sigmas are dropped
@@ -17,7 +21,8 @@ import numpy as np
 
 from hf_dp_balance.core.choices import FIT_MODES
 from hf_dp_balance.core.cost import COEFF_NAMES, FEATURE_NAMES, N_FEATURES, CostModel
-from hf_dp_balance.core.fit_solvers import ANNEAL_TEMPERATURES, column_scale, fit_per_rank, fit_step_max
+from hf_dp_balance.core.fit_solvers import (ANNEAL_TEMPERATURES, column_scale, expected_step_max, fit_per_rank,
+                                            fit_step_max, fit_step_max_noisy)
 
 
 # --------------------------------------------------------------------------- report
@@ -31,6 +36,8 @@ class FitReport:
     NaN when too few steps to hold any out), in the fitted mode's target:
     per-rank times for `per_rank`, step times (slowest rank) for `step_max`.
     `step_mape` is always on held-out step times (max over ranks).
+    With the noise-aware step-max fit, predicted step times are E[max over ranks] under the fitted
+    rank noise `step_noise` (relative sigma of a rank's time; None for the other fits).
     `train_*` are on the training observations of the final fit.
     """
 
@@ -48,6 +55,7 @@ class FitReport:
     temperature: Optional[float]
     prior_scales: Optional[Tuple[float, ...]] = None
     """With a prior: each coefficient over the prior's (NaN where the prior's is 0): seconds per FLOP."""
+    step_noise: Optional[float] = None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -67,6 +75,7 @@ class FitReport:
             f"mode={self.mode} held-out: R^2={num(self.r2)} MAPE={pct(self.mape)} step-MAPE={pct(self.step_mape)} "
             f"({self.n_heldout} steps) | train: R^2={num(self.train_r2)} MAPE={pct(self.train_mape)} "
             f"({self.n_train} steps, {self.n_observations} observations, {self.n_outliers} outliers dropped)"
+            + ("" if self.step_noise is None else f" | rank noise {100 * self.step_noise:.2f}%")
         )
 
 
@@ -116,6 +125,11 @@ def _validate(features, times) -> Tuple[np.ndarray, np.ndarray]:
 # Default pull toward the prior's shape: a deviation d of two terms' scales (relative) costs as much as a
 # relative residual of PRIOR_STRENGTH * d on every observation (measured: bench/cost_fit.py).
 PRIOR_STRENGTH = 0.03
+# The same for the noise-aware step-max fit: its likelihood reads every rank of a step (each finished at
+# or before the slowest), so it holds the data more tightly than one residual per step. Measured on
+# bench/cost_fit_synthetic.py's grid against 0.03 and 0.3: the narrowest spread at 128 ranks
+# (docs/benchmarks/cost_fit.md, run 5).
+STEP_MAX_PRIOR_STRENGTH = 0.1
 
 
 def prior_penalty(prior: Optional[CostModel], features: np.ndarray, times: np.ndarray, scale: np.ndarray,
@@ -157,18 +171,22 @@ def prior_penalty(prior: Optional[CostModel], features: np.ndarray, times: np.nd
 
 
 def _fit(features: np.ndarray, times: np.ndarray, mode: str, robust: bool, temperature: Optional[float],
-         prior: Optional[CostModel] = None, strength: float = PRIOR_STRENGTH):
-    """Fit on already validated data; returns (CostModel, inlier mask shaped like times)."""
+         prior: Optional[CostModel], strength: float, step_noise: bool):
+    """Fit on already validated data; returns (CostModel, inlier mask shaped like times, rank noise sigma
+    of the noise-aware step-max fit or None)."""
     scale = column_scale(features)
     x = features / scale
     penalty = prior_penalty(prior, features, times, scale, strength)
+    sigma = None
     if mode == "per_rank":
         theta, inliers = fit_per_rank(x.reshape(-1, N_FEATURES), times.reshape(-1), robust, penalty)
         inliers = inliers.reshape(times.shape)
+    elif step_noise:
+        theta, inliers, sigma = fit_step_max_noisy(x, times, robust, temperature, penalty)
     else:
         theta, inliers = fit_step_max(x, times, robust, temperature, penalty)
     coefficients = np.maximum(theta, 0.0) / scale
-    return CostModel(*coefficients.tolist()), inliers
+    return CostModel(*coefficients.tolist()), inliers, sigma
 
 
 def _r2(pred: np.ndarray, true: np.ndarray) -> float:
@@ -184,11 +202,16 @@ def _mape(pred: np.ndarray, true: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - true) / true)) if true.size else float("nan")
 
 
-def _targets(model: CostModel, features: np.ndarray, times: np.ndarray, mode: str):
+def _predicted_steps(model: CostModel, features: np.ndarray, sigma: Optional[float]) -> np.ndarray:
+    """Predicted step times: the slowest rank's cost, or E[max] under rank noise sigma when fitted."""
+    return model.step_time(features) if sigma is None else expected_step_max(model.predict(features), sigma)
+
+
+def _targets(model: CostModel, features: np.ndarray, times: np.ndarray, mode: str, sigma: Optional[float]):
     """(predicted, observed) in the mode's target: per-rank times or step times."""
     if mode == "per_rank":
         return model.predict(features).ravel(), times.ravel()
-    return model.step_time(features), times
+    return _predicted_steps(model, features, sigma), times
 
 
 def _check_options(mode: str, holdout: float, temperature: Optional[float]) -> None:
@@ -227,15 +250,17 @@ def _holdout_steps(steps: int, per_step: int, holdout: float, seed: int) -> np.n
     return np.sort(np.random.default_rng(seed).permutation(steps)[:n_heldout])
 
 
-def _heldout_scores(features, times, test_steps, mode, robust, temperature, prior, strength) -> Tuple[float, float, float]:
+def _heldout_scores(features, times, test_steps, mode, robust, temperature, prior, strength,
+                    step_noise) -> Tuple[float, float, float]:
     """(R^2, MAPE, step MAPE) of a model fitted without `test_steps`, on them (NaN when none)."""
     if not test_steps.size:
         return float("nan"), float("nan"), float("nan")
     train_steps = np.setdiff1d(np.arange(features.shape[0]), test_steps)
-    trial, _ = _fit(features[train_steps], times[train_steps], mode, robust, temperature, prior, strength)
-    pred, true = _targets(trial, features[test_steps], times[test_steps], mode)
+    trial, _, sigma = _fit(features[train_steps], times[train_steps], mode, robust, temperature, prior, strength,
+                           step_noise)
+    pred, true = _targets(trial, features[test_steps], times[test_steps], mode, sigma)
     true_step = times[test_steps] if times.ndim == 1 else times[test_steps].max(axis=1)
-    return _r2(pred, true), _mape(pred, true), _mape(trial.step_time(features[test_steps]), true_step)
+    return _r2(pred, true), _mape(pred, true), _mape(_predicted_steps(trial, features[test_steps], sigma), true_step)
 
 
 def fit_cost_model(
@@ -248,7 +273,8 @@ def fit_cost_model(
     robust: bool = True,
     seed: int = 0,
     prior: Optional[CostModel] = None,
-    prior_strength: float = PRIOR_STRENGTH,
+    prior_strength: Optional[float] = None,
+    step_noise: bool = True,
 ) -> FitResult:
     """Fit a non-negative `CostModel` to measured times.
 
@@ -261,12 +287,17 @@ def fit_cost_model(
     relative `temperature`, annealed 0.1 -> 0.001 when None), or `auto`
     (per-rank when times are 2-D). Per-rank times can also be fitted in
     step-max mode (their max is taken), to compare the two.
+    step_noise: in step-max mode, model each rank's time as cost * exp(sigma * z), z ~ N(0, 1), and fit
+    the coefficients and sigma by maximum likelihood of the step time as the max over ranks
+    (`fit_step_max_noisy`): the noise that makes one of many near-equal ranks the slowest is then not
+    read as cost. False: fit the step time to the max of the costs (soft-max), as before.
     holdout: fraction of steps (a seeded random choice) held out to measure R^2
     and MAPE; the returned model is then refitted on all steps.
     robust: Huber loss, then drop observations beyond 4 robust sigmas and refit.
     prior: a `CostModel` whose ratios between its non-zero terms the fit keeps unless the data says
     otherwise (`CostModel.from_config`): each term gets its own non-negative scale, pulled toward one
-    common scale with `prior_strength` (`prior_penalty`); terms the prior leaves at 0 are fitted freely.
+    common scale with `prior_strength` (`prior_penalty`); terms the prior leaves at 0 are pulled toward 0.
+    `prior_strength` None: `STEP_MAX_PRIOR_STRENGTH` for the noise-aware step-max fit, else `PRIOR_STRENGTH`.
     Without a prior: four free non-negative coefficients.
 
     Raises ValueError naming the step / rank / value of bad data, a shape
@@ -275,13 +306,16 @@ def fit_cost_model(
     _check_options(mode, holdout, temperature)
     features, times = _validate(features, times)
     mode, times = _resolve_mode(features, times, mode)
+    step_noise = bool(step_noise) and mode == "step_max"
+    if prior_strength is None:
+        prior_strength = STEP_MAX_PRIOR_STRENGTH if step_noise else PRIOR_STRENGTH
     steps, ranks, _ = features.shape
     test_steps = _holdout_steps(steps, ranks if mode == "per_rank" else 1, holdout, seed)
     r2, mape, step_mape = _heldout_scores(features, times, test_steps, mode, robust, temperature, prior,
-                                          prior_strength)
+                                          prior_strength, step_noise)
 
-    model, inliers = _fit(features, times, mode, robust, temperature, prior, prior_strength)
-    pred, true = _targets(model, features, times, mode)
+    model, inliers, sigma = _fit(features, times, mode, robust, temperature, prior, prior_strength, step_noise)
+    pred, true = _targets(model, features, times, mode, sigma)
     keep = inliers.ravel()
     report = FitReport(
         mode=mode,
@@ -298,6 +332,7 @@ def fit_cost_model(
         temperature=(temperature if temperature is not None else ANNEAL_TEMPERATURES[-1]) if mode == "step_max" else None,
         prior_scales=None if prior is None else tuple(
             float(c / p) if p > 0 else float("nan") for c, p in zip(model.coefficients, prior.coefficients)),
+        step_noise=sigma,
     )
     return FitResult(model=model, report=report)
 
@@ -333,5 +368,5 @@ def compute_imbalance(times) -> float:
     return float((times.max(axis=1)[ok] / mean[ok] - 1.0).mean())
 
 
-__all__ = ["FitReport", "FitResult", "PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model", "fit_from_records",
-           "prior_penalty"]
+__all__ = ["FitReport", "FitResult", "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model",
+           "fit_from_records", "prior_penalty"]
