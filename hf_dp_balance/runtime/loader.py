@@ -107,7 +107,9 @@ class BalancedLoader:
         # (decoder, vision, version): one tuple, swapped atomically for the thread; version counts the
         # set_cost_model calls, equal on every rank (the same broadcast fits, in the same order)
         self._models = (cost_model, None, 0)
-        self._prior_version = -1  # the set_cost_model call whose models are a prior (planned hedged)
+        # versions whose models are a prior (planned hedged); never removed, so a step costed with one is
+        # hedged on every rank whenever its thread plans it, even after a fit has landed
+        self._prior_versions: set = set()
         self._balancing = bool(balancing)
         self._speed = float(speed)
         self._owns_exchange = exchange is None  # close() destroys only a group it created
@@ -130,7 +132,8 @@ class BalancedLoader:
         Every rank must make the same calls in the same order (the callback does: one broadcast fit):
         a step is balanced only when every rank costed its rows with the same call's models."""
         version = self._models[2] + 1
-        self._prior_version = version if prior else -1
+        if prior:
+            self._prior_versions.add(version)  # before the swap: a thread that sees the version finds it here
         self._models = (cost_model, vision, version)
 
     def set_balancing(self, enabled: bool) -> None:
@@ -300,7 +303,7 @@ class BalancedLoader:
             return None
         micro = meta.rows[:, F_MICRO].astype(np.int64)
         work = StepWork(step, meta.rows, meta.owners, meta.owners, micro, num_micro, prep.samples, prep.entries)
-        hedge = balance and prep.model_version == self._prior_version  # balance: every rank used this version
+        hedge = balance and prep.model_version in self._prior_versions  # balance: every rank used this version
         return self._finish_step(work, balance, speeds, t0, time.perf_counter(), hedge)
 
     def _finish_step(self, work: StepWork, balance: bool, speeds: np.ndarray, t0: float, t1: float,
