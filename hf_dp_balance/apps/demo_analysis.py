@@ -13,7 +13,8 @@ LOSS_RTOL = 1e-4  # per-step loss agreement across ways (float32 summation order
 
 def summarize_way(compute: np.ndarray, tokens_per_step: np.ndarray, losses: Sequence[float],
                   samples_per_step: Sequence[Sequence[int]], moved_samples: int, warmup: int) -> dict:
-    """One way's numbers over the compared steps (after `warmup`); per-step arrays over all steps.
+    """One way's numbers over the compared steps (after `warmup`), the `all_steps_*` sums over every step
+    (warm-up included: what a user's run pays); per-step arrays over all steps.
 
     compute: [steps, ranks] seconds; tokens_per_step: [steps].
     """
@@ -29,6 +30,9 @@ def summarize_way(compute: np.ndarray, tokens_per_step: np.ndarray, losses: Sequ
         "samples_trained": int(sum(len(s) for s in samples_per_step[sl])),
         "tokens_trained": int(np.asarray(tokens_per_step)[sl].sum()),
         "tokens_per_s": float(np.asarray(tokens_per_step)[sl].sum() / max(slowest_s, 1e-12)),
+        "all_steps_slowest_rank_compute_s": float(slowest.sum()),
+        "all_steps_mean_rank_compute_s": float(mean.sum()),
+        "warmup_slowest_rank_compute_s": float(slowest[:warmup].sum()),
         "moved_samples": int(moved_samples),
         "losses": [float(x) for x in losses],
         "per_step_slowest_s": slowest.tolist(),
@@ -142,6 +146,7 @@ def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samp
     runs["hf_dp_balance"].update({k: hf[k] for k in ("cost_model", "vision_cost_model", "vision_tower_balanced",
                                                       "fit_reports", "applied_steps", "balanced_loader") if k in hf})
     none, br, ours = (runs[w]["slowest_rank_compute_s"] for w in WAYS)
+    all_none, all_br, all_ours = (runs[w]["all_steps_slowest_rank_compute_s"] for w in WAYS)
     bound = _placement_summary(by_rank, runs, ranks, warmup)
     return {
         "settings": {"ranks": ranks, "steps": steps, "warmup_steps": warmup, "samples_per_rank": samples_per_rank,
@@ -154,6 +159,10 @@ def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samp
         "gain": {"vs_none": 1.0 - ours / none, "vs_batch_rebalance": 1.0 - ours / br,
                  "batch_rebalance_vs_none": 1.0 - br / none,
                  "perfect_balance_vs_none": 1.0 - runs["none"]["mean_rank_compute_s"] / none},
+        # the same over every step, warm-up included (hf_dp_balance plans it with the FLOP prior)
+        "gain_all_steps": {"vs_none": 1.0 - all_ours / all_none, "vs_batch_rebalance": 1.0 - all_ours / all_br,
+                           "batch_rebalance_vs_none": 1.0 - all_br / all_none,
+                           "perfect_balance_vs_none": 1.0 - runs["none"]["all_steps_mean_rank_compute_s"] / all_none},
         "invariants": check_invariants(runs, window=lookahead, window_from=warmup, windowed=["hf_dp_balance"]),
         "placement_bound": bound,
         "wall_s": wall_s,
@@ -161,34 +170,41 @@ def assemble(by_rank: Dict[int, dict], ranks: int, steps: int, warmup: int, samp
 
 
 def plot(result: dict, path: str) -> None:
-    """Per-step slowest vs mean rank compute for each way (PNG)."""
+    """Per-step slowest vs mean rank compute for each way, and below it the slowest rank summed from step 1
+    (its last point is the all-steps headline) (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, (ax, total) = plt.subplots(2, 1, figsize=(9, 8.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     colors = {"none": "tab:red", "batch_rebalance": "tab:orange", "hf_dp_balance": "tab:green"}
     warmup = result["settings"]["warmup_steps"]
     for way, run in result["runs"].items():
         x = np.arange(1, len(run["per_step_slowest_s"]) + 1)
         ax.plot(x, run["per_step_slowest_s"], "-", color=colors.get(way), label=f"{way}: slowest rank")
         ax.plot(x, run["per_step_mean_s"], "--", color=colors.get(way), alpha=0.6, label=f"{way}: mean rank")
+        summed = np.cumsum(run["per_step_slowest_s"])
+        total.plot(x, summed, "-", color=colors.get(way), label=f"{way}: {summed[-1]:.2f} s over all {x[-1]} steps")
+    total.axvspan(0.5, warmup + 0.5, color="0.9")
     ax.axvspan(0.5, warmup + 0.5, color="0.9",
-               label="warm-up, not compared (hf_dp_balance: sampler order until its cost model is fitted)")
-    ax.set_xlabel("optimizer step")
+               label="warm-up (hf_dp_balance: planned with the FLOP prior until its cost model is fitted)")
+    total.set_xlabel("optimizer step")
     ax.set_ylabel("rank compute per step (s, thread CPU time)")
+    total.set_ylabel("slowest rank, summed from step 1 (s)")
     s = result["settings"]
     ax.set_title(f"tiny Qwen2-VL, {s['ranks']} gloo ranks, {s['mix']} mix: slowest vs mean rank")
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.13))  # below: the lines stay clear
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.02))  # below: the lines stay clear
+    total.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def _placement_summary(by_rank: Dict[int, dict], runs: Dict[str, dict], ranks: int, warmup: int) -> Optional[dict]:
-    """placement_bound of demo.json: per-step excess of the best placement and the reachable cut, priced by
-    the fitted models of hf_dp_balance (None before both were fitted)."""
+    """placement_bound of demo.json: per-step excess of the best placement, the reachable cut over the
+    compared steps and (`all_steps`) over every step, priced by the fitted models of hf_dp_balance (None
+    before both were fitted)."""
     tokens = np.asarray(by_rank[0]["tokens"])
     hf = by_rank[0]["hf_dp_balance"]
     if not (hf.get("cost_model") and hf.get("vision_cost_model") and "patches" in by_rank[0]):
@@ -199,32 +215,49 @@ def _placement_summary(by_rank: Dict[int, dict], runs: Dict[str, dict], ranks: i
     costs = planning_costs(tokens, by_rank[0]["patches"], CostModel.from_dict(hf["cost_model"]),
                            CostModel.from_dict(hf["vision_cost_model"]))
     per_step = placement_bound(costs, runs["none"]["samples_per_step"], ranks)
-    compared = np.asarray(per_step[warmup:])
+    excess = np.asarray(per_step)
     constant = hf["cost_model"].get("constant", 0.0) + hf["vision_cost_model"].get("constant", 0.0)
-    none_rank_samples = [[by_rank[r]["none"]["samples"][k] for r in range(ranks)]
-                         for k in range(warmup, len(per_step))]
-    return {"per_step_excess": per_step, "compared_steps_bound_by_one_sample": int((compared > 0.02).sum()),
-             "compared_steps": int(compared.size),
-             **reachable_cut(costs, none_rank_samples, ranks, constant)}
+    none_rank_samples = [[by_rank[r]["none"]["samples"][k] for r in range(ranks)] for k in range(len(per_step))]
+    # the fitted costs price every step's samples alike, warm-up steps included
+    all_steps = {"steps": int(excess.size), "steps_bound_by_one_sample": int((excess > 0.02).sum()),
+                 **reachable_cut(costs, none_rank_samples, ranks, constant)}
+    return {"per_step_excess": per_step, "compared_steps_bound_by_one_sample": int((excess[warmup:] > 0.02).sum()),
+            "compared_steps": int(excess[warmup:].size),
+            **reachable_cut(costs, none_rank_samples[warmup:], ranks, constant), "all_steps": all_steps}
+
+
+def _share(gain: float, bound: Optional[dict]) -> str:
+    """" (N% of the M% reachable)" when the per-step placement bound leaves a cut to reach, else ""."""
+    if not bound or not bound.get("ceiling", 0) > 0:
+        return ""
+    return f" ({100 * gain / bound['ceiling']:.0f}% of the {100 * bound['ceiling']:.1f}% reachable)"
+
+
+def _cut(x: float) -> str:
+    return f"{100 * abs(x):.1f}% {'lower' if x >= 0 else 'higher'}"
 
 
 def report_lines(result: dict) -> List[str]:
-    """What `hf-dp-balance demo` prints after its table: the cut against none and batch_rebalance, perfect
-    balance, the per-step placement bound and the share of the reachable cut reached, and the invariants."""
+    """What `hf-dp-balance demo` prints after its table. The headline: the slowest rank summed over all steps
+    (warm-up included: what a user's run pays) against none and batch_rebalance, with the share of the
+    cut any per-step placement could reach there; then the same over the compared steps, perfect balance,
+    the per-step placement bound, and the invariants."""
     g, inv, s = result["gain"], result["invariants"], result["settings"]
     warmup, steps = s["warmup_steps"], s["steps"]
-
-    def cut(x: float) -> str:
-        return f"{100 * abs(x):.1f}% {'lower' if x >= 0 else 'higher'}"
-
     bound = result.get("placement_bound")
-    reached = ""
-    if bound and bound.get("ceiling", 0) > 0:  # the headline: the share of what per-step placement can reach
-        reached = f" ({100 * g['vs_none'] / bound['ceiling']:.0f}% of the {100 * bound['ceiling']:.1f}% reachable)"
-    lines = [f"\nslowest-rank compute: {cut(g['vs_none'])} than none{reached}, {cut(g['vs_batch_rebalance'])} than "
-             f"batch_rebalance (steps {warmup + 1}..{warmup + steps}; {warmup} warm-up steps not compared)",
-             f"perfect balance (every rank at none's mean rank compute, the same work) would be "
-             f"{100 * g['perfect_balance_vs_none']:.1f}% lower than none"]
+    everything = result.get("gain_all_steps")
+    lines = []
+    if everything:
+        lines.append(f"\nslowest-rank compute over all {warmup + steps} steps (warm-up included: what a run pays): "
+                     f"{_cut(everything['vs_none'])} than none{_share(everything['vs_none'], (bound or {}).get('all_steps'))}, "
+                     f"{_cut(everything['vs_batch_rebalance'])} than batch_rebalance")
+    first = "" if everything else "\n"  # the compared steps are the headline only without the all-steps sums
+    lines += [f"{first}slowest-rank compute: {_cut(g['vs_none'])} than none{_share(g['vs_none'], bound)}, "
+              f"{_cut(g['vs_batch_rebalance'])} than batch_rebalance (steps {warmup + 1}..{warmup + steps} only, after "
+              f"{warmup} warm-up steps)",
+              f"perfect balance (every rank at none's mean rank compute, the same work) would be "
+              f"{100 * g['perfect_balance_vs_none']:.1f}% lower than none" +
+              (f" ({100 * everything['perfect_balance_vs_none']:.1f}% over all steps)" if everything else "")]
     if bound:
         lines.append(f"{bound['compared_steps_bound_by_one_sample']} of {bound['compared_steps']} compared steps hold "
                      f"a sample heavier than a rank's share (fitted costs): no placement within the step gets their "
@@ -234,6 +267,12 @@ def report_lines(result: dict) -> List[str]:
             lines.append(f"reachable by any per-step placement of these steps (fitted costs): "
                          f"{100 * bound['ceiling']:.1f}% below none; hf_dp_balance measured "
                          f"{100 * g['vs_none']:.1f}% ({100 * got:.0f}% of it)")
+        full = bound.get("all_steps")
+        if full and everything:
+            got = everything["vs_none"] / full["ceiling"] if full["ceiling"] > 0 else float("nan")
+            lines.append(f"over all {full['steps']} steps: reachable {100 * full['ceiling']:.1f}% below none, "
+                         f"hf_dp_balance measured {100 * everything['vs_none']:.1f}% ({100 * got:.0f}% of it); "
+                         f"{full['steps_bound_by_one_sample']} steps hold a sample heavier than a rank's share")
     if inv.get("window", 1) > 1:
         lines.append(f"look-ahead K={inv['window']}: hf_dp_balance may train a sample in another step of its window, "
                      f"so the per-step bound above does not hold for it; same samples in every step before step "

@@ -205,7 +205,9 @@ class DPBalanceCallback(TrainerCallback):
         if self.loader is not None and hasattr(self.loader, "set_cost_model"):
             # Without vision-tower balancing a sample's images are encoded where the sample goes, so
             # the loader plans with decoder + vision cost; with it, the tower is balanced per image.
-            self.loader.set_cost_model(decoder, vision=None if self.config.vision else vision)
+            # Before the fit the models are the FLOP prior: the loader hedges its plans against the tokens.
+            self.loader.set_cost_model(decoder, vision=None if self.config.vision else vision,
+                                       prior=decoder is not None and self.fitter.decoder is None)
             if hasattr(self.loader, "set_speed"):
                 self.loader.set_speed(float(self.fitter.speeds[self._rank]))
         if self._vision is not None and vision is not None:

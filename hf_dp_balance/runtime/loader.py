@@ -24,8 +24,9 @@ from hf_dp_balance.runtime.exchange import H_NUM_MICRO, SampleExchange
 from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, F_TOKENS, F_VISION, F_WIDTH, Prepared,
                                              StepStats, StepWork, agree_lookahead, agree_plan, check_cap, collate_slots,
-                                             cost_rows, default_plan_fn, describe_samples, gather_step, list_collate,
+                                             cost_rows, describe_samples, gather_step, list_collate,
                                              pull_micro_batches, slot_members, validate_plan)
+from hf_dp_balance.runtime.step_plan import plan_work
 from hf_dp_balance.runtime.step_stream import StepStream
 from hf_dp_balance.runtime.watchdog import Watchdog
 
@@ -106,6 +107,9 @@ class BalancedLoader:
         # (decoder, vision, version): one tuple, swapped atomically for the thread; version counts the
         # set_cost_model calls, equal on every rank (the same broadcast fits, in the same order)
         self._models = (cost_model, None, 0)
+        # versions whose models are a prior (planned hedged); never removed, so a step costed with one is
+        # hedged on every rank whenever its thread plans it, even after a fit has landed
+        self._prior_versions: set = set()
         self._balancing = bool(balancing)
         self._speed = float(speed)
         self._owns_exchange = exchange is None  # close() destroys only a group it created
@@ -118,14 +122,19 @@ class BalancedLoader:
         self._active: Optional[StepStream] = None
 
     # -- settings from the main thread (read by the thread at the start of each step) ----------
-    def set_cost_model(self, cost_model: Any, vision: Any = None) -> None:
+    def set_cost_model(self, cost_model: Any, vision: Any = None, prior: bool = False) -> None:
         """Plan the steps prepared from now on with `cost_model.sample_costs(tokens)` per sample, plus
         `vision`'s cost of the sample's images when given (see `planning_costs`: give it when the vision
-        tower is not balanced on its own). None as `cost_model` switches planning off.
+        tower is not balanced on its own). None as `cost_model` switches planning off. `prior`: the models
+        are a FLOP prior, not fitted to this machine: each step keeps the plan that holds up under both the
+        prior and the tokens (`core.hedge.hedged_plan`; never worse than the token-balanced plan there).
 
         Every rank must make the same calls in the same order (the callback does: one broadcast fit):
         a step is balanced only when every rank costed its rows with the same call's models."""
-        self._models = (cost_model, vision, self._models[2] + 1)
+        version = self._models[2] + 1
+        if prior:
+            self._prior_versions.add(version)  # before the swap: a thread that sees the version finds it here
+        self._models = (cost_model, vision, version)
 
     def set_balancing(self, enabled: bool) -> None:
         self._balancing = bool(enabled)
@@ -227,7 +236,25 @@ class BalancedLoader:
             self._watchdog = Watchdog(self.config.timeout_s, getattr(self.config, "heartbeat_s", 1.0),
                                       getattr(self.config, "error_grace_s", 3.0), self._on_fatal)
         self._active = StepStream(self, raw_iterator, step_limit, self._watchdog)
+        self._prime(self._active, step_limit)
         return self._active
+
+    def _prime(self, stream: StepStream, step_limit: Optional[int]) -> None:
+        """Return once the thread has queued the steps it keeps ready (or ended, or failed).
+
+        Runs in the caller's thread before its first step, where the caller waits for step 1 anyway.
+        Without it the thread prepares steps 2..prefetch_steps+1 while step 1 trains: the first step
+        overlaps `prefetch_steps` steps of pulling, gathering, moving and packing, every later step one.
+        Costs the start `prefetch_steps - 1` steps of preparation once.
+        """
+        # Until a model is set the thread stays one step ahead (StepStream._wait_for_model_or_consumer).
+        waits = self._balancing and self.config.enabled and self.cost_model is None
+        want = 1 if waits else self.config.prefetch_steps
+        if step_limit is not None:
+            want = min(want, step_limit)
+        deadline = time.monotonic() + self.config.timeout_s + 5.0  # the gathers time out before this
+        while stream._queue.qsize() < want and stream._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def stream_for(self, raw_iterator: Iterator, step_limit: Optional[int] = None) -> "StepStream":
         """The running stream over `raw_iterator`, started on first use (Trainer integration)."""
@@ -257,32 +284,9 @@ class BalancedLoader:
         prep, grids = describe_samples(step, micro_batches, rank, self.features_fn, self.id_key)
         return cost_rows(prep, grids, self._models)  # one read of the models: costs and version always match
 
-    def _plan(self, work: StepWork, balance: bool, speeds: np.ndarray):
-        """(dest_rank, dest_micro, applied, reason, failure) from the work's start placement.
-
-        Never raises: a planner failure keeps the start placement and returns its message as `failure`
-        (`agree_plan` then makes every rank fall back together, invariant 4).
-        """
-        world, rows, num_micro = self._exchange.world_size, work.rows, work.num_micro
-        owners, micro, cap = work.start_rank, work.start_micro, work.cap
-        if not balance:
-            return owners, micro, False, "balancing off (warm-up, disabled or no cost model on some rank)", None
-        if world == 1 or rows.shape[0] == 0:
-            return owners, micro, False, "nothing to balance", None
-        try:
-            plan_fn = self.plan_fn or default_plan_fn()
-            tokens = rows[:, F_TOKENS].astype(np.int64)
-            if cap is None:
-                largest = int(slot_loads(tokens, owners, micro, world, num_micro).max())
-                cap = token_cap(tokens, world * num_micro, self.config, largest)
-            plan = plan_fn(rows[:, F_COST], owners, micro, world, num_micro, tokens=tokens, max_tokens=cap,
-                           speeds=None if np.all(speeds == 1.0) else speeds, sync=self.sync,
-                           min_gain=self.config.min_gain, tolerance=self.config.move_tolerance)
-            dest_rank, dest_micro = validate_plan(plan.dest_rank, plan.dest_micro_batch, rows.shape[0], world, num_micro)
-            applied = bool(getattr(plan, "applied", True)) and bool(np.any(dest_rank != owners) or np.any(dest_micro != micro))
-            return dest_rank, dest_micro, applied, str(getattr(plan, "reason", "planned")), None
-        except Exception as exc:  # invariant 4: planning never stops training (agree_plan logs it)
-            return owners, micro, False, f"planner failed: {exc!r}", f"{type(exc).__name__}: {exc}"
+    def _plan(self, work: StepWork, balance: bool, speeds: np.ndarray, hedge: bool = False):
+        """`runtime.step_plan.plan_work` with this loader's world, config, sync and planner."""
+        return plan_work(work, balance, speeds, self._exchange.world_size, self.config, self.sync, self.plan_fn, hedge)
 
     def _gather(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         # Balance only when every rank's rows were costed by a model: a model that lands while a rank is
@@ -299,16 +303,18 @@ class BalancedLoader:
             return None
         micro = meta.rows[:, F_MICRO].astype(np.int64)
         work = StepWork(step, meta.rows, meta.owners, meta.owners, micro, num_micro, prep.samples, prep.entries)
-        return self._finish_step(work, balance, speeds, t0, time.perf_counter())
+        hedge = balance and prep.model_version in self._prior_versions  # balance: every rank used this version
+        return self._finish_step(work, balance, speeds, t0, time.perf_counter(), hedge)
 
-    def _finish_step(self, work: StepWork, balance: bool, speeds: np.ndarray, t0: float, t1: float):
+    def _finish_step(self, work: StepWork, balance: bool, speeds: np.ndarray, t0: float, t1: float,
+                     hedge: bool = False):
         """Plan from the start placement, move samples from their holders, pack every slot: (batches, stats).
 
-        `t0` / `t1`: when the step's gather started / ended (for the statistics).
+        `t0` / `t1`: when the step's gather started / ended (for the statistics); `hedge`: see `_plan`.
         """
         ex, rows, holders = self._exchange, work.rows, work.holders
         check_cap(work, self.config.max_tokens, ex.rank)
-        dest_rank, dest_micro, applied, reason, failure = self._plan(work, balance, speeds)
+        dest_rank, dest_micro, applied, reason, failure = self._plan(work, balance, speeds, hedge)
         if balance and ex.world_size > 1 and rows.shape[0]:  # the planner ran (on every rank alike)
             dest_rank, dest_micro, fallback = agree_plan(ex, work, dest_rank, dest_micro, failure)
             applied, reason = (False, fallback) if fallback is not None else (applied, reason)

@@ -91,6 +91,56 @@ def test_report_says_what_share_of_the_reachable_cut_was_reached():
     assert "3 of 15 compared steps" in text
 
 
+def _fabricated_records(ranks=2, steps=4, per_rank=3, seed=0):
+    """by_rank records of the three ways as the ranks return them (no processes): random compute, the same
+    samples per step in every way (none's split differs), fitted models for the placement bound."""
+    rng = np.random.default_rng(seed)
+    n = ranks * per_rank * steps
+    by_rank = {r: {} for r in range(ranks)}
+    for way in WAYS:
+        for r in range(ranks):
+            by_rank[r][way] = {"compute": rng.uniform(0.5, 1.5, steps).tolist(), "losses": [2.0] * steps, "moved": 0,
+                               "samples": [list(range(k * ranks * per_rank + r * per_rank,
+                                                      k * ranks * per_rank + (r + 1) * per_rank)) for k in range(steps)]}
+    models = {"cost_model": {"quadratic": 1e-7, "linear": 3e-4, "per_sample": 0.0, "constant": 0.0},
+              "vision_cost_model": {"quadratic": 1e-8, "linear": 2e-5, "per_sample": 0.0, "constant": 0.01}}
+    by_rank[0]["hf_dp_balance"].update(models)
+    by_rank[0].update(tokens=rng.integers(50, 2000, n).tolist(), patches=[[[1, 4, 4]] if i % 2 else [] for i in range(n)])
+    return by_rank
+
+
+def test_all_steps_sums_are_the_per_step_maxima_and_the_headline_reports_them(tmp_path):
+    from hf_dp_balance.apps.demo_analysis import assemble, plot
+
+    ranks, steps, warmup = 2, 4, 2
+    result = assemble(_fabricated_records(ranks, steps + warmup), ranks, steps, warmup, 3, 0, "long_tail", 1.0)
+    for way, run in result["runs"].items():
+        per_rank = np.array(run["per_rank_compute_s"])
+        assert run["all_steps_slowest_rank_compute_s"] == pytest.approx(per_rank.max(axis=1).sum())
+        assert run["all_steps_slowest_rank_compute_s"] == pytest.approx(sum(run["per_step_slowest_s"]))
+        assert run["all_steps_mean_rank_compute_s"] == pytest.approx(per_rank.mean(axis=1).sum())
+        assert run["all_steps_slowest_rank_compute_s"] == pytest.approx(
+            run["warmup_slowest_rank_compute_s"] + run["slowest_rank_compute_s"])
+    every = {w: result["runs"][w]["all_steps_slowest_rank_compute_s"] for w in WAYS}
+    gain = result["gain_all_steps"]
+    assert gain["vs_none"] == pytest.approx(1 - every["hf_dp_balance"] / every["none"])
+    assert gain["vs_batch_rebalance"] == pytest.approx(1 - every["hf_dp_balance"] / every["batch_rebalance"])
+    bound = result["placement_bound"]
+    full = bound["all_steps"]  # the fitted costs price every step: the bound covers the warm-up too
+    assert full["steps"] == steps + warmup == len(bound["per_step_excess"])
+    assert full["bound_s"] <= full["none_predicted_s"] and bound["bound_s"] <= bound["none_predicted_s"]
+    assert full["bound_s"] > bound["bound_s"] and full["none_predicted_s"] > bound["none_predicted_s"]
+    text = report_lines(result)
+    assert text[0].startswith(f"\nslowest-rank compute over all {steps + warmup} steps (warm-up included")
+    share = round(100 * gain["vs_none"] / full["ceiling"]) if full["ceiling"] > 0 else None
+    if share is not None:
+        assert f"({share:.0f}% of the {100 * full['ceiling']:.1f}% reachable)" in text[0]
+    assert text[1].startswith("slowest-rank compute: ") and f"steps {warmup + 1}..{warmup + steps} only" in text[1]
+    assert any(line.startswith(f"over all {steps + warmup} steps: reachable") for line in text)
+    plot(result, str(tmp_path / "demo.png"))
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
 def test_invariants_with_lookahead_compare_windows_after_the_warmup_and_nothing_else():
     def run(samples, losses):
         return {"samples_per_step": samples, "losses": losses}
@@ -158,6 +208,9 @@ def test_demo_runs_three_ways_on_two_ranks(tmp_path):
     assert [len(s) for s in ids] == [8] * 4
     assert all(0 <= i < (k + 1) * 8 for k, s in enumerate(ids) for i in s)  # step k: samples k*8.. (or a twin)
     assert png.stat().st_size > 10_000
+    for run in result["runs"].values():  # over every step, warm-up included: the sum of the per-step maxima
+        assert run["all_steps_slowest_rank_compute_s"] == pytest.approx(sum(run["per_step_slowest_s"]))
+    assert set(result["gain_all_steps"]) >= {"vs_none", "vs_batch_rebalance", "perfect_balance_vs_none"}
     ours = result["runs"]["hf_dp_balance"]
     # fitted at the end of step fit_step(2) = 2; the steps before are planned with the FLOP prior (whether a
     # step is applied depends on its gain: tests/integrations/test_callback.py checks the prior's warm-up)
