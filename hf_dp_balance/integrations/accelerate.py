@@ -309,7 +309,9 @@ class DPBalancer:
         if decoder is None:
             return
         # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with both.
-        loader.set_cost_model(decoder, vision=None if self.config.vision else vision_model)
+        # Before the fit the models are the FLOP prior: the loader hedges its plans against the tokens.
+        loader.set_cost_model(decoder, vision=None if self.config.vision else vision_model,
+                              prior=self.fitter.decoder is None)
         if hasattr(loader, "set_speed"):  # this process's relative speed from the last fit (1.0 before)
             loader.set_speed(float(self.fitter.speeds[self.fitter.rank]))
         vision = getattr(self._model, "_dp_balance_vision", None)  # balance_vision_encoder(model, ...)
