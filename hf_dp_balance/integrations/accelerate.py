@@ -149,9 +149,15 @@ class DPBalancer:
         # One fit over every process: tp / cp peers of a data-parallel index must plan with the same model
         # (or their batches would differ), so the data-parallel groups of all slices share it.
         group = self._control_group
+        self._speed_peers = [dist.get_rank()]
         if self.data_parallel.size != dist.get_world_size():
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.config.timeout_s))
             self._groups.append(group)
+            # The processes of one data-parallel index (tp / cp peers) must plan with one speed, or their
+            # batches would differ: the slowest of them sets it (they wait for each other anyway).
+            indices: List[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(indices, self.data_parallel.index, group=group)
+            self._speed_peers = [p for p, i in enumerate(indices) if i == self.data_parallel.index]
         # Until the first fit, plan with the model config's FLOP prior (as the Trainer callback does).
         prior, vision_prior = priors_from_config(self.model_config) if self.config.prior else (None, None)
         return CostModelFitter(self.config, rank=dist.get_rank(), world=dist.get_world_size(), group=group,
@@ -312,8 +318,8 @@ class DPBalancer:
         # Before the fit the models are the FLOP prior: the loader hedges its plans against the tokens.
         loader.set_cost_model(decoder, vision=None if self.config.vision else vision_model,
                               prior=self.fitter.decoder is None)
-        if hasattr(loader, "set_speed"):  # this process's relative speed from the last fit (1.0 before)
-            loader.set_speed(float(self.fitter.speeds[self.fitter.rank]))
+        if hasattr(loader, "set_speed"):  # the relative speed from the last fit (1.0 before)
+            loader.set_speed(float(min(self.fitter.speeds[p] for p in self._speed_peers)))
         vision = getattr(self._model, "_dp_balance_vision", None)  # balance_vision_encoder(model, ...)
         if vision is not None and self.vision_cost_model is not None:
             vision.cost_model = self.vision_cost_model
