@@ -34,7 +34,7 @@ def _faults():
              for place in ("forward", "exchange thread", "vision tower") for victim in (0, 2)
              for sig in ("SIGKILL", "SIGSTOP")]
     text = [(f"{sig} rank {victim} in the forward, no vision balancing", "forward text", victim, sig)
-            for victim, sig in ((0, "SIGSTOP"), (2, "SIGSTOP"), (2, "SIGKILL"))]
+            for victim, sig in ((0, "SIGSTOP"), (2, "SIGSTOP"), (0, "SIGKILL"), (2, "SIGKILL"))]
     return kills + text + [("dataset __getitem__ raises on rank 1", "getitem", 1, None),
                     ("sample over the cap on rank 1", "cap", 1, None),
                     ("planner raises on rank 1", "planner raises", 1, None),
