@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import functools
 from typing import Any, List, Optional
 
 from hf_dp_balance.config import DPBalanceConfig
@@ -63,16 +62,10 @@ def _name_distributed_errors(owner, name: str, loader, step):
     (a peer killed while this rank is in DDP's collectives) is raised as the library's error naming the
     step (`step()`), the rank and the phase, chained from it (`runtime.watchdog.training_errors`; `loader()`:
     the BalancedLoader iterated now). Anything else passes through untouched."""
-    from hf_dp_balance.runtime.watchdog import training_errors
+    from hf_dp_balance.runtime.watchdog import named_training_call
 
-    call, own = getattr(owner, name), vars(owner).get(name)
-
-    @functools.wraps(call)  # keeps __wrapped__: accelerate's unwrap_model walks that chain of forward
-    def named(*args, **kwargs):
-        with training_errors(loader(), step=step):
-            return call(*args, **kwargs)
-
-    setattr(owner, name, named)
+    own = vars(owner).get(name)
+    setattr(owner, name, named_training_call(getattr(owner, name), loader, step))
     return (lambda: setattr(owner, name, own)) if own is not None else (lambda: vars(owner).pop(name, None))
 
 
@@ -317,7 +310,7 @@ class DPBalancer:
         # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with both.
         # Before the fit the models are the FLOP prior: the loader hedges its plans against the tokens.
         loader.set_cost_model(decoder, vision=None if self.config.vision else vision_model,
-                              prior=self.fitter.decoder is None)
+                              prior=self.fitter.planning_with_prior)
         if hasattr(loader, "set_speed"):  # the relative speed from the last fit (1.0 before)
             loader.set_speed(float(min(self.fitter.speeds[p] for p in self._speed_peers)))
         vision = getattr(self._model, "_dp_balance_vision", None)  # balance_vision_encoder(model, ...)

@@ -207,7 +207,7 @@ class DPBalanceCallback(TrainerCallback):
             # the loader plans with decoder + vision cost; with it, the tower is balanced per image.
             # Before the fit the models are the FLOP prior: the loader hedges its plans against the tokens.
             self.loader.set_cost_model(decoder, vision=None if self.config.vision else vision,
-                                       prior=decoder is not None and self.fitter.decoder is None)
+                                       prior=self.fitter.planning_with_prior)
             if hasattr(self.loader, "set_speed"):
                 self.loader.set_speed(float(self.fitter.speeds[self._rank]))
         if self._vision is not None and vision is not None:

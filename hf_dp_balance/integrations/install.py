@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.runtime.loader import BalancedLoader, list_collate
-from hf_dp_balance.runtime.watchdog import training_errors
+from hf_dp_balance.runtime.watchdog import named_training_call, training_errors
 
 _INSTALLED_ATTR = "_hf_dp_balance_installation"
 _MISSING = object()  # "this attribute was not there before install"
@@ -229,7 +229,9 @@ def install_balanced_loader(target, config: Optional[DPBalanceConfig] = None, *,
         trainer.get_batch_samples = types.MethodType(functools.partial(_balanced_get_batch_samples, loader=loader),
                                                      trainer)
         record.training_step = vars(trainer).get("training_step", _MISSING)
-        trainer.training_step = _named_training_step(trainer, trainer.training_step, loader)
+        # the user's step in training: Trainer's global_step + 1
+        trainer.training_step = named_training_call(trainer.training_step, lambda: loader,
+                                                    lambda: trainer.state.global_step + 1)
     else:
         record.base_dataloader = inner
         dataloader.base_dataloader = _BalancedBase(inner, loader)
@@ -250,17 +252,6 @@ def _balanced_get_batch_samples(self, epoch_iterator, num_batches: int, device, 
                            f"where Trainer expects {num_batches}; gradient_accumulation_steps changed?")
     with training_errors(loader, "num_items_in_batch all_gather (Trainer)", lambda: self.state.global_step + 1):
         return batches, self._get_num_items_in_batch(batches, device)
-
-
-def _named_training_step(trainer, training_step: Callable, loader: BalancedLoader) -> Callable:
-    """`training_step` (bound) whose distributed errors name the user's step (`global_step + 1`: the step in
-    training), the rank and the phase; everything else passes through untouched."""
-    @functools.wraps(training_step)
-    def named(*args, **kwargs):
-        with training_errors(loader, step=lambda: trainer.state.global_step + 1):
-            return training_step(*args, **kwargs)
-
-    return named
 
 
 def uninstall_balanced_loader(target) -> None:

@@ -25,6 +25,11 @@ class ExchangeError(RuntimeError):
     """A collective of the sample exchange failed, or a rank reported a failure; names step and ranks."""
 
 
+def failure_detail(failed: Mapping[int, str]) -> str:
+    """"rank 1: msg; rank 3: msg" of {rank: message}, by rank: how every error of the runtime lists its ranks."""
+    return "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+
+
 # Fixed header every rank contributes to the first gather of a step.
 H_STATUS, H_NUM_SAMPLES, H_NUM_MICRO, H_FLAGS, H_SPEED, H_WIDTH = range(6)
 _MSG_BYTES = 512
@@ -167,7 +172,7 @@ class SampleExchange:
 
         failed = np.flatnonzero(headers[:, H_STATUS] != 0)
         if failed.size:
-            detail = "; ".join(f"rank {r}: {t}" for r, t in self._gather_messages(step, failed, error).items())
+            detail = failure_detail(self._gather_messages(step, failed, error))
             raise ExchangeError(f"hf_dp_balance sample exchange, step {step}: rank(s) {failed.tolist()} failed "
                                 f"before the exchange: {detail}")
 
@@ -211,7 +216,7 @@ class SampleExchange:
         """`agree` on a local failure: when any rank passes `error`, every rank raises `ExchangeError` naming them."""
         _, failed = self.agree(step, phase, error=error)
         if failed:
-            detail = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+            detail = failure_detail(failed)
             raise ExchangeError(f"hf_dp_balance, step {step}, {phase}: rank(s) {sorted(failed)} failed "
                                 f"(raised on rank {self.rank}): {detail}")
 
@@ -254,5 +259,5 @@ class SampleExchange:
             pass
 
 
-__all__ = ["ExchangeError", "SampleExchange", "GatheredMetadata", "H_STATUS", "H_NUM_SAMPLES", "H_NUM_MICRO",
+__all__ = ["ExchangeError", "failure_detail", "SampleExchange", "GatheredMetadata", "H_STATUS", "H_NUM_SAMPLES", "H_NUM_MICRO",
            "H_FLAGS", "H_SPEED", "H_WIDTH"]

@@ -138,6 +138,11 @@ class CostModelFitter:
         self.window: collections.deque = collections.deque(maxlen=MAX_WINDOW_STEPS)  # step seconds since the last log
         self.fit_reports: collections.deque = collections.deque(maxlen=MAX_FIT_REPORTS)
 
+    @property
+    def planning_with_prior(self) -> bool:
+        """Whether the loader plans with the FLOP prior (no model fitted or given yet): its plans are hedged."""
+        return self.decoder is None and self.prior is not None
+
     def planning_models(self) -> Tuple[Optional[CostModel], Optional[CostModel]]:
         """(decoder, vision) the loader plans with: the fitted models, else the priors. The vision prior
         only beside the decoder prior: one plan never adds seconds to FLOPs."""
@@ -263,7 +268,7 @@ class CostModelFitter:
             out.update({f"cost_{name}": value for name, value in self.decoder.to_dict().items()})
         out["fitted"] = float(self.decoder is not None)
         if self.prior is not None:
-            out["planning_with_prior"] = float(self.decoder is None)
+            out["planning_with_prior"] = float(self.planning_with_prior)
         if self.config.estimate_speeds and self.world > 1:
             out.update({f"speed_rank_{k}": float(v) for k, v in enumerate(self.speeds)})
         return out

@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 import numpy as np
 
 from hf_dp_balance.config import DPBalanceConfig
-from hf_dp_balance.core import steps as step_maths
 from hf_dp_balance.core.codec import transfer_layout
 from hf_dp_balance.core.costing import planning_costs, sample_grids
 from hf_dp_balance.core.steps import plan_hash, slot_loads, step_imbalance
@@ -26,16 +25,11 @@ from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, 
                                              StepStats, StepWork, agree_lookahead, agree_plan, check_cap, collate_slots,
                                              cost_rows, describe_samples, gather_step, list_collate,
                                              pull_micro_batches, slot_members, validate_plan)
-from hf_dp_balance.runtime.step_plan import plan_work
+from hf_dp_balance.runtime.step_plan import plan_work, token_cap
 from hf_dp_balance.runtime.step_stream import StepStream
 from hf_dp_balance.runtime.watchdog import Watchdog
 
 logger = get_logger(__name__)
-
-
-def token_cap(tokens: np.ndarray, num_slots: int, config: DPBalanceConfig, largest_slot: int = 0) -> int:
-    """`core.steps.token_cap` with the config's `max_tokens` / `max_token_ratio`."""
-    return step_maths.token_cap(tokens, num_slots, config.max_tokens, config.max_token_ratio, largest_slot)
 
 
 class BalancedLoader:
@@ -252,9 +246,7 @@ class BalancedLoader:
         want = 1 if waits else self.config.prefetch_steps
         if step_limit is not None:
             want = min(want, step_limit)
-        deadline = time.monotonic() + self.config.timeout_s + 5.0  # the gathers time out before this
-        while stream._queue.qsize() < want and stream._thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.002)
+        stream.wait_until_queued(want, self.config.timeout_s + 5.0)  # the gathers time out before this
 
     def stream_for(self, raw_iterator: Iterator, step_limit: Optional[int] = None) -> "StepStream":
         """The running stream over `raw_iterator`, started on first use (Trainer integration)."""

@@ -17,6 +17,11 @@ from hf_dp_balance.core.steps import slot_loads
 from hf_dp_balance.runtime.step_rows import F_COST, F_TOKENS, StepWork, default_plan_fn, validate_plan
 
 
+def token_cap(tokens: np.ndarray, num_slots: int, config: DPBalanceConfig, largest_slot: int = 0) -> int:
+    """`core.steps.token_cap` with the config's `max_tokens` / `max_token_ratio`."""
+    return step_maths.token_cap(tokens, num_slots, config.max_tokens, config.max_token_ratio, largest_slot)
+
+
 def plan_work(work: StepWork, balance: bool, speeds: np.ndarray, world: int, config: DPBalanceConfig, sync: str,
               plan_fn: Optional[Callable] = None, hedge: bool = False):
     """(dest_rank, dest_micro, applied, reason, failure) from the work's start placement.
@@ -37,7 +42,7 @@ def plan_work(work: StepWork, balance: bool, speeds: np.ndarray, world: int, con
         tokens = rows[:, F_TOKENS].astype(np.int64)
         if cap is None:
             largest = int(slot_loads(tokens, owners, micro, world, num_micro).max())
-            cap = step_maths.token_cap(tokens, world * num_micro, config.max_tokens, config.max_token_ratio, largest)
+            cap = token_cap(tokens, world * num_micro, config, largest)
         spd = None if np.all(speeds == 1.0) else speeds
 
         def plan(costs):
@@ -61,4 +66,4 @@ def plan_work(work: StepWork, balance: bool, speeds: np.ndarray, world: int, con
         return owners, micro, False, f"planner failed: {exc!r}", f"{type(exc).__name__}: {exc}"
 
 
-__all__ = ["plan_work"]
+__all__ = ["plan_work", "token_cap"]

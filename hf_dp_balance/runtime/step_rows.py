@@ -16,7 +16,7 @@ import numpy as np
 
 from hf_dp_balance.core.codec import encoded_nbytes, sample_entries
 from hf_dp_balance.core.costing import item_grids, planning_costs
-from hf_dp_balance.runtime.exchange import H_FLAGS, H_SPEED, ExchangeError, SampleExchange
+from hf_dp_balance.runtime.exchange import H_FLAGS, H_SPEED, ExchangeError, SampleExchange, failure_detail
 from hf_dp_balance.runtime.logs import get_logger
 
 logger = get_logger(__name__)
@@ -247,10 +247,6 @@ def agree_digests(ex: SampleExchange, step: int, where: str, phase: str, digest:
                             f"{ex.rank}); every rank plans from the same gathered numbers, so the planner or "
                             f"its inputs differ on those ranks")
     return {}
-
-
-def failure_detail(failed: Dict[int, str]) -> str:
-    return "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
 
 
 def agree_plan(ex: SampleExchange, work: StepWork, dest_rank: np.ndarray, dest_micro: np.ndarray,

@@ -156,6 +156,13 @@ class StepStream:
             self._thread_error = exc
             self._put(("error", exc, traceback.format_exc()))
 
+    def wait_until_queued(self, steps: int, timeout_s: float) -> None:
+        """Return once `steps` steps are queued, the thread has ended (data over, or failed: `next_step`
+        says which), or `timeout_s` has passed."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.qsize() < steps and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)
+
     def next_step(self) -> Optional[list]:
         """The next step's packed micro-batches, or None at the end; re-raises a thread failure here."""
         if self._done:

@@ -20,7 +20,7 @@ import torch
 
 from hf_dp_balance.core.costing import item_costs
 from hf_dp_balance.core.routing import VisionRoute, route_items, rows_in_order, take_rows
-from hf_dp_balance.runtime.exchange import ExchangeError
+from hf_dp_balance.runtime.exchange import ExchangeError, failure_detail
 from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.vision_towers import LocalItems, find_inner
 
@@ -204,7 +204,7 @@ class VisionBalancer:
         failed = [r for r, c in enumerate(counts) if int(c[1])]
         if failed:
             raise ExchangeError(f"{self._where('local items')}: rank(s) {failed} failed: "
-                                + "; ".join(f"rank {r}: {m}" for r, m in self._messages(failed, error, dev).items()))
+                                + failure_detail(self._messages(failed, error, dev)))
         counts = [int(c[0].item()) for c in counts]
         width = max(counts)
         if width == 0:

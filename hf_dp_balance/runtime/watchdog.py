@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import sys
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
 
-from hf_dp_balance.runtime.exchange import ExchangeError
+from hf_dp_balance.runtime.exchange import ExchangeError, failure_detail
 from hf_dp_balance.runtime.logs import get_logger
 
 logger = get_logger(__name__)
@@ -157,8 +158,7 @@ def training_error(loader: Any, exc: BaseException, phase: str = TRAINING_PHASE,
     if watchdog is not None:
         watchdog.stand_down()
     failed = exchange.reported_failures()
-    who = (" (ranks that reported a failure: " + ", ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
-           + ")") if failed else ""
+    who = f" (ranks that reported a failure: {failure_detail(failed)})" if failed else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return ExchangeError(f"hf_dp_balance: {where}, phase {phase}: a peer died or failed{who}: "
                          f"{type(exc).__name__}: {first}")
@@ -177,5 +177,18 @@ def training_errors(loader: Any, phase: str = TRAINING_PHASE, step: Optional[Cal
         raise error from exc
 
 
+def named_training_call(call: Callable, loader: Callable[[], Any], step: Callable[[], int],
+                        phase: str = TRAINING_PHASE) -> Callable:
+    """`call` run inside `training_errors(loader(), phase, step)`: its distributed errors name the user's
+    step, the rank and the phase. `functools.wraps` keeps `__wrapped__` (accelerate's `unwrap_model` walks
+    that chain of a model's forward)."""
+    @functools.wraps(call)
+    def named(*args, **kwargs):
+        with training_errors(loader(), phase, step):
+            return call(*args, **kwargs)
+
+    return named
+
+
 __all__ = ["Watchdog", "end_process", "FATAL_EXIT_CODE", "TRAINING_PHASE", "is_distributed_error",
-           "training_error", "training_errors"]
+           "named_training_call", "training_error", "training_errors"]
