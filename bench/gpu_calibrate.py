@@ -38,7 +38,8 @@ def qwen2_vl_2b_config():
 
     return Qwen2VLConfig(
         text_config=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, use_cache=False),
+                         intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, use_cache=False,
+                         tie_word_embeddings=True),
         vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2))
 
@@ -108,53 +109,64 @@ def bench_setup(tiny: bool) -> Optional[Bench]:
 
 
 def decoder_runner(config, device: str, dtype) -> Callable:
-    """run(lengths): forward + backward of the decoder on one packed row of samples of these lengths."""
+    """prepare(lengths) -> run(): forward + backward of the decoder on one packed row of samples of these
+    lengths (the inputs are built on the device before, outside the timed call)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     text = config.text_config.to_dict()
     text.pop("model_type", None)
     lm_config = Qwen2Config(**{k: v for k, v in text.items() if k in Qwen2Config().to_dict() or k == "head_dim"})
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM._from_config(lm_config, attn_implementation=attention_implementation(device))
-    model.to(device=device, dtype=dtype)
+    with torch.device(device):  # random init on the device itself: seconds for 2B parameters, not minutes
+        model = Qwen2ForCausalLM._from_config(lm_config, attn_implementation=attention_implementation(device),
+                                              dtype=dtype)
     vocab = lm_config.vocab_size
 
-    def run(lengths):
+    def prepare(lengths):
         ids = torch.randint(0, vocab, (1, int(sum(lengths))), device=device)
-        positions = torch.cat([torch.arange(int(n), device=device) for n in lengths])[None]
-        model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
+        positions = torch.from_numpy(np.concatenate([np.arange(int(n)) for n in lengths]))[None].to(device)
 
-    return run
+        def run():
+            model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    return prepare
 
 
 def vision_runner(config, device: str, dtype):
-    """(run(patches), frames_of(patches)): forward + backward of the vision tower on one frame per entry of
-    `patches`; `frames_of` gives the patches of the frames `run` really builds (even h and w)."""
+    """(prepare(patches) -> run(), frames_of(patches)): forward + backward of the vision tower on one frame
+    per entry of `patches`; `frames_of` gives the patches of the frames it really builds (even h and w)."""
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
     vc = config.vision_config
     torch.manual_seed(0)
-    tower = Qwen2VisionTransformerPretrainedModel._from_config(vc, attn_implementation="sdpa").to(device, dtype)
+    with torch.device(device):
+        tower = Qwen2VisionTransformerPretrainedModel._from_config(vc, attn_implementation="sdpa", dtype=dtype)
     patch_dim = 3 * vc.temporal_patch_size * vc.patch_size ** 2
 
-    def run(patches):
+    def prepare(patches):
         grid = cost_fit.image_grids(patches).to(device)
         pixels = torch.randn(int(grid.prod(dim=1).sum()), patch_dim, device=device, dtype=dtype)
-        out = tower(pixels, grid_thw=grid)
-        getattr(out, "pooler_output", out).float().square().mean().backward()
-        tower.zero_grad(set_to_none=True)
 
-    return run, lambda patches: [int(g[1] * g[2]) for g in cost_fit.image_grids(patches).tolist()]
+        def run():
+            out = tower(pixels, grid_thw=grid)
+            getattr(out, "pooler_output", out).float().square().mean().backward()
+            tower.zero_grad(set_to_none=True)
+
+        return run
+
+    return prepare, lambda patches: [int(g[1] * g[2]) for g in cost_fit.image_grids(patches).tolist()]
 
 
-def measure(timer, run, items, repeats: int) -> np.ndarray:
-    """Minimum over `repeats` interleaved rounds of each item's time."""
-    timer(lambda: run(max(items, key=sum)))  # warm-up at the largest size (allocator, kernels)
+def measure(timer, prepare, items, repeats: int) -> np.ndarray:
+    """Minimum over `repeats` interleaved rounds of each item's time (`prepare(item)` gives the timed call)."""
+    timer(prepare(max(items, key=sum)))  # warm-up at the largest size (allocator, kernels)
     times = np.full(len(items), np.inf)
     for _ in range(repeats):
         for i in np.random.default_rng(len(items)).permutation(len(items)):
-            times[i] = min(times[i], timer(lambda: run(items[i])))
+            times[i] = min(times[i], timer(prepare(items[i])))
     return times
 
 
@@ -179,13 +191,13 @@ def _step_time_fit(feats, times, fit_packs: int, prior: CostModel, seed: int) ->
             "train_steps": int(train.shape[0]), "test_steps": int(test.shape[0])}
 
 
-def calibrate(name: str, packs, singles, run, timer, prior: CostModel, fit_packs: int, repeats: int,
+def calibrate(name: str, packs, singles, prepare, timer, prior: CostModel, fit_packs: int, repeats: int,
               seed: int = 0) -> dict:
     """Fit per rank on the first `fit_packs` packs (with / without the prior) and from step times; held-out
     pack, step and single-sample MAPE; coefficients and the quadratic/linear ratio next to the prior's.
     Returns the numbers, the fitted models and every pack's features and time."""
-    times = measure(timer, run, packs, repeats)
-    single_times = measure(timer, run, [[n] for n in singles], repeats)
+    times = measure(timer, prepare, packs, repeats)
+    single_times = measure(timer, prepare, [[n] for n in singles], repeats)
     feats = np.stack([features_of(p) for p in packs])
     test = np.arange(fit_packs, len(packs))
     print(f"\n{name}: {len(packs)} packs ({fit_packs} fitted, {test.size} held out), {len(singles)} single samples")
@@ -226,20 +238,20 @@ def _held_out_steps(test: np.ndarray, seed: int) -> np.ndarray:
     return np.random.default_rng(seed + 1).choice(test, size=(4 * test.size, STEP_RANKS))
 
 
-def calibrate_modules(bench: Bench, decoder_run, vision, tokens, patches, n: int, fit_n: int, repeats: int,
+def calibrate_modules(bench: Bench, decoder, vision, tokens, patches, n: int, fit_n: int, repeats: int,
                       rng) -> dict:
     """`calibrate` of the decoder on `n` packs of tokens[0]..tokens[1] tokens and (unless `vision` is None;
     else its `vision_runner` pair) of the vision tower on sets of frames of patches[0]..patches[1] patches."""
     packs = cost_fit.pack_compositions(rng, n, tokens[0], tokens[1], min_len=64)
     singles = sorted({int(x) for x in np.linspace(64, tokens[1], 8)})
-    out = {"decoder": calibrate("decoder", packs, singles, decoder_run, bench.timer,
+    out = {"decoder": calibrate("decoder", packs, singles, decoder, bench.timer,
                                 CostModel.from_config(bench.config), fit_n, repeats)}
     if vision is not None:
-        run, frames_of = vision
+        prepare, frames_of = vision
         vpacks = [frames_of(p) for p in cost_fit.pack_compositions(rng, n, patches[0], patches[1], min_len=64,
                                                                     quantum=4)]
         vsingles = frames_of(sorted({int(x) // 4 * 4 for x in np.linspace(64, patches[1] // 2, 6)}))
-        out["vision"] = calibrate("vision tower (per frame)", vpacks, vsingles, run, bench.timer,
+        out["vision"] = calibrate("vision tower (per frame)", vpacks, vsingles, prepare, bench.timer,
                                   CostModel.from_config(bench.config, module="vision"), fit_n, repeats)
     return out
 

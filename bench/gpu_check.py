@@ -1,0 +1,268 @@
+"""On real kernels, how much faster is the slowest rank? One command for one GPU (an H200, under 8 minutes).
+
+1. Calibration (`bench/gpu_calibrate.py`'s): a Qwen2-VL-2B-sized decoder and vision tower from the published
+   sizes, random weights, bf16, flash-attention-2 varlen when installed else the library's varlen attention
+   over SDPA; forward + backward timed with CUDA events; held-out errors of the per-rank and step-time fits;
+   the fitted quadratic/linear ratio beside the FLOP prior's.
+2. Virtual data parallelism on the one device: for P = 8 and 32 ranks, steps of a long-tail multimodal mix in
+   fixed-length packs (32K tokens scaled down to --pack), each rank's micro-batches built the way each method
+   would (`bench/gpu_methods.py`: none, transformers' batch_rebalance, hf_dp_balance's plan from the fitted
+   models, and a plan on the costs measured in this run); every rank's micro-batches run one after another
+   with real kernels (decoder over the packed row, vision tower over its frames); per step the slowest
+   rank's device time and the mean rank's, per method.
+3. The host side beside it (`bench/gpu_host.py`): plan_step at P = 8, 32 and DP 4096, one rank's
+   BatchRebalanceSampler pass, and the exchange's encode / decode of the moved samples.
+
+One table printed (and written with --json). `--tiny` runs the same code on CPU: tiny configs, float32, thread
+CPU time, small packs (a check of the code path, under a minute; its numbers say nothing about a GPU).
+
+    python bench/gpu_check.py --json gpu_check.json            # one GPU
+    python bench/gpu_check.py --tiny --json gpu_check_tiny.json   # CPU, tiny configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+from tqdm import tqdm
+
+import gpu_calibrate
+import gpu_host
+import gpu_methods
+from hf_dp_balance.config import DPBalanceConfig
+from hf_dp_balance.core.cost import CostModel, features_of
+from hf_dp_balance.core.fitting import fit_cost_model
+
+RANKS = (8, 32)
+# Per size: pack tokens, steps, calibration packs (fitted), repeats, device seconds for the virtual runs.
+SIZES = {"gpu": dict(pack=8192, steps=4, packs=32, fit_packs=16, repeats=2, budget_s=270.0),
+         "tiny": dict(pack=256, steps=2, packs=8, fit_packs=5, repeats=1, budget_s=20.0)}
+LARGE_DP = 4096
+
+
+class DeviceRanks:
+    """Runs each rank's micro-batches one after another on the device; keeps every micro-batch's features
+    and time per module (what the `measured` plan is fitted on)."""
+
+    def __init__(self, bench, decoder_run, vision_run, bar):
+        self.bench, self.decoder_run, self.vision_run, self.bar = bench, decoder_run, vision_run, bar
+        self.observed: Dict[str, List] = {"decoder": [], "vision": []}
+
+    def run(self, samples, frames, batches) -> tuple:
+        """(seconds per rank, sample ids trained) of one method's step."""
+        timer, seconds, trained = self.bench.timer, [], []
+        for per_rank in batches:
+            total = 0.0
+            for mb in per_rank:
+                lengths = samples.tokens[mb].tolist()
+                mb_frames = [p for i in mb.tolist() for p in frames[i]]
+                if lengths:
+                    t = timer(self.decoder_run(lengths))
+                    self.observed["decoder"].append((features_of(lengths), t))
+                    total += t
+                if mb_frames:
+                    t = timer(self.vision_run(mb_frames))
+                    self.observed["vision"].append((features_of(mb_frames), t))
+                    total += t
+                trained += mb.tolist()
+                self.bar.update(1)
+            seconds.append(total)
+        return seconds, sorted(trained)
+
+    def measured_model(self, module: str) -> CostModel:
+        """Per-rank fit (no prior) on every micro-batch of `module` timed so far."""
+        feats = np.stack([f for f, _ in self.observed[module]])
+        times = np.array([t for _, t in self.observed[module]])
+        return fit_cost_model(feats[:, None, :], times[:, None], mode="per_rank", holdout=0).model
+
+
+def _gain(a: float, b: float) -> Optional[float]:
+    """1 - a / b: how much lower `a` is than `b` (None when b is 0)."""
+    return 1.0 - a / b if b > 0 else None
+
+
+def summarize(record: Dict[str, dict], moved: Dict[str, List[int]]) -> dict:
+    """Rows per method (sums over steps) and the gains of hf_dp_balance."""
+    rows = {}
+    for method, r in record.items():
+        slow = np.array([max(s) for s in r["rank_s"]])
+        mean = np.array([np.mean(s) for s in r["rank_s"]])
+        rows[method] = {"slowest_s": float(slow.sum()), "mean_s": float(mean.sum()),
+                        "imbalance": float(slow.sum() / mean.sum() - 1.0) if mean.sum() > 0 else None,
+                        "moved_per_step": float(np.mean(moved[method])) if moved.get(method) else 0.0,
+                        "per_step_slowest_s": slow.tolist(), "per_step_mean_s": mean.tolist(),
+                        "samples_per_step": r["samples"]}
+    none, ours = rows["none"]["slowest_s"], rows["hf_dp_balance"]["slowest_s"]
+    cut = none - rows["measured"]["slowest_s"]
+    gains = {"vs_none": _gain(ours, none), "vs_batch_rebalance": _gain(ours, rows["batch_rebalance"]["slowest_s"]),
+             "measured_vs_none": _gain(rows["measured"]["slowest_s"], none),
+             "share_of_measured_cut": (none - ours) / cut if cut > 0 else None}
+    for method, row in rows.items():
+        row["vs_none"] = _gain(row["slowest_s"], none)
+    return {"methods": rows, "gains": gains}
+
+
+def _steps_in_budget(drawn: Dict[int, tuple], decoder, vision, ranks_ga: int, budget_s: float, wanted: int) -> int:
+    """Steps (at least 1) whose predicted device time over all ranks and methods fits `budget_s`."""
+    per_step = np.zeros(wanted)
+    for ranks, (samples, steps) in drawn.items():
+        costs = gpu_methods.sample_costs(samples, decoder, vision)
+        for k, s in enumerate(steps):
+            per_step[k] += len(gpu_methods.METHODS) * (costs[s.ids].sum() + ranks * ranks_ga * decoder.constant)
+    return max(1, int(np.searchsorted(np.cumsum(per_step), budget_s, side="right")))
+
+
+def run_check(args, bench) -> dict:
+    size = SIZES["tiny" if args.tiny else "gpu"]
+    pack, ga = args.pack or size["pack"], args.ga
+    wall = time.perf_counter()
+    print(bench.describe(), flush=True)
+    decoder_run = gpu_calibrate.decoder_runner(bench.config, bench.device, bench.dtype)
+    vision_run, frames_of = gpu_calibrate.vision_runner(bench.config, bench.device, bench.dtype)
+    calibration = gpu_calibrate.calibrate_modules(
+        bench, decoder_run, (vision_run, frames_of), (pack // 2, 2 * pack), (pack, 4 * pack), size["packs"],
+        size["fit_packs"], size["repeats"], np.random.default_rng(args.seed))
+    decoder = CostModel.from_dict(calibration["decoder"]["per-rank fit + prior"]["model"])
+    vision = CostModel.from_dict(calibration["vision"]["per-rank fit + prior"]["model"])
+    config = DPBalanceConfig()
+    wanted = args.steps or size["steps"]
+    drawn = {p: gpu_methods.draw_steps(args.mix, p, ga, wanted, pack, np.random.default_rng([args.seed, p]),
+                                       frames_of) for p in RANKS}
+    steps = _steps_in_budget(drawn, decoder, vision, ga, args.budget_s or size["budget_s"], wanted)
+    if steps < wanted:
+        print(f"{steps} of {wanted} steps fit the device budget (predicted by the fitted models)", flush=True)
+    units = len(gpu_methods.METHODS) * steps * ga * sum(RANKS)
+    results, host_inputs = {}, {}
+    with tqdm(total=units, desc="virtual ranks", unit="micro-batch", file=sys.stderr, mininterval=1.0) as bar:
+        device = DeviceRanks(bench, decoder_run, vision_run, bar)
+        for p in RANKS:
+            samples, all_steps = drawn[p]
+            frames = gpu_methods.frames_per_sample(samples)
+            costs = gpu_methods.sample_costs(samples, decoder, vision)
+            record = {m: {"rank_s": [], "samples": []} for m in gpu_methods.METHODS}
+            moved = {m: [] for m in gpu_methods.METHODS}
+            ours_batches = []
+            for step in all_steps[:steps]:
+                planned, n_moved = gpu_methods.planned_batches(step, costs, samples.tokens, p, ga, config)
+                ours_batches.append(planned)
+                ways = {"none": gpu_methods.none_batches(step, p, ga),
+                        "batch_rebalance": gpu_methods.rebalance_batches(step, samples.tokens, p, ga),
+                        "hf_dp_balance": planned}
+                moved["hf_dp_balance"].append(n_moved)
+                for method, batches in ways.items():
+                    bar.set_description(f"P={p} {method}")
+                    seconds, trained = device.run(samples, frames, batches)
+                    record[method]["rank_s"].append(seconds)
+                    record[method]["samples"].append(trained)
+            measured_costs = gpu_methods.sample_costs(samples, device.measured_model("decoder"),
+                                                      device.measured_model("vision"))
+            bar.set_description(f"P={p} measured")
+            for step in all_steps[:steps]:
+                batches, n_moved = gpu_methods.planned_batches(step, measured_costs, samples.tokens, p, ga, config)
+                moved["measured"].append(n_moved)
+                seconds, trained = device.run(samples, frames, batches)
+                record["measured"]["rank_s"].append(seconds)
+                record["measured"]["samples"].append(trained)
+            results[str(p)] = summarize(record, moved)
+            host_inputs[p] = {"samples": samples, "steps": all_steps[:steps], "costs": costs, "batches": ours_batches}
+    vc = bench.config.vision_config
+    host = gpu_host.host_costs(host_inputs, args.mix, ga, decoder, vision, config, args.seed, args.large_dp,
+                               bench.dtype, 3 * vc.temporal_patch_size * vc.patch_size ** 2)
+    return {"settings": {"device": bench.describe(), "tiny": bool(args.tiny), "mix": args.mix, "pack": pack,
+                         "scale_of_32k": pack / gpu_methods.PUBLISHED_PACK, "ga": ga, "steps": steps,
+                         "ranks": list(RANKS), "seed": args.seed, "large_dp": args.large_dp,
+                         "clock": bench.timer.clock},
+            "calibration": {m: _calibration_row(c) for m, c in calibration.items()},
+            "virtual_dp": results, "host": host, "wall_s": time.perf_counter() - wall}
+
+
+def _calibration_row(c: dict) -> dict:
+    q = c["quadratic_over_linear"]
+    return {"per_rank_pack_mape": c["per-rank fit"]["pack_mape"],
+            "per_rank_prior_pack_mape": c["per-rank fit + prior"]["pack_mape"],
+            "per_rank_prior_step_mape": c["per-rank fit + prior"]["step_mape"],
+            "step_time_prior_step_mape": c["step-time fit + prior"]["step_mape"],
+            "single_sample_mape": c["per-rank fit + prior"]["single_mape"],
+            "quadratic_over_linear_fitted": q["per-rank fit"], "quadratic_over_linear_prior": q["prior"],
+            "effective_tflops": c["effective_tflops"],
+            "model": c["per-rank fit + prior"]["model"]}
+
+
+def _pct(x: Optional[float]) -> str:
+    return "   n/a" if x is None else f"{100 * x:5.1f}%"
+
+
+def _cut(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{100 * abs(x):.1f}% {'lower' if x >= 0 else 'higher'}"
+
+
+def format_table(result: dict) -> str:
+    s = result["settings"]
+    lines = [f"GPU check ({s['device']}); mix {s['mix']} in packs of {s['pack']} tokens (32K x {s['scale_of_32k']:g}),"
+             f" GA {s['ga']}, {s['steps']} steps per P; device seconds summed over the steps",
+             "", f"{'calibration':14s}{'per-rank':>10s}{'+prior':>9s}{'step fit':>10s}{'single':>9s}"
+             f"{'q/l fitted':>12s}{'q/l prior':>11s}{'fitted/prior':>13s}"]
+    for module, c in result["calibration"].items():
+        ratio = c["quadratic_over_linear_fitted"] / c["quadratic_over_linear_prior"]
+        lines.append(f"{module:14s}{_pct(c['per_rank_pack_mape']):>10s}{_pct(c['per_rank_prior_pack_mape']):>9s}"
+                     f"{_pct(c['step_time_prior_step_mape']):>10s}{_pct(c['single_sample_mape']):>9s}"
+                     f"{c['quadratic_over_linear_fitted']:12.3g}{c['quadratic_over_linear_prior']:11.3g}{ratio:13.3g}")
+    lines += ["", f"{'P':>3s} {'method':16s}{'slowest s':>10s}{'mean s':>9s}{'imbalance':>10s}{'vs none':>9s}"
+                  f"{'moved/step':>11s}   slowest rank per step (s)"]
+    for p, run in result["virtual_dp"].items():
+        for method, r in run["methods"].items():
+            lines.append(f"{p:>3s} {method:16s}{r['slowest_s']:10.4g}{r['mean_s']:9.4g}{_pct(r['imbalance']):>10s}"
+                         f"{_pct(r['vs_none']):>9s}{r['moved_per_step']:11.1f}   "
+                         + " ".join(f"{x:.3g}" for x in r["per_step_slowest_s"]))
+        g = run["gains"]
+        lines.append(f"{'':4s}hf_dp_balance's slowest rank: {_cut(g['vs_none'])} than none, "
+                     f"{_cut(g['vs_batch_rebalance'])} than batch_rebalance; {_pct(g['share_of_measured_cut']).strip()}"
+                     f" of the cut of a plan on the measured costs ({_cut(g['measured_vs_none'])} than none)")
+    h = result["host"]
+    lines += ["", f"{'host per step':14s}{'plan_step ms':>13s}{'sampler ms':>11s}{'codec ms':>9s}{'moved MiB':>10s}"
+                  f"{'of the step':>12s}"]
+    for p in result["virtual_dp"]:
+        r, run = h[p], result["virtual_dp"][p]["methods"]["hf_dp_balance"]
+        step_s = run["slowest_s"] / max(1, len(run["per_step_slowest_s"]))
+        share = (r["plan_s"] + r["codec_slowest_rank_s"]) / step_s if step_s > 0 else float("nan")
+        lines.append(f"{'P=' + p:14s}{1e3 * r['plan_s']:13.2f}{1e3 * r['batch_rebalance_sampler_s']:11.1f}"
+                     f"{1e3 * r['codec_slowest_rank_s']:9.2f}{r['moved_mib_per_step']:10.2f}{_pct(share):>12s}")
+    big = h["large"]
+    lines.append(f"{'DP ' + str(big['ranks']):14s}{1e3 * big['plan_s']:13.2f}   ({big['samples']} samples in "
+                 f"32K packs, planned with the fitted models)")
+    lines.append(f"\nwall time {result['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny configs, float32: checks the code path")
+    parser.add_argument("--json", metavar="PATH", help="also write the table and the per-step numbers as JSON")
+    parser.add_argument("--mix", default="qwen2vl-sft", help="a mix of hf_dp_balance.apps.mixes (default long tail)")
+    parser.add_argument("--pack", type=int, default=None, help="pack tokens (default 8192, --tiny 256)")
+    parser.add_argument("--ga", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    parser.add_argument("--steps", type=int, default=None, help="steps per P (default 4, --tiny 2; fewer when "
+                                                                 "they do not fit --budget-s)")
+    parser.add_argument("--budget-s", type=float, default=None, help="device seconds for the virtual runs")
+    parser.add_argument("--large-dp", type=int, default=LARGE_DP, help="DP size of the planning-time row")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    bench = gpu_calibrate.bench_setup(args.tiny)
+    if bench is None:
+        print("gpu_check: no CUDA device (use --tiny to check the code path on CPU)", file=sys.stderr)
+        return 2
+    result = run_check(args, bench)
+    print("\n" + format_table(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
