@@ -113,7 +113,8 @@ def _steps_in_budget(drawn: Dict[int, tuple], decoder, vision, ranks_ga: int, bu
     for ranks, (samples, steps) in drawn.items():
         costs = gpu_methods.sample_costs(samples, decoder, vision)
         for k, s in enumerate(steps):
-            per_step[k] += len(gpu_methods.METHODS) * (costs[s.ids].sum() + ranks * ranks_ga * decoder.constant)
+            constants = ranks * ranks_ga * (decoder.constant + vision.constant)
+            per_step[k] += len(gpu_methods.METHODS) * (costs[s.ids].sum() + constants)
     return max(1, int(np.searchsorted(np.cumsum(per_step), budget_s, side="right")))
 
 
