@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import cost_fit  # bench/: pack_compositions, image_grids (run as a script: its folder is on sys.path)
 from cost_fit_synthetic import predicted_steps
@@ -160,13 +161,15 @@ def vision_runner(config, device: str, dtype):
     return prepare, lambda patches: [int(g[1] * g[2]) for g in cost_fit.image_grids(patches).tolist()]
 
 
-def measure(timer, prepare, items, repeats: int) -> np.ndarray:
+def measure(timer, prepare, items, repeats: int, label: str = "") -> np.ndarray:
     """Minimum over `repeats` interleaved rounds of each item's time (`prepare(item)` gives the timed call)."""
     timer(prepare(max(items, key=sum)))  # warm-up at the largest size (allocator, kernels)
     times = np.full(len(items), np.inf)
-    for _ in range(repeats):
-        for i in np.random.default_rng(len(items)).permutation(len(items)):
-            times[i] = min(times[i], timer(prepare(items[i])))
+    with tqdm(total=repeats * len(items), desc=label, unit="pack", file=sys.stderr, mininterval=1.0) as bar:
+        for _ in range(repeats):
+            for i in np.random.default_rng(len(items)).permutation(len(items)):
+                times[i] = min(times[i], timer(prepare(items[i])))
+                bar.update(1)
     return times
 
 
@@ -196,8 +199,8 @@ def calibrate(name: str, packs, singles, prepare, timer, prior: CostModel, fit_p
     """Fit per rank on the first `fit_packs` packs (with / without the prior) and from step times; held-out
     pack, step and single-sample MAPE; coefficients and the quadratic/linear ratio next to the prior's.
     Returns the numbers, the fitted models and every pack's features and time."""
-    times = measure(timer, prepare, packs, repeats)
-    single_times = measure(timer, prepare, [[n] for n in singles], repeats)
+    times = measure(timer, prepare, packs, repeats, f"{name}: packs")
+    single_times = measure(timer, prepare, [[n] for n in singles], repeats, f"{name}: single samples")
     feats = np.stack([features_of(p) for p in packs])
     test = np.arange(fit_packs, len(packs))
     print(f"\n{name}: {len(packs)} packs ({fit_packs} fitted, {test.size} held out), {len(singles)} single samples")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Dict, List, Optional
@@ -34,14 +35,17 @@ from tqdm import tqdm
 import gpu_calibrate
 import gpu_host
 import gpu_methods
+from hf_dp_balance.apps.mixes import mix_names
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model
 
 RANKS = (8, 32)
-# Per size: pack tokens, steps, calibration packs (fitted), repeats, device seconds for the virtual runs.
-SIZES = {"gpu": dict(pack=8192, steps=4, packs=32, fit_packs=16, repeats=2, budget_s=270.0),
-         "tiny": dict(pack=256, steps=2, packs=8, fit_packs=5, repeats=1, budget_s=20.0)}
+# Per size: pack tokens, steps, calibration packs (fitted), repeats, seconds for the whole run (the steps of
+# the virtual runs are cut to what the fitted models predict fits in what is left after the calibration).
+SIZES = {"gpu": dict(pack=8192, steps=4, packs=32, fit_packs=16, repeats=2, budget_s=420.0),
+         "tiny": dict(pack=256, steps=2, packs=8, fit_packs=5, repeats=1, budget_s=120.0)}
+HOST_RESERVE_S = 20.0  # the host-side part after the virtual runs
 LARGE_DP = 4096
 
 
@@ -74,8 +78,10 @@ class DeviceRanks:
             seconds.append(total)
         return seconds, sorted(trained)
 
-    def measured_model(self, module: str) -> CostModel:
-        """Per-rank fit (no prior) on every micro-batch of `module` timed so far."""
+    def measured_model(self, module: str) -> Optional[CostModel]:
+        """Per-rank fit (no prior) on every micro-batch of `module` timed so far (None: none timed)."""
+        if not self.observed[module]:
+            return None
         feats = np.stack([f for f, _ in self.observed[module]])
         times = np.array([t for _, t in self.observed[module]])
         return fit_cost_model(feats[:, None, :], times[:, None], mode="per_rank", holdout=0).model
@@ -94,7 +100,7 @@ def summarize(record: Dict[str, dict], moved: Dict[str, List[int]]) -> dict:
         mean = np.array([np.mean(s) for s in r["rank_s"]])
         rows[method] = {"slowest_s": float(slow.sum()), "mean_s": float(mean.sum()),
                         "imbalance": float(slow.sum() / mean.sum() - 1.0) if mean.sum() > 0 else None,
-                        "moved_per_step": float(np.mean(moved[method])) if moved.get(method) else 0.0,
+                        "moved_per_step": float(np.mean(moved[method])) if method in moved else None,
                         "per_step_slowest_s": slow.tolist(), "per_step_mean_s": mean.tolist(),
                         "samples_per_step": r["samples"]}
     none, ours = rows["none"]["slowest_s"], rows["hf_dp_balance"]["slowest_s"]
@@ -105,6 +111,39 @@ def summarize(record: Dict[str, dict], moved: Dict[str, List[int]]) -> dict:
     for method, row in rows.items():
         row["vs_none"] = _gain(row["slowest_s"], none)
     return {"methods": rows, "gains": gains}
+
+
+def run_ranks(device: DeviceRanks, samples, steps, costs, ranks: int, ga: int, config) -> tuple:
+    """Every method's micro-batches of these steps on the device, rank after rank: (summary, hf_dp_balance's
+    batches per step). The `measured` plan comes last: it is fitted on every micro-batch timed before it."""
+    frames = gpu_methods.frames_per_sample(samples)
+    record = {m: {"rank_s": [], "samples": []} for m in gpu_methods.METHODS}
+    # samples the exchange moves; batch_rebalance's ranks read their own samples (nothing is sent)
+    moved = {"none": [0], "hf_dp_balance": [], "measured": []}
+
+    def run(method, batches):
+        device.bar.set_description(f"P={ranks} {method}")
+        seconds, trained = device.run(samples, frames, batches)
+        record[method]["rank_s"].append(seconds)
+        record[method]["samples"].append(trained)
+
+    ours = []
+    for k, step in enumerate(steps):
+        planned, n_moved = gpu_methods.planned_batches(step, costs, samples.tokens, ranks, ga, config)
+        ours.append(planned)
+        moved["hf_dp_balance"].append(n_moved)
+        ways = {"none": gpu_methods.none_batches(step, ranks, ga),
+                "batch_rebalance": gpu_methods.rebalance_batches(step, samples.tokens, ranks, ga),
+                "hf_dp_balance": planned}
+        for method in list(ways)[k % 3:] + list(ways)[:k % 3]:  # no method always runs right after another
+            run(method, ways[method])
+    measured_costs = gpu_methods.sample_costs(samples, device.measured_model("decoder"),
+                                              device.measured_model("vision"))
+    for step in steps:
+        batches, n_moved = gpu_methods.planned_batches(step, measured_costs, samples.tokens, ranks, ga, config)
+        moved["measured"].append(n_moved)
+        run("measured", batches)
+    return summarize(record, moved), ours
 
 
 def _steps_in_budget(drawn: Dict[int, tuple], decoder, vision, ranks_ga: int, budget_s: float, wanted: int) -> int:
@@ -134,7 +173,8 @@ def run_check(args, bench) -> dict:
     wanted = args.steps or size["steps"]
     drawn = {p: gpu_methods.draw_steps(args.mix, p, ga, wanted, pack, np.random.default_rng([args.seed, p]),
                                        frames_of) for p in RANKS}
-    steps = _steps_in_budget(drawn, decoder, vision, ga, args.budget_s or size["budget_s"], wanted)
+    budget = (args.budget_s or size["budget_s"]) - (time.perf_counter() - wall) - HOST_RESERVE_S
+    steps = _steps_in_budget(drawn, decoder, vision, ga, budget, wanted)
     if steps < wanted:
         print(f"{steps} of {wanted} steps fit the device budget (predicted by the fitted models)", flush=True)
     units = len(gpu_methods.METHODS) * steps * ga * sum(RANKS)
@@ -143,39 +183,15 @@ def run_check(args, bench) -> dict:
         device = DeviceRanks(bench, decoder_run, vision_run, bar)
         for p in RANKS:
             samples, all_steps = drawn[p]
-            frames = gpu_methods.frames_per_sample(samples)
             costs = gpu_methods.sample_costs(samples, decoder, vision)
-            record = {m: {"rank_s": [], "samples": []} for m in gpu_methods.METHODS}
-            moved = {m: [] for m in gpu_methods.METHODS}
-            ours_batches = []
-            for step in all_steps[:steps]:
-                planned, n_moved = gpu_methods.planned_batches(step, costs, samples.tokens, p, ga, config)
-                ours_batches.append(planned)
-                ways = {"none": gpu_methods.none_batches(step, p, ga),
-                        "batch_rebalance": gpu_methods.rebalance_batches(step, samples.tokens, p, ga),
-                        "hf_dp_balance": planned}
-                moved["hf_dp_balance"].append(n_moved)
-                for method, batches in ways.items():
-                    bar.set_description(f"P={p} {method}")
-                    seconds, trained = device.run(samples, frames, batches)
-                    record[method]["rank_s"].append(seconds)
-                    record[method]["samples"].append(trained)
-            measured_costs = gpu_methods.sample_costs(samples, device.measured_model("decoder"),
-                                                      device.measured_model("vision"))
-            bar.set_description(f"P={p} measured")
-            for step in all_steps[:steps]:
-                batches, n_moved = gpu_methods.planned_batches(step, measured_costs, samples.tokens, p, ga, config)
-                moved["measured"].append(n_moved)
-                seconds, trained = device.run(samples, frames, batches)
-                record["measured"]["rank_s"].append(seconds)
-                record["measured"]["samples"].append(trained)
-            results[str(p)] = summarize(record, moved)
-            host_inputs[p] = {"samples": samples, "steps": all_steps[:steps], "costs": costs, "batches": ours_batches}
+            results[str(p)], batches = run_ranks(device, samples, all_steps[:steps], costs, p, ga, config)
+            host_inputs[p] = {"samples": samples, "steps": all_steps[:steps], "costs": costs, "batches": batches}
     vc = bench.config.vision_config
     host = gpu_host.host_costs(host_inputs, args.mix, ga, decoder, vision, config, args.seed, args.large_dp,
                                bench.dtype, 3 * vc.temporal_patch_size * vc.patch_size ** 2)
     return {"settings": {"device": bench.describe(), "tiny": bool(args.tiny), "mix": args.mix, "pack": pack,
                          "scale_of_32k": pack / gpu_methods.PUBLISHED_PACK, "ga": ga, "steps": steps,
+                         "steps_wanted": wanted, "budget_s": args.budget_s or size["budget_s"],
                          "ranks": list(RANKS), "seed": args.seed, "large_dp": args.large_dp,
                          "clock": bench.timer.clock},
             "calibration": {m: _calibration_row(c) for m, c in calibration.items()},
@@ -198,6 +214,10 @@ def _pct(x: Optional[float]) -> str:
     return "   n/a" if x is None else f"{100 * x:5.1f}%"
 
 
+def _count(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def _cut(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{100 * abs(x):.1f}% {'lower' if x >= 0 else 'higher'}"
 
@@ -218,7 +238,7 @@ def format_table(result: dict) -> str:
     for p, run in result["virtual_dp"].items():
         for method, r in run["methods"].items():
             lines.append(f"{p:>3s} {method:16s}{r['slowest_s']:10.4g}{r['mean_s']:9.4g}{_pct(r['imbalance']):>10s}"
-                         f"{_pct(r['vs_none']):>9s}{r['moved_per_step']:11.1f}   "
+                         f"{_pct(r['vs_none']):>9s}{_count(r['moved_per_step']):>11s}   "
                          + " ".join(f"{x:.3g}" for x in r["per_step_slowest_s"]))
         g = run["gains"]
         lines.append(f"{'':4s}hf_dp_balance's slowest rank: {_cut(g['vs_none'])} than none, "
@@ -240,6 +260,18 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _check_args(parser, args) -> None:
+    """Refuse bad options before minutes of device time are spent."""
+    if args.mix not in mix_names():
+        parser.error(f"--mix {args.mix!r}: unknown; choose one of {', '.join(mix_names())}")
+    for name in ("pack", "ga", "steps", "large_dp", "budget_s"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} {value}: must be > 0")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json}: its folder does not exist")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny configs, float32: checks the code path")
@@ -249,10 +281,12 @@ def main(argv=None) -> int:
     parser.add_argument("--ga", type=int, default=1, help="gradient-accumulation micro-batches per step")
     parser.add_argument("--steps", type=int, default=None, help="steps per P (default 4, --tiny 2; fewer when "
                                                                  "they do not fit --budget-s)")
-    parser.add_argument("--budget-s", type=float, default=None, help="device seconds for the virtual runs")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for the whole run (default 420, --tiny 120): fewer steps when they do not fit")
     parser.add_argument("--large-dp", type=int, default=LARGE_DP, help="DP size of the planning-time row")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    _check_args(parser, args)
     bench = gpu_calibrate.bench_setup(args.tiny)
     if bench is None:
         print("gpu_check: no CUDA device (use --tiny to check the code path on CPU)", file=sys.stderr)

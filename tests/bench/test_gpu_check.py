@@ -47,6 +47,7 @@ def test_tiny_check_runs_every_method_on_the_same_samples(tmp_path):
             assert all(s >= m > 0 for s, m in zip(row["per_step_slowest_s"], row["per_step_mean_s"])), method
             assert math.isclose(row["slowest_s"], sum(row["per_step_slowest_s"]))
         assert run["methods"]["none"]["moved_per_step"] == 0
+        assert run["methods"]["batch_rebalance"]["moved_per_step"] is None  # its ranks read their own samples
         # every method trained the same samples in every step, each exactly once
         reference = run["methods"]["none"]["samples_per_step"]
         assert len(reference) == steps
