@@ -121,6 +121,7 @@ def decoder_runner(config, device: str, dtype) -> Callable:
     with torch.device(device):  # random init on the device itself: seconds for 2B parameters, not minutes
         model = Qwen2ForCausalLM._from_config(lm_config, attn_implementation=attention_implementation(device),
                                               dtype=dtype)
+    model.to(device)  # a no-op unless some buffer was made on the host
     vocab = lm_config.vocab_size
 
     def prepare(lengths):
@@ -145,6 +146,7 @@ def vision_runner(config, device: str, dtype):
     torch.manual_seed(0)
     with torch.device(device):
         tower = Qwen2VisionTransformerPretrainedModel._from_config(vc, attn_implementation="sdpa", dtype=dtype)
+    tower.to(device)
     patch_dim = 3 * vc.temporal_patch_size * vc.patch_size ** 2
 
     def prepare(patches):
@@ -205,6 +207,7 @@ def calibrate(name: str, packs, singles, prepare, timer, prior: CostModel, fit_p
     test = np.arange(fit_packs, len(packs))
     print(f"\n{name}: {len(packs)} packs ({fit_packs} fitted, {test.size} held out), {len(singles)} single samples")
     out = {"pack_features": feats.tolist(), "pack_times": times.tolist()}
+    held = _held_out_steps(test, seed)
     for label, with_prior in (("per-rank fit", None), ("per-rank fit + prior", prior)):
         fit = fit_cost_model(feats[:fit_packs, None, :], times[:fit_packs, None], mode="per_rank", holdout=0,
                              prior=with_prior)
@@ -212,8 +215,7 @@ def calibrate(name: str, packs, singles, prepare, timer, prior: CostModel, fit_p
         # a single sample timed alone also pays the pack's constant
         single_pred = model.sample_costs(np.asarray(singles)) + model.constant
         out[label] = {"pack_mape": _mape(model.predict(feats[test]), times[test]),
-                      "step_mape": _mape(model.step_time(feats[_held_out_steps(test, seed)]),
-                                         times[_held_out_steps(test, seed)].max(axis=1)),
+                      "step_mape": _mape(model.step_time(feats[held]), times[held].max(axis=1)),
                       "single_mape": _mape(single_pred, single_times), "model": model.to_dict()}
         print(f"  {label:22s} held-out pack MAPE {100 * out[label]['pack_mape']:6.2f}%   "
               f"step MAPE {100 * out[label]['step_mape']:6.2f}%   "
@@ -223,16 +225,17 @@ def calibrate(name: str, packs, singles, prepare, timer, prior: CostModel, fit_p
           f"   ({out['step-time fit + prior']['train_steps']} steps of {STEP_RANKS} ranks, slowest rank only)")
     fitted = CostModel.from_dict(out["per-rank fit + prior"]["model"])
     per_tflop = fitted.linear / prior.linear if prior.linear else float("nan")  # the prior is in TFLOPs
+    out["effective_tflops"] = 1 / per_tflop if per_tflop > 0 else float("nan")
     print(f"  {'coefficient':12s} {'fitted (s)':>12s} {'prior x s/TFLOP':>16s}   (dense layers at "
-          f"{1 / per_tflop:.3g} effective TFLOP/s)")
+          f"{out['effective_tflops']:.3g} effective TFLOP/s)")
     for k, cname in enumerate(COEFF_NAMES):
         print(f"  {cname:12s} {fitted.coefficients[k]:12.4g} {prior.coefficients[k] * per_tflop:16.4g}")
     ratios = {"per-rank fit": quadratic_over_linear(CostModel.from_dict(out["per-rank fit"]["model"])),
               "per-rank fit + prior": quadratic_over_linear(fitted), "prior": quadratic_over_linear(prior)}
     out["quadratic_over_linear"] = ratios
-    out["effective_tflops"] = 1 / per_tflop if per_tflop > 0 else float("nan")
     print(f"  quadratic/linear: fitted {ratios['per-rank fit']:.3g} (free), {ratios['per-rank fit + prior']:.3g} "
-          f"(around the prior), prior {ratios['prior']:.3g}: fitted/prior {ratios['per-rank fit'] / ratios['prior']:.3g}")
+          f"(around the prior), prior {ratios['prior']:.3g}: fitted/prior "
+          f"{ratios['per-rank fit'] / ratios['prior'] if ratios['prior'] else float('nan'):.3g}")
     return out
 
 

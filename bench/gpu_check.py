@@ -205,9 +205,19 @@ def _calibration_row(c: dict) -> dict:
             "per_rank_prior_step_mape": c["per-rank fit + prior"]["step_mape"],
             "step_time_prior_step_mape": c["step-time fit + prior"]["step_mape"],
             "single_sample_mape": c["per-rank fit + prior"]["single_mape"],
-            "quadratic_over_linear_fitted": q["per-rank fit"], "quadratic_over_linear_prior": q["prior"],
-            "effective_tflops": c["effective_tflops"],
+            "quadratic_over_linear_fitted": _finite(q["per-rank fit"]),
+            "quadratic_over_linear_fitted_with_prior": _finite(q["per-rank fit + prior"]),
+            "quadratic_over_linear_prior": _finite(q["prior"]), "effective_tflops": _finite(c["effective_tflops"]),
             "model": c["per-rank fit + prior"]["model"]}
+
+
+def _finite(x: float) -> Optional[float]:
+    """x, or None where it is not finite (a fitted linear term of 0 makes the ratio infinite); JSON-safe."""
+    return float(x) if np.isfinite(x) else None
+
+
+def _num(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
 
 
 def _pct(x: Optional[float]) -> str:
@@ -229,10 +239,11 @@ def format_table(result: dict) -> str:
              "", f"{'calibration':14s}{'per-rank':>10s}{'+prior':>9s}{'step fit':>10s}{'single':>9s}"
              f"{'q/l fitted':>12s}{'q/l prior':>11s}{'fitted/prior':>13s}"]
     for module, c in result["calibration"].items():
-        ratio = c["quadratic_over_linear_fitted"] / c["quadratic_over_linear_prior"]
+        fitted, prior = c["quadratic_over_linear_fitted"], c["quadratic_over_linear_prior"]
+        ratio = fitted / prior if fitted is not None and prior else None
         lines.append(f"{module:14s}{_pct(c['per_rank_pack_mape']):>10s}{_pct(c['per_rank_prior_pack_mape']):>9s}"
                      f"{_pct(c['step_time_prior_step_mape']):>10s}{_pct(c['single_sample_mape']):>9s}"
-                     f"{c['quadratic_over_linear_fitted']:12.3g}{c['quadratic_over_linear_prior']:11.3g}{ratio:13.3g}")
+                     f"{_num(fitted):>12s}{_num(prior):>11s}{_num(ratio):>13s}")
     lines += ["", f"{'P':>3s} {'method':16s}{'slowest s':>10s}{'mean s':>9s}{'imbalance':>10s}{'vs none':>9s}"
                   f"{'moved/step':>11s}   slowest rank per step (s)"]
     for p, run in result["virtual_dp"].items():
