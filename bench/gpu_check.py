@@ -245,12 +245,13 @@ def format_table(result: dict) -> str:
                      f"{_pct(c['step_time_prior_step_mape']):>10s}{_pct(c['single_sample_mape']):>9s}"
                      f"{_num(fitted):>12s}{_num(prior):>11s}{_num(ratio):>13s}")
     lines += ["", f"{'P':>3s} {'method':16s}{'slowest s':>10s}{'mean s':>9s}{'imbalance':>10s}{'vs none':>9s}"
-                  f"{'moved/step':>11s}   slowest rank per step (s)"]
+                  f"{'moved/step':>11s}   per step: slowest / mean rank (s)"]
     for p, run in result["virtual_dp"].items():
         for method, r in run["methods"].items():
             lines.append(f"{p:>3s} {method:16s}{r['slowest_s']:10.4g}{r['mean_s']:9.4g}{_pct(r['imbalance']):>10s}"
                          f"{_pct(r['vs_none']):>9s}{_count(r['moved_per_step']):>11s}   "
-                         + " ".join(f"{x:.3g}" for x in r["per_step_slowest_s"]))
+                         + "  ".join(f"{a:.3g}/{b:.3g}"
+                                     for a, b in zip(r["per_step_slowest_s"], r["per_step_mean_s"])))
         g = run["gains"]
         lines.append(f"{'':4s}hf_dp_balance's slowest rank: {_cut(g['vs_none'])} than none, "
                      f"{_cut(g['vs_batch_rebalance'])} than batch_rebalance; {_pct(g['share_of_measured_cut']).strip()}"
