@@ -57,26 +57,31 @@ class DeviceRanks:
         self.bench, self.decoder_run, self.vision_run, self.bar = bench, decoder_run, vision_run, bar
         self.observed: Dict[str, List] = {"decoder": [], "vision": []}
 
-    def run(self, samples, frames, batches) -> tuple:
-        """(seconds per rank, sample ids trained) of one method's step."""
-        timer, seconds, trained = self.bench.timer, [], []
-        for per_rank in batches:
+    def run(self, samples, frames, batches, where: str) -> tuple:
+        """(seconds per rank, sample ids trained) of one method's step; `where` names it in errors."""
+        seconds, trained = [], []
+        for r, per_rank in enumerate(batches):
             total = 0.0
-            for mb in per_rank:
+            for m, mb in enumerate(per_rank):
                 lengths = samples.tokens[mb].tolist()
                 mb_frames = [p for i in mb.tolist() for p in frames[i]]
-                if lengths:
-                    t = timer(self.decoder_run(lengths))
-                    self.observed["decoder"].append((features_of(lengths), t))
-                    total += t
-                if mb_frames:
-                    t = timer(self.vision_run(mb_frames))
-                    self.observed["vision"].append((features_of(mb_frames), t))
-                    total += t
+                try:
+                    total += self._time("decoder", self.decoder_run, lengths)
+                    total += self._time("vision", self.vision_run, mb_frames)
+                except Exception as exc:  # out of memory above all: say which micro-batch, then stop
+                    raise RuntimeError(f"{where}, rank {r}, micro-batch {m}: {len(lengths)} samples, "
+                                       f"{sum(lengths)} tokens, {sum(mb_frames)} patches: {exc}") from exc
                 trained += mb.tolist()
                 self.bar.update(1)
             seconds.append(total)
         return seconds, sorted(trained)
+
+    def _time(self, module: str, prepare, items) -> float:
+        if not items:
+            return 0.0
+        t = self.bench.timer(prepare(items))
+        self.observed[module].append((features_of(items), t))
+        return t
 
     def measured_model(self, module: str) -> Optional[CostModel]:
         """Per-rank fit (no prior) on every micro-batch of `module` timed so far (None: none timed)."""
@@ -123,7 +128,8 @@ def run_ranks(device: DeviceRanks, samples, steps, costs, ranks: int, ga: int, c
 
     def run(method, batches):
         device.bar.set_description(f"P={ranks} {method}")
-        seconds, trained = device.run(samples, frames, batches)
+        where = f"P={ranks} {method} step {len(record[method]['rank_s']) + 1}"
+        seconds, trained = device.run(samples, frames, batches, where)
         record[method]["rank_s"].append(seconds)
         record[method]["samples"].append(trained)
 
@@ -157,7 +163,9 @@ def _steps_in_budget(drawn: Dict[int, tuple], decoder, vision, ranks_ga: int, bu
     return max(1, int(np.searchsorted(np.cumsum(per_step), budget_s, side="right")))
 
 
-def run_check(args, bench) -> dict:
+def run_check(args, bench, save=lambda result: None) -> dict:
+    """The whole check; `save(result)` gets the result so far after the calibration and after each P (a
+    run cut short by the lease or an error still leaves what it measured)."""
     size = SIZES["tiny" if args.tiny else "gpu"]
     pack, ga = args.pack or size["pack"], args.ga
     wall = time.perf_counter()
@@ -177,25 +185,30 @@ def run_check(args, bench) -> dict:
     steps = _steps_in_budget(drawn, decoder, vision, ga, budget, wanted)
     if steps < wanted:
         print(f"{steps} of {wanted} steps fit the device budget (predicted by the fitted models)", flush=True)
+    result = {"settings": {"device": bench.describe(), "tiny": bool(args.tiny), "mix": args.mix, "pack": pack,
+                           "scale_of_32k": pack / gpu_methods.PUBLISHED_PACK, "ga": ga, "steps": steps,
+                           "steps_wanted": wanted, "budget_s": args.budget_s or size["budget_s"],
+                           "ranks": list(RANKS), "seed": args.seed, "large_dp": args.large_dp,
+                           "clock": bench.timer.clock},
+              "calibration": {m: _calibration_row(c) for m, c in calibration.items()}, "virtual_dp": {}}
+    save(result)
+    host_inputs = {}
     units = len(gpu_methods.METHODS) * steps * ga * sum(RANKS)
-    results, host_inputs = {}, {}
     with tqdm(total=units, desc="virtual ranks", unit="micro-batch", file=sys.stderr, mininterval=1.0) as bar:
         device = DeviceRanks(bench, decoder_run, vision_run, bar)
         for p in RANKS:
             samples, all_steps = drawn[p]
             costs = gpu_methods.sample_costs(samples, decoder, vision)
-            results[str(p)], batches = run_ranks(device, samples, all_steps[:steps], costs, p, ga, config)
+            result["virtual_dp"][str(p)], batches = run_ranks(device, samples, all_steps[:steps], costs, p, ga,
+                                                              config)
             host_inputs[p] = {"samples": samples, "steps": all_steps[:steps], "costs": costs, "batches": batches}
+            save(result)
     vc = bench.config.vision_config
-    host = gpu_host.host_costs(host_inputs, args.mix, ga, decoder, vision, config, args.seed, args.large_dp,
-                               bench.dtype, 3 * vc.temporal_patch_size * vc.patch_size ** 2)
-    return {"settings": {"device": bench.describe(), "tiny": bool(args.tiny), "mix": args.mix, "pack": pack,
-                         "scale_of_32k": pack / gpu_methods.PUBLISHED_PACK, "ga": ga, "steps": steps,
-                         "steps_wanted": wanted, "budget_s": args.budget_s or size["budget_s"],
-                         "ranks": list(RANKS), "seed": args.seed, "large_dp": args.large_dp,
-                         "clock": bench.timer.clock},
-            "calibration": {m: _calibration_row(c) for m, c in calibration.items()},
-            "virtual_dp": results, "host": host, "wall_s": time.perf_counter() - wall}
+    result["host"] = gpu_host.host_costs(host_inputs, args.mix, ga, decoder, vision, config, args.seed,
+                                         args.large_dp, bench.dtype, 3 * vc.temporal_patch_size * vc.patch_size ** 2)
+    result["wall_s"] = time.perf_counter() - wall
+    save(result)
+    return result
 
 
 def _calibration_row(c: dict) -> dict:
@@ -303,12 +316,17 @@ def main(argv=None) -> int:
     if bench is None:
         print("gpu_check: no CUDA device (use --tiny to check the code path on CPU)", file=sys.stderr)
         return 2
-    result = run_check(args, bench)
+    result = run_check(args, bench, save=lambda partial: _write_json(args.json, partial))
     print("\n" + format_table(result))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
     return 0
+
+
+def _write_json(path: Optional[str], result: dict) -> None:
+    """Write (replace) the JSON of the result so far; nothing without --json."""
+    if path:
+        with open(path + ".part", "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+        os.replace(path + ".part", path)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def test_tiny_check_runs_every_method_on_the_same_samples(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
+    assert not (tmp_path / "gpu_check.json.part").exists() and result["wall_s"] > 0
 
     settings = result["settings"]
     assert settings["tiny"] is True and settings["ranks"] == [8, 32] and settings["steps"] >= 1
