@@ -57,7 +57,7 @@ def draw_steps(mix: str, ranks: int, ga: int, steps: int, pack: int, rng,
                realize: Callable[[Sequence[int]], List[int]]):
     """(samples, [VirtualStep] * steps): the samples of steps * ranks * ga fixed-length packs in arrival order."""
     need = steps * ranks * ga
-    n = max(64, need * pack // 800)
+    n = max(64, need * PUBLISHED_PACK // 1200)  # the mixes' samples average ~1.5K of 32K tokens: ~22 per pack
     while True:
         samples = scaled_mix(mix, n, pack, rng, realize)
         pack_of = pack_fixed_length(samples.tokens, pack)
