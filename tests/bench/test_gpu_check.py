@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 METHODS = ["none", "batch_rebalance", "hf_dp_balance", "measured"]
 CALIBRATION_FIELDS = {"per_rank_pack_mape", "per_rank_prior_pack_mape", "per_rank_prior_step_mape",
                       "step_time_prior_step_mape", "single_sample_mape", "quadratic_over_linear_fitted",
-                      "quadratic_over_linear_fitted_with_prior", "quadratic_over_linear_prior", "effective_tflops", "model"}
+                      "quadratic_over_linear_fitted_with_prior", "quadratic_over_linear_prior", "effective_tflops",
+                      "model"}
 METHOD_FIELDS = {"slowest_s", "mean_s", "imbalance", "vs_none", "moved_per_step", "per_step_slowest_s",
                  "per_step_mean_s", "samples_per_step"}
 HOST_FIELDS = {"plan_s", "batch_rebalance_sampler_s", "codec_slowest_rank_s", "moved_per_step", "moved_mib_per_step"}
