@@ -3,9 +3,11 @@
 For the day a GPU is available. Times forward + backward (CUDA events) of the decoder on packs of many
 compositions (flash-attention-2 varlen when installed, else hf_dp_balance's varlen attention over SDPA)
 and of the vision tower on sets of frames; each pack is one per-rank observation. Fits per rank on the
-first packs, with and without the FLOP prior (`CostModel.from_config`), and prints held-out MAPE of pack
-cost and of single-sample cost (packs holding one sample, timed on their own), with the fitted
-coefficients next to the prior's (the prior scaled by the fitted seconds per FLOP).
+first packs, with and without the FLOP prior (`CostModel.from_config`), and from step times alone (steps of
+8 ranks drawn from the packs, only the slowest rank seen); prints held-out MAPE of pack, step and
+single-sample cost (packs holding one sample, timed on their own), the fitted coefficients next to the
+prior's (the prior scaled by the fitted seconds per FLOP) and the fitted quadratic/linear ratio beside the
+prior's. `bench/gpu_check.py` runs the same calibration before its virtual data-parallel run.
 
     python bench/gpu_calibrate.py            # the GPU run (cuda, bf16, 2B sizes, packs of 4K-16K tokens)
     python bench/gpu_calibrate.py --tiny     # the same code on CPU: tiny configs, float32, small packs
@@ -16,13 +18,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import cost_fit  # bench/: pack_compositions, image_grids (run as a script: its folder is on sys.path)
+from cost_fit_synthetic import predicted_steps
 from hf_dp_balance.core.cost import COEFF_NAMES, CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model
+
+STEP_RANKS = 8  # ranks of the steps the step-time fit sees
 
 
 def qwen2_vl_2b_config():
@@ -31,7 +39,8 @@ def qwen2_vl_2b_config():
 
     return Qwen2VLConfig(
         text_config=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, use_cache=False),
+                         intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, use_cache=False,
+                         tie_word_embeddings=True),
         vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2))
 
@@ -50,10 +59,14 @@ def attention_implementation(device: str) -> str:
 
 
 class Timer:
-    """Seconds of fn() on the device: CUDA events on a GPU, thread CPU time on CPU."""
+    """Seconds of fn() on the device: CUDA events on a GPU, thread CPU time on CPU (one torch thread)."""
 
     def __init__(self, device: str):
         self.device = device
+
+    @property
+    def clock(self) -> str:
+        return "CUDA events" if self.device == "cuda" else "thread CPU time"
 
     def __call__(self, fn) -> float:
         if self.device == "cuda":
@@ -68,51 +81,97 @@ class Timer:
         return time.thread_time() - t0
 
 
-def decoder_runner(config, device: str, dtype):
+@dataclass(frozen=True)
+class Bench:
+    """Where the GPU benchmarks run: the model config, device, dtype and the device timer."""
+
+    config: object
+    device: str
+    dtype: torch.dtype
+    timer: Timer
+    tiny: bool
+
+    def describe(self) -> str:
+        name = torch.cuda.get_device_name() if self.device == "cuda" else "cpu (tiny configs)"
+        return (f"device {name}, dtype {str(self.dtype).replace('torch.', '')}, decoder attention "
+                f"{attention_implementation(self.device)}, clock {self.timer.clock}")
+
+
+def bench_setup(tiny: bool) -> Optional[Bench]:
+    """The tiny CPU setup (float32, one thread) or the GPU one (cuda, bf16, 2B sizes); None without CUDA."""
+    if tiny:
+        from hf_dp_balance.testing.models import tiny_config
+
+        torch.set_num_threads(1)
+        return Bench(tiny_config("qwen2_vl"), "cpu", torch.float32, Timer("cpu"), True)
+    if not torch.cuda.is_available():
+        return None
+    return Bench(qwen2_vl_2b_config(), "cuda", torch.bfloat16, Timer("cuda"), False)
+
+
+def decoder_runner(config, device: str, dtype) -> Callable:
+    """prepare(lengths) -> run(): forward + backward of the decoder on one packed row of samples of these
+    lengths (the inputs are built on the device before, outside the timed call)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     text = config.text_config.to_dict()
     text.pop("model_type", None)
     lm_config = Qwen2Config(**{k: v for k, v in text.items() if k in Qwen2Config().to_dict() or k == "head_dim"})
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM._from_config(lm_config, attn_implementation=attention_implementation(device))
-    model.to(device=device, dtype=dtype)
+    with torch.device(device):  # random init on the device itself: seconds for 2B parameters, not minutes
+        model = Qwen2ForCausalLM._from_config(lm_config, attn_implementation=attention_implementation(device),
+                                              dtype=dtype)
+    model.to(device)  # a no-op unless some buffer was made on the host
     vocab = lm_config.vocab_size
 
-    def run(lengths):
+    def prepare(lengths):
         ids = torch.randint(0, vocab, (1, int(sum(lengths))), device=device)
-        positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
-        model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
+        positions = torch.from_numpy(np.concatenate([np.arange(int(n)) for n in lengths]))[None].to(device)
 
-    return run
+        def run():
+            model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    return prepare
 
 
 def vision_runner(config, device: str, dtype):
+    """(prepare(patches) -> run(), frames_of(patches)): forward + backward of the vision tower on one frame
+    per entry of `patches`; `frames_of` gives the patches of the frames it really builds (even h and w)."""
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
     vc = config.vision_config
     torch.manual_seed(0)
-    tower = Qwen2VisionTransformerPretrainedModel._from_config(vc, attn_implementation="sdpa").to(device, dtype)
+    with torch.device(device):
+        tower = Qwen2VisionTransformerPretrainedModel._from_config(vc, attn_implementation="sdpa", dtype=dtype)
+    tower.to(device)
     patch_dim = 3 * vc.temporal_patch_size * vc.patch_size ** 2
 
-    def run(patches):
+    def prepare(patches):
         grid = cost_fit.image_grids(patches).to(device)
         pixels = torch.randn(int(grid.prod(dim=1).sum()), patch_dim, device=device, dtype=dtype)
-        out = tower(pixels, grid_thw=grid)
-        getattr(out, "pooler_output", out).float().square().mean().backward()
-        tower.zero_grad(set_to_none=True)
 
-    return run, lambda patches: [int(g[1] * g[2]) for g in cost_fit.image_grids(patches).tolist()]
+        def run():
+            out = tower(pixels, grid_thw=grid)
+            getattr(out, "pooler_output", out).float().square().mean().backward()
+            tower.zero_grad(set_to_none=True)
+
+        return run
+
+    return prepare, lambda patches: [int(g[1] * g[2]) for g in cost_fit.image_grids(patches).tolist()]
 
 
-def measure(timer, run, items, repeats: int) -> np.ndarray:
-    """Minimum over `repeats` interleaved rounds of each item's time."""
-    timer(lambda: run(max(items, key=sum)))  # warm-up at the largest size (allocator, kernels)
+def measure(timer, prepare, items, repeats: int, label: str = "") -> np.ndarray:
+    """Minimum over `repeats` interleaved rounds of each item's time (`prepare(item)` gives the timed call)."""
+    timer(prepare(max(items, key=sum)))  # warm-up at the largest size (allocator, kernels)
     times = np.full(len(items), np.inf)
-    for _ in range(repeats):
-        for i in np.random.default_rng(len(items)).permutation(len(items)):
-            times[i] = min(times[i], timer(lambda: run(items[i])))
+    with tqdm(total=repeats * len(items), desc=label, unit="pack", file=sys.stderr, mininterval=1.0) as bar:
+        for _ in range(repeats):
+            for i in np.random.default_rng(len(items)).permutation(len(items)):
+                times[i] = min(times[i], timer(prepare(items[i])))
+                bar.update(1)
     return times
 
 
@@ -120,15 +179,35 @@ def _mape(pred, true) -> float:
     return float(np.mean(np.abs(np.asarray(pred) - true) / true))
 
 
-def calibrate(name: str, packs, singles, run, timer, prior: CostModel, fit_packs: int, repeats: int) -> dict:
-    """Fit per rank on the first `fit_packs` packs (with / without the prior); held-out pack and
-    single-sample MAPE; coefficients next to the prior's."""
-    times = measure(timer, run, packs, repeats)
-    single_times = measure(timer, run, [[n] for n in singles], repeats)
+def quadratic_over_linear(model: CostModel) -> float:
+    """quadratic / linear: 1 / the sample length at which attention costs as much as the dense layers."""
+    return model.quadratic / model.linear if model.linear > 0 else float("inf")
+
+
+def _step_time_fit(feats, times, fit_packs: int, prior: CostModel, seed: int) -> dict:
+    """Fit from step times alone (steps of STEP_RANKS ranks drawn from the fitted packs, only the slowest
+    rank seen) around the prior; held-out step MAPE on steps drawn from the held-out packs."""
+    rng = np.random.default_rng(seed)
+    train = rng.integers(0, fit_packs, size=(2 * fit_packs, STEP_RANKS))
+    test = rng.integers(fit_packs, len(times), size=(4 * (len(times) - fit_packs), STEP_RANKS))
+    fit = fit_cost_model(feats[train], times[train].max(axis=1), mode="step_max", holdout=0, prior=prior)
+    pred = predicted_steps(fit.model, fit.report.step_noise, feats[test])
+    return {"step_mape": _mape(pred, times[test].max(axis=1)), "model": fit.model.to_dict(),
+            "train_steps": int(train.shape[0]), "test_steps": int(test.shape[0])}
+
+
+def calibrate(name: str, packs, singles, prepare, timer, prior: CostModel, fit_packs: int, repeats: int,
+              seed: int = 0) -> dict:
+    """Fit per rank on the first `fit_packs` packs (with / without the prior) and from step times; held-out
+    pack, step and single-sample MAPE; coefficients and the quadratic/linear ratio next to the prior's.
+    Returns the numbers, the fitted models and every pack's features and time."""
+    times = measure(timer, prepare, packs, repeats, f"{name}: packs")
+    single_times = measure(timer, prepare, [[n] for n in singles], repeats, f"{name}: single samples")
     feats = np.stack([features_of(p) for p in packs])
     test = np.arange(fit_packs, len(packs))
     print(f"\n{name}: {len(packs)} packs ({fit_packs} fitted, {test.size} held out), {len(singles)} single samples")
-    out = {}
+    out = {"pack_features": feats.tolist(), "pack_times": times.tolist()}
+    held = _held_out_steps(test, seed)
     for label, with_prior in (("per-rank fit", None), ("per-rank fit + prior", prior)):
         fit = fit_cost_model(feats[:fit_packs, None, :], times[:fit_packs, None], mode="per_rank", holdout=0,
                              prior=with_prior)
@@ -136,15 +215,50 @@ def calibrate(name: str, packs, singles, run, timer, prior: CostModel, fit_packs
         # a single sample timed alone also pays the pack's constant
         single_pred = model.sample_costs(np.asarray(singles)) + model.constant
         out[label] = {"pack_mape": _mape(model.predict(feats[test]), times[test]),
+                      "step_mape": _mape(model.step_time(feats[held]), times[held].max(axis=1)),
                       "single_mape": _mape(single_pred, single_times), "model": model.to_dict()}
         print(f"  {label:22s} held-out pack MAPE {100 * out[label]['pack_mape']:6.2f}%   "
+              f"step MAPE {100 * out[label]['step_mape']:6.2f}%   "
               f"single-sample MAPE {100 * out[label]['single_mape']:6.2f}%")
+    out["step-time fit + prior"] = _step_time_fit(feats, times, fit_packs, prior, seed)
+    print(f"  {'step-time fit + prior':22s} held-out step MAPE {100 * out['step-time fit + prior']['step_mape']:6.2f}%"
+          f"   ({out['step-time fit + prior']['train_steps']} steps of {STEP_RANKS} ranks, slowest rank only)")
     fitted = CostModel.from_dict(out["per-rank fit + prior"]["model"])
     per_tflop = fitted.linear / prior.linear if prior.linear else float("nan")  # the prior is in TFLOPs
+    out["effective_tflops"] = 1 / per_tflop if per_tflop > 0 else float("nan")
     print(f"  {'coefficient':12s} {'fitted (s)':>12s} {'prior x s/TFLOP':>16s}   (dense layers at "
-          f"{1 / per_tflop:.3g} effective TFLOP/s)")
+          f"{out['effective_tflops']:.3g} effective TFLOP/s)")
     for k, cname in enumerate(COEFF_NAMES):
         print(f"  {cname:12s} {fitted.coefficients[k]:12.4g} {prior.coefficients[k] * per_tflop:16.4g}")
+    ratios = {"per-rank fit": quadratic_over_linear(CostModel.from_dict(out["per-rank fit"]["model"])),
+              "per-rank fit + prior": quadratic_over_linear(fitted), "prior": quadratic_over_linear(prior)}
+    out["quadratic_over_linear"] = ratios
+    print(f"  quadratic/linear: fitted {ratios['per-rank fit']:.3g} (free), {ratios['per-rank fit + prior']:.3g} "
+          f"(around the prior), prior {ratios['prior']:.3g}: fitted/prior "
+          f"{ratios['per-rank fit'] / ratios['prior'] if ratios['prior'] else float('nan'):.3g}")
+    return out
+
+
+def _held_out_steps(test: np.ndarray, seed: int) -> np.ndarray:
+    """[steps, STEP_RANKS] indices of held-out packs: simulated steps for the per-rank fits' step MAPE."""
+    return np.random.default_rng(seed + 1).choice(test, size=(4 * test.size, STEP_RANKS))
+
+
+def calibrate_modules(bench: Bench, decoder, vision, tokens, patches, n: int, fit_n: int, repeats: int,
+                      rng) -> dict:
+    """`calibrate` of the decoder on `n` packs of tokens[0]..tokens[1] tokens and (unless `vision` is None;
+    else its `vision_runner` pair) of the vision tower on sets of frames of patches[0]..patches[1] patches."""
+    packs = cost_fit.pack_compositions(rng, n, tokens[0], tokens[1], min_len=64)
+    singles = sorted({int(x) for x in np.linspace(64, tokens[1], 8)})
+    out = {"decoder": calibrate("decoder", packs, singles, decoder, bench.timer,
+                                CostModel.from_config(bench.config), fit_n, repeats)}
+    if vision is not None:
+        prepare, frames_of = vision
+        vpacks = [frames_of(p) for p in cost_fit.pack_compositions(rng, n, patches[0], patches[1], min_len=64,
+                                                                    quantum=4)]
+        vsingles = frames_of(sorted({int(x) // 4 * 4 for x in np.linspace(64, patches[1] // 2, 6)}))
+        out["vision"] = calibrate("vision tower (per frame)", vpacks, vsingles, prepare, bench.timer,
+                                  CostModel.from_config(bench.config, module="vision"), fit_n, repeats)
     return out
 
 
@@ -156,33 +270,19 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-vision", action="store_true")
     args = parser.parse_args(argv)
+    bench = bench_setup(args.tiny)
+    if bench is None:
+        print("gpu_calibrate: no CUDA device (use --tiny to check the code path on CPU)", file=sys.stderr)
+        return 2
     if args.tiny:
-        from hf_dp_balance.testing.data import tiny_config
-
-        config, device, dtype = tiny_config("qwen2_vl"), "cpu", torch.float32
         tokens, patches, n, fit_n = (256, 1024), (256, 1024), args.packs or 10, args.fit_packs or 6
-        torch.set_num_threads(1)
     else:
-        if not torch.cuda.is_available():
-            print("gpu_calibrate: no CUDA device (use --tiny to check the code path on CPU)", file=sys.stderr)
-            return 2
-        config, device, dtype = qwen2_vl_2b_config(), "cuda", torch.bfloat16
         tokens, patches, n, fit_n = (4096, 16384), (1024, 8192), args.packs or 40, args.fit_packs or 16
-    rng = np.random.default_rng(0)
-    timer = Timer(device)
     wall = time.perf_counter()
-    print(f"device {device}, dtype {dtype}, decoder attention {attention_implementation(device)}")
-    packs = cost_fit.pack_compositions(rng, n, tokens[0], tokens[1], min_len=64)
-    singles = sorted({int(x) for x in np.linspace(64, tokens[1], 8)})
-    calibrate("decoder", packs, singles, decoder_runner(config, device, dtype), timer,
-              CostModel.from_config(config), fit_n, args.repeats)
-    if not args.skip_vision:
-        run, frames_of = vision_runner(config, device, dtype)
-        vpacks = [frames_of(p) for p in cost_fit.pack_compositions(rng, n, patches[0], patches[1], min_len=64,
-                                                                    quantum=4)]
-        vsingles = frames_of(sorted({int(x) // 4 * 4 for x in np.linspace(64, patches[1] // 2, 6)}))
-        calibrate("vision tower (per frame)", vpacks, vsingles, run, timer,
-                  CostModel.from_config(config, module="vision"), fit_n, args.repeats)
+    print(bench.describe())
+    vision = None if args.skip_vision else vision_runner(bench.config, bench.device, bench.dtype)
+    calibrate_modules(bench, decoder_runner(bench.config, bench.device, bench.dtype), vision, tokens, patches,
+                      n, fit_n, args.repeats, np.random.default_rng(0))
     print(f"\nwall time {time.perf_counter() - wall:.0f} s")
     return 0
 
