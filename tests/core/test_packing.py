@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_dp_balance.testing.data import FAMILIES, IMAGE_PAD_ID, make_model, make_samples
+from hf_dp_balance.core.families import IGNORE_INDEX
 from hf_dp_balance.core.packing import (
-    IGNORE_INDEX,
     PackedCollator,
     SampleFeatures,
     ensure_packing_support,
