@@ -13,6 +13,7 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hf_dp_balance"
+TESTS = pathlib.Path(__file__).resolve().parent
 LAYERS = ["core", "runtime", "integrations", "apps"]
 # what each folder may import from the package besides itself
 ALLOWED = {
@@ -163,3 +164,26 @@ def test_the_cycle_finder_sees_a_lazy_import_cycle(tmp_path):
     graph = _import_graph(package)
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c", "pkg.a"}
     assert _cycles(graph) == [["pkg.a", "pkg.sub.b"]]
+
+
+# Helpers under tests/ that tests still import; being moved to hf_dp_balance/testing/. Each entry must still be
+# imported (a stale one fails): empty it when the branch that moves it is merged.
+KNOWN_TEST_HELPERS = {"tests.packed_users"}
+
+
+def _imports_of_tests():
+    for path in sorted(TESTS.rglob("*.py")):
+        for module, line in _imports(path):
+            if module == "tests" or module.startswith("tests."):
+                yield f"{path.relative_to(TESTS.parent)}:{line}", module
+
+
+def test_tests_take_their_helpers_from_the_testing_package_not_from_each_other():
+    offences = [f"{where} imports {module}" for where, module in _imports_of_tests()
+                if module not in KNOWN_TEST_HELPERS]
+    assert not offences, "a test's helpers belong in hf_dp_balance/testing/:\n" + "\n".join(offences)
+
+
+def test_every_known_test_helper_is_still_imported():
+    stale = KNOWN_TEST_HELPERS - {module for _, module in _imports_of_tests()}
+    assert not stale, f"no longer imported, remove from KNOWN_TEST_HELPERS: {sorted(stale)}"

@@ -223,12 +223,12 @@ def _vision_bad_rows(rank, world):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.runtime.vision import balance_vision_encoder
     from hf_dp_balance.testing import data
-    from tests.runtime.test_vision import _qwen_batch
+    from hf_dp_balance.testing.vision_rows import qwen_row
 
     torch.manual_seed(0)
     model = balance_vision_encoder(data.make_model("qwen2_vl", seed=0), DPBalanceConfig(vision=True, timeout_s=20))
     model._dp_balance_vision.step_source = lambda: 40 + model._dp_balance_vision.forwards  # as the callback sets it
-    batch = _qwen_batch("qwen2_vl", [("image", 1, 4, 4)] * (1 + 3 * rank), seed=rank)
+    batch = qwen_row("qwen2_vl", [("image", 1, 4, 4)] * (1 + 3 * rank), seed=rank)
     model(**batch).loss.backward()  # a healthy forward first
     if rank == 1:  # this rank's pixel rows no longer match its grid
         batch = {**batch, "pixel_values": batch["pixel_values"][:-3]}
