@@ -17,7 +17,7 @@ with the step-max fits (old soft-max, new noise-aware; only the step time observ
 steps drawn from the training packs; the warm-up table: step-time MAPE against the warm-up steps.
 
     python bench/cost_fit.py          # reduced: hidden 256, 2 layers, packs of 2K-4K tokens; ViT 128 wide, depth 2
-    python bench/cost_fit.py --full   # the issue's sizes: hidden 256, 4 layers, packs of 4K-8K tokens; ViT depth 4
+    python bench/cost_fit.py --full   # full sizes: hidden 256, 4 layers, packs of 4K-8K tokens; ViT depth 4
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def report(key: str, title: str, lengths, samples: np.ndarray, args, record: dic
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="issue sizes: 4 layers, packs of 4096-8192 tokens / patches")
+    parser.add_argument("--full", action="store_true", help="full sizes: 4 layers, packs of 4096-8192 tokens / patches")
     parser.add_argument("--hidden", type=int, default=256, help="decoder hidden size")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 2, --full 4)")
     parser.add_argument("--min-tokens", type=int, default=None, help="default 2048 (--full 4096)")

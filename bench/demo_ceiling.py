@@ -3,7 +3,7 @@
 `hf-dp-balance demo` trains the synthetic long-tail mix (`testing.mix.plan_samples`, the same seeds) on a few
 ranks. Here the same steps are priced with fitted costs instead of trained, for many settings at once:
 
-* none:   each step cut into one equal-token pack per rank (`demo.token_balanced_packs`), the slowest pack;
+* none:   each step cut into one equal-token pack per rank (`demo_ways.token_balanced_packs`), the slowest pack;
 * ours:   `plan_balance` on the step's samples (hard cap `max_token_ratio` x the mean rank's tokens);
 * bound:  max(heaviest sample, the step's total / ranks): no placement of the step's samples does better;
 * ours K: `plan_lookahead` over windows of K steps first (samples change step), then `plan_balance`;
@@ -25,7 +25,7 @@ import numpy as np
 
 from hf_dp_balance.core.cost import CostModel
 from hf_dp_balance.testing.mix import plan_samples
-from hf_dp_balance.apps.demo import token_balanced_packs
+from hf_dp_balance.apps.demo_ways import token_balanced_packs
 from hf_dp_balance.core.costing import planning_costs
 from hf_dp_balance.core.lookahead import plan_lookahead
 from hf_dp_balance.core.planner import plan_balance

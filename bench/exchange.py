@@ -136,7 +136,7 @@ def offline_bytes(world: int, steps: int, seed: int):
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.core.codec import encoded_nbytes, sample_entries
     from hf_dp_balance.core.steps import plan_hash, slot_loads
-    from hf_dp_balance.runtime.loader import token_cap
+    from hf_dp_balance.runtime.step_plan import token_cap
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.planner import plan_step
     from hf_dp_balance.apps.reference import plan_reference_greedy

@@ -85,7 +85,7 @@ def timed(fn, repeats: int):
 
 
 def fixed_count_step(rng, num_ranks: int, per_rank: int, regime: str):
-    """(lengths, owners): `per_rank` samples on every rank (the issue's 512 x 16 instance)."""
+    """(lengths, owners): `per_rank` samples on every rank (the 512 ranks x 16 samples instance)."""
     lengths = sample_lengths(rng, num_ranks * per_rank, regime)
     return lengths, np.repeat(np.arange(num_ranks), per_rank)
 
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             f.write("Instances: 32K-token packs of the long-tail multimodal mix (bench/planner.py docstring); "
                     "token cap 1.2x the mean tokens per rank (per slot with M=4) for every method. "
                     "With M=4 the reference is run per micro-batch. Rows '16 samples/rank': 16 samples per rank "
-                    "drawn from the mix without packing (the issue's 512 x 16 instance); there plan_balance's cap is "
+                    "drawn from the mix without packing (up to 512 ranks x 16 samples); there plan_balance's cap is "
                     "max(1.2x mean, the fullest rank at the start), the reference keeps its 1.2x rule.\n\n")
             f.write(table + "\n")
     return 0

@@ -19,9 +19,7 @@ from typing import Optional
 import numpy as np
 
 from hf_dp_balance.apps.demo_analysis import WAYS, assemble, format_table, plot, report_lines
-# the schedule's pure parts stay importable from here
-from hf_dp_balance.apps.demo_ways import (DEMO_HIDDEN, DEMO_TEXT_CONFIG, batch_rebalance_layout, fit_step,
-                                          token_balanced_packs, train_way)
+from hf_dp_balance.apps.demo_ways import DEMO_HIDDEN, DEMO_TEXT_CONFIG, train_way
 from hf_dp_balance.testing.mix import REGIMES
 
 
@@ -189,5 +187,4 @@ def run(args: argparse.Namespace) -> int:
     return 0 if inv["same_samples"] and inv["losses_equal"] else 1
 
 
-__all__ = ["add_arguments", "run", "run_demo", "token_balanced_packs", "batch_rebalance_layout", "fit_step",
-           "settings_problem"]
+__all__ = ["add_arguments", "run", "run_demo", "settings_problem"]

@@ -1,6 +1,6 @@
 """The published system's balancing method, as the baseline to compare against.
 
-LoongForge-style greedy, as issue 2 describes it:
+LoongForge-style greedy:
 
 1. sort all items by cost, heaviest first, and put each on the least-loaded
    rank whose token count stays within ``max_token_ratio`` x the average
@@ -24,7 +24,9 @@ import heapq
 
 import numpy as np
 
-from hf_dp_balance.core.planner import Plan, _as_index_array, _as_item_values, _check_count, _lower_bound
+from hf_dp_balance.core.planner.bounds import _lower_bound
+from hf_dp_balance.core.planner.results import Plan
+from hf_dp_balance.core.planner.validation import _as_index_array, _as_item_values, _check_count
 
 __all__ = ["plan_reference_greedy"]
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from hf_dp_balance.core.packing import IGNORE_INDEX, QWEN_FAMILIES
+from hf_dp_balance.core.families import IGNORE_INDEX, QWEN_FAMILIES
 
 # Keys whose presence in a packed row means the vision tower already runs on it.
 VISION_INPUT_KEYS = ("pixel_values", "pixel_values_videos")

@@ -32,8 +32,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-IGNORE_INDEX = -100
-QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+from hf_dp_balance.core.dummy_vision import dummy_vision_sample, needs_dummy_vision
+from hf_dp_balance.core.families import IGNORE_INDEX, QWEN_FAMILIES
+
 FAMILIES = ("text",) + QWEN_FAMILIES + ("internvl",)
 
 # Per-sample tensors by family: what a sample carries and what has to travel
@@ -261,7 +262,7 @@ class PackedCollator:
     ``dummy_vision`` (default True; only VLM families): a row with no image and
     no video gets a last segment holding the family's smallest image, all labels
     -100 (`core.dummy_vision`), so the vision tower runs forward and backward on
-    every rank (invariant 6) while loss, gradients and ``num_items_in_batch``
+    every rank (all ranks then reach the same collectives) while loss, gradients and ``num_items_in_batch``
     stay exactly the same. Its few tokens are not counted against ``max_tokens``.
 
     ``collator([])`` returns a valid no-op row: one pad token (VLMs with
@@ -285,8 +286,6 @@ class PackedCollator:
             pad_token_id = getattr(model_config, "pad_token_id", None)
         self.pad_token_id = int(pad_token_id) if pad_token_id is not None else 0
         self._rope = _RopeIndex(self.family, model_config) if self.family in QWEN_FAMILIES else None
-        from hf_dp_balance.core.dummy_vision import dummy_vision_sample
-
         self.dummy_vision = dummy_vision_sample(model_config, self.family) if dummy_vision else None
 
     def features(self, sample: Mapping[str, Any], index: int = 0) -> SampleFeatures:
@@ -303,8 +302,6 @@ class PackedCollator:
         return batch
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict:
-        from hf_dp_balance.core.dummy_vision import needs_dummy_vision
-
         samples = list(samples)
         self._check_samples(samples)
         if self.dummy_vision is not None and needs_dummy_vision(samples):

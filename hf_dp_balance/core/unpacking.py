@@ -14,7 +14,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from hf_dp_balance.core.boundaries import boundaries_from_cu_seq_lens, segment_boundaries
-from hf_dp_balance.core.packing import IGNORE_INDEX, QWEN_FAMILIES, REQUIRED_KEYS, SAMPLE_TENSOR_KEYS, family_of
+from hf_dp_balance.core.families import IGNORE_INDEX, QWEN_FAMILIES
+from hf_dp_balance.core.packing import REQUIRED_KEYS, SAMPLE_TENSOR_KEYS, family_of
 
 INPUT_SAMPLES = "per-sample lists"
 INPUT_POSITIONS = "packed rows with restarting positions"

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from hf_dp_balance.apps.demo import batch_rebalance_layout, fit_step, token_balanced_packs
+from hf_dp_balance.apps.demo_ways import batch_rebalance_layout, fit_step, token_balanced_packs
 from hf_dp_balance.apps.demo_analysis import (WAYS, check_invariants, format_table, placement_bound, reachable_cut,
                                               report_lines, summarize_way)
 

@@ -200,7 +200,7 @@ def test_grad_accumulation_with_lookahead_runs_and_bounds_hold(sync):
         assert row["tgs_lower_bound"] >= row["tgs_ours"] * (1 - 1e-9)
 
 
-# --------------------------------------------------------------------------- the whole step (issue 16)
+# --------------------------------------------------------------------------- the whole step
 
 
 def test_allreduce_is_a_ring_over_the_slowest_link():

@@ -50,8 +50,8 @@ def test_planning_costs_add_the_vision_cost_of_each_samples_images():
 
 
 def test_a_video_costs_the_same_in_the_loader_the_balancer_and_the_fit():
-    """Bug 1 of issue 12: a t=4 video was priced cost(t*h*w) by the loader and the fit, t*cost(h*w) by the balancer."""
-    from hf_dp_balance.runtime.fitter import image_patches
+    """A t=4 video was once priced cost(t*h*w) by the loader and the fit, t*cost(h*w) by the balancer."""
+    from hf_dp_balance.runtime.recorder import image_patches
 
     vision = CostModel(quadratic=2e-6, linear=5e-3, per_sample=0.1, constant=0.7)
     decoder = CostModel(quadratic=0.0, linear=0.0, per_sample=0.0)

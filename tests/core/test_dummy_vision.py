@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hf_dp_balance.core.dummy_vision import dummy_vision_sample
-from hf_dp_balance.core.packing import IGNORE_INDEX, PackedCollator, family_of
+from hf_dp_balance.core.families import IGNORE_INDEX
+from hf_dp_balance.core.packing import PackedCollator, family_of
 from hf_dp_balance.testing.data import make_model, make_samples
 
 torch.set_num_threads(1)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fit_solvers import expected_step_max, step_max_likelihood
 from hf_dp_balance.core.fitting import fit_cost_model
-from tests.core.test_prior import _fixed_length_steps  # Qwen2-7B's prior, attention 30% slower; fixed-length packs
+from hf_dp_balance.testing.cost_steps import fixed_length_steps
 
 
 def test_likelihood_gradient_matches_finite_differences():
@@ -42,7 +42,7 @@ def test_at_128_ranks_a_single_sample_s_cost_comes_from_step_times_alone():
     lengths = np.maximum(16, np.random.default_rng(9).lognormal(np.log(300), 0.9, size=2000)).astype(int)
     fits, errors = [], []
     for seed in range(3):
-        prior, truth, feats, times = _fixed_length_steps(seed, steps=16, ranks=128)
+        prior, truth, feats, times = fixed_length_steps(seed, steps=16, ranks=128)
         fits.append(fit_cost_model(feats, times.max(axis=1), mode="step_max", holdout=0, prior=prior))
         assert np.all(fits[-1].model.coefficients >= 0)
         errors.append(np.abs(fits[-1].model.sample_costs(lengths) / truth.sample_costs(lengths) - 1).mean())
@@ -54,7 +54,7 @@ def test_at_128_ranks_a_single_sample_s_cost_comes_from_step_times_alone():
 def test_the_old_soft_max_fit_stays_available_and_reads_the_noise_as_cost():
     over = {False: [], True: []}  # median over ranks of predicted / true rank cost - 1
     for seed in range(3):
-        prior, truth, feats, times = _fixed_length_steps(seed, steps=16, ranks=128)
+        prior, truth, feats, times = fixed_length_steps(seed, steps=16, ranks=128)
         for noise in (False, True):
             fit = fit_cost_model(feats, times.max(axis=1), mode="step_max", holdout=0, prior=prior, step_noise=noise)
             assert (fit.report.step_noise is None) == (not noise)
@@ -65,7 +65,7 @@ def test_the_old_soft_max_fit_stays_available_and_reads_the_noise_as_cost():
 
 def test_too_few_steps_to_estimate_the_noise_keep_the_soft_max_fit():
     # 5 steps for 4 free coefficients leave ~1 degree of freedom: no noise estimate, the old fit exactly.
-    prior, truth, feats, times = _fixed_length_steps(0, steps=5, ranks=8)
+    prior, truth, feats, times = fixed_length_steps(0, steps=5, ranks=8)
     y = times.max(axis=1)
     few = fit_cost_model(feats, y, mode="step_max", holdout=0)
     assert few.report.step_noise is None

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_dp_balance.testing.data import FAMILIES, IMAGE_PAD_ID, make_model, make_samples
+from hf_dp_balance.core.families import IGNORE_INDEX
 from hf_dp_balance.core.packing import (
-    IGNORE_INDEX,
     PackedCollator,
     SampleFeatures,
     ensure_packing_support,
@@ -180,7 +180,7 @@ def test_empty_pack_is_a_valid_no_op_row(family, dummy_vision, models):
     model = models(family)
     batch = PackedCollator(model.config, dummy_vision=dummy_vision)([])
     assert (batch["labels"] == IGNORE_INDEX).all()
-    if dummy_vision and family != "text":  # the vision tower runs on the empty row too (invariant 6)
+    if dummy_vision and family != "text":  # the tower runs on an empty row too (same collectives)
         assert "pixel_values" in batch
     else:
         assert batch["input_ids"].shape == (1, 1) and batch["labels"].tolist() == [[IGNORE_INDEX]]

@@ -465,7 +465,7 @@ def test_exchanges_and_repacks_keep_the_guarantees(case):
     assert step.makespan_after <= step.makespan_before
 
 
-# ----------------------------------------------------------------------------- cap repairs (issue 15)
+# ----------------------------------------------------------------------------- cap repairs
 
 
 def video_heavy_step(num_ranks: int, num_mb: int, seed: int, video_share: float, pack: int):
@@ -514,7 +514,7 @@ def balanced_step_over_the_cap(draw):
 @SETTINGS
 @given(balanced_step_over_the_cap())
 def test_cap_repair_moves_few_items(case):
-    # issue 15: 789 of 890 items moved to repair two slots 49 tokens over the cap (before: a from-scratch
+    # once 789 of 890 items moved to repair two slots 49 tokens over the cap (before: a from-scratch
     # repack, or no repair found at all); a repair moves about the items that cover the overflow
     # min_gain=0.5: no repack pays for its moves, so what moves is the repair (about `cover` items)
     # and the few moves or swaps of the refinement that follows it. (With the default 2%, a repair
@@ -528,8 +528,8 @@ def test_cap_repair_moves_few_items(case):
 
 
 @pytest.mark.parametrize("sync", ["step", "micro_batch"])
-def test_cap_repair_of_the_issue_step_moves_few_items(sync):
-    # the issue's shape: 32 ranks x 4 micro-batches of a video-heavy mix, two slots a few tokens over;
+def test_cap_repair_of_a_large_video_heavy_step_moves_few_items(sync):
+    # 32 ranks x 4 micro-batches of a video-heavy mix, two slots a few tokens over;
     # before: 1,301 of 1,527 items moved (step). The repair adds few moves to what balancing alone makes
     costs, tokens, owners, micro = video_heavy_step(32, 4, 3, 0.15, 16384)
     cap, cover = cap_just_under_two_slots(tokens, owners, micro, 32, 4)

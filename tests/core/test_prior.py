@@ -7,6 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hf_dp_balance.core.cost import CostModel
 from hf_dp_balance.core.prior import ATTENTION_FWD_BWD, DENSE_FWD_BWD, decoder_flops, vision_flops
+from hf_dp_balance.testing.cost_steps import fixed_length_steps, published_configs
 from hf_dp_balance.testing.data import FAMILIES, make_model
 
 
@@ -50,32 +51,8 @@ def test_vision_forward_flops_per_frame_equal_what_torch_counts(family):
     assert two_frames == pytest.approx(2 * CostModel.from_config(model.config, module="vision").sample_costs(patches))
 
 
-def _published_configs():
-    """Real sizes (from the published config.json of each model), built from the config classes."""
-    from transformers import InternVLConfig, Qwen2Config, Qwen2VLConfig, Qwen3VLConfig
-
-    qwen2_7b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                           intermediate_size=18944, vocab_size=152064)
-    qwen2_vl_2b = Qwen2VLConfig(
-        text_config=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         intermediate_size=8960, vocab_size=151936),
-        vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2))
-    qwen3_vl_8b = Qwen3VLConfig(
-        text_config=dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                         head_dim=128, intermediate_size=12288, vocab_size=151936),
-        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
-                           out_hidden_size=4096, deepstack_visual_indexes=[8, 16, 24]))
-    internvl3_8b = InternVLConfig(
-        text_config=dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                         num_key_value_heads=4, intermediate_size=18944, vocab_size=151674),
-        vision_config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-                           image_size=448, patch_size=14))
-    return qwen2_7b, qwen2_vl_2b, qwen3_vl_8b, internvl3_8b
-
-
 def test_published_sizes_give_the_published_flops_per_token():
-    qwen2_7b, qwen2_vl_2b, qwen3_vl_8b, internvl3_8b = _published_configs()
+    qwen2_7b, qwen2_vl_2b, qwen3_vl_8b, internvl3_8b = published_configs()
     # Qwen2-7B: 7.07e9 matmul parameters (6.53e9 in the blocks + the 0.545e9 LM head): 6 FLOPs each per token.
     dense, _ = decoder_flops(qwen2_7b)
     assert dense * DENSE_FWD_BWD == pytest.approx(6 * 7.07e9, rel=0.01)
@@ -95,31 +72,9 @@ def test_from_config_names_what_is_missing():
     with pytest.raises(ValueError, match="hidden_size"):
         CostModel.from_config(object())
     with pytest.raises(ValueError, match="vision_config"):
-        CostModel.from_config(_published_configs()[0], module="vision")
+        CostModel.from_config(published_configs()[0], module="vision")
     with pytest.raises(ValueError, match="module"):
-        CostModel.from_config(_published_configs()[0], module="audio")
-
-
-def _fixed_length_steps(seed, steps=16, ranks=8, pack=8192, noise=0.03):
-    """Steps of fixed-length packs (sum L equal on every rank) timed by a known model: 3% noise."""
-    import numpy as np
-
-    from hf_dp_balance.core.cost import features_of
-
-    rng = np.random.default_rng(seed)
-    prior = CostModel.from_config(_published_configs()[0])
-    scale = 1.0 / 400.0  # TFLOPs -> s at 400 TFLOP/s
-    lin = prior.linear * scale
-    truth = CostModel(prior.quadratic * scale * 1.3, lin, 0.001 * lin * pack, 0.05 * lin * pack)
-    packs = []
-    for _ in range(steps * ranks):
-        lengths, left = [], pack
-        while left > 0:
-            lengths.append(int(min(left, max(16, rng.lognormal(np.log(300), 0.9)))))
-            left -= lengths[-1]
-        packs.append(lengths)
-    feats = np.stack([features_of(p) for p in packs]).reshape(steps, ranks, 4)
-    return prior, truth, feats, truth.predict(feats) * rng.lognormal(0.0, noise, size=(steps, ranks))
+        CostModel.from_config(published_configs()[0], module="audio")
 
 
 @pytest.mark.parametrize("mode", ["step_max", "per_rank"])
@@ -132,7 +87,7 @@ def test_the_prior_makes_fixed_length_packs_tell_a_sample_s_cost(mode):
     lengths = np.arange(16, 4096, 16)
     errors = {True: [], False: []}
     for seed in range(3):
-        prior, truth, feats, times = _fixed_length_steps(seed)
+        prior, truth, feats, times = fixed_length_steps(seed)
         y = times if mode == "per_rank" else times.max(axis=1)
         for with_prior in (True, False):
             fit = fit_cost_model(feats, y, mode=mode, holdout=0, prior=prior if with_prior else None)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hf_dp_balance.core.packing import IGNORE_INDEX, PackedCollator
+from hf_dp_balance.core.families import IGNORE_INDEX
+from hf_dp_balance.core.packing import PackedCollator
 from hf_dp_balance.core.unpacking import (INPUT_CU_SEQ_LENS, INPUT_POSITIONS, INPUT_SAMPLES, detect_input, fill_rows,
                                           layout_of, repack, split_packed)
 from hf_dp_balance.testing.data import FAMILIES, make_samples, tiny_config

@@ -17,6 +17,9 @@ checkpoint_dir)`` for the optimizer, scheduler, RNG and data position. It is tes
 import pytest
 import torch
 
+# transformers' resume, not this library: in the upstream lane (--upstream)
+pytestmark = pytest.mark.upstream
+
 FAMILIES = ("text", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
 BROKEN_IN_TRANSFORMERS = ("qwen2_vl", "qwen2_5_vl", "internvl")  # see the module docstring
 

@@ -1,9 +1,10 @@
-"""Invariant 6 under sharded data parallelism: a rank whose packed row has no image still runs the vision tower.
+"""Under sharded data parallelism a rank whose packed row has no image still runs the vision tower, so every
+rank reaches the same collectives.
 
 Hand-written FSDP2 (`fully_shard` on gloo, the vision tower as its own unit, then the whole model) with rank 1
 text-only: with PackedCollator's dummy image every VLM family trains a few steps; without it the ranks issue
-different collectives (the tower's all-gather on rank 0 only) and fail. DeepSpeed ZeRO-3 (0.19.8, CPU
-accelerator, gloo) likewise. Real gloo processes, hard timeouts.
+different collectives (the tower's all-gather on rank 0 only) and fail (a check of torch and DeepSpeed, run
+with --upstream). DeepSpeed ZeRO-3 (0.19.8, CPU accelerator, gloo) likewise. Real gloo processes, hard timeouts.
 """
 
 import pytest
@@ -98,14 +99,16 @@ def test_sharded_training_with_a_text_only_rank_runs_with_the_dummy(kind, family
     assert with_dummy[0][(kind, family)]["losses"][-1] < with_dummy[0][(kind, family)]["losses"][0]  # it trains
 
 
+@pytest.mark.upstream  # how FSDP2 fails without the dummy: torch's behaviour, which the dummy exists for
 def test_fsdp2_without_the_dummy_fails_when_one_rank_is_text_only():
-    """The failure the dummy prevents (issue 14): rank 0 waits in the tower's parameter all-gather, rank 1 in
+    """The failure the dummy prevents: rank 0 waits in the tower's parameter all-gather, rank 1 in
     the next unit's reduce-scatter, until gloo's timeout (here 10 s)."""
     outcome = run_ranks_allow_failures(_sharded_rank, 2, ("qwen2_vl",), (), False, timeout=90, pg_timeout_s=10)
     assert not any(ok for ok, _ in outcome), outcome
     assert any("Timed out" in str(err) for _, err in outcome), outcome
 
 
+@pytest.mark.upstream  # how ZeRO-3 fails without the dummy: DeepSpeed's behaviour, which the dummy exists for
 def test_zero3_without_the_dummy_fails_when_one_rank_is_text_only():
     """ZeRO-3: the ranks all-gather different parameters; gloo aborts one rank, the other sees its peer go."""
     pytest.importorskip("deepspeed")

@@ -65,7 +65,7 @@ def test_recipe_trains_on_two_cpu_ranks_and_resumes_from_the_checkpoint_s_weight
 
 
 def test_gradient_checkpointing_recipe_with_text_only_rows_finishes_and_equals_the_unbalanced_run(tmp_path):
-    """Issue 14: under --gradient_checkpointing Trainer wraps DDP with find_unused_parameters=False; a rank
+    """Under --gradient_checkpointing Trainer wraps DDP with find_unused_parameters=False; a rank
     whose packed row has no image used to leave the vision tower without gradients and every rank waited
     (620951a: this balanced run dies at step 6 with a gloo timeout). With a fixed cost model the plans are
     deterministic; batch 2 makes balancing leave text-only rows. The collator's dummy image keeps the tower

@@ -1,4 +1,4 @@
-"""A peer killed while the others are inside a training collective (issue 14, no vision balancing).
+"""A peer killed while the others are inside a training collective (no vision balancing).
 
 Real gloo processes; rank 2 is SIGKILLed in the forward of a step after balancing switched on. Every
 survivor must end within timeout_s + 10 s with the library's error naming the step, the rank and the

@@ -35,7 +35,7 @@ def _errors(got, ranks):
     return out
 
 
-# ------------------------------------------------------------------ item 1: the store's host stopped
+# ------------------------------------------------------------------ the store's host stopped
 
 def _store_host_stops(rank, world):
     ex = SampleExchange(timeout_s=TIMEOUT_S)
@@ -141,7 +141,7 @@ def test_loader_faults_reach_every_rank_before_the_step_trains():
 
     results = _results(_loader_faults)
     for rank, out in enumerate(results):
-        # item 2: a sample over the hard cap on its own: every rank raises at that step, before it trains
+        # a sample over the hard cap on its own: every rank raises at that step, before it trains
         steps, msg, elapsed = out["cap"]
         assert len(steps) == 2 and msg is not None, out["cap"]
         assert "step 2, token cap: rank 1, micro-batch 0, sample 1 has 900 tokens" in msg and elapsed < 5.0
@@ -149,7 +149,7 @@ def test_loader_faults_reach_every_rank_before_the_step_trains():
         steps, msg, elapsed = out["collate"]
         assert len(steps) == 1 and msg is not None and elapsed < 5.0, out["collate"]
         assert "step 1, collate: rank(s) [0]" in msg and "packing exploded" in msg and "micro-batch" in msg
-        # item 4: the planner raises on rank 1 at step 2: every rank trains every step, step 2 unbalanced
+        # the planner raises on rank 1 at step 2: every rank trains every step, step 2 unbalanced
         steps, msg, _ = out["planner raises"]
         assert msg is None and len(steps) == 5, out["planner raises"]
         assert "planner failed on rank(s) [1]" in steps[2][1] and "planner exploded" in steps[2][1]
@@ -162,7 +162,7 @@ def test_loader_faults_reach_every_rank_before_the_step_trains():
         assert trained == sorted(1000 * r + 10 * i + k for r in (0, 1) for i in range(10) for k in (0, 1))
 
 
-# ------------------------------------------------------------------ item 4 with look-ahead: the window's plan is agreed
+# ------------------------------------------------------------ the planner with look-ahead: the window's plan is agreed
 
 class _Lookahead:
     """The real look-ahead planner, but on `rank` at its `call`-th call it raises or returns another plan."""
@@ -217,18 +217,18 @@ def test_a_lookahead_failure_or_differing_window_plan_is_agreed_by_every_rank():
     assert trained == sorted(1000 * r + 10 * i + k for r in (0, 1) for i in range(12) for k in (0, 1))  # exactly once
 
 
-# ------------------------------------------------------------------ item 5: the vision path
+# ------------------------------------------------------------------ the vision path
 
 def _vision_bad_rows(rank, world):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.runtime.vision import balance_vision_encoder
     from hf_dp_balance.testing import data
-    from tests.runtime.test_vision import _qwen_batch
+    from hf_dp_balance.testing.vision_rows import qwen_row
 
     torch.manual_seed(0)
     model = balance_vision_encoder(data.make_model("qwen2_vl", seed=0), DPBalanceConfig(vision=True, timeout_s=20))
     model._dp_balance_vision.step_source = lambda: 40 + model._dp_balance_vision.forwards  # as the callback sets it
-    batch = _qwen_batch("qwen2_vl", [("image", 1, 4, 4)] * (1 + 3 * rank), seed=rank)
+    batch = qwen_row("qwen2_vl", [("image", 1, 4, 4)] * (1 + 3 * rank), seed=rank)
     model(**batch).loss.backward()  # a healthy forward first
     if rank == 1:  # this rank's pixel rows no longer match its grid
         batch = {**batch, "pixel_values": batch["pixel_values"][:-3]}
@@ -243,7 +243,7 @@ def test_bad_pixel_rows_on_one_rank_make_every_rank_raise_at_once():
         assert "rank 1: pixel_values has shape" in msg
 
 
-# ------------------------------------------------------------------ item 3: a peer stops while the main thread trains
+# ------------------------------------------------------------------ a peer stops while the main thread trains
 
 def _train_loop_peer_stops(rank, world, outdir, victim, signum):
     """A loop whose every step ends in a training all_reduce on the default group (DDP's place); at step 4 the
@@ -284,7 +284,7 @@ def test_a_stopped_peer_ends_every_surviving_rank_blocked_in_training(tmp_path):
     _peer_stops(tmp_path, 2, signal.SIGSTOP)
 
 
-# ------------------------------------------------------------------ item 7: side groups end with training
+# ------------------------------------------------------------------ side groups end with training
 
 def _open_close_cycles(rank, world, cycles):
     import threading
@@ -333,7 +333,7 @@ def test_side_groups_are_destroyed_when_training_ends():
         assert counts[-1] == counts[1], counts  # (threads, fds) after cycles 2..4: no growth (+3 groups per cycle before)
 
 
-# ------------------------------------------------------------------ item 9: bad features name their culprit
+# ------------------------------------------------------------------ bad features name their culprit
 
 def test_bad_features_name_the_sample_and_say_what_is_wrong():
     import pytest
@@ -349,7 +349,7 @@ def test_bad_features_name_the_sample_and_say_what_is_wrong():
                              None)
 
 
-# ------------------------------------------------------------------ item 3 under a stock Trainer
+# ------------------------------------------------------------------ a peer stops under a stock Trainer
 
 def _trainer_peer_stops(rank, world, outdir, signum):
     """Stock Trainer + DPBalanceCallback on gloo (DDP, ddp_timeout at its default 1800 s); rank 2 stops in the

@@ -8,8 +8,9 @@ import torch
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
-from hf_dp_balance.runtime.fitter import (MAX_RECORDS, MAX_WINDOW_STEPS, CostModelFitter, StepClock, micro_batch_lengths,
-                                          resolve_fit_mode, resolve_timing)
+from hf_dp_balance.runtime.fitter import (MAX_RECORDS, MAX_WINDOW_STEPS, CostModelFitter, resolve_fit_mode,
+                                          resolve_timing)
+from hf_dp_balance.runtime.recorder import StepClock, micro_batch_lengths
 from hf_dp_balance.testing.spawn import run_ranks
 
 DECODER = CostModel(quadratic=2e-7, linear=1e-4, per_sample=1e-3, constant=0.05)
@@ -167,7 +168,8 @@ def _slowed_rank(rank, world):
     rank 3 repeats the per-token work (extra work per token). Fit across the 4 ranks, then plan real steps."""
     import torch.distributed as dist
 
-    from hf_dp_balance.runtime.loader import BalancedLoader, list_collate
+    from hf_dp_balance.runtime.loader import BalancedLoader
+    from hf_dp_balance.runtime.step_rows import list_collate
     from torch.utils.data import DataLoader
 
     torch.set_num_threads(1)

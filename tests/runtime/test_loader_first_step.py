@@ -1,5 +1,5 @@
 """The loader's first steps on real gloo ranks: the queue is full before step 1 trains, and steps costed by a
-FLOP prior get the hedged plan (issue 15)."""
+FLOP prior get the hedged plan."""
 
 import numpy as np
 
@@ -14,7 +14,8 @@ def _loader(rank, steps, cost_model, prefetch=2):
     from torch.utils.data import DataLoader
 
     from hf_dp_balance.config import DPBalanceConfig
-    from hf_dp_balance.runtime.loader import BalancedLoader, list_collate
+    from hf_dp_balance.runtime.loader import BalancedLoader
+    from hf_dp_balance.runtime.step_rows import list_collate
 
     mine = [k for k in range(len(LENGTHS)) if k // 4 == rank]
     raw = [[{"input_ids": torch.zeros(LENGTHS[k], dtype=torch.int32), "sample_id": k} for k in mine]] * steps

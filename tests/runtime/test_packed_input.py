@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_dp_balance.core.packing import IGNORE_INDEX
+from hf_dp_balance.core.families import IGNORE_INDEX
 from hf_dp_balance.core.unpacking import INPUT_CU_SEQ_LENS, INPUT_POSITIONS, split_packed
 from hf_dp_balance.runtime.packed_input import PackedInput
 from hf_dp_balance.testing.data import tiny_config

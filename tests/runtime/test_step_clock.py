@@ -4,7 +4,8 @@ fitter keeps the newest timing records in order."""
 import time
 
 from hf_dp_balance.config import DPBalanceConfig
-from hf_dp_balance.runtime.fitter import CostModelFitter, StepClock, StepRecorder
+from hf_dp_balance.runtime.fitter import CostModelFitter
+from hf_dp_balance.runtime.recorder import StepClock, StepRecorder
 
 
 def _busy(seconds: float) -> None:

@@ -12,69 +12,7 @@ import numpy as np
 import pytest
 
 from hf_dp_balance.testing.spawn import run_ranks
-
-# ---------------------------------------------------------------------------- batches
-
-
-def _qwen_batch(family, items, seed):
-    """One packed row: per item some text, <vision_start>, placeholders, <vision_end>; random pixels."""
-    import torch
-
-    from hf_dp_balance.testing import data
-
-    cfg = data.tiny_config(family).vision_config
-    width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
-    gen = torch.Generator().manual_seed(seed)
-    ids, types = [], []
-    pix = {"image": [], "video": []}
-    grids = {"image": [], "video": []}
-    for kind, t, h, w in items:
-        pad = data.IMAGE_PAD_ID if kind == "image" else data.VIDEO_PAD_ID
-        # Qwen3-VL separates video frames by timestamp text: one placeholder group per frame.
-        groups = [t] if kind == "image" or family != "qwen3_vl" else [1] * t
-        for frames in groups:
-            text = torch.randint(20, data.VOCAB_SIZE, (3,), generator=gen).tolist()
-            n_tok = frames * h * w // cfg.spatial_merge_size ** 2
-            ids += text + [data.VISION_START_ID] + [pad] * n_tok + [data.VISION_END_ID]
-            types += [0] * 4 + [1 if kind == "image" else 2] * n_tok + [0]
-        pix[kind].append(torch.randn(t * h * w, width, generator=gen, dtype=torch.float64))
-        grids[kind].append([t, h, w])
-    tail = torch.randint(20, data.VOCAB_SIZE, (5,), generator=gen).tolist()
-    ids += tail
-    types += [0] * len(tail)
-    batch = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([types])}
-    batch["labels"] = batch["input_ids"].clone()
-    for kind, pkey, gkey in (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw")):
-        if pix[kind]:
-            batch[pkey] = torch.cat(pix[kind])
-            batch[gkey] = torch.tensor(grids[kind])
-    return batch
-
-
-def _internvl_batch(items, seed):
-    """items: tiles per image; each image is <img> context tokens </img> after some text."""
-    import torch
-
-    from hf_dp_balance.testing import data
-
-    gen = torch.Generator().manual_seed(seed)
-    ids, tiles = [], 0
-    for n_tiles in items:
-        ids += torch.randint(20, data.VOCAB_SIZE, (3,), generator=gen).tolist()
-        ids += [data.IMG_START_ID] + [data.IMG_CONTEXT_ID] * (n_tiles * data.INTERNVL_TOKENS_PER_TILE) + [data.IMG_END_ID]
-        tiles += n_tiles
-    ids += torch.randint(20, data.VOCAB_SIZE, (5,), generator=gen).tolist()
-    batch = {"input_ids": torch.tensor([ids])}
-    batch["labels"] = batch["input_ids"].clone()
-    if tiles:
-        size = data.INTERNVL_TILE
-        batch["pixel_values"] = torch.randn(tiles, 3, size, size, generator=gen, dtype=torch.float64)
-    return batch
-
-
-def _batch(family, items, seed):
-    return _internvl_batch(items, seed) if family == "internvl" else _qwen_batch(family, items, seed)
-
+from hf_dp_balance.testing.vision_rows import vision_row
 
 # ---------------------------------------------------------------------------- rank functions
 
@@ -125,7 +63,7 @@ def _equivalence_rank(rank, world, family, scenarios):
     model = data.make_model(family, seed=0, dtype=torch.float64)
     results = []
     for items_by_rank, config_kwargs in scenarios:
-        batch = _batch(family, items_by_rank[rank], seed=100 + rank)
+        batch = vision_row(family, items_by_rank[rank], seed=100 + rank)
         reference = _forward_backward(model, batch, family)
         balance_vision_encoder(model, DPBalanceConfig(vision=True, **config_kwargs))
         balanced = _forward_backward(model, batch, family)
@@ -195,7 +133,7 @@ def _ddp_rank(rank, world, family, items_by_rank):
     model = balance_vision_encoder(data.make_model(family, seed=0, dtype=torch.float64), DPBalanceConfig(vision=True))
     # find_unused_parameters: a rank without images leaves the tower unused, with or without balancing
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
-    batch = _batch(family, items_by_rank[rank], seed=100 + rank)
+    batch = vision_row(family, items_by_rank[rank], seed=100 + rank)
     ddp(**batch).loss.backward()
     (stats,) = model._dp_balance_vision.pop_stats()
     return {"grads": {n: (p.grad * world).detach().numpy().copy() for n, p in model.named_parameters()
@@ -274,7 +212,7 @@ def test_without_process_group_the_wrapper_changes_nothing():
     from hf_dp_balance.runtime.vision import balance_vision_encoder
 
     model = data.make_model("qwen2_vl", seed=0, dtype=torch.float64)
-    batch = _batch("qwen2_vl", SKEWED["qwen2_vl"][0][:2], seed=1)
+    batch = vision_row("qwen2_vl", SKEWED["qwen2_vl"][0][:2], seed=1)
     before = model(**batch).loss.item()
     assert balance_vision_encoder(model) is model
     assert model(**batch).loss.item() == before

@@ -15,8 +15,7 @@ results (`Plan`, `StepPlan`), api (`plan_balance`, `plan_step`).
 """
 
 from hf_dp_balance.core.planner.api import plan_balance, plan_step
-from hf_dp_balance.core.planner.bounds import _lower_bound, lower_bound
+from hf_dp_balance.core.planner.bounds import lower_bound
 from hf_dp_balance.core.planner.results import Plan, StepPlan
-from hf_dp_balance.core.planner.validation import _as_index_array, _as_item_values, _check_count
 
 __all__ = ["Plan", "StepPlan", "plan_balance", "plan_step", "lower_bound"]
