@@ -1,0 +1,214 @@
+"""Trades for a full token cap: one item for a few small ones, between paired ranks, in vectorised rounds.
+
+With fixed-length packing every slot is filled to the cap, so an item can move only where a
+slot has room for it, and rooms are a few hundred tokens: only exchanges help. What an exchange
+costs is the tokens it sends over the side network (both directions), so a trade is judged by
+the load it takes off the fuller rank per token sent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_dp_balance.core.planner.state import _State
+
+_ROUNDS = 24  # trade rounds at most (every round: at most one trade per over-full rank)
+_SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
+_LARGE = 1.0 / 16.0  # items above this share of the cap are the ones traded
+_PARTNERS = 2  # ranks under budget each over-full rank considers per round
+_OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer, larger trades)
+
+
+def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS) -> bool:
+    """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
+
+    Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under their
+    budget each (furthest under first; the partners shift every round). A trade sends a large
+    item `a` of h (over cap x _LARGE tokens) to l, into l's roomiest slot or in place of a large
+    item `b` of l that comes back; the receiving slot also pays back the fewest of its small
+    items (at most cap x _SMALL tokens each, index order) that make room for `a`. Everything
+    paid back takes a's slot on h, which must hold it. Kept per over-full rank: the trade with
+    the most load taken off h (no more than h is over its budget) per token sent (plus a fixed
+    cap x _OVERHEAD per trade), that does not put l over budget x (1 + tolerance / 2); each
+    rank under budget takes at most one trade per round. Items that moved once stay put.
+    Cost per round: O(large items of the pairs x options + items of the slots used) numpy,
+    no Python loop over items; one O(n) grouping by slot first.
+    """
+    cap = state.cap
+    R, M = state.load.shape[0], state.M
+    limit = budget * (1.0 + tolerance / 2.0)
+    if cap is None or R < 2 or not np.any(state.load > limit):
+        return not np.any(state.load > limit)
+    tok, cost = state.tokens, state.costs
+    slot = state.dest * M + state.micro
+    S = R * M
+    order = np.argsort(slot.astype(np.uint16 if S <= 1 << 16 else np.int64), kind="stable")
+    starts = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(np.bincount(slot, minlength=S), out=starts[1:])
+    moved = np.zeros(cost.shape[0], dtype=bool)
+    small = tok <= cap * _SMALL
+    # the large items (few), grouped by rank
+    large_items = np.flatnonzero(tok > cap * _LARGE)
+    lr = state.dest[large_items]
+    large_items = large_items[np.argsort(lr, kind="stable")]
+    large_starts = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum(np.bincount(lr, minlength=R), out=large_starts[1:])
+    large = (large_items, large_starts)
+    overhead = cap * _OVERHEAD
+    big = 4.0 * cap + 4.0  # separates the pairs' segments in one sorted key array
+    for k in range(rounds):
+        over = np.flatnonzero(state.load > limit)
+        if over.size == 0:
+            return True
+        under = np.flatnonzero(state.load < budget)
+        if under.size == 0:
+            return False
+        excess = state.load[over] - budget[over]
+        over = over[np.lexsort((over, -excess))]
+        room_under = limit[under] - state.load[under]
+        under = under[np.lexsort((under, -room_under))]
+        P = min(over.size, under.size)
+        # every over-full rank looks at _PARTNERS ranks under budget, from its own place in that order
+        K = min(_PARTNERS, under.size)
+        idx = np.arange(P)
+        h = np.repeat(over[:P], K)
+        # the partners shift from round to round: a pair that found no trade meets new ranks
+        l = under[(np.repeat(idx, K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
+        if not _round(state, h, l, budget, limit, order, starts, large, moved, small, overhead, big):
+            return False
+    return not np.any(state.load > limit)
+
+
+def _ranges(lo: np.ndarray, hi: np.ndarray):
+    """(positions, group of each): the concatenated index ranges [lo[g], hi[g]) of every group g."""
+    size = hi - lo
+    total = int(size.sum())
+    group = np.repeat(np.arange(lo.size), size)
+    first = np.cumsum(size) - size
+    pos = np.arange(total) - np.repeat(first, size) + np.repeat(lo, size)
+    return pos, group
+
+
+def _round(state, h, l, budget, limit, order, starts, large, moved, small, overhead, big) -> bool:
+    """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
+    rank under budget in at most one; applies them; True if any was applied.
+
+    Trades tried: every large item `a` of h (large: not small) into l's roomiest slot, and for
+    every large item `b` of l, into b's slot with b paid back; either way topped up with the
+    fewest small items of that slot (index order) that make room for `a`. Everything paid back
+    takes a's slot on h."""
+    cap, M = state.cap, state.M
+    tok, cost = state.tokens, state.costs
+    P = h.size
+    l_order, l_starts = large
+    # large items that never moved of h (give) and of l (take back)
+    pos, gi = _ranges(l_starts[h], l_starts[h + 1])
+    give = l_order[pos]
+    ok = ~moved[give]
+    give, gi = give[ok], gi[ok]
+    if give.size == 0:
+        return False
+    pos, gb = _ranges(l_starts[l], l_starts[l + 1])
+    theirs = l_order[pos]
+    ok = ~moved[theirs]
+    theirs, gb = theirs[ok], gb[ok]
+    nb = np.bincount(gb, minlength=P) + 1  # + "no b": l's roomiest slot
+    b_first = np.cumsum(nb) - nb
+    opt_b = np.full(int(nb.sum()), -1, dtype=np.int64)
+    opt_b[np.arange(theirs.size) + np.repeat(b_first + 1 - (np.cumsum(nb - 1) - (nb - 1)), nb - 1)] = theirs
+    recv = np.argmin(state.slot_tok[l], axis=1)
+    opt_slot = np.where(opt_b >= 0, state.micro[np.maximum(opt_b, 0)], np.repeat(recv, nb))
+    opt_pair = np.repeat(np.arange(P), nb)
+    # candidates: every give item of a pair x every option of that pair
+    opos, ka = _ranges(b_first[gi], b_first[gi] + nb[gi])
+    a, g, b, m = give[ka], gi[ka], opt_b[opos], opt_slot[opos]
+    # small pay-back: the slots of l that candidates use, each a segment of cumulative sums
+    sk = g * M + m
+    seg_keys = np.unique(sk)
+    sid = np.searchsorted(seg_keys, sk)
+    sl = l[seg_keys // M] * M + seg_keys % M  # the slot of l, as grouped in `order`
+    pos, grp = _ranges(starts[sl], starts[sl + 1])
+    pay = order[pos]
+    ok = small[pay] & ~moved[pay]
+    pay, grp = pay[ok], grp[ok]
+    Q = seg_keys.size
+    seg = np.bincount(grp, minlength=Q)
+    seg_start = np.cumsum(seg + 1) - (seg + 1)  # every segment starts with a 0 (no pay-back)
+    at = np.arange(pay.size) + np.repeat(seg_start + 1 - (np.cumsum(seg) - seg), seg)
+    ct = np.zeros(int(seg.sum()) + Q)
+    cc = np.zeros_like(ct)
+    ct[at] = tok[pay]
+    cc[at] = cost[pay]
+    ct, cc = np.cumsum(ct), np.cumsum(cc)
+    ct -= np.repeat(ct[seg_start], seg + 1)  # cumulative within each segment (its 0 entry is its base)
+    cc -= np.repeat(cc[seg_start], seg + 1)
+    key = ct + np.repeat(np.arange(Q) * big, seg + 1)
+    has_b = b >= 0
+    bsafe = np.maximum(b, 0)
+    tb = np.where(has_b, tok[bsafe], 0.0)
+    cb = np.where(has_b, cost[bsafe], 0.0)
+    ta, ca, ma = tok[a], cost[a], state.micro[a]
+    hl, ll = h[g], l[g]
+    need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
+    j = np.searchsorted(key, need + sid * big, side="left")  # first prefix that frees enough
+    n_back = j - seg_start[sid]
+    feasible = n_back <= seg[sid]
+    j = np.minimum(j, key.size - 1)
+    back_tok = np.where(feasible, ct[j], np.inf) + tb
+    back_cost = cc[j] + cb
+    feasible &= back_tok <= ta + (cap - state.slot_tok[hl, ma])  # the pay-back fits a's slot on h
+    delta = ca - back_cost
+    feasible &= (delta > 0) & (state.load[ll] + delta <= limit[ll])
+    n_all = n_back + has_b
+    if state.count is not None:
+        feasible &= ((state.count[hl] - 1 + n_all >= state.min_count)
+                     & (state.count[ll] + 1 - n_all >= state.min_count))
+    useful = np.minimum(delta, state.load[hl] - budget[hl])
+    score = np.where(feasible, useful / (ta + back_tok + overhead), -np.inf)
+    if not np.isfinite(score).any():
+        return False
+    # the best trade of every over-full rank (ties: the first candidate), then every rank under
+    # budget trades with at most one of them, the most over first
+    R = state.load.shape[0]
+    best = np.full(R, -np.inf)
+    np.maximum.at(best, hl, score)
+    win = np.flatnonzero(np.isfinite(score) & (score == best[hl]))
+    pick = np.full(R, g.size, dtype=np.int64)
+    np.minimum.at(pick, hl[win], win)
+    first = pick[pick < g.size]
+    first = first[np.argsort(g[first], kind="stable")]  # pair order = over-full order
+    lr = l[g[first]]
+    taken = np.full(R, first.size, dtype=np.int64)
+    np.minimum.at(taken, lr, np.arange(first.size))
+    first = first[taken[lr] == np.arange(first.size)]
+    # small pay-back of each chosen trade: positions seg_start + 1 .. + n_back of its segment
+    ppos, pg = _ranges(seg_start[sid[first]] + 1, seg_start[sid[first]] + 1 + n_back[first])
+    item_at = np.full(key.size, -1, dtype=np.int64)
+    item_at[at] = pay
+    with_b = np.flatnonzero(has_b[first])
+    back = np.concatenate((item_at[ppos], b[first][with_b]))
+    back_of = np.concatenate((pg, with_b))
+    to_rank = np.concatenate((ll[first], hl[first][back_of]))
+    to_slot = np.concatenate((m[first], ma[first][back_of]))
+    _apply(state, np.concatenate((a[first], back)), to_rank, to_slot)
+    moved[a[first]] = True
+    moved[back] = True
+    return True
+
+
+def _apply(state: _State, allx, rank, slot) -> None:
+    """Move items `allx` to (rank, slot) each, updating the sums."""
+    R, M = state.load.shape[0], state.M
+    src = state.dest[allx]
+    c = state.costs[allx]
+    state.load += np.bincount(rank, weights=c, minlength=R) - np.bincount(src, weights=c, minlength=R)
+    if state.slot_tok is not None:
+        t = state.tokens[allx]
+        flat = state.slot_tok.reshape(-1)
+        flat += (np.bincount(rank * M + slot, weights=t, minlength=R * M)
+                 - np.bincount(src * M + state.micro[allx], weights=t, minlength=R * M))
+    if state.count is not None:
+        state.count += np.bincount(rank, minlength=R) - np.bincount(src, minlength=R)
+    state.prev[allx] = src
+    state.dest[allx] = rank
+    state.micro[allx] = slot
