@@ -7,17 +7,19 @@ import numpy as np
 from hf_dp_balance.core.planner.passes import _balance_incremental, _extra_passes, _polish
 from hf_dp_balance.core.planner.place import _place_lpt
 from hf_dp_balance.core.planner.state import _Infeasible, _State, _copy_state, _fullest, _remove
-from hf_dp_balance.core.planner.trade import _trade
+from hf_dp_balance.core.planner.trade import _LARGE, _trade
 
 _REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first partial repack
 
 
 def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
              deep: bool = True, repack_gain: float = 0.0) -> _State:
-    """The incremental method; if it stops above the goal, full-cap trades; then repacks that move more.
+    """The incremental method and full-cap trades; if both stop above the goal, repacks that move more.
 
     Full-cap trades (`_full_cap_trades`: large items traded for small change, the incremental
-    method, trades again) are for slots filled to the cap, where only exchanges help. Moves
+    method, trades again) are for slots filled to the cap, where only exchanges help: they go
+    first when most slots are full and the cost is strongly quadratic (`_trades_first`), else only
+    after the incremental method. Moves
     budget: when the incremental method or the trades end within twice the tolerance, the one
     that sends fewer tokens is kept and no repack runs (a repack sends most of the step again).
     A repack pools every item of a set of ranks (those still above the goal and the
@@ -38,15 +40,19 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     start = state.dest.copy()
     origin = _copy_state(state)
     tried = []
+    traded = _full_cap_trades(origin, budget, tolerance, relocate) if _trades_first(origin) else None
+    if traded is not None and _fullest(traded, budget) <= goal:
+        return traded
     try:
         tried.append(_balance_incremental(state, budget, tolerance, relocate))
     except _Infeasible:
         pass
     if tried and _fullest(tried[0], budget) <= goal:
         return tried[0]
-    traded = _full_cap_trades(origin, budget, tolerance, relocate)
-    if traded is not None and _fullest(traded, budget) <= goal:
-        return traded
+    if traded is None:
+        traded = _full_cap_trades(origin, budget, tolerance, relocate)
+        if traded is not None and _fullest(traded, budget) <= goal:
+            return traded
     near = [st for st in tried + ([traded] if traded is not None else [])
             if _fullest(st, budget) <= 1.0 + 2.0 * tolerance]
     if near:  # the moves budget: within twice the tolerance, no repack (it sends most of the step again)
@@ -95,6 +101,25 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
         return _polish(state, budget, budget * (tolerance / 2.0), tolerance)
     except _Infeasible:
         return None
+
+
+_LUMPY = 1.25  # large items cost at least this much more per token than the rest: trades go first
+
+
+def _trades_first(state: _State) -> bool:
+    """Fixed-length packing at max_tokens = the pack length (most slots have less token room than
+    a large item of `_trade`) with a cost whose large items are dearer per token than the rest by
+    _LUMPY (a strongly quadratic cost): the imbalance is in the large items, which no move can
+    place, so the incremental method would fail (slowly) and the trades go first."""
+    if state.cap is None or state.slot_tok is None or bool(np.any(state.slot_tok > state.cap)):
+        return False
+    if float(np.median(state.cap - state.slot_tok)) > state.cap * _LARGE:
+        return False
+    large = state.tokens > state.cap * _LARGE
+    t_large, t_rest = float(state.tokens[large].sum()), float(state.tokens[~large].sum())
+    if t_large <= 0 or t_rest <= 0:
+        return False
+    return float(state.costs[large].sum()) / t_large >= _LUMPY * float(state.costs[~large].sum()) / t_rest
 
 
 def _sent(state: _State, start: np.ndarray) -> float:

@@ -47,10 +47,10 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     np.cumsum(np.bincount(slot, minlength=S), out=starts[1:])
     moved = np.zeros(cost.shape[0], dtype=bool)
     small = tok <= cap * _SMALL
-    # the large items (few), grouped by rank
+    # the large items (few), grouped by rank, cheapest first within a rank (ties: index)
     large_items = np.flatnonzero(tok > cap * _LARGE)
     lr = state.dest[large_items]
-    large_items = large_items[np.argsort(lr, kind="stable")]
+    large_items = large_items[np.lexsort((large_items, cost[large_items], lr))]
     large_starts = np.zeros(R + 1, dtype=np.int64)
     np.cumsum(np.bincount(lr, minlength=R), out=large_starts[1:])
     large = (large_items, large_starts)
@@ -93,35 +93,51 @@ def _round(state, h, l, budget, limit, order, starts, large, moved, small, overh
     """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
     rank under budget in at most one; applies them; True if any was applied.
 
-    Trades tried: every large item `a` of h (large: not small) into l's roomiest slot, and for
-    every large item `b` of l, into b's slot with b paid back; either way topped up with the
-    fewest small items of that slot (index order) that make room for `a`. Everything paid back
-    takes a's slot on h."""
+    Trades tried: every other item `a` of h that fits l's roomiest slot moves there (h's first
+    partner only); every large item `a` of h
+    into l's roomiest slot, and in place of the two large items `b` of l whose cost is nearest
+    c_a - (what h should shed), b paid back; all topped up with the fewest small items of the
+    receiving slot (index order) that make room for `a`. Everything paid back takes a's slot
+    on h."""
     cap, M = state.cap, state.M
     tok, cost = state.tokens, state.costs
     P = h.size
-    l_order, l_starts = large
-    # large items that never moved of h (give) and of l (take back)
-    pos, gi = _ranges(l_starts[h], l_starts[h + 1])
+    l_order, l_starts = large  # large items grouped by rank, cheapest first within a rank
+    # large items of h that never moved (give), and of l (to take back), both per pair
+    pos, ga = _ranges(l_starts[h], l_starts[h + 1])
     give = l_order[pos]
     ok = ~moved[give]
-    give, gi = give[ok], gi[ok]
-    if give.size == 0:
-        return False
+    give, ga = give[ok], ga[ok]
     pos, gb = _ranges(l_starts[l], l_starts[l + 1])
     theirs = l_order[pos]
     ok = ~moved[theirs]
     theirs, gb = theirs[ok], gb[ok]
-    nb = np.bincount(gb, minlength=P) + 1  # + "no b": l's roomiest slot
-    b_first = np.cumsum(nb) - nb
-    opt_b = np.full(int(nb.sum()), -1, dtype=np.int64)
-    opt_b[np.arange(theirs.size) + np.repeat(b_first + 1 - (np.cumsum(nb - 1) - (nb - 1)), nb - 1)] = theirs
     recv = np.argmin(state.slot_tok[l], axis=1)
-    opt_slot = np.where(opt_b >= 0, state.micro[np.maximum(opt_b, 0)], np.repeat(recv, nb))
-    opt_pair = np.repeat(np.arange(P), nb)
-    # candidates: every give item of a pair x every option of that pair
-    opos, ka = _ranges(b_first[gi], b_first[gi] + nb[gi])
-    a, g, b, m = give[ka], gi[ka], opt_b[opos], opt_slot[opos]
+    # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
+    first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
+    pos, go = _ranges(starts[h[first_partner] * M], starts[(h[first_partner] + 1) * M])
+    rest = order[pos]
+    go = first_partner[go]
+    ok = ~moved[rest] & (tok[rest] <= cap * _LARGE) & (tok[rest] <= cap - state.slot_tok[l[go], recv[go]])
+    rest, go = rest[ok], go[ok]
+    if give.size + rest.size == 0:
+        return False
+    # for a large a, the b of l whose cost is nearest below and above c_a - want (want: what h
+    # should shed, at most what l can take), and no b
+    want = np.minimum(state.load[h] - budget[h], limit[l] - state.load[l])
+    nb = np.bincount(gb, minlength=P)
+    b_first = np.cumsum(nb) - nb
+    scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
+    key_b = gb + cost[theirs] * scale  # sorted: pairs in order, cheapest first within a pair
+    p_hi = np.searchsorted(key_b, ga + np.maximum(cost[give] - want[ga], 0.0) * scale)
+    a_opts, g_opts, b_opts = [rest, give], [go, ga], [np.full(rest.size + give.size, -1, dtype=np.int64)]
+    for p_b in (p_hi - 1, p_hi):
+        inside = (p_b >= b_first[ga]) & (p_b < b_first[ga] + nb[ga])
+        a_opts.append(give[inside])
+        g_opts.append(ga[inside])
+        b_opts.append(theirs[p_b[inside]])
+    a, g, b = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
+    m = np.where(b >= 0, state.micro[np.maximum(b, 0)], recv[g])
     # small pay-back: the slots of l that candidates use, each a segment of cumulative sums
     sk = g * M + m
     seg_keys = np.unique(sk)
