@@ -183,17 +183,26 @@ def _round(state, h, l, budget, limit, order, starts, large, moved, small, overh
     score = np.where(feasible, useful / (ta + back_tok + overhead), -np.inf)
     if not np.isfinite(score).any():
         return False
-    # the best trade of every over-full rank (ties: the first candidate), then every rank under
-    # budget trades with at most one of them, the most over first
+    # the best trade of every pair (ties: the first candidate); per over-full rank its best one,
+    # and its second best too when the best does not cover its excess and the two share no item
+    # and no slot of h; every rank under budget trades once, the most over first
+    best = np.full(P, -np.inf)
+    np.maximum.at(best, g, score)
+    win = np.flatnonzero(np.isfinite(score) & (score == best[g]))
+    pick = np.full(P, g.size, dtype=np.int64)
+    np.minimum.at(pick, g[win], win)
+    chosen = pick[pick < g.size]  # ascending pair = over-full order, a run per h
+    hc = hl[chosen]
+    o = np.lexsort((chosen, -score[chosen], hc))  # within each h: best first
+    chosen, hc = chosen[o], hc[o]
+    lead = np.concatenate(([True], hc[1:] != hc[:-1]))
+    lead_of = np.maximum.accumulate(np.where(lead, np.arange(chosen.size), 0))
+    c0 = chosen[lead_of]
+    second = (~lead & np.concatenate(([False], lead[:-1]))  # the second of its h
+              & (delta[c0] < state.load[hc] - budget[hc]) & (a[chosen] != a[c0]) & (ma[chosen] != ma[c0]))
+    first = np.concatenate((chosen[lead], chosen[second]))
     R = state.load.shape[0]
-    best = np.full(R, -np.inf)
-    np.maximum.at(best, hl, score)
-    win = np.flatnonzero(np.isfinite(score) & (score == best[hl]))
-    pick = np.full(R, g.size, dtype=np.int64)
-    np.minimum.at(pick, hl[win], win)
-    first = pick[pick < g.size]
-    first = first[np.argsort(g[first], kind="stable")]  # pair order = over-full order
-    lr = l[g[first]]
+    lr = ll[first]
     taken = np.full(R, first.size, dtype=np.int64)
     np.minimum.at(taken, lr, np.arange(first.size))
     first = first[taken[lr] == np.arange(first.size)]
