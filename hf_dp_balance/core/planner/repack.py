@@ -40,20 +40,24 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     start = state.dest.copy()
     origin = _copy_state(state)
     tried = []
-    traded = _full_cap_trades(origin, budget, tolerance, relocate) if _trades_first(origin) else None
+    first = _trades_first(origin)
+    traded = _full_cap_trades(origin, budget, tolerance, relocate) if first else None
     if traded is not None and _fullest(traded, budget) <= goal:
         return traded
-    try:
-        tried.append(_balance_incremental(state, budget, tolerance, relocate))
-    except _Infeasible:
-        pass
-    if tried and _fullest(tried[0], budget) <= goal:
-        return tried[0]
-    if traded is None:
-        traded = _full_cap_trades(origin, budget, tolerance, relocate)
-        if traded is not None and _fullest(traded, budget) <= goal:
-            return traded
-    near = [st for st in tried + ([traded] if traded is not None else [])
+    if traded is not None:
+        tried.append(traded)  # they ran steps 1-4 already: the repacks start from them
+    else:
+        try:
+            tried.append(_balance_incremental(state, budget, tolerance, relocate))
+        except _Infeasible:
+            pass
+        if tried and _fullest(tried[0], budget) <= goal:
+            return tried[0]
+        if not first:
+            traded = _full_cap_trades(origin, budget, tolerance, relocate)
+            if traded is not None and _fullest(traded, budget) <= goal:
+                return traded
+    near = [st for st in tried + ([traded] if traded is not None and traded not in tried else [])
             if _fullest(st, budget) <= 1.0 + 2.0 * tolerance]
     if near:  # the moves budget: within twice the tolerance, no repack (it sends most of the step again)
         return min(near, key=lambda st: _sent(st, start))
@@ -82,7 +86,7 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     if not tried:
         raise failure
     incremental = tried[0] if base is not origin else None
-    if traded is not None:
+    if traded is not None and traded not in tried:
         tried.append(traded)
     return _choose(tried, incremental, budget, tolerance, start, repack_gain)
 
@@ -98,7 +102,9 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
         _trade(state, budget, tolerance)
         state = _balance_incremental(state, budget, tolerance, relocate)
         _trade(state, budget, tolerance)
-        return _polish(state, budget, budget * (tolerance / 2.0), tolerance)
+        state = _polish(state, budget, budget * (tolerance / 2.0), tolerance)
+        state.path = "trades"
+        return state
     except _Infeasible:
         return None
 
