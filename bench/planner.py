@@ -12,6 +12,15 @@ For every method: slowest rank / lower bound, items moved, planning time
 (median of repeats of this thread's CPU time, same process, same instances). Run:
 
     python bench/planner.py [--quick] [--write docs/benchmarks/planner.md]
+
+`--full-cap` instead: max_tokens = the pack length (fixed-length packing fills every slot, so
+only exchanges help), cost q*L^2 + L with q/l = 1.9e-5 (7B-like) and 1.4e-4 (strongly
+quadratic), plan_step(sync="step") against the planner of git revision `--baseline` (run from
+a `git archive` of it in a child process, on the same seeded instances) and against the
+published greedy per micro-batch. Reported: slowest / bound, % of the step's tokens that change
+rank, CPU ms (time.process_time, min of repeats).
+
+    python bench/planner.py --full-cap [--baseline 27df345] [--sizes 512x4,2048x4,4096x8]
 """
 
 from __future__ import annotations
@@ -144,12 +153,104 @@ def bench_step(rng, num_ranks, num_mb, regime, repeats, sync):
     }
 
 
+FULL_CAP_COSTS = {"7B-like": 1.9e-5, "strongly quadratic": 1.4e-4}
+
+
+def full_cap_instance(mix: str, num_ranks: int, num_mb: int, seed: int):
+    """(lengths, owners, micro_batches) of R*M fixed-length 32K packs: the bench's long-tail regime
+    (1% of samples 16K-32K) or the simulator's qwen2vl-sft mix (tails up to 16K)."""
+    if mix == "long-tail":
+        return packed_step(np.random.default_rng([seed, num_ranks, num_mb]), num_ranks, num_mb, "long-tail")
+    from hf_dp_balance.apps import sim_runs
+
+    samples, pack_of = sim_runs.draw_packed(mix, num_ranks * num_mb, PACK, np.random.default_rng([seed, num_ranks, num_mb]))
+    return samples.tokens.astype(np.float64), pack_of % num_ranks, pack_of // num_ranks
+
+
+def full_cap_case(mix, R, M, shape, seed, repeats, with_reference):
+    """One planner (whichever `hf_dp_balance` imports) on one full-cap instance:
+    (slowest / bound, % tokens sent, min CPU ms, items), and the published greedy's if asked."""
+    L, own, mb = full_cap_instance(mix, R, M, seed)
+    c = FULL_CAP_COSTS[shape] * L ** 2 + L
+    best, plan = np.inf, None
+    for _ in range(repeats):
+        t = time.process_time()
+        plan = plan_step(c, own, mb, R, M, tokens=L, max_tokens=PACK, sync="step", min_gain=0.0)
+        best = min(best, time.process_time() - t)
+    out = {"items": int(L.size), "before": plan.makespan_before / plan.lower_bound,
+           "ours": (plan.makespan_after / plan.lower_bound, 100.0 * L[plan.dest_rank != own].sum() / L.sum(),
+                    1e3 * best, plan.path)}
+    if with_reference:
+        t = time.process_time()
+        rank = own.copy()
+        for m in range(M):
+            sel = np.flatnonzero(mb == m)
+            p = plan_reference_greedy(c[sel], own[sel], R, tokens=L[sel], max_token_ratio=PACK * R / L[sel].sum(),
+                                      skip_imbalance=0.0, skip_single_sample=False)
+            rank[sel] = p.dest
+        t = time.process_time() - t
+        load = np.bincount(rank, weights=c, minlength=R)
+        out["reference"] = (float(load.max()) / plan.lower_bound, 100.0 * L[rank != own].sum() / L.sum(), 1e3 * t, "")
+    return out
+
+
+def _baseline_results(rev: str, cases, repeats: int):
+    """Run the cases with the planner of git revision `rev` (a `git archive` of its package, in a child
+    process with only that on its path, so this process's planner is not the one imported)."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    root = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.check_output(["git", "-C", root, "archive", rev, "hf_dp_balance"])
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        env = dict(os.environ, PYTHONPATH=tmp)
+        code = ("import json, sys; sys.path.insert(0, %r); import planner as B; "
+                "print(json.dumps([B.full_cap_case(*c, %d, False) for c in json.loads(sys.argv[1])]))"
+                % (os.path.join(root, "bench"), repeats))
+        got = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=env, check=True, cwd=tmp,
+                             capture_output=True, text=True)
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
+def full_cap_main(args) -> int:
+    sizes = [tuple(int(x) for x in sz.split("x")) for sz in args.sizes.split(",")]
+    cases = [[mix, R, M, shape, args.seed] for mix in ("long-tail", "qwen2vl-sft") for R, M in sizes
+             for shape in FULL_CAP_COSTS]
+    base = _baseline_results(args.baseline, cases, args.repeats)
+    header = ("| mix | R x M | items | cost | before / bound | planner | slowest / bound | tokens sent | CPU ms | path |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for case, old in zip(cases, base):
+        mix, R, M, shape, _ = case
+        new = full_cap_case(*case, args.repeats, (R, M) == sizes[0])
+        label = f"| {mix} | {R} x {M} | {new['items']} | {shape} | {new['before']:.4f} |"
+        for name, res in [("this", new["ours"]), (f"{args.baseline}", old["ours"])] + (
+                [("published greedy", new["reference"])] if "reference" in new else []):
+            rows.append(f"{label} {name} | {res[0]:.4f} | {res[1]:.1f}% | {res[2]:.0f} | {res[3]} |")
+        speed = old["ours"][2] / max(new["ours"][2], 1e-9)
+        sent = old["ours"][1] / max(new["ours"][1], 1e-9)
+        rows.append(f"{label} ratio {args.baseline} / this | | {sent:.1f}x | {speed:.1f}x | |")
+        print("\n".join(rows[-4:]), flush=True)
+    print(header + "\n" + "\n".join(rows))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument("--full-cap", action="store_true", help="max_tokens = pack length, two cost shapes, "
+                        "against --baseline")
+    parser.add_argument("--baseline", default="27df345", help="git revision of the planner to compare against")
+    parser.add_argument("--sizes", default="512x4,2048x4,4096x8", help="R x M sizes for --full-cap")
+    parser.add_argument("--repeats", type=int, default=3, help="--full-cap: CPU time = min of this many calls")
     parser.add_argument("--write", metavar="PATH", help="also write the markdown table to PATH")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.full_cap:
+        return full_cap_main(args)
     rng = np.random.default_rng(args.seed)
     repeats = 3 if args.quick else 7
     sizes = [32, 512] if args.quick else [32, 128, 512]

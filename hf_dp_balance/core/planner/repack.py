@@ -7,20 +7,27 @@ import numpy as np
 from hf_dp_balance.core.planner.passes import _balance_incremental, _extra_passes, _polish
 from hf_dp_balance.core.planner.place import _place_lpt
 from hf_dp_balance.core.planner.state import _Infeasible, _State, _copy_state, _fullest, _remove
+from hf_dp_balance.core.planner.trade import _LARGE, _trade
 
 _REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first partial repack
 
 
 def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
              deep: bool = True, repack_gain: float = 0.0) -> _State:
-    """The incremental method, then, only if it stops above the goal, repacks that move more.
+    """The incremental method and full-cap trades; if both stop above the goal, repacks that move more.
 
+    Full-cap trades (`_full_cap_trades`: large items traded for small change, the incremental
+    method, trades again) are for slots filled to the cap, where only exchanges help: they go
+    first when most slots are full and the cost is strongly quadratic (`_trades_first`), else only
+    after the incremental method. Moves
+    budget: when the incremental method or the trades end within twice the tolerance, the one
+    that sends fewer tokens is kept and no repack runs (a repack sends most of the step again).
     A repack pools every item of a set of ranks (those still above the goal and the
     K emptiest), places them again by capped LPT on those ranks only, renames those
     ranks so that most items stay with their owner, and polishes (refine, exchanges).
     K = 2 x (over-full ranks) + 8, doubled until the plan is within the goal or the set
     is every rank (a from-scratch LPT). The kept plan has the lowest fullest rank;
-    among plans within `tolerance` of it, the fewest moves (earlier attempts win ties).
+    among plans within `tolerance` of it, the fewest tokens sent (earlier attempts win ties).
     With `repack_gain` > 0 (a cap repair, which is applied whatever it gains), a repack
     replaces the incremental plan only if it cuts the fullest rank by at least that
     fraction: the many moves of a repack must pay for themselves, as any plan must.
@@ -33,12 +40,27 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     start = state.dest.copy()
     origin = _copy_state(state)
     tried = []
-    try:
-        tried.append(_balance_incremental(state, budget, tolerance, relocate))
-    except _Infeasible:
-        pass
-    if tried and _fullest(tried[0], budget) <= goal:
-        return tried[0]
+    first = _trades_first(origin)
+    traded = _full_cap_trades(origin, budget, tolerance, relocate) if first else None
+    if traded is not None and _fullest(traded, budget) <= goal:
+        return traded
+    if traded is not None:
+        tried.append(traded)  # they ran steps 1-4 already: the repacks start from them
+    else:
+        try:
+            tried.append(_balance_incremental(state, budget, tolerance, relocate))
+        except _Infeasible:
+            pass
+        if tried and _fullest(tried[0], budget) <= goal:
+            return tried[0]
+        if not first:
+            traded = _full_cap_trades(origin, budget, tolerance, relocate)
+            if traded is not None and _fullest(traded, budget) <= goal:
+                return traded
+    near = [st for st in tried + ([traded] if traded is not None and traded not in tried else [])
+            if _fullest(st, budget) <= 1.0 + 2.0 * tolerance]
+    if near:  # the moves budget: within twice the tolerance, no repack (it sends most of the step again)
+        return min(near, key=lambda st: _sent(st, start))
     base = tried[0] if tried else origin
     safe = np.maximum(budget, np.finfo(np.float64).tiny)
     full = base.load / safe
@@ -64,7 +86,53 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     if not tried:
         raise failure
     incremental = tried[0] if base is not origin else None
+    if traded is not None and traded not in tried:
+        tried.append(traded)
     return _choose(tried, incremental, budget, tolerance, start, repack_gain)
+
+
+def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool):
+    """Trades of large items (`_trade`), the incremental method, trades again, polish: the plan for
+    a placement whose slots are full, where only exchanges help; None when the start breaks the
+    cap (a repair: the incremental method's token shedding does it) or no plan is found."""
+    if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
+        return None
+    state = _copy_state(origin)
+    try:
+        _trade(state, budget, tolerance)
+        state = _balance_incremental(state, budget, tolerance, relocate)
+        _trade(state, budget, tolerance)
+        state = _polish(state, budget, budget * (tolerance / 2.0), tolerance)
+        state.path = "trades"
+        return state
+    except _Infeasible:
+        return None
+
+
+_LUMPY = 1.25  # large items cost at least this much more per token than the rest: trades go first
+
+
+def _trades_first(state: _State) -> bool:
+    """Fixed-length packing at max_tokens = the pack length (most slots have less token room than
+    a large item of `_trade`) with a cost whose large items are dearer per token than the rest by
+    _LUMPY (a strongly quadratic cost): the imbalance is in the large items, which no move can
+    place, so the incremental method would fail (slowly) and the trades go first."""
+    if state.cap is None or state.slot_tok is None or bool(np.any(state.slot_tok > state.cap)):
+        return False
+    if float(np.median(state.cap - state.slot_tok)) > state.cap * _LARGE:
+        return False
+    large = state.tokens > state.cap * _LARGE
+    t_large, t_rest = float(state.tokens[large].sum()), float(state.tokens[~large].sum())
+    if t_large <= 0 or t_rest <= 0:
+        return False
+    return float(state.costs[large].sum()) / t_large >= _LUMPY * float(state.costs[~large].sum()) / t_rest
+
+
+def _sent(state: _State, start: np.ndarray) -> float:
+    """What a plan sends over the side network: tokens of the items that change rank (items when no
+    tokens are given)."""
+    away = state.dest != start
+    return float(state.tokens[away].sum()) if state.tokens is not None else float(np.count_nonzero(away))
 
 
 def _choose(tried: list, incremental, budget: np.ndarray, tolerance: float, start: np.ndarray,
@@ -74,7 +142,7 @@ def _choose(tried: list, incremental, budget: np.ndarray, tolerance: float, star
     that does not beat it by `repack_gain`."""
     best = min(_fullest(st, budget) for st in tried)
     near = [st for st in tried if _fullest(st, budget) <= best * (1.0 + tolerance)]
-    chosen = min(near, key=lambda st: int(np.count_nonzero(st.dest != start)))
+    chosen = min(near, key=lambda st: _sent(st, start))
     if (repack_gain > 0 and incremental is not None and chosen is not incremental
             and _fullest(chosen, budget) > _fullest(incremental, budget) * (1.0 - repack_gain)):
         return incremental
@@ -116,7 +184,10 @@ def _relabel(state: _State, budget: np.ndarray, ranks: np.ndarray, pool: np.ndar
     local[ranks] = np.arange(K)
     owner = local[start[pool]]
     mine = owner >= 0
-    kept = np.bincount(local[state.dest[pool[mine]]] * K + owner[mine], minlength=K * K).reshape(K, K)
+    # weight: tokens kept home (the bytes an exchange does not send), items when no tokens are given
+    weight = None if state.tokens is None else state.tokens[pool[mine]]
+    kept = np.bincount(local[state.dest[pool[mine]]] * K + owner[mine], weights=weight,
+                       minlength=K * K).reshape(K, K)
     rows, cols = linear_sum_assignment(kept, maximize=True)  # new contents `rows` -> rank `cols`
     to = np.arange(budget.shape[0])
     to[ranks[rows]] = ranks[cols]

@@ -8,9 +8,10 @@ from typing import Optional
 import numpy as np
 
 # Plan.path / StepPlan.path: "kept" (not applied: everything stays), "incremental" (shed / place /
-# refine / exchange from the current placement), "repack" (the repack fallback's plan was kept),
-# "reference" (apps.reference.plan_reference_greedy, the published baseline).
-PATHS = ("kept", "incremental", "repack", "reference")
+# refine / exchange from the current placement), "trades" (the full-cap trades' plan was kept),
+# "repack" (the repack fallback's plan was kept), "reference" (apps.reference.plan_reference_greedy,
+# the published baseline).
+PATHS = ("kept", "incremental", "trades", "repack", "reference")
 
 class _GainMixin:
     """`gain` of a plan result: the relative cut of the slowest rank, 1 - after / before (0 when skipped)."""

@@ -1,0 +1,239 @@
+"""Trades for a full token cap: one item for a few small ones, between paired ranks, in vectorised rounds.
+
+With fixed-length packing every slot is filled to the cap, so an item can move only where a
+slot has room for it, and rooms are a few hundred tokens: only exchanges help. What an exchange
+costs is the tokens it sends over the side network (both directions), so a trade is judged by
+the load it takes off the fuller rank per token sent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_dp_balance.core.planner.state import _State
+
+_ROUNDS = 24  # trade rounds at most (every round: at most one trade per over-full rank)
+_SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
+_LARGE = 1.0 / 16.0  # items above this share of the cap are the ones traded
+_PARTNERS = 2  # ranks under budget each over-full rank considers per round
+_OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer, larger trades)
+
+
+def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS) -> bool:
+    """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
+
+    Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under their
+    budget each (furthest under first; the partners shift every round). A trade sends a large
+    item `a` of h (over cap x _LARGE tokens) to l, into l's roomiest slot or in place of a large
+    item `b` of l that comes back; the receiving slot also pays back the fewest of its small
+    items (at most cap x _SMALL tokens each, index order) that make room for `a`. Everything
+    paid back takes a's slot on h, which must hold it. Kept per over-full rank: the trade with
+    the most load taken off h (no more than h is over its budget) per token sent (plus a fixed
+    cap x _OVERHEAD per trade), that does not put l over budget x (1 + tolerance / 2); each
+    rank under budget takes at most one trade per round. Items that moved once stay put.
+    Cost per round: O(large items of the pairs x options + items of the slots used) numpy,
+    no Python loop over items; one O(n) grouping by slot first.
+    """
+    cap = state.cap
+    R, M = state.load.shape[0], state.M
+    limit = budget * (1.0 + tolerance / 2.0)
+    if cap is None or R < 2 or not np.any(state.load > limit):
+        return not np.any(state.load > limit)
+    tok, cost = state.tokens, state.costs
+    slot = state.dest * M + state.micro
+    S = R * M
+    order = np.argsort(slot.astype(np.uint16 if S <= 1 << 16 else np.int64), kind="stable")
+    starts = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(np.bincount(slot, minlength=S), out=starts[1:])
+    moved = np.zeros(cost.shape[0], dtype=bool)
+    small = tok <= cap * _SMALL
+    # the large items (few), grouped by rank, cheapest first within a rank (ties: index)
+    large_items = np.flatnonzero(tok > cap * _LARGE)
+    lr = state.dest[large_items]
+    large_items = large_items[np.lexsort((large_items, cost[large_items], lr))]
+    large_starts = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum(np.bincount(lr, minlength=R), out=large_starts[1:])
+    large = (large_items, large_starts)
+    overhead = cap * _OVERHEAD
+    big = 4.0 * cap + 4.0  # separates the pairs' segments in one sorted key array
+    for k in range(rounds):
+        over = np.flatnonzero(state.load > limit)
+        if over.size == 0:
+            return True
+        under = np.flatnonzero(state.load < budget)
+        if under.size == 0:
+            return False
+        excess = state.load[over] - budget[over]
+        over = over[np.lexsort((over, -excess))]
+        room_under = limit[under] - state.load[under]
+        under = under[np.lexsort((under, -room_under))]
+        P = min(over.size, under.size)
+        # every over-full rank looks at _PARTNERS ranks under budget, from its own place in that order
+        K = min(_PARTNERS, under.size)
+        idx = np.arange(P)
+        h = np.repeat(over[:P], K)
+        # the partners shift from round to round: a pair that found no trade meets new ranks
+        l = under[(np.repeat(idx, K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
+        if not _round(state, h, l, budget, limit, order, starts, large, moved, small, overhead, big):
+            return False
+    return not np.any(state.load > limit)
+
+
+def _ranges(lo: np.ndarray, hi: np.ndarray):
+    """(positions, group of each): the concatenated index ranges [lo[g], hi[g]) of every group g."""
+    size = hi - lo
+    total = int(size.sum())
+    group = np.repeat(np.arange(lo.size), size)
+    first = np.cumsum(size) - size
+    pos = np.arange(total) - np.repeat(first, size) + np.repeat(lo, size)
+    return pos, group
+
+
+def _round(state, h, l, budget, limit, order, starts, large, moved, small, overhead, big) -> bool:
+    """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
+    rank under budget in at most one; applies them; True if any was applied.
+
+    Trades tried: every other item `a` of h that fits l's roomiest slot moves there (h's first
+    partner only); every large item `a` of h
+    into l's roomiest slot, and in place of the two large items `b` of l whose cost is nearest
+    c_a - (what h should shed), b paid back; all topped up with the fewest small items of the
+    receiving slot (index order) that make room for `a`. Everything paid back takes a's slot
+    on h."""
+    cap, M = state.cap, state.M
+    tok, cost = state.tokens, state.costs
+    P = h.size
+    l_order, l_starts = large  # large items grouped by rank, cheapest first within a rank
+    # large items of h that never moved (give), and of l (to take back), both per pair
+    pos, ga = _ranges(l_starts[h], l_starts[h + 1])
+    give = l_order[pos]
+    ok = ~moved[give]
+    give, ga = give[ok], ga[ok]
+    pos, gb = _ranges(l_starts[l], l_starts[l + 1])
+    theirs = l_order[pos]
+    ok = ~moved[theirs]
+    theirs, gb = theirs[ok], gb[ok]
+    recv = np.argmin(state.slot_tok[l], axis=1)
+    # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
+    first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
+    pos, go = _ranges(starts[h[first_partner] * M], starts[(h[first_partner] + 1) * M])
+    rest = order[pos]
+    go = first_partner[go]
+    ok = ~moved[rest] & (tok[rest] <= cap * _LARGE) & (tok[rest] <= cap - state.slot_tok[l[go], recv[go]])
+    rest, go = rest[ok], go[ok]
+    if give.size + rest.size == 0:
+        return False
+    # for a large a, the b of l whose cost is nearest below and above c_a - want (want: what h
+    # should shed, at most what l can take), and no b
+    want = np.minimum(state.load[h] - budget[h], limit[l] - state.load[l])
+    nb = np.bincount(gb, minlength=P)
+    b_first = np.cumsum(nb) - nb
+    scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
+    key_b = gb + cost[theirs] * scale  # sorted: pairs in order, cheapest first within a pair
+    p_hi = np.searchsorted(key_b, ga + np.maximum(cost[give] - want[ga], 0.0) * scale)
+    a_opts, g_opts, b_opts = [rest, give], [go, ga], [np.full(rest.size + give.size, -1, dtype=np.int64)]
+    for p_b in (p_hi - 1, p_hi):
+        inside = (p_b >= b_first[ga]) & (p_b < b_first[ga] + nb[ga])
+        a_opts.append(give[inside])
+        g_opts.append(ga[inside])
+        b_opts.append(theirs[p_b[inside]])
+    a, g, b = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
+    m = np.where(b >= 0, state.micro[np.maximum(b, 0)], recv[g])
+    # small pay-back: the slots of l that candidates use, each a segment of cumulative sums
+    sk = g * M + m
+    seg_keys = np.unique(sk)
+    sid = np.searchsorted(seg_keys, sk)
+    sl = l[seg_keys // M] * M + seg_keys % M  # the slot of l, as grouped in `order`
+    pos, grp = _ranges(starts[sl], starts[sl + 1])
+    pay = order[pos]
+    ok = small[pay] & ~moved[pay]
+    pay, grp = pay[ok], grp[ok]
+    Q = seg_keys.size
+    seg = np.bincount(grp, minlength=Q)
+    seg_start = np.cumsum(seg + 1) - (seg + 1)  # every segment starts with a 0 (no pay-back)
+    at = np.arange(pay.size) + np.repeat(seg_start + 1 - (np.cumsum(seg) - seg), seg)
+    ct = np.zeros(int(seg.sum()) + Q)
+    cc = np.zeros_like(ct)
+    ct[at] = tok[pay]
+    cc[at] = cost[pay]
+    ct, cc = np.cumsum(ct), np.cumsum(cc)
+    ct -= np.repeat(ct[seg_start], seg + 1)  # cumulative within each segment (its 0 entry is its base)
+    cc -= np.repeat(cc[seg_start], seg + 1)
+    key = ct + np.repeat(np.arange(Q) * big, seg + 1)
+    has_b = b >= 0
+    bsafe = np.maximum(b, 0)
+    tb = np.where(has_b, tok[bsafe], 0.0)
+    cb = np.where(has_b, cost[bsafe], 0.0)
+    ta, ca, ma = tok[a], cost[a], state.micro[a]
+    hl, ll = h[g], l[g]
+    need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
+    j = np.searchsorted(key, need + sid * big, side="left")  # first prefix that frees enough
+    n_back = j - seg_start[sid]
+    feasible = n_back <= seg[sid]
+    j = np.minimum(j, key.size - 1)
+    back_tok = np.where(feasible, ct[j], np.inf) + tb
+    back_cost = cc[j] + cb
+    feasible &= back_tok <= ta + (cap - state.slot_tok[hl, ma])  # the pay-back fits a's slot on h
+    delta = ca - back_cost
+    feasible &= (delta > 0) & (state.load[ll] + delta <= limit[ll])
+    n_all = n_back + has_b
+    if state.count is not None:
+        feasible &= ((state.count[hl] - 1 + n_all >= state.min_count)
+                     & (state.count[ll] + 1 - n_all >= state.min_count))
+    useful = np.minimum(delta, state.load[hl] - budget[hl])
+    score = np.where(feasible, useful / (ta + back_tok + overhead), -np.inf)
+    if not np.isfinite(score).any():
+        return False
+    # the best trade of every pair (ties: the first candidate); per over-full rank its best one,
+    # and its second best too when the best does not cover its excess and the two share no item
+    # and no slot of h; every rank under budget trades once, the most over first
+    best = np.full(P, -np.inf)
+    np.maximum.at(best, g, score)
+    win = np.flatnonzero(np.isfinite(score) & (score == best[g]))
+    pick = np.full(P, g.size, dtype=np.int64)
+    np.minimum.at(pick, g[win], win)
+    chosen = pick[pick < g.size]  # ascending pair = over-full order, a run per h
+    hc = hl[chosen]
+    o = np.lexsort((chosen, -score[chosen], hc))  # within each h: best first
+    chosen, hc = chosen[o], hc[o]
+    lead = np.concatenate(([True], hc[1:] != hc[:-1]))
+    lead_of = np.maximum.accumulate(np.where(lead, np.arange(chosen.size), 0))
+    c0 = chosen[lead_of]
+    second = (~lead & np.concatenate(([False], lead[:-1]))  # the second of its h
+              & (delta[c0] < state.load[hc] - budget[hc]) & (a[chosen] != a[c0]) & (ma[chosen] != ma[c0]))
+    first = np.concatenate((chosen[lead], chosen[second]))
+    R = state.load.shape[0]
+    lr = ll[first]
+    taken = np.full(R, first.size, dtype=np.int64)
+    np.minimum.at(taken, lr, np.arange(first.size))
+    first = first[taken[lr] == np.arange(first.size)]
+    # small pay-back of each chosen trade: positions seg_start + 1 .. + n_back of its segment
+    ppos, pg = _ranges(seg_start[sid[first]] + 1, seg_start[sid[first]] + 1 + n_back[first])
+    item_at = np.full(key.size, -1, dtype=np.int64)
+    item_at[at] = pay
+    with_b = np.flatnonzero(has_b[first])
+    back = np.concatenate((item_at[ppos], b[first][with_b]))
+    back_of = np.concatenate((pg, with_b))
+    to_rank = np.concatenate((ll[first], hl[first][back_of]))
+    to_slot = np.concatenate((m[first], ma[first][back_of]))
+    _apply(state, np.concatenate((a[first], back)), to_rank, to_slot)
+    moved[a[first]] = True
+    moved[back] = True
+    return True
+
+
+def _apply(state: _State, allx, rank, slot) -> None:
+    """Move items `allx` to (rank, slot) each, updating the sums."""
+    R, M = state.load.shape[0], state.M
+    src = state.dest[allx]
+    c = state.costs[allx]
+    state.load += np.bincount(rank, weights=c, minlength=R) - np.bincount(src, weights=c, minlength=R)
+    if state.slot_tok is not None:
+        t = state.tokens[allx]
+        flat = state.slot_tok.reshape(-1)
+        flat += (np.bincount(rank * M + slot, weights=t, minlength=R * M)
+                 - np.bincount(src * M + state.micro[allx], weights=t, minlength=R * M))
+    if state.count is not None:
+        state.count += np.bincount(rank, minlength=R) - np.bincount(src, minlength=R)
+    state.prev[allx] = src
+    state.dest[allx] = rank
+    state.micro[allx] = slot
