@@ -7,7 +7,7 @@ from hf_dp_balance.core.packing import IGNORE_INDEX, PackedCollator
 from hf_dp_balance.core.unpacking import (INPUT_CU_SEQ_LENS, INPUT_POSITIONS, INPUT_SAMPLES, detect_input, fill_rows,
                                           layout_of, repack, split_packed)
 from hf_dp_balance.testing.data import FAMILIES, make_samples, tiny_config
-from tests.packed_users import pad_to, with_cu_seq_lens
+from hf_dp_balance.testing.packed_users import pad_to, with_cu_seq_lens
 
 KINDS = ("text", "image", "multi_image", "video", "text", "image")
 PAD = 0

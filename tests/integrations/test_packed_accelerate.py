@@ -15,7 +15,7 @@ def _train(acc, family, samples, balanced, hook):
     from hf_dp_balance.integrations.accelerate import DPBalancer
     from hf_dp_balance.runtime.packed_input import PackedInput
     from hf_dp_balance.testing.data import make_model
-    from tests.packed_users import UserCollator
+    from hf_dp_balance.testing.packed_users import UserCollator
 
     model = make_model(family, seed=0, dtype=torch.float64)
     config = model.config

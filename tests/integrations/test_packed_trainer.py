@@ -14,7 +14,7 @@ def _train(rank, world, outdir, family, layout):
     from hf_dp_balance.integrations.callback import DPBalanceCallback
     from hf_dp_balance.runtime.packed_input import PackedInput
     from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
-    from tests.packed_users import UserCollator
+    from hf_dp_balance.testing.packed_users import UserCollator
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()

@@ -8,7 +8,7 @@ from hf_dp_balance.core.unpacking import INPUT_CU_SEQ_LENS, INPUT_POSITIONS, spl
 from hf_dp_balance.runtime.packed_input import PackedInput
 from hf_dp_balance.testing.data import tiny_config
 from hf_dp_balance.testing.spawn import run_ranks
-from tests.packed_users import UserCollator
+from hf_dp_balance.testing.packed_users import UserCollator
 
 GA, BATCH, STEPS = 2, 3, 2
 PIXEL_KEYS = {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"}

@@ -1,4 +1,4 @@
-"""The collators of users who already pack, for the packed-input tests (tests/core, runtime, integrations)."""
+"""The collators of users who already pack, for the packed-input tests (core, runtime, integrations)."""
 
 import torch
 
