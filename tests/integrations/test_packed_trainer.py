@@ -5,7 +5,7 @@ import torch
 from hf_dp_balance.testing.spawn import run_ranks
 
 
-def _train(rank, world, outdir, family, layout):
+def _train(rank, world, outdir, family, layout, extra=None):
     import transformers
     from transformers import Trainer, TrainingArguments
 
@@ -40,11 +40,13 @@ def _train(rank, world, outdir, family, layout):
     def train(balanced):
         model = make_model(family, seed=0, dtype=torch.float64)
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        args = TrainingArguments(output_dir=f"{outdir}/{int(balanced)}", use_cpu=True, per_device_train_batch_size=3,
-                                 gradient_accumulation_steps=2, max_steps=2, optim="sgd", learning_rate=1.0,
-                                 max_grad_norm=0.0, report_to=[], logging_strategy="no", save_strategy="no",
-                                 remove_unused_columns=False, train_sampling_strategy="sequential",
-                                 disable_tqdm=True, seed=0)
+        widths = []  # the rows the model receives
+        model.register_forward_pre_hook(lambda m, a, kw: widths.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        args = TrainingArguments(output_dir=f"{outdir}/{layout}{int(balanced)}", use_cpu=True,
+                                 per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=2,
+                                 optim="sgd", learning_rate=1.0, max_grad_norm=0.0, report_to=[], logging_steps=1,
+                                 save_strategy="no", remove_unused_columns=False, train_sampling_strategy="sequential",
+                                 disable_tqdm=True, seed=0, **(extra or {}))
         cb = PackedInputCallback(DPBalanceConfig(timeout_s=60, min_gain=0.0, warmup_steps=0, vision=False),
                                  cost_model=CostModel(quadratic=1.0, linear=20.0))
         trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=UserCollator(model.config, family, layout),
@@ -52,13 +54,20 @@ def _train(rank, world, outdir, family, layout):
         trainer.train()
         if balanced:
             cb.kept.pop_stats()  # the steps the callback did not log
-        return {n: p.detach() - start[n] for n, p in model.named_parameters()}, cb
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return {n: p.detach() - start[n] for n, p in model.named_parameters()}, cb, losses, widths
 
-    ref, _ = train(False)
-    bal, cb = train(True)
+    ref, _, ref_losses, _ = train(False)
+    bal, cb, losses, widths = train(True)
     num = sum(float((bal[n] - ref[n]).norm() ** 2) for n in ref) ** 0.5
     den = sum(float(ref[n].norm() ** 2) for n in ref) ** 0.5
-    return num / den, den, [(s.moved_samples, s.plan_hash) for s in cb.stats], cb.packed_input.kind
+    loss_gap = max(abs(a - b) for a, b in zip(losses, ref_losses)) if losses else float("nan")
+    return (num / den, den, [(s.moved_samples, s.plan_hash) for s in cb.stats], cb.packed_input.kind, loss_gap,
+            widths)
+
+
+def _train_layouts(rank, world, outdir, family, layouts):
+    return {layout: _train(rank, world, outdir, family, layout) for layout in layouts}
 
 
 def test_trainer_with_a_packing_collator_trains_as_unbalanced(tmp_path):
@@ -66,10 +75,32 @@ def test_trainer_with_a_packing_collator_trains_as_unbalanced(tmp_path):
 
     for family in ("text", "qwen2_vl"):
         results = run_ranks(_train, 2, str(tmp_path / family), family, "flash", timeout=400)
-        for update_rel, update_norm, stats, kind in results:
+        for update_rel, update_norm, stats, kind, _, _ in results:
             assert kind == INPUT_CU_SEQ_LENS
             assert update_norm > 0
             assert update_rel < 1e-5, (family, update_rel)
             assert len(stats) == 2
         assert results[0][2] == results[1][2]  # identical plans
         assert sum(moved for moved, _ in results[0][2]) > 0, family
+
+
+def test_trainer_with_transformers_and_trl_padding_collators_trains_as_unbalanced(tmp_path):
+    """DataCollatorForLanguageModeling(mlm=False), DataCollatorForSeq2Seq (left padding), TRL padding-free, each
+    with pad_to_multiple_of=64, under the default input="auto": same loss per step and update, rows aligned."""
+    from hf_dp_balance.core.unpacking import INPUT_CU_SEQ_LENS, INPUT_PADDED
+    from hf_dp_balance.testing.packed_users import PADDING_LAYOUTS
+
+    results = run_ranks(_train_layouts, 2, str(tmp_path), "text", PADDING_LAYOUTS, timeout=400)
+    for layout in PADDING_LAYOUTS:
+        plans = []
+        for rank_results in results:
+            update_rel, update_norm, stats, kind, loss_gap, widths = rank_results[layout]
+            assert kind == (INPUT_CU_SEQ_LENS if layout == "trl_aligned" else INPUT_PADDED), layout
+            assert update_norm > 0 and update_rel < 1e-5, (layout, update_rel)
+            assert loss_gap < 1e-5, (layout, loss_gap)
+            assert widths and all(width % 64 == 0 for _, width in widths), (layout, widths)
+            if layout != "trl_aligned":  # padded in, padded out: one sample per row
+                assert any(rows > 1 for rows, _ in widths), (layout, widths)
+            plans.append(stats)
+        assert plans[0] == plans[1]
+        assert sum(moved for moved, _ in plans[0]) > 0, layout
