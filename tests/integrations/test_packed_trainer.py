@@ -104,3 +104,52 @@ def test_trainer_with_transformers_and_trl_padding_collators_trains_as_unbalance
             plans.append(stats)
         assert plans[0] == plans[1]
         assert sum(moved for moved, _ in plans[0]) > 0, layout
+
+
+def _per_rank_mean(rank, world, outdir):
+    """average_tokens_across_devices=False: refused at train begin; with the opt-in, trains and says so."""
+    import logging
+
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
+    from hf_dp_balance.testing.packed_users import UserCollator
+
+    from hf_dp_balance.integrations import loss_contract
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_warning()  # the opt-in's line is a warning
+    data = [to_sample(r) for r in build_synthetic_dataset("text", 12, seed=1, scale=1 / 32)]
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    loss_contract.logger.addHandler(Keep())
+    out = []
+    for allow in (False, True):
+        model = make_model("text", seed=0, dtype=torch.float64)
+        args = TrainingArguments(output_dir=f"{outdir}/{allow}", use_cpu=True, per_device_train_batch_size=3,
+                                 max_steps=1, report_to=[], save_strategy="no", remove_unused_columns=False,
+                                 disable_tqdm=True, average_tokens_across_devices=False)
+        cb = DPBalanceCallback(DPBalanceConfig(timeout_s=60, warmup_steps=0, allow_per_rank_loss_mean=allow))
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb],
+                          data_collator=UserCollator(model.config, "text", "lm_padded"))
+        try:
+            trainer.train()
+            out.append(("trained", trainer.state.global_step))
+        except ValueError as exc:
+            out.append(("refused", str(exc)))
+    return out, seen
+
+
+def test_a_per_rank_loss_mean_is_refused_by_name_or_trained_with_the_opt_in_said_once(tmp_path):
+    for (refused, message), trained, seen in ((r[0][0], r[0][1], r[1]) for r in run_ranks(_per_rank_mean, 2, str(tmp_path), timeout=300)):
+        assert refused == "refused" and "average_tokens_across_devices=False" in message, message
+        assert "allow_per_rank_loss_mean" in message
+        assert trained == ("trained", 1)
+        assert sum("differs from the unbalanced run" in line for line in seen) == 1, seen
