@@ -32,14 +32,17 @@ class PackedInput:
     would have received. `collator`: packs one row (default `PackedCollator(model_config)`; the token cap
     is the planner's). `multiple` / `pad_token_id`: the width alignment and pad id of the user's rows
     (default: the collator's `pad_to_multiple_of`, and its `pad_token_id` or its tokenizer's, else the
-    model's). After the first micro-batch: `kind` (one of core.unpacking's INPUT_*), `layout` (None for
+    model's). `max_tokens`: the hard cap (`DPBalanceConfig.max_tokens`; the loader sets it): a user's
+    micro-batch whose samples hold more tokens raises, naming the cap and the row's width (the cap is per
+    micro-batch slot, and no plan can keep such a micro-batch in place). After the first micro-batch: `kind` (one of core.unpacking's INPUT_*), `layout` (None for
     per-sample lists) and `pack_length` (the widest row seen on this rank).
     """
 
     def __init__(self, model_config: Any, *, collate_fn: Optional[Callable[[list], Any]] = None,
                  collator: Optional[PackedCollator] = None, multiple: Optional[int] = None,
-                 pad_token_id: Optional[int] = None):
+                 pad_token_id: Optional[int] = None, max_tokens: Optional[int] = None):
         self.model_config = model_config
+        self.max_tokens = max_tokens
         self.collate_fn = collate_fn
         self.collator = collator if collator is not None else PackedCollator(model_config)
         self.multiple = multiple if multiple is not None else getattr(collate_fn, "pad_to_multiple_of", None)
@@ -65,9 +68,23 @@ class PackedInput:
             if kind == INPUT_SAMPLES:
                 return list(micro_batch)
             self.pack_length = max(self.pack_length, int(micro_batch["input_ids"].shape[1]))
-            return split_packed(micro_batch, self.model_config, multiple=self.multiple, pad_token_id=self.pad_token_id)
+            samples = split_packed(micro_batch, self.model_config, multiple=self.multiple, pad_token_id=self.pad_token_id)
+            self._check_cap(micro_batch, samples)
+            return samples
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
+
+    def _check_cap(self, micro_batch: Any, samples: List[dict]) -> None:
+        if self.max_tokens is None:
+            return
+        tokens = sum(int(s["input_ids"].numel()) for s in samples)
+        if tokens > self.max_tokens:
+            rows, width = (int(n) for n in micro_batch["input_ids"].shape)
+            raise ValueError(f"key 'input_ids': the collator's rows are {width} tokens wide ({rows} row(s), "
+                             f"{len(samples)} samples of {tokens} tokens), above the hard cap max_tokens="
+                             f"{self.max_tokens} per micro-batch: set max_tokens to at least {tokens} (or leave it "
+                             f"unset: the cap is then the step's longest micro-batch), or have the collator put "
+                             f"at most {self.max_tokens} tokens in a micro-batch")
 
     def _first(self, kind: str, micro_batch: Any) -> None:
         self.kind = kind

@@ -153,3 +153,38 @@ def test_a_per_rank_loss_mean_is_refused_by_name_or_trained_with_the_opt_in_said
         assert "allow_per_rank_loss_mean" in message
         assert trained == ("trained", 1)
         assert sum("differs from the unbalanced run" in line for line in seen) == 1, seen
+
+
+def _cap_below_rows(rank, world, outdir):
+    import time
+
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
+    from hf_dp_balance.testing.packed_users import UserCollator
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    data = [to_sample(r) for r in build_synthetic_dataset("text", 24, seed=1, scale=1 / 32)]  # samples <= 76 tokens
+    model = make_model("text", seed=0, dtype=torch.float64)
+    args = TrainingArguments(output_dir=outdir, use_cpu=True, per_device_train_batch_size=3, max_steps=2,
+                             report_to=[], save_strategy="no", remove_unused_columns=False, disable_tqdm=True)
+    cb = DPBalanceCallback(DPBalanceConfig(timeout_s=60, warmup_steps=0, max_tokens=80))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb],
+                      data_collator=UserCollator(model.config, "text", "positions"))
+    start = time.monotonic()
+    try:
+        trainer.train()
+    except Exception as exc:  # noqa: BLE001 - the test reads every rank's message
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_a_cap_below_the_user_s_row_width_is_an_error_naming_both_on_every_rank(tmp_path):
+    for message, seconds in run_ranks(_cap_below_rows, 2, str(tmp_path), timeout=200):
+        assert message is not None and "max_tokens=80" in message, message
+        assert "tokens wide" in message and "step 1" in message, message
+        assert seconds < 60
