@@ -115,9 +115,11 @@ def row_boundaries(batch: Mapping[str, Any], family: str) -> list[list[int]]:
     if pos is not None:
         want = (4, rows, width) if family in QWEN_FAMILIES else (rows, width)
         if tuple(pos.shape) != want and not (family not in QWEN_FAMILIES and tuple(pos.shape) == (1, width)):
-            need = ("Qwen-VL packing needs [4, 1, T] per row (row 0 the plain positions; a [3, B, T] tensor "
-                    "disables the packing mask)" if family in QWEN_FAMILIES else "expected [B, T]")
-            raise ValueError(f"packed batch: key 'position_ids': {need}: want {list(want)}, got {list(pos.shape)}")
+            need = ("Qwen-VL packing needs [4, 1, T] per row (row 0 the plain positions; with a [3, B, T] tensor "
+                    "transformers skips the packing mask, so the samples of a row attend to each other and their "
+                    "result depends on their neighbours)" if family in QWEN_FAMILIES else "expected [B, T]")
+            raise ValueError(f"packed batch: key 'position_ids': {need}: want {list(want)}, got {list(pos.shape)}. "
+                             f"Have the collator write them so (PackedCollator does), or: {SAMPLES_SETTING}")
     if batch.get("cu_seq_lens_q") is None:
         plain = pos[0] if family in QWEN_FAMILIES else pos.expand(rows, width)
         for r in range(rows):

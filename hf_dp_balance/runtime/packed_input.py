@@ -8,7 +8,7 @@ when the model's attention is varlen: `core.padded_rows.padded_output`); a colla
 is kept. The kind of input is read from the first micro-batch and logged once;
 a later micro-batch of another kind, or one that cannot be split, raises naming step, rank, micro-batch,
 row, sample and key. Use: `BalancedLoader(dataloader, config, model_config=cfg,
-packed_input=PackedInput(cfg))`; rules and limits: docs/packing.md ("Packed input").
+packed_input=PackedInput(cfg))`; rules and limits: docs/packing.md ("Layouts").
 """
 
 from __future__ import annotations
