@@ -244,3 +244,30 @@ def test_an_unmasked_first_label_after_another_sample_is_refused(setup):
     labels[0, start] = 5  # sample 1's first label would learn from sample 0's last token
     with pytest.raises(ValueError, match="row 0, sample 1: key 'labels'"):
         split_packed(dict(batch, labels=labels), config)
+
+
+def test_padded_rows_packed_padding_free_give_the_padded_loss_and_gradients(setup):
+    """The varlen choice for padded input: one packed row of the step's samples, same summed loss and gradient."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import build_tokenizer
+
+    config, collator, samples = _short_text_samples(setup, lengths=(12, 30, 7, 21))
+    model = make_model("text", seed=0, dtype=torch.float64)
+    user = DataCollatorForLanguageModeling(build_tokenizer("text"), mlm=False, pad_to_multiple_of=8)
+    padded = user([{"input_ids": s["input_ids"].tolist()} for s in samples])
+    flat = repack(split_packed(padded, config), layout_of(padded, 8, padded_output="packed"), collator, PAD)
+    assert flat["input_ids"].shape == (1, 72) and "attention_mask" not in flat  # 70 tokens, aligned to 8
+
+    def summed(batch):
+        model.zero_grad()
+        targets = int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+        loss = model(**batch).loss * targets
+        loss.backward()
+        return float(loss), torch.cat([p.grad.reshape(-1) for p in model.parameters()]), targets
+
+    (loss_a, grad_a, n_a), (loss_b, grad_b, n_b) = summed(padded), summed(flat)
+    assert n_a == n_b
+    assert abs(loss_a - loss_b) <= 1e-6 * abs(loss_a)
+    assert float((grad_a - grad_b).norm() / grad_a.norm()) < 1e-6
