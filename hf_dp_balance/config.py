@@ -100,6 +100,12 @@ class DPBalanceConfig:
     step's longest). `auto`: `packed` when the Trainer's data collator is the user's own, not `PackedCollator`
     or one of transformers' padding defaults."""
 
+    allow_per_rank_loss_mean: bool = False
+    """Balance even when each rank's loss is its own token mean (Trainer's `average_tokens_across_devices=False`,
+    or a model without loss kwargs): the update then differs from the unbalanced run's, and train begin says
+    so once. Off (default): such a run is refused at train begin, naming the setting
+    (`integrations.loss_contract`)."""
+
     def __post_init__(self) -> None:
         def bad(name: str, value, why: str) -> None:
             raise ValueError(f"DPBalanceConfig.{name}={value!r}: {why}")

@@ -1,9 +1,15 @@
-"""Packed rows the user already built -> per-sample dicts, and back into the user's layout.
+"""The rows the user's collator built -> per-sample dicts, and back into the user's layout.
+
+Layouts (`detect_input`): per-sample lists; packed rows with restarting `position_ids` or `cu_seq_lens`
+(transformers' `DataCollatorWithFlattening`, TRL's padding-free and packed rows, `PackedCollator`); padded
+rows with an `attention_mask` (`core.padded_rows`: transformers' padding collators, TRL without
+padding-free). A width aligned by the collator's `pad_to_multiple_of` (`multiple`) is kept: its pad tokens
+are not samples, and balanced rows are aligned again.
 
 Guarantee: for rows whose samples fill them in order (what `PackedCollator`, transformers'
 `DataCollatorWithFlattening` and fixed-length packers write), `repack(split_packed(b), layout_of(b))`
 is tensor-equal to `b`. A batch that cannot be split raises ValueError naming the row, the sample and
-the key. The layouts and the rules: docs/packing.md ("Packed input").
+the key. The layouts and the rules: docs/packing.md ("Layouts").
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ import torch
 from hf_dp_balance.core.boundaries import boundaries_from_cu_seq_lens, segment_boundaries
 from hf_dp_balance.core.families import IGNORE_INDEX, QWEN_FAMILIES
 from hf_dp_balance.core.packing import REQUIRED_KEYS, SAMPLE_TENSOR_KEYS, family_of
+from hf_dp_balance.core.padded_rows import aligned, real_span, repad, split_padded
 
 INPUT_SAMPLES = "per-sample lists"
 INPUT_POSITIONS = "packed rows with restarting positions"
 INPUT_CU_SEQ_LENS = "packed rows with cu_seq_lens"
+INPUT_PADDED = "padded rows with attention_mask"
 FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # per-token keys of a packed row that are rebuilt from the boundaries, not carried by a sample
 LAYOUT_KEYS = ("position_ids", "attention_mask", "seq_idx") + FLASH_KEYS
@@ -30,9 +38,12 @@ TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
 class PackedLayout:
     """How the user's collator laid out a micro-batch: what `repack` gives back.
 
-    kind: INPUT_POSITIONS or INPUT_CU_SEQ_LENS. rows / width: the batch's [B, T].
+    kind: INPUT_POSITIONS, INPUT_CU_SEQ_LENS or INPUT_PADDED. rows / width: the batch's [B, T].
     keys: the layout keys present (subset of LAYOUT_KEYS). dtypes: their tensor dtypes
     (`max_length_*`: None when the collator wrote python ints, as `DataCollatorWithFlattening` does).
+    multiple: the collator's `pad_to_multiple_of` (None: widths as they come). Padded rows: `side` of
+    the pads, and `output`: "padded" (re-padded, one sample per row) or "packed" (one padding-free row
+    with restarting positions; see `core.padded_rows.padded_output`).
     """
 
     kind: str
@@ -40,35 +51,58 @@ class PackedLayout:
     width: int
     keys: tuple[str, ...]
     dtypes: tuple[tuple[str, Optional[torch.dtype]], ...] = ()
+    multiple: Optional[int] = None
+    side: Optional[str] = None
+    output: str = "padded"
 
     def dtype(self, key: str) -> Optional[torch.dtype]:
         return dict(self.dtypes).get(key)
 
 
 def detect_input(micro_batch: Any) -> str:
-    """Which input a micro-batch is: INPUT_SAMPLES (a list of sample dicts), INPUT_CU_SEQ_LENS or
-    INPUT_POSITIONS (a dict of packed rows). Raises for padded rows with no boundaries."""
+    """Which layout a micro-batch is (one of the INPUT_* names); ValueError naming what was seen and the
+    setting that works for anything else."""
     if isinstance(micro_batch, (list, tuple)):
         return INPUT_SAMPLES
     if not isinstance(micro_batch, Mapping):
-        raise ValueError(f"micro-batch: expected a list of sample dicts or a dict of packed rows, "
-                         f"got {type(micro_batch).__name__}")
+        raise ValueError(f"micro-batch: a {type(micro_batch).__name__}, neither a list of sample dicts nor a dict "
+                         f"of rows. {SAMPLES_SETTING}")
+    mask = micro_batch.get("attention_mask")
+    has_pads = isinstance(mask, torch.Tensor) and not bool(mask.bool().all())
     if micro_batch.get("cu_seq_lens_q") is not None:
+        if has_pads:
+            raise ValueError("packed batch: key 'attention_mask': has zeros beside cu_seq_lens_q: packed rows "
+                             "carry no padding mask (the pads are a segment of their own)")
         return INPUT_CU_SEQ_LENS
+    if has_pads or (mask is not None and micro_batch.get("position_ids") is None):
+        return INPUT_PADDED
     if micro_batch.get("position_ids") is not None:
         return INPUT_POSITIONS
-    raise ValueError("packed batch: row 0: key 'position_ids': missing, and no 'cu_seq_lens_q': padded rows "
-                     "with no sample boundaries cannot be split (give per-sample lists, or packed rows with "
-                     "position_ids restarting at 0 per sample or cu_seq_lens)")
+    ids = micro_batch.get("input_ids")
+    raise ValueError(f"micro-batch: a dict of rows (keys {sorted(micro_batch)}, input_ids "
+                     f"{list(getattr(ids, 'shape', []))}) with no position_ids, cu_seq_lens_q or attention_mask: "
+                     f"where one sample ends and the next begins is unknown. Have the collator write position_ids "
+                     f"restarting at 0 per sample or an attention_mask, or: {SAMPLES_SETTING}")
 
 
-def layout_of(batch: Mapping[str, Any]) -> PackedLayout:
-    """The `PackedLayout` of a packed batch (see `detect_input`)."""
+SAMPLES_SETTING = ("input='samples' (DPBalanceConfig.input, --dp_balance_input, HF_DP_BALANCE_INPUT) works when the "
+                   "dataset yields per-sample dicts of tensors with input_ids and labels: the library packs them "
+                   "with PackedCollator and does not call this collator")
+
+
+def layout_of(batch: Mapping[str, Any], multiple: Optional[int] = None, padded_output: str = "padded") -> PackedLayout:
+    """The `PackedLayout` of a batch of rows (see `detect_input`); `multiple`: the collator's
+    `pad_to_multiple_of`; `padded_output`: how padded rows come back (`core.padded_rows.padded_output`)."""
     kind = detect_input(batch)
     ids = batch["input_ids"]
     keys = tuple(k for k in LAYOUT_KEYS if batch.get(k) is not None)
     dtypes = tuple((k, batch[k].dtype if isinstance(batch[k], torch.Tensor) else None) for k in keys)
-    return PackedLayout(kind, int(ids.shape[0]), int(ids.shape[1]), keys, dtypes)
+    side = None
+    if kind == INPUT_PADDED:
+        sides = {real_span(batch["attention_mask"][r], r)[2] for r in range(int(ids.shape[0]))}
+        side = "left" if "left" in sides else "right"
+    return PackedLayout(kind, int(ids.shape[0]), int(ids.shape[1]), keys, dtypes, multiple or None, side,
+                        padded_output)
 
 
 def row_boundaries(batch: Mapping[str, Any], family: str) -> list[list[int]]:
@@ -82,9 +116,11 @@ def row_boundaries(batch: Mapping[str, Any], family: str) -> list[list[int]]:
     if pos is not None:
         want = (4, rows, width) if family in QWEN_FAMILIES else (rows, width)
         if tuple(pos.shape) != want and not (family not in QWEN_FAMILIES and tuple(pos.shape) == (1, width)):
-            need = ("Qwen-VL packing needs [4, 1, T] per row (row 0 the plain positions; a [3, B, T] tensor "
-                    "disables the packing mask)" if family in QWEN_FAMILIES else "expected [B, T]")
-            raise ValueError(f"packed batch: key 'position_ids': {need}: want {list(want)}, got {list(pos.shape)}")
+            need = ("Qwen-VL packing needs [4, 1, T] per row (row 0 the plain positions; with a [3, B, T] tensor "
+                    "transformers skips the packing mask, so the samples of a row attend to each other and their "
+                    "result depends on their neighbours)" if family in QWEN_FAMILIES else "expected [B, T]")
+            raise ValueError(f"packed batch: key 'position_ids': {need}: want {list(want)}, got {list(pos.shape)}. "
+                             f"Have the collator write them so (PackedCollator does), or: {SAMPLES_SETTING}")
     if batch.get("cu_seq_lens_q") is None:
         plain = pos[0] if family in QWEN_FAMILIES else pos.expand(rows, width)
         for r in range(rows):
@@ -114,13 +150,17 @@ def row_boundaries(batch: Mapping[str, Any], family: str) -> list[list[int]]:
     return bounds
 
 
-def split_packed(batch: Mapping[str, Any], model_config) -> list[dict]:
-    """The per-sample dicts of a packed micro-batch ([B, T] rows), row by row, in order.
+def split_packed(batch: Mapping[str, Any], model_config, *, multiple: Optional[int] = None,
+                 pad_token_id: Optional[int] = None) -> list[dict]:
+    """The per-sample dicts of a micro-batch of rows ([B, T]), row by row, in order.
 
-    Boundaries: `row_boundaries`. Images / videos / tiles go back to the sample whose placeholder
+    Packed rows: boundaries from `row_boundaries`; padded rows: each row's real tokens
+    (`core.padded_rows.split_padded`). Images / videos / tiles go back to the sample whose placeholder
     tokens they fill. Exact inverse of `PackedCollator` (and `repack`); a sample keeps its labels as
     the collator left them, and one whose first label is a target (not -100) after another sample of
     its row raises: that target would depend on which sample precedes it, which balancing changes.
+    With `multiple` (the collator's `pad_to_multiple_of`), the segments that end a packed row and hold
+    only `pad_token_id` tokens with no target, fewer than `multiple` in all, are its alignment, not samples.
     """
     family = family_of(model_config)
     for key in REQUIRED_KEYS[family]:
@@ -130,23 +170,48 @@ def split_packed(batch: Mapping[str, Any], model_config) -> list[dict]:
     for key, value in batch.items():
         if value is not None and key not in allowed:
             raise ValueError(f"packed batch: key {key!r}: not known how to split it by sample "
-                             f"(a {family} packed row has {sorted(allowed)})")
-    bounds = row_boundaries(batch, family)
+                             f"(a {family} row has {sorted(allowed)})")
+    if detect_input(batch) == INPUT_PADDED:
+        samples = split_padded(batch, TOKEN_KEYS)[0]
+        where = [f"row {r}" for r in range(len(samples))]
+    else:
+        samples, where = _split_rows(batch, row_boundaries(batch, family), multiple, pad_token_id)
+    if family in QWEN_FAMILIES:
+        _assign_qwen_pixels(samples, where, batch, model_config)
+    elif family == "internvl":
+        _assign_tiles(samples, where, batch, model_config)
+    return samples
+
+
+def _split_rows(batch: Mapping[str, Any], bounds: list, multiple: Optional[int], pad_token_id: Optional[int]):
     samples, where = [], []
     for r, edges in enumerate(bounds):
+        row = []
         for s, (a, b) in enumerate(zip(edges, edges[1:])):
             sample = {k: batch[k][r, a:b].clone() for k in TOKEN_KEYS if batch.get(k) is not None}
             if s > 0 and int(sample["labels"][0]) != IGNORE_INDEX:
                 raise ValueError(f"packed batch: row {r}, sample {s}: key 'labels': the first label is a target "
                                  f"({int(sample['labels'][0])}), so it learns from the previous sample; mask it "
                                  f"(-100) in the collator")
-            samples.append(sample)
-            where.append(f"row {r}, sample {s}")
-    if family in QWEN_FAMILIES:
-        _assign_qwen_pixels(samples, where, batch, model_config)
-    elif family == "internvl":
-        _assign_tiles(samples, where, batch, model_config)
-    return samples
+            row.append(sample)
+        keep = len(row) - _alignment_segments(row, multiple, pad_token_id)
+        samples.extend(row[:keep])
+        where.extend(f"row {r}, sample {s}" for s in range(keep))
+    return samples, where
+
+
+def _alignment_segments(row: list, multiple: Optional[int], pad_token_id: Optional[int]) -> int:
+    """How many of a row's last segments are `pad_to_multiple_of` padding (see `split_packed`)."""
+    if not multiple or multiple <= 1 or pad_token_id is None:
+        return 0
+    count, tokens = 0, 0
+    for sample in reversed(row[1:]):  # the row's first segment is always data
+        n = int(sample["input_ids"].numel())
+        if tokens + n >= multiple or not bool((sample["labels"] == IGNORE_INDEX).all()) \
+                or not bool((sample["input_ids"] == pad_token_id).all()):
+            break
+        count, tokens = count + 1, tokens + n
+    return count
 
 
 def _assign_qwen_pixels(samples: list, where: list, batch: Mapping[str, Any], model_config) -> None:
@@ -219,23 +284,42 @@ def fill_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 def repack(samples: Sequence[Mapping[str, Any]], layout: PackedLayout, collate: Callable[[list], dict],
            pad_token_id: int, capacity: Optional[int] = None) -> dict:
-    """The samples packed in the user's layout: `collate` (a `PackedCollator`) per row, rows of at most
-    `capacity` tokens (default `layout.width`; one row when the layout has one), padded to the widest with
-    one pad segment (label -100, positions from 0), then the layout keys rebuilt from the boundaries."""
+    """The samples in the user's layout. Packed layouts: `collate` (a `PackedCollator`) per row, rows of at
+    most `capacity` tokens (default `layout.width`; one row when the layout has one), padded to the widest
+    (aligned to `layout.multiple`) with one pad segment (label -100, positions from 0), then the layout keys
+    rebuilt from the boundaries. Padded rows: one row per sample, padded on the user's side (`repad`), or,
+    with `layout.output == "packed"`, one padding-free row of restarting positions."""
+    if layout.kind == INPUT_PADDED and layout.output == "padded":
+        return _repad(samples, layout, pad_token_id)
     lengths = [int(s["input_ids"].numel()) for s in samples]
-    if layout.rows == 1:
+    if layout.rows == 1 or layout.kind == INPUT_PADDED:
         groups = [list(range(len(samples)))]
     else:
         groups = fill_rows(lengths, capacity or layout.width)
     parts = [collate([samples[i] for i in g]) for g in groups]
-    width = max(p["input_ids"].shape[1] for p in parts)
+    width = aligned(max(p["input_ids"].shape[1] for p in parts), layout.multiple)
     qwen = parts[0]["position_ids"].ndim == 3
     parts = [_pad_row(p, width, pad_token_id, qwen) for p in parts]
     # rows stack on dim 0 (Qwen positions [4, 1, T]: dim 1); pixels in row-major sample order, the order
     # in which the model fills the placeholders
     batch = {key: torch.cat([p[key] for p in parts if key in p], dim=1 if qwen and key == "position_ids" else 0)
              for key in dict.fromkeys(k for p in parts for k in p)}
+    if layout.kind == INPUT_PADDED:
+        return batch  # padding-free: input_ids, labels, position_ids (and the pixels), no attention_mask
     return _layout_keys(batch, layout, qwen)
+
+
+def _repad(samples: Sequence[Mapping[str, Any]], layout: PackedLayout, pad_token_id: int) -> dict:
+    longest = max((int(s["input_ids"].numel()) for s in samples), default=1)
+    pos_dtype = layout.dtype("position_ids") if "position_ids" in layout.keys else None
+    batch = repad(samples, TOKEN_KEYS, side=layout.side or "right", width=aligned(longest, layout.multiple),
+                  pad_token_id=pad_token_id, mask_dtype=layout.dtype("attention_mask") or torch.long,
+                  position_dtype=pos_dtype)
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        parts = [s[key] for s in samples if s.get(key) is not None]
+        if parts:
+            batch[key] = torch.cat(parts)
+    return batch
 
 
 def _pad_row(part: dict, width: int, pad_token_id: int, qwen: bool) -> dict:

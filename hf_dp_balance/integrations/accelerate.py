@@ -25,6 +25,7 @@ from typing import Any, List, Optional
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.integrations.accelerate_loader import BalancedDataLoader
+from hf_dp_balance.integrations.loss_contract import check_loop_loss
 from hf_dp_balance.runtime.balance_metrics import balance_metrics
 from hf_dp_balance.runtime.fitter import (CostModelFitter, StepClock, StepRecorder, image_patches,
                                           micro_batch_lengths, priors_from_config, resolve_timing)
@@ -98,6 +99,7 @@ class DPBalancer:
         self.config = DPBalanceConfig.from_env(config)
         self.model_config = _model_config(model, model_config)
         self.data_parallel = resolve_data_parallel_group(accelerator, data_parallel_group)
+        check_loop_loss(model, self.config, self.data_parallel.size)  # loss normalisation: integrations.loss_contract
         self.gradient_accumulation_steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
         self.sync = _sync_mode(accelerator, self.config)
         device = getattr(accelerator, "device", None)

@@ -96,6 +96,9 @@ class DPBalanceArguments:
         "What the dataloader yields: samples (per-sample dicts, packed by the library) or packed (rows your "
         "collator packed: split, rebalanced, packed back in your layout); auto: packed when the Trainer's data "
         "collator is your own", "input", INPUT_CHOICES))
+    dp_balance_allow_per_rank_loss_mean: bool = field(default=False, metadata=_help(
+        "Balance although each rank's loss is its own mean (average_tokens_across_devices=False): the update "
+        "then differs from the unbalanced run's (said once); off: such a run is refused", "allow_per_rank_loss_mean"))
 
     def __post_init__(self) -> None:
         # Fail at parse time, not at the first training step.

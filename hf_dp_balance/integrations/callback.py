@@ -133,10 +133,13 @@ class DPBalanceCallback(TrainerCallback):
         import torch
         import torch.distributed as dist
 
+        from hf_dp_balance.integrations.loss_contract import check_trainer_loss
         from hf_dp_balance.integrations.trl import check_sft_setup
 
         # TRL's SFTTrainer: its settings that would feed the loader other samples than the user's (same on every rank)
-        check_sft_setup(args, getattr(train_dataloader, "dataset", None), getattr(model, "config", None))
+        check_sft_setup(args, getattr(train_dataloader, "dataset", None), getattr(model, "config", None),
+                        getattr(self._trainer_ref() if self._trainer_ref is not None else None, "data_collator", None))
+        check_trainer_loss(args, self._trainer_ref() if self._trainer_ref is not None else None, self.config)
         self._active = True
         if dist.is_available() and dist.is_initialized():
             self._rank, self._world = dist.get_rank(), dist.get_world_size()

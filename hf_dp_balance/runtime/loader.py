@@ -76,6 +76,7 @@ class BalancedLoader:
         self.packed_input = packed_input  # runtime.packed_input.PackedInput: the user's micro-batches are packed rows
         if packed_input is not None:
             collator = collator or packed_input.collate
+            packed_input.max_tokens = self.config.max_tokens  # a user's micro-batch above the cap: refused at its step
             if self.config.max_tokens is None:  # the cap is the step's longest user row (see token_cap)
                 self.config = dataclasses.replace(self.config, max_token_ratio=1.0)
         if gradient_accumulation_steps < 1:

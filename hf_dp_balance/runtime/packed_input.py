@@ -1,12 +1,14 @@
-"""`PackedInput`: the thin layer before `BalancedLoader` for users whose collator already packs.
+"""`PackedInput`: the thin layer before `BalancedLoader` for users whose collator builds the rows.
 
-Each user micro-batch (a list of sample dicts, or a dict of packed rows: position_ids restarting at 0
-per sample, or flash-attention's cu_seq_lens) becomes per-sample dicts (`core.unpacking.split_packed`);
-each balanced slot is packed back in the layout of the first micro-batch (`core.unpacking.repack`):
-cu_seq_lens in, cu_seq_lens out. The kind of input is read from the first micro-batch and logged once;
+Each user micro-batch (a list of sample dicts; a dict of packed rows: position_ids restarting at 0
+per sample, or flash-attention's cu_seq_lens; or padded rows with an attention_mask) becomes per-sample
+dicts (`core.unpacking.split_packed`); each balanced slot goes back in the layout of the first micro-batch
+(`core.unpacking.repack`): cu_seq_lens in, cu_seq_lens out; padded in, padded out (or one padding-free row
+when the model's attention is varlen: `core.padded_rows.padded_output`); a collator's `pad_to_multiple_of`
+is kept. The kind of input is read from the first micro-batch and logged once;
 a later micro-batch of another kind, or one that cannot be split, raises naming step, rank, micro-batch,
 row, sample and key. Use: `BalancedLoader(dataloader, config, model_config=cfg,
-packed_input=PackedInput(cfg))`; rules and limits: docs/packing.md ("Packed input").
+packed_input=PackedInput(cfg))`; rules and limits: docs/packing.md ("Layouts").
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional
 
 from hf_dp_balance.core.packing import PackedCollator
+from hf_dp_balance.core.padded_rows import padded_output
 from hf_dp_balance.core.unpacking import INPUT_SAMPLES, PackedLayout, detect_input, layout_of, repack, split_packed
 from hf_dp_balance.runtime.logs import get_logger
 
@@ -27,15 +30,27 @@ class PackedInput:
     micro-batch that arrives as a list (where an installer replaced the dataloader's collate by
     `list_collate`, as Trainer installation does), so that what is split is what the user's model
     would have received. `collator`: packs one row (default `PackedCollator(model_config)`; the token cap
-    is the planner's). After the first micro-batch: `kind` (one of core.unpacking's INPUT_*), `layout`
-    (None for per-sample lists) and `pack_length` (the widest row seen on this rank).
+    is the planner's). `multiple` / `pad_token_id`: the width alignment and pad id of the user's rows
+    (default: the collator's `pad_to_multiple_of`, and its `pad_token_id` or its tokenizer's, else the
+    model's). `max_tokens`: the hard cap (`DPBalanceConfig.max_tokens`; the loader sets it): a user's
+    micro-batch whose samples hold more tokens raises, naming the cap and the row's width (the cap is per
+    micro-batch slot, and no plan can keep such a micro-batch in place). After the first micro-batch: `kind` (one of core.unpacking's INPUT_*), `layout` (None for
+    per-sample lists) and `pack_length` (the widest row seen on this rank).
     """
 
     def __init__(self, model_config: Any, *, collate_fn: Optional[Callable[[list], Any]] = None,
-                 collator: Optional[PackedCollator] = None):
+                 collator: Optional[PackedCollator] = None, multiple: Optional[int] = None,
+                 pad_token_id: Optional[int] = None, max_tokens: Optional[int] = None):
         self.model_config = model_config
+        self.max_tokens = max_tokens
         self.collate_fn = collate_fn
         self.collator = collator if collator is not None else PackedCollator(model_config)
+        self.multiple = multiple if multiple is not None else getattr(collate_fn, "pad_to_multiple_of", None)
+        if pad_token_id is None:
+            pad_token_id = getattr(collate_fn, "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = getattr(getattr(collate_fn, "tokenizer", None), "pad_token_id", None)
+        self.pad_token_id = int(pad_token_id) if pad_token_id is not None else self.collator.pad_token_id
         self.kind: Optional[str] = None
         self.layout: Optional[PackedLayout] = None
         self.pack_length = 0
@@ -53,19 +68,36 @@ class PackedInput:
             if kind == INPUT_SAMPLES:
                 return list(micro_batch)
             self.pack_length = max(self.pack_length, int(micro_batch["input_ids"].shape[1]))
-            return split_packed(micro_batch, self.model_config)
+            samples = split_packed(micro_batch, self.model_config, multiple=self.multiple, pad_token_id=self.pad_token_id)
+            self._check_cap(micro_batch, samples)
+            return samples
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
+
+    def _check_cap(self, micro_batch: Any, samples: List[dict]) -> None:
+        if self.max_tokens is None:
+            return
+        tokens = sum(int(s["input_ids"].numel()) for s in samples)
+        if tokens > self.max_tokens:
+            rows, width = (int(n) for n in micro_batch["input_ids"].shape)
+            raise ValueError(f"key 'input_ids': the collator's rows are {width} tokens wide ({rows} row(s), "
+                             f"{len(samples)} samples of {tokens} tokens), above the hard cap max_tokens="
+                             f"{self.max_tokens} per micro-batch: set max_tokens to at least {tokens} (or leave it "
+                             f"unset: the cap is then the step's longest micro-batch), or have the collator put "
+                             f"at most {self.max_tokens} tokens in a micro-batch")
 
     def _first(self, kind: str, micro_batch: Any) -> None:
         self.kind = kind
         if kind == INPUT_SAMPLES:
             logger.info("hf_dp_balance: input: %s (packed with PackedCollator)", kind)
             return
-        self.layout = layout_of(micro_batch)
-        logger.info("hf_dp_balance: input: %s (%d row(s) of %d tokens per micro-batch, keys %s); balanced rows "
-                    "go back in this layout, at most the step's longest row each", kind, self.layout.rows,
-                    self.layout.width, list(self.layout.keys))
+        self.layout = layout_of(micro_batch, self.multiple, padded_output(self.model_config))
+        back = ("one sample per row, padded as given" if self.layout.output == "padded" else
+                "one padding-free row per micro-batch (varlen attention: the same loss, no pad FLOPs)") \
+            if self.layout.side else "in this layout, at most the step's longest row each"
+        logger.info("hf_dp_balance: input: %s (%d row(s) of %d tokens per micro-batch, keys %s%s); balanced rows "
+                    "go back %s", kind, self.layout.rows, self.layout.width, list(self.layout.keys),
+                    f", widths a multiple of {self.multiple}" if self.multiple else "", back)
 
     def puller(self, pull: Callable[[], Optional[Any]], step: int, rank: int) -> Callable[[], Optional[List[dict]]]:
         """`pull` (next raw micro-batch or None) turned into one that yields each micro-batch's samples."""
@@ -86,7 +118,7 @@ class PackedInput:
         if self.layout is None:
             return self.collator(samples)
         longest = max((int(s["input_ids"].numel()) for s in samples), default=0)
-        return repack(samples, self.layout, self.collator, self.collator.pad_token_id,
+        return repack(samples, self.layout, self.collator, self.pad_token_id,
                       capacity=max(self.pack_length, longest))
 
 

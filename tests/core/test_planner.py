@@ -567,3 +567,14 @@ def test_full_cap_strongly_quadratic_sends_few_tokens(seed):
     assert plan.makespan_after <= 1.01 * plan.lower_bound
     sent = tokens[plan.dest_rank != owners].sum()
     assert sent <= 0.10 * tokens.sum()
+
+
+def test_a_cap_no_placement_can_meet_names_the_item_s_tokens_and_the_room_left():
+    """Slots the user filled above the cap: the error says how full the slots are, not that an item of 250
+    tokens "fits on no rank" under a cap of 300."""
+    from hf_dp_balance.core.planner import plan_step
+
+    tok = np.array([250, 250, 250, 221] * 2, dtype=float)
+    with pytest.raises(ValueError, match=r"holds 971 tokens \(cap 300.*\(250 tokens\) has no room: every rank's "
+                                         r"emptiest slot already holds >= 250 tokens, cap 300"):
+        plan_step(tok ** 2, [0] * 4 + [1] * 4, [0] * 8, 2, 1, tokens=tok, max_tokens=300, min_gain=0.0)

@@ -8,18 +8,18 @@ from hf_dp_balance.testing.spawn import run_ranks
 GA = 2
 
 
-def _train(acc, family, samples, balanced, hook):
+def _train(acc, family, samples, balanced, hook, layout):
     """The synced gradient of every optimizer step (flat, float64) and the step stats."""
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.integrations.accelerate import DPBalancer
     from hf_dp_balance.runtime.packed_input import PackedInput
     from hf_dp_balance.testing.data import make_model
-    from tests.packed_users import UserCollator
+    from hf_dp_balance.testing.packed_users import UserCollator
 
     model = make_model(family, seed=0, dtype=torch.float64)
     config = model.config
-    user_collator = UserCollator(config, family, "flash")
+    user_collator = UserCollator(config, family, layout)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = acc.prepare(model, optimizer)
     cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, enabled=balanced)
@@ -43,7 +43,7 @@ def _train(acc, family, samples, balanced, hook):
     return torch.stack(grads).numpy(), moved, kinds
 
 
-def _balanced_and_unbalanced(rank, world, family, hook):
+def _balanced_and_unbalanced(rank, world, family, hook, layout):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -53,17 +53,19 @@ def _balanced_and_unbalanced(rank, world, family, hook):
     acc = Accelerator(gradient_accumulation_steps=GA, cpu=True,
                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=family != "text")])
     samples = [to_sample(r) for r in build_synthetic_dataset(family, 12 * world, seed=1, scale=1 / 32)]
-    on, moved, kinds = _train(acc, family, samples, True, hook)
-    off, _, _ = _train(acc, family, samples, False, hook)
+    on, moved, kinds = _train(acc, family, samples, True, hook, layout)
+    off, _, _ = _train(acc, family, samples, False, hook, layout)
     return {"on": on, "off": off, "moved": moved, "kinds": kinds}
 
 
-@pytest.mark.parametrize("family,hook", [("text", "auto"), ("qwen2_vl", "explicit")])
-def test_a_packing_collator_in_the_accelerate_loop_gives_the_unbalanced_gradients(family, hook):
-    out = run_ranks(_balanced_and_unbalanced, 2, family, hook, timeout=300, pg_timeout_s=60)
+@pytest.mark.parametrize("family,hook,layout", [("text", "auto", "flash"), ("qwen2_vl", "explicit", "flash"),
+                                               ("text", "auto", "seq2seq_left")])
+def test_a_packing_collator_in_the_accelerate_loop_gives_the_unbalanced_gradients(family, hook, layout):
+    """Packed rows with cu_seq_lens, and transformers' DataCollatorForSeq2Seq's left-padded rows."""
+    out = run_ranks(_balanced_and_unbalanced, 2, family, hook, layout, timeout=300, pg_timeout_s=60)
     on, off = torch.from_numpy(out[0]["on"]), torch.from_numpy(out[0]["off"])
     assert on.shape == off.shape and on.shape[0] == 2
     assert float(((on - off).norm(dim=1) / off.norm(dim=1)).max()) < 1e-5
     assert out[0]["moved"] > 0  # balancing moved samples, so the equality above could have failed
-    flash = ["cu_seq_lens_k", "cu_seq_lens_q", "max_length_k", "max_length_q"]
+    flash = ["cu_seq_lens_k", "cu_seq_lens_q", "max_length_k", "max_length_q"] if layout == "flash" else []
     assert all(k == flash for r in out for k in r["kinds"])  # cu_seq_lens in, cu_seq_lens out

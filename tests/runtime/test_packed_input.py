@@ -8,7 +8,7 @@ from hf_dp_balance.core.unpacking import INPUT_CU_SEQ_LENS, INPUT_POSITIONS, spl
 from hf_dp_balance.runtime.packed_input import PackedInput
 from hf_dp_balance.testing.data import tiny_config
 from hf_dp_balance.testing.spawn import run_ranks
-from tests.packed_users import UserCollator
+from hf_dp_balance.testing.packed_users import UserCollator
 
 GA, BATCH, STEPS = 2, 3, 2
 PIXEL_KEYS = {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"}
@@ -145,3 +145,31 @@ def test_packed_input_for_tells_the_users_packing_from_the_defaults():
     assert isinstance(found, PackedInput) and found.collate_fn is users_own
     assert packed_input_for("samples", users_own, config) is None
     assert packed_input_for("auto", users_own, None) is None  # no model config: nothing to pack with
+
+
+def test_the_users_padding_collator_is_taken_with_its_alignment_and_pad_and_bad_rows_name_the_setting():
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_dp_balance.core.unpacking import INPUT_PADDED
+    from hf_dp_balance.runtime.packed_input import packed_input_for
+    from hf_dp_balance.testing.models import build_tokenizer
+
+    config = tiny_config("text")
+    config.use_cache = False
+    tok = build_tokenizer("text")
+    user = DataCollatorForLanguageModeling(tok, mlm=False, pad_to_multiple_of=64)
+    packed = packed_input_for("auto", user, config)
+    assert isinstance(packed, PackedInput) and packed.multiple == 64 and packed.pad_token_id == tok.pad_token_id
+    rows = [{"input_ids": list(range(11, 11 + n))} for n in (5, 70, 9)]
+    samples = packed.samples_of(rows, "step 1, rank 0, micro-batch 0")
+    assert packed.kind == INPUT_PADDED and [len(s["input_ids"]) for s in samples] == [5, 70, 9]
+    back = packed.collate(samples[:1] + samples[2:])
+    assert back["input_ids"].shape == (2, 64) and set(back) == {"input_ids", "labels", "attention_mask"}
+    packed.max_tokens = 80  # the loader's hard cap: this micro-batch holds 84 tokens
+    with pytest.raises(ValueError, match=r"micro-batch 1: .*128 tokens wide \(3 row\(s\), 3 samples of 84 tokens\), "
+                                         r"above the hard cap max_tokens=80"):
+        packed.samples_of(rows, "step 1, rank 0, micro-batch 1")
+    bare = PackedInput(config, collate_fn=lambda s: {"input_ids": torch.ones(2, 4, dtype=torch.long),
+                                                     "labels": torch.ones(2, 4, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"step 2, rank 1, micro-batch 0: micro-batch: a dict of rows .* input='samples'"):
+        bare.samples_of([{}], "step 2, rank 1, micro-batch 0")

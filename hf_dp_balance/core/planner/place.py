@@ -150,7 +150,9 @@ class _FullSearch:
             if not ok.any():
                 home = int(self.state.prev[item])
                 if free[home] < t:
-                    raise _Infeasible(f"item {item} ({t:.0f} tokens) fits on no rank")
+                    raise _Infeasible(f"item {item} ({t:.0f} tokens) has no room: under the token cap "
+                                      f"{self.state.cap:.0f} the roomiest rank has {float(np.max(free)):.0f} "
+                                      f"tokens left, its home rank {home} {float(free[home]):.0f}")
                 ok[home] = True  # back where it came from (its tokens left that rank)
         holds = room_arr >= c if ok is None else ok & (room_arr >= c)
         if holds.any():  # the smallest room that holds it
@@ -227,7 +229,9 @@ def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.nd
         for entry in aside:
             heapq.heappush(heap, entry)
         if chosen is None:
-            raise _Infeasible(f"item {int(pool[k])} fits on no rank")
+            emptiest = min(min(slot_tok[r]) for r in ranks.tolist())
+            raise _Infeasible(f"item {int(pool[k])} ({tok[k]:.0f} tokens) has no room: every rank's emptiest "
+                              f"slot already holds >= {emptiest:.0f} tokens, cap {cap:.0f}")
         load[chosen] += c
         heapq.heappush(heap, (load[chosen] * inv[chosen], chosen))
         dest[k] = chosen

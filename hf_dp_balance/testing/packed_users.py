@@ -1,8 +1,9 @@
-"""The collators of users who already pack, for the packed-input tests (tests/core, runtime, integrations)."""
+"""The collators of users who already pack, for the packed-input tests (core, runtime, integrations)."""
 
 import torch
 
-from hf_dp_balance.core.packing import IGNORE_INDEX, PackedCollator
+from hf_dp_balance.core.families import IGNORE_INDEX
+from hf_dp_balance.core.packing import PackedCollator
 
 
 def double(samples):
@@ -30,19 +31,57 @@ def pad_to(row, width):
     return out
 
 
+PADDING_LAYOUTS = ("lm_padded", "seq2seq_left", "trl_aligned")
+
+
+def padding_collator(layout: str, multiple: int = 64):
+    """A text collator users already have, taking python-list samples: transformers'
+    `DataCollatorForLanguageModeling(mlm=False)` (right padding, "lm_padded"), `DataCollatorForSeq2Seq` with
+    a left-padding tokenizer ("seq2seq_left"), both with `pad_to_multiple_of=multiple`, or TRL's padding-free
+    collator aligned to `multiple` ("trl_aligned")."""
+    from hf_dp_balance.testing.models import build_tokenizer
+
+    tok = build_tokenizer("text")
+    if layout == "lm_padded":
+        from transformers import DataCollatorForLanguageModeling
+
+        return DataCollatorForLanguageModeling(tok, mlm=False, pad_to_multiple_of=multiple)
+    if layout == "seq2seq_left":
+        from transformers import DataCollatorForSeq2Seq
+
+        tok.padding_side = "left"
+        return DataCollatorForSeq2Seq(tok, pad_to_multiple_of=multiple)
+    if layout == "trl_aligned":
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        return DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id, padding_free=True,
+                                               pad_to_multiple_of=multiple)
+    raise ValueError(f"layout {layout!r}: expected one of {PADDING_LAYOUTS}")
+
+
 class UserCollator:
     """What a user who packs already has: transformers' flattening collator (text) or PackedCollator (VLMs)
     for `layout` "positions"; plus cu_seq_lens written by hand ("flash"); or two rows per micro-batch, the
-    first sample in row 0, the others in row 1, padded to one width ("rows")."""
+    first sample in row 0, the others in row 1, padded to one width ("rows"); or one of `PADDING_LAYOUTS`
+    (text), its `pad_to_multiple_of` readable as the user's collator's. Float features become float64."""
 
     def __init__(self, config, family, layout):
         from transformers import DataCollatorWithFlattening
 
         self.layout, self.text = layout, family == "text"
+        if layout in PADDING_LAYOUTS:
+            self.pack = padding_collator(layout)
+            self.pad_to_multiple_of = self.pack.pad_to_multiple_of
+            tok = getattr(self.pack, "tokenizer", None)
+            self.pad_token_id = tok.pad_token_id if tok is not None else self.pack.pad_token_id
+            return
         flash = layout == "flash"
         self.pack = DataCollatorWithFlattening(return_flash_attn_kwargs=flash) if self.text else PackedCollator(config)
 
     def __call__(self, samples):
+        if self.layout in PADDING_LAYOUTS:
+            keep = ("input_ids",) if self.layout == "lm_padded" else ("input_ids", "labels")  # LM: labels = inputs
+            return self.pack([{k: s[k].tolist() for k in keep} for s in samples])
         samples = double(samples)
         if self.layout == "rows":
             a, b = self.pack(samples[:1]), self.pack(samples[1:])
