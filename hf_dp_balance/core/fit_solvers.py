@@ -5,7 +5,8 @@
 over ranks whose temperature is annealed towards the max. `fit_step_max_noisy`:
 the same start and inliers, then the maximum-likelihood fit of the step time as
 the max over ranks of noisy rank times (`step_max_likelihood`), which estimates
-the noise and so removes the bias of E[max] from the coefficients. Inputs are
+the noise and so removes the bias of E[max] from the coefficients; with a `ShapePrior` it is the
+posterior mode instead (the prior as log-normal ratios and half-normal free terms). Inputs are
 feature rows already scaled per column (`column_scale`); outputs are scaled
 coefficients >= 0 and the inlier mask. The method: docs/cost_model.md.
 """

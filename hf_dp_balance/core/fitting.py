@@ -346,6 +346,9 @@ def fit_cost_model(
     otherwise (`CostModel.from_config`): each term gets its own non-negative scale, pulled toward one
     common scale with `prior_strength` (`prior_penalty`); terms the prior leaves at 0 are pulled toward 0.
     `prior_strength` None: `STEP_MAX_PRIOR_STRENGTH` for the noise-aware step-max fit, else `PRIOR_STRENGTH`.
+    The noise-aware step-max fit uses those rows for its start only and maximises the likelihood with the
+    prior as a distribution (`shape_prior`: log ratios with an uncertainty, a per-sample cost priced, the
+    constant half-normal); without a prior it keeps the half-normal pulls on per sample and per step.
     Without a prior: four free non-negative coefficients.
 
     Raises ValueError naming the step / rank / value of bad data, a shape
