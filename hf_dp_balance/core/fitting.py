@@ -229,7 +229,7 @@ def _fit(features: np.ndarray, times: np.ndarray, mode: str, robust: bool, tempe
         theta, inliers = fit_per_rank(x.reshape(-1, N_FEATURES), times.reshape(-1), robust, penalty)
         inliers = inliers.reshape(times.shape)
     elif step_noise:
-        shape = shape_prior(prior, features, times, scale)
+        shape = shape_prior(prior if strength > 0 else None, features, times, scale)  # strength 0: no prior
         theta, inliers, sigma = fit_step_max_noisy(x, times, robust, temperature, penalty, shape)
     else:
         theta, inliers = fit_step_max(x, times, robust, temperature, penalty)
@@ -419,5 +419,6 @@ def compute_imbalance(times) -> float:
     return float((times.max(axis=1)[ok] / mean[ok] - 1.0).mean())
 
 
-__all__ = ["FREE_TERM_SHARE", "FitReport", "FitResult", "PRIOR_RATIO_SIGMA", "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model",
-           "fit_from_records", "prior_penalty", "shape_prior"]
+__all__ = ["FREE_TERM_SHARE", "FitReport", "FitResult", "PER_SAMPLE_SIGMA", "PER_SAMPLE_TOKENS", "PRIOR_RATIO_SIGMA",
+           "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model", "fit_from_records",
+           "prior_penalty", "shape_prior"]
