@@ -24,6 +24,7 @@ summed over the evaluation steps) and the single-sample cost MAPE over samples o
 
     python bench/cost_fit_plans.py          # 12 warm-up steps, 3 draws, 3 evaluation steps
     python bench/cost_fit_plans.py --full   # 8 and 16 warm-up steps, 8 draws
+    python bench/cost_fit_plans.py --sensitivity  # the cut from the true costs with one term perturbed
 """
 
 from __future__ import annotations
@@ -176,13 +177,43 @@ def print_results(results: dict) -> None:
             print(f"  {ranks:5d} {truth:14s} " + " | ".join(parts))
 
 
+def sensitivity(ranks: int = 32, evals: int = 8, seed: int = 1) -> dict:
+    """Share of the cut reached by plans from the TRUE costs with one term perturbed (prior-right truth):
+    how close a fitted model has to be for the plan to keep the cut. mix -> perturbation -> share."""
+    truth = truth_of(qwen2_7b_prior(), TRUTHS["prior right"])
+    q, lin, ps, c = truth.coefficients
+    variants = {"q x1.2": CostModel(q * 1.2, lin, ps, c), "q x0.8": CostModel(q * 0.8, lin, ps, c),
+                "per sample x0": CostModel(q, lin, 0.0, c), "x0.5": CostModel(q, lin, ps * 0.5, c),
+                "x2": CostModel(q, lin, ps * 2, c), "x4": CostModel(q, lin, ps * 4, c)}
+    out = {}
+    for label, mix in MIXES.items():
+        rng = np.random.default_rng(seed)
+        cut = {k: [0.0, 0.0] for k in variants}
+        for _ in range(evals):
+            lengths, owners = step_items(rng, mix, ranks)
+            base = makespan(truth, lengths, owners, ranks)
+            best = makespan(truth, lengths, plan(truth.sample_costs(lengths), lengths, owners, ranks), ranks)
+            for k, model in variants.items():
+                got = makespan(truth, lengths, plan(model.sample_costs(lengths), lengths, owners, ranks), ranks)
+                cut[k][0] += base - got
+                cut[k][1] += base - best
+        out[label] = {k: a / b for k, (a, b) in cut.items()}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="8 and 16 warm-up steps, 8 draws, 6 evaluation steps")
     parser.add_argument("--draws", type=int, default=None)
     parser.add_argument("--ranks", type=int, nargs="*", default=[8, 32, 128])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="only: the cut reached with the true costs, one term perturbed (32 ranks, 8 steps)")
     args = parser.parse_args(argv)
+    if args.sensitivity:
+        for mix, row in sensitivity().items():
+            print(f"  {mix:16s} " + "  ".join(f"{k} {100 * v:5.1f}%" for k, v in row.items()))
+        return 0
     start = time.process_time()
     steps = (8, 16) if args.full else (12,)
     draws = args.draws or (8 if args.full else 3)
