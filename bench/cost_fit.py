@@ -18,6 +18,8 @@ steps drawn from the training packs; the warm-up table: step-time MAPE against t
 
     python bench/cost_fit.py          # reduced: hidden 256, 2 layers, packs of 2K-4K tokens; ViT 128 wide, depth 2
     python bench/cost_fit.py --full   # full sizes: hidden 256, 4 layers, packs of 4K-8K tokens; ViT depth 4
+    python bench/cost_fit.py --plans  # step times alone: share of the true-cost cut a plan from the fit reaches
+                                      # (bench/cost_fit_plans.py; with --full its 8 / 16 warm-up steps, 8 draws)
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from typing import List
 import numpy as np
 import torch
 
-import cost_fit_synthetic  # bench/ (run as a script: its folder is on sys.path)
+import cost_fit_plans  # bench/ (run as a script: its folder is on sys.path)
+import cost_fit_synthetic
 from cost_fit_synthetic import predicted_steps
 from hf_dp_balance.runtime.attention import register_varlen_attention
 from hf_dp_balance.core.cost import CostModel, features_of
@@ -344,7 +347,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", help="write the timed features / times / results as JSON here (input of `hf-dp-balance fit`)")
     parser.add_argument("--synthetic-only", action="store_true", help="the synthetic known-coefficient tables only")
+    parser.add_argument("--plans", action="store_true",
+                        help="only the step-time study of bench/cost_fit_plans.py (share of the cut, single sample)")
     args = parser.parse_args(argv)
+    if args.plans:
+        return cost_fit_plans.main(["--full"] if args.full else [])
     synthetic = cost_fit_synthetic.run(draws=args.draws)
     cost_fit_synthetic.print_table(synthetic)
     conditioning = cost_fit_synthetic.conditioning(draws=args.draws)

@@ -5,7 +5,8 @@
 over ranks whose temperature is annealed towards the max. `fit_step_max_noisy`:
 the same start and inliers, then the maximum-likelihood fit of the step time as
 the max over ranks of noisy rank times (`step_max_likelihood`), which estimates
-the noise and so removes the bias of E[max] from the coefficients. Inputs are
+the noise and so removes the bias of E[max] from the coefficients; with a `ShapePrior` it is the
+posterior mode instead (the prior as log-normal ratios and half-normal free terms). Inputs are
 feature rows already scaled per column (`column_scale`); outputs are scaled
 coefficients >= 0 and the inlier mask. The method: docs/cost_model.md.
 """
@@ -13,6 +14,7 @@ coefficients >= 0 and the inlier mask. The method: docs/cost_model.md.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
@@ -205,6 +207,56 @@ def step_max_likelihood(params: np.ndarray, x: np.ndarray, log_y: np.ndarray, pe
     return value, grad
 
 
+@dataclass(frozen=True)
+class ShapePrior:
+    """A prior on the shape of the scaled coefficients theta, in log-likelihood units (a MAP term).
+
+    Each priced term k (a FLOP prior's non-zero ones) has log(theta_k / theta_main) ~ N(log_ratios[k], ratio_sigma^2):
+    the prior says how attention compares to dense work, with an uncertainty, and never the unit. Each free term
+    (the ones the prior does not price: per sample, per step) has theta_k ~ half-normal(free_sigma): a term's RMS
+    contribution in seconds is seldom more than a few `free_sigma`, and the data decides below that (a pull of
+    strength 1/free_sigma^2, not a zeroing one). Built by `core.fitting.shape_prior`.
+    """
+
+    pairs: Tuple[Tuple[int, int], ...]  # (k, main) for every priced term k != main
+    log_ratios: Tuple[float, ...]  # the prior's log(theta_k / theta_main), one per pair
+    ratio_sigmas: Tuple[float, ...]  # one per pair
+    free: Tuple[int, ...]
+    free_sigma: float
+
+    def value(self, theta: np.ndarray) -> Tuple[float, np.ndarray]:
+        """Negative log prior (up to a constant) and its gradient in theta (priced terms need theta > 0)."""
+        value, grad = 0.0, np.zeros(N_FEATURES)
+        for (k, main), mu, sigma in zip(self.pairs, self.log_ratios, self.ratio_sigmas):
+            r = (math.log(theta[k]) - math.log(theta[main]) - mu) / sigma
+            value += 0.5 * r * r
+            grad[k] += r / (sigma * theta[k])
+            grad[main] -= r / (sigma * theta[main])
+        for k in self.free:
+            r = theta[k] / self.free_sigma
+            value += 0.5 * r * r
+            grad[k] += r / self.free_sigma
+        return value, grad
+
+    def rows(self, theta: np.ndarray, free: bool = True) -> np.ndarray:
+        """Penalty rows [p, 4] whose squared norm is the prior's curvature at theta (Gauss-Newton);
+        `free` False: the priced terms' rows only."""
+        rows = []
+        for (k, main), sigma in zip(self.pairs, self.ratio_sigmas):
+            row = np.zeros(N_FEATURES)
+            row[k], row[main] = 1.0 / (sigma * theta[k]), -1.0 / (sigma * theta[main])
+            rows.append(row)
+        for k in self.free if free else ():
+            row = np.zeros(N_FEATURES)
+            row[k] = 1.0 / self.free_sigma
+            rows.append(row)
+        return np.array(rows) if rows else np.zeros((0, N_FEATURES))
+
+    @property
+    def priced(self) -> Tuple[int, ...]:
+        return tuple(sorted({k for pair in self.pairs for k in pair}))
+
+
 def _effective_parameters(x: np.ndarray, y: np.ndarray, theta: np.ndarray, penalty: np.ndarray,
                           temperature: float) -> float:
     """Degrees of freedom the data spends on theta: trace of the penalised hat matrix of the soft-max
@@ -215,20 +267,39 @@ def _effective_parameters(x: np.ndarray, y: np.ndarray, theta: np.ndarray, penal
     return float(np.trace(info @ np.linalg.pinv(info + penalty.T @ penalty)))
 
 
+def _posterior(params: np.ndarray, x: np.ndarray, log_y: np.ndarray, penalty: np.ndarray, penalty_scale: float,
+               shape: Optional[ShapePrior]) -> Tuple[float, np.ndarray]:
+    """`step_max_likelihood` plus the shape prior's negative log density (when there is one)."""
+    value, grad = step_max_likelihood(params, x, log_y, penalty, penalty_scale)
+    if shape is not None:
+        extra, extra_grad = shape.value(params[:N_FEATURES])
+        value, grad = value + extra, grad + np.concatenate([extra_grad, [0.0]])
+    return value, grad
+
+
 def _max_likelihood(x: np.ndarray, y: np.ndarray, theta0: np.ndarray, log_sigma0: float, penalty: np.ndarray,
-                    penalty_scale: float, sigma_bounds: Tuple[float, float]) -> Tuple[np.ndarray, float]:
-    """argmin of `step_max_likelihood` over theta >= 0 and sigma in sigma_bounds (L-BFGS-B)."""
+                    penalty_scale: float, sigma_bounds: Tuple[float, float],
+                    shape: Optional[ShapePrior] = None) -> Tuple[np.ndarray, float, float]:
+    """argmin of `_posterior` over theta >= 0 and sigma in sigma_bounds (L-BFGS-B): (theta, sigma, objective).
+    The shape prior's priced terms stay above 1e-9 of the largest start coefficient (their log is taken)."""
     from scipy.optimize import minimize
 
     lo, hi = math.log(sigma_bounds[0]), math.log(sigma_bounds[1])
-    start = np.concatenate([np.maximum(theta0, 1e-12), [min(max(log_sigma0, lo), hi)]])
-    result = minimize(step_max_likelihood, start, args=(x, np.log(y), penalty, penalty_scale), jac=True,
-                      method="L-BFGS-B", bounds=[(0.0, None)] * N_FEATURES + [(lo, hi)], options={"maxiter": 1000})
-    return np.maximum(result.x[:N_FEATURES], 0.0), math.exp(float(result.x[N_FEATURES]))
+    floor = 1e-9 * max(float(np.max(theta0)), 1e-300)
+    priced = shape.priced if shape is not None else ()
+    lower = [floor if k in priced else 0.0 for k in range(N_FEATURES)]
+    start = np.concatenate([np.maximum(theta0, np.maximum(lower, 1e-12)), [min(max(log_sigma0, lo), hi)]])
+    result = minimize(_posterior, start, args=(x, np.log(y), penalty, penalty_scale, shape), jac=True,
+                      method="L-BFGS-B", bounds=[(b, None) for b in lower] + [(lo, hi)],
+                      # tight: near the noise floor the likelihood is steep, and L-BFGS-B's default stop on a
+                      # small relative reduction left a noise-free fit 10% off after 11 iterations
+                      options={"maxiter": 1000, "ftol": 1e-14, "gtol": 1e-12})
+    return np.maximum(result.x[:N_FEATURES], 0.0), math.exp(float(result.x[N_FEATURES])), float(result.fun)
 
 
 def fit_step_max_noisy(x: np.ndarray, y: np.ndarray, robust: bool, temperature: Optional[float],
-                       penalty: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray, Optional[float]]:
+                       penalty: Optional[np.ndarray] = None,
+                       shape: Optional[ShapePrior] = None) -> Tuple[np.ndarray, np.ndarray, Optional[float]]:
     """Step-max fit that models the rank noise: y_s = max_r c_sr * exp(sigma * z_sr), returns (theta, inliers, sigma).
 
     Why: the slowest of R ranks of near-equal work is the one with the largest noise draw, so E[y_s] is
@@ -240,6 +311,11 @@ def fit_step_max_noisy(x: np.ndarray, y: np.ndarray, robust: bool, temperature: 
     the noise is not estimable: the soft-max fit is returned, sigma None. Guarantee: theta >= 0; on
     noise-free times sigma goes to its floor and the max of the fitted costs matches the step times
     (bias < 0.1%).
+
+    `shape`: a `ShapePrior` that the likelihood is maximised with (a posterior mode) instead of the penalty
+    rows, which then only shape the start. Two starts, the soft-max fit with the penalty rows and the one
+    without: a start held at the prior's shape sits in that shape's basin when the data says otherwise, so
+    the higher posterior of the two wins.
     """
     penalty = np.zeros((0, N_FEATURES)) if penalty is None else penalty
     theta, inliers = fit_step_max(x, y, robust, temperature, penalty)
@@ -247,12 +323,28 @@ def fit_step_max_noisy(x: np.ndarray, y: np.ndarray, robust: bool, temperature: 
     temp = temperature if temperature is not None else ANNEAL_TEMPERATURES[-1]
     value, _ = _soft_max(x @ theta, temp * y)
     spread = _robust_scale(value / y - 1.0)  # the residual scale the least-squares fit saw
-    if y.size - _effective_parameters(x, y, theta, penalty, temp) < _MIN_NOISE_DOF:
+    likelihood_rows = penalty if shape is None else np.zeros((0, N_FEATURES))
+    starts = [theta]
+    if shape is not None and shape.pairs:  # the prior-free start (without a prior: the same fit again)
+        starts.append(fit_step_max(x, y, False, temperature)[0])
+        # in the units of the relative residuals (variance spread^2 each in the likelihood); the weak pulls
+        # on the free terms regularise, they do not free degrees of freedom for the noise estimate
+        info_rows = spread * shape.rows(np.maximum(theta, 1e-9 * max(float(theta.max()), 1e-300)), free=False)
+    else:
+        info_rows = penalty
+    if y.size - _effective_parameters(x, y, theta, info_rows, temp) < _MIN_NOISE_DOF:
         return theta, inliers, None
-    theta, sigma = _max_likelihood(x, y, theta, math.log(spread), penalty, spread, (_MIN_NOISE, _MAX_NOISE))
-    spent = _effective_parameters(x, y, theta, penalty, temp)
+    best = None
+    for start in starts:
+        fitted = _max_likelihood(x, y, start, math.log(spread), likelihood_rows, spread, (_MIN_NOISE, _MAX_NOISE), shape)
+        if best is None or fitted[2] < best[2]:
+            best = fitted
+    theta, sigma, _ = best
+    if shape is not None:
+        info_rows = spread * shape.rows(np.maximum(theta, 1e-9 * max(float(theta.max()), 1e-300)), free=False)
+    spent = _effective_parameters(x, y, theta, info_rows, temp)
     widened = min(max(sigma * math.sqrt(y.size / max(y.size - spent, 1.0)), _MIN_NOISE), _MAX_NOISE)
-    theta, sigma = _max_likelihood(x, y, theta, math.log(widened), penalty, spread, (widened, widened))
+    theta, sigma, _ = _max_likelihood(x, y, theta, math.log(widened), likelihood_rows, spread, (widened, widened), shape)
     return theta, inliers, sigma
 
 
@@ -276,5 +368,5 @@ def expected_step_max(costs: np.ndarray, sigma: float, points: int = 257) -> np.
     return np.exp(grid[..., 0]) + np.trapezoid(tail, grid, axis=-1)
 
 
-__all__ = ["ANNEAL_TEMPERATURES", "column_scale", "expected_step_max", "fit_per_rank", "fit_step_max",
+__all__ = ["ANNEAL_TEMPERATURES", "ShapePrior", "column_scale", "expected_step_max", "fit_per_rank", "fit_step_max",
            "fit_step_max_noisy", "step_max_likelihood"]

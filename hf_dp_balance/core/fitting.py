@@ -21,8 +21,8 @@ import numpy as np
 
 from hf_dp_balance.core.choices import FIT_MODES
 from hf_dp_balance.core.cost import COEFF_NAMES, FEATURE_NAMES, N_FEATURES, CostModel
-from hf_dp_balance.core.fit_solvers import (ANNEAL_TEMPERATURES, column_scale, expected_step_max, fit_per_rank,
-                                            fit_step_max, fit_step_max_noisy)
+from hf_dp_balance.core.fit_solvers import (ANNEAL_TEMPERATURES, ShapePrior, column_scale, expected_step_max,
+                                            fit_per_rank, fit_step_max, fit_step_max_noisy)
 
 
 # --------------------------------------------------------------------------- report
@@ -132,6 +132,53 @@ PRIOR_STRENGTH = 0.03
 STEP_MAX_PRIOR_STRENGTH = 0.1
 
 
+# The noise-aware step-max fit reads the prior as a distribution (`ShapePrior`), not as penalty rows:
+# log(term / main term) ~ N(prior's, PRIOR_RATIO_SIGMA^2). A GPU runs attention at a different fraction of
+# peak than GEMMs, by up to several times, so a ratio 2x off the FLOPs' is 1.4 sigma: the data moves it.
+PRIOR_RATIO_SIGMA = 0.5
+# ... and each term the prior does not price (per sample, per step) as half-normal with sigma this share of
+# the median step time: the data decides below a few tenths of a step, the term is never pinned at 0, and
+# on packs of equal tokens the constant cannot take the linear term's place unpunished.
+FREE_TERM_SHARE = 0.1
+
+
+# A FLOP prior prices a sample's fixed work at 0, yet every sample costs a few kernel launches, a partly
+# filled attention tile per layer, its share of the loss: the shape prior prices it at PER_SAMPLE_TOKENS
+# tokens of the linear term, log-normal with sigma PER_SAMPLE_SIGMA (a factor e ~ 2.7 either way is
+# 1 sigma). Why a guess and not 0: step times pin this term poorly (a rank's samples vary by ~1% of its time),
+# and a planner that believes it is 0 piles short samples onto a rank, which costs more of the cut than a
+# per-sample cost a few times too high does (docs/cost_model.md).
+PER_SAMPLE_TOKENS = 8.0
+PER_SAMPLE_SIGMA = 1.0
+
+
+def shape_prior(prior: Optional[CostModel], features: np.ndarray, times: np.ndarray, scale: np.ndarray,
+                ratio_sigma: Optional[float] = None, free_share: Optional[float] = None) -> ShapePrior:
+    """The `ShapePrior` of the noise-aware step-max fit on scaled coefficients (theta = coefficient * scale).
+
+    Priced terms (the prior's non-zero ones): each one's log ratio to the term with the largest share of the
+    prior's cost, centred on the prior's, sigma `ratio_sigma`; a per-sample cost the prior leaves at 0 is
+    priced at PER_SAMPLE_TOKENS tokens of its linear term, sigma PER_SAMPLE_SIGMA. Free terms (the per-step
+    constant; without a prior also the per-sample cost, while the quadratic and linear terms get no prior):
+    half-normal, sigma `free_share` x the median step time. None: PRIOR_RATIO_SIGMA, FREE_TERM_SHARE."""
+    ratio_sigma = PRIOR_RATIO_SIGMA if ratio_sigma is None else ratio_sigma
+    free_share = FREE_TERM_SHARE if free_share is None else free_share
+    observed = times if times.ndim == 1 else times.max(axis=1)
+    free_sigma = free_share * float(np.median(observed))
+    coef = np.zeros(N_FEATURES) if prior is None else prior.coefficients.copy()
+    sigmas = np.full(N_FEATURES, ratio_sigma)
+    if coef[1] > 0 and coef[2] == 0:
+        coef[2], sigmas[2] = PER_SAMPLE_TOKENS * coef[1], PER_SAMPLE_SIGMA
+    priced = np.flatnonzero(coef > 0)
+    if not priced.size:
+        return ShapePrior((), (), (), (2, 3), free_sigma)
+    main = int(priced[np.argmax(coef[priced] * scale[priced])])
+    pairs = tuple((int(k), main) for k in priced if k != main)
+    ratios = tuple(math.log(coef[k] * scale[k]) - math.log(coef[main] * scale[main]) for k, _ in pairs)
+    free = tuple(k for k in range(N_FEATURES) if coef[k] == 0 and k >= 2)
+    return ShapePrior(pairs, ratios, tuple(float(sigmas[k]) for k, _ in pairs), free, free_sigma)
+
+
 def prior_penalty(prior: Optional[CostModel], features: np.ndarray, times: np.ndarray, scale: np.ndarray,
                   strength: float) -> Optional[np.ndarray]:
     """Penalty rows [p, 4] on the scaled coefficients theta (= coefficient * scale); None without a prior.
@@ -182,7 +229,8 @@ def _fit(features: np.ndarray, times: np.ndarray, mode: str, robust: bool, tempe
         theta, inliers = fit_per_rank(x.reshape(-1, N_FEATURES), times.reshape(-1), robust, penalty)
         inliers = inliers.reshape(times.shape)
     elif step_noise:
-        theta, inliers, sigma = fit_step_max_noisy(x, times, robust, temperature, penalty)
+        shape = shape_prior(prior if strength > 0 else None, features, times, scale)  # strength 0: no prior
+        theta, inliers, sigma = fit_step_max_noisy(x, times, robust, temperature, penalty, shape)
     else:
         theta, inliers = fit_step_max(x, times, robust, temperature, penalty)
     coefficients = np.maximum(theta, 0.0) / scale
@@ -298,6 +346,9 @@ def fit_cost_model(
     otherwise (`CostModel.from_config`): each term gets its own non-negative scale, pulled toward one
     common scale with `prior_strength` (`prior_penalty`); terms the prior leaves at 0 are pulled toward 0.
     `prior_strength` None: `STEP_MAX_PRIOR_STRENGTH` for the noise-aware step-max fit, else `PRIOR_STRENGTH`.
+    The noise-aware step-max fit uses those rows for its start only and maximises the likelihood with the
+    prior as a distribution (`shape_prior`: log ratios with an uncertainty, a per-sample cost priced, the
+    constant half-normal); without a prior it keeps the half-normal pulls on per sample and per step.
     Without a prior: four free non-negative coefficients.
 
     Raises ValueError naming the step / rank / value of bad data, a shape
@@ -368,5 +419,6 @@ def compute_imbalance(times) -> float:
     return float((times.max(axis=1)[ok] / mean[ok] - 1.0).mean())
 
 
-__all__ = ["FitReport", "FitResult", "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model",
-           "fit_from_records", "prior_penalty"]
+__all__ = ["FREE_TERM_SHARE", "FitReport", "FitResult", "PER_SAMPLE_SIGMA", "PER_SAMPLE_TOKENS", "PRIOR_RATIO_SIGMA",
+           "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model", "fit_from_records",
+           "prior_penalty", "shape_prior"]

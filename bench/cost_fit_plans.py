@@ -1,0 +1,227 @@
+"""From step times alone (FSDP / ZeRO-3): does a plan made from the fitted model cut what the true costs cut?
+
+Held-out mixes (`hf_dp_balance.apps.mixes`: long-tail text, Qwen2-VL SFT with video and a long tail, the same
+with images bounded at 8K tokens), one fixed-length pack of PACK tokens per rank as the start placement, 3%
+multiplicative rank noise, only the slowest rank's time observed per step. The truth is the Qwen2-7B FLOP prior
+at a fixed throughput (`cost_fit_synthetic.true_model`: a per-sample cost of 0.1% of a pack and a per-step
+constant of 5%) with the attention term off the prior's: "prior right", "prior 2x low" (attention takes 2x its
+FLOP share), "prior 2x high" (half), and "held out": quadratic x1.7, linear x0.6, per sample x1.3 (q/l 2.8x off).
+Warm-up steps are placed as the runtime places them: with a prior, the hedged FLOP-prior plan
+(`core.hedge.hedged_plan`, cap 1.2x the mean tokens); without one, the packs as they come.
+
+Fits, side by side on the same warm-up steps:
+  soft-max, no prior   the step time fitted to the soft-max of the rank costs, four free coefficients
+                       (`step_noise=False`: this project's old fit, close to the published system's soft-max
+                       fit, whose code is not in apps/reference.py)
+  none                 the noise-aware fit (`fit_cost_model(mode="step_max")`), no prior
+  prior, penalty rows  the noise-aware fit holding the prior's shape with penalty rows (the previous fit)
+  prior                the noise-aware fit with the prior as a distribution (`core.fitting.shape_prior`)
+  prior, packs         the same fit on warm-up steps left as packs (as the prior-free fits see them): how much
+                       the hedged warm-up placement costs the fit in information
+Measures on held-out steps of the same mix: the share of the reachable cut (makespan of the packs minus that of
+the plan made from the fitted model, both on the TRUE costs, over the same for the plan made from the true costs;
+summed over the evaluation steps) and the single-sample cost MAPE over samples of the mix; medians of draws.
+
+    python bench/cost_fit_plans.py          # 12 warm-up steps, 3 draws, 3 evaluation steps
+    python bench/cost_fit_plans.py --full   # 8 and 16 warm-up steps, 8 draws
+    python bench/cost_fit_plans.py --sensitivity  # the cut from the true costs with one term perturbed
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from cost_fit_synthetic import qwen2_7b_prior, true_model  # bench/ (run as a script: its folder is on sys.path)
+from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
+from hf_dp_balance.core.cost import CostModel, features_of
+from hf_dp_balance.core.fit_solvers import column_scale, fit_step_max_noisy
+from hf_dp_balance.core.fitting import STEP_MAX_PRIOR_STRENGTH, fit_cost_model, prior_penalty
+from hf_dp_balance.core.hedge import hedged_plan
+from hf_dp_balance.core.planner.api import plan_step
+from hf_dp_balance.core.steps import token_cap
+
+PACK = 16384
+MIXES = {"long-tail text": "text-sft", "video, long tail": "qwen2vl-sft", "bounded images": "qwen2vl-sft-bounded"}
+TRUTHS = {"prior right": (1.0, 1.0, 1.0), "prior 2x low": (2.0, 1.0, 1.0), "prior 2x high": (0.5, 1.0, 1.0),
+          "held out": (1.7, 0.6, 1.3)}  # truth's (quadratic, linear, per sample) over true_model's
+FITS = ("soft-max, no prior", "none", "prior, penalty rows", "prior", "prior, packs")
+
+
+def truth_of(prior: CostModel, factors) -> CostModel:
+    base = true_model(prior, 0.0, PACK)
+    q, lin, ps = factors
+    return CostModel(base.quadratic * q, base.linear * lin, base.per_sample * ps, base.constant)
+
+
+def step_items(rng, mix: str, ranks: int):
+    """(token lengths, start rank) of one step: the first `ranks` fixed-length packs of PACK tokens."""
+    n = ranks * 64
+    while True:
+        lengths = truncate(draw_mix(mix, n, rng), PACK).tokens
+        lengths = lengths[lengths > 0]
+        pack = pack_fixed_length(lengths, PACK)
+        if pack.max() >= ranks:
+            keep = pack < ranks
+            return lengths[keep].astype(np.int64), pack[keep]
+        n *= 2
+
+
+def plan(costs, lengths, owners, ranks):
+    """The planner's dest rank for these costs, cap 1.2x the mean tokens (the config's default)."""
+    largest = int(np.bincount(owners, weights=lengths, minlength=ranks).max())
+    cap = token_cap(lengths, ranks, None, 1.2, largest)
+    zeros = np.zeros_like(owners)
+    return plan_step(costs, owners, zeros, ranks, 1, tokens=lengths, max_tokens=cap).dest_rank
+
+
+def makespan(model: CostModel, lengths, dest, ranks) -> float:
+    return float(np.bincount(dest, weights=model.sample_costs(lengths), minlength=ranks).max() + model.constant)
+
+
+def warmup(rng, mix, ranks, steps, truth, prior, noise):
+    """Features [steps, ranks, 4] and step times of warm-up steps placed as the runtime places them."""
+    feats, times = [], []
+    for _ in range(steps):
+        lengths, owners = step_items(rng, mix, ranks)
+        dest = owners
+        if prior is not None:
+            dest = hedged_plan(lambda c: (plan(c, lengths, owners, ranks), np.zeros_like(owners)),
+                               prior.sample_costs(lengths), lengths.astype(float), owners, np.zeros_like(owners),
+                               ranks, 1)[0]
+        f = np.stack([features_of(lengths[dest == r]) for r in range(ranks)])
+        feats.append(f)
+        times.append(float((truth.predict(f) * rng.lognormal(0.0, noise, ranks)).max()))
+    return np.stack(feats), np.array(times)
+
+
+def penalty_rows_fit(feats, times, prior) -> CostModel:
+    """The previous noise-aware fit: the prior held by penalty rows at STEP_MAX_PRIOR_STRENGTH."""
+    scale = column_scale(feats)
+    penalty = prior_penalty(prior, feats, times, scale, STEP_MAX_PRIOR_STRENGTH)
+    theta, _, _ = fit_step_max_noisy(feats / scale, times, True, None, penalty)
+    return CostModel(*(np.maximum(theta, 0.0) / scale).tolist())
+
+
+def fitted_models(rng, mix, ranks, steps, truth, prior, noise) -> dict:
+    """fit name -> model; the prior-free fits see the packs as they come, the others the hedged warm-up."""
+    state = rng.bit_generator.state
+    feats, times = warmup(rng, mix, ranks, steps, truth, None, noise)
+    rng.bit_generator.state = state  # the same samples and noise, placed by the hedge
+    hfeats, htimes = warmup(rng, mix, ranks, steps, truth, prior, noise)
+    return {
+        "soft-max, no prior": fit_cost_model(feats, times, mode="step_max", holdout=0, step_noise=False).model,
+        "none": fit_cost_model(feats, times, mode="step_max", holdout=0).model,
+        "prior, penalty rows": penalty_rows_fit(hfeats, htimes, prior),
+        "prior": fit_cost_model(hfeats, htimes, mode="step_max", holdout=0, prior=prior).model,
+        "prior, packs": fit_cost_model(feats, times, mode="step_max", holdout=0, prior=prior).model,
+    }
+
+
+def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed) -> dict:
+    """fit name -> {"share": median cut share, "single": median single-sample MAPE} over draws."""
+    rows = {name: [] for name in FITS}
+    for d in range(draws):
+        rng = np.random.default_rng([seed, ranks, steps, d])
+        models = fitted_models(rng, mix, ranks, steps, truth, prior, noise)
+        cut = {name: [0.0, 0.0] for name in models}
+        for _ in range(evals):
+            lengths, owners = step_items(rng, mix, ranks)
+            base = makespan(truth, lengths, owners, ranks)
+            best = makespan(truth, lengths, plan(truth.sample_costs(lengths), lengths, owners, ranks), ranks)
+            for name, model in models.items():
+                got = makespan(truth, lengths, plan(model.sample_costs(lengths), lengths, owners, ranks), ranks)
+                cut[name][0] += base - got
+                cut[name][1] += base - best
+        singles = truncate(draw_mix(mix, 4000, rng), PACK).tokens
+        singles = singles[singles > 0]
+        true_cost = truth.sample_costs(singles)
+        for name, model in models.items():
+            rows[name].append((cut[name][0] / cut[name][1] if cut[name][1] > 0 else 1.0,
+                               float(np.mean(np.abs(model.sample_costs(singles) / true_cost - 1)))))
+    return {name: {"share": float(np.median([r[0] for r in v])), "single": float(np.median([r[1] for r in v]))}
+            for name, v in rows.items()}
+
+
+def run(ranks_list=(8, 32, 128), steps_list=(12,), draws=3, evals=4, noise=0.03, seed=0, mixes=None, truths=None):
+    prior = qwen2_7b_prior()
+    results = {}
+    for label, mix in (mixes or MIXES).items():
+        for truth_name, factors in (truths or TRUTHS).items():
+            truth = truth_of(prior, factors)
+            for ranks in ranks_list:
+                for steps in steps_list:
+                    results[(label, truth_name, ranks, steps)] = cell(mix, ranks, steps, truth, prior, draws, evals,
+                                                                      noise, seed)
+    return results
+
+
+def print_results(results: dict) -> None:
+    print(f"\nFrom step times alone: share of the true-cost cut / single-sample MAPE (median of draws; packs of "
+          f"{PACK}, 3% rank noise)")
+    print(f"  {'mix':16s} {'truth':14s} {'ranks':>5s} {'steps':>5s} " + " ".join(f"{n:>21s}" for n in FITS))
+    for (mix, truth, ranks, steps), row in results.items():
+        cells = " ".join(f"{100 * row[n]['share']:9.1f}% / {100 * row[n]['single']:5.1f}%" for n in FITS)
+        print(f"  {mix:16s} {truth:14s} {ranks:5d} {steps:5d} {cells}")
+    print("\n  by ranks, over mixes and truths: median [min] share of the cut / median [max] single-sample MAPE")
+    for ranks in sorted({k[2] for k in results}):
+        for truth in dict.fromkeys(k[1] for k in results):
+            keys = [k for k in results if k[2] == ranks and k[1] == truth]
+            parts = []
+            for n in FITS:
+                share = [100 * results[k][n]["share"] for k in keys]
+                single = [100 * results[k][n]["single"] for k in keys]
+                parts.append(f"{np.median(share):5.1f} [{min(share):5.1f}] / {np.median(single):4.1f} [{max(single):4.1f}]")
+            print(f"  {ranks:5d} {truth:14s} " + " | ".join(parts))
+
+
+def sensitivity(ranks: int = 32, evals: int = 8, seed: int = 1) -> dict:
+    """Share of the cut reached by plans from the TRUE costs with one term perturbed (prior-right truth):
+    how close a fitted model has to be for the plan to keep the cut. mix -> perturbation -> share."""
+    truth = truth_of(qwen2_7b_prior(), TRUTHS["prior right"])
+    q, lin, ps, c = truth.coefficients
+    variants = {"q x1.2": CostModel(q * 1.2, lin, ps, c), "q x0.8": CostModel(q * 0.8, lin, ps, c),
+                "per sample x0": CostModel(q, lin, 0.0, c), "x0.5": CostModel(q, lin, ps * 0.5, c),
+                "x2": CostModel(q, lin, ps * 2, c), "x4": CostModel(q, lin, ps * 4, c)}
+    out = {}
+    for label, mix in MIXES.items():
+        rng = np.random.default_rng(seed)
+        cut = {k: [0.0, 0.0] for k in variants}
+        for _ in range(evals):
+            lengths, owners = step_items(rng, mix, ranks)
+            base = makespan(truth, lengths, owners, ranks)
+            best = makespan(truth, lengths, plan(truth.sample_costs(lengths), lengths, owners, ranks), ranks)
+            for k, model in variants.items():
+                got = makespan(truth, lengths, plan(model.sample_costs(lengths), lengths, owners, ranks), ranks)
+                cut[k][0] += base - got
+                cut[k][1] += base - best
+        out[label] = {k: a / b for k, (a, b) in cut.items()}
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="8 and 16 warm-up steps, 8 draws, 6 evaluation steps")
+    parser.add_argument("--draws", type=int, default=None)
+    parser.add_argument("--ranks", type=int, nargs="*", default=[8, 32, 128])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="only: the cut reached with the true costs, one term perturbed (32 ranks, 8 steps)")
+    args = parser.parse_args(argv)
+    if args.sensitivity:
+        for mix, row in sensitivity().items():
+            print(f"  {mix:16s} " + "  ".join(f"{k} {100 * v:5.1f}%" for k, v in row.items()))
+        return 0
+    start = time.process_time()
+    steps = (8, 16) if args.full else (12,)
+    draws = args.draws or (8 if args.full else 3)
+    results = run(tuple(args.ranks), steps, draws, 6 if args.full else 3, seed=args.seed)
+    print_results(results)
+    print(f"\n  {time.process_time() - start:.0f} s CPU")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
