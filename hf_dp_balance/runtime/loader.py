@@ -27,7 +27,6 @@ from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, 
                                              pull_micro_batches, slot_members, validate_plan)
 from hf_dp_balance.runtime.step_plan import plan_work, token_cap
 from hf_dp_balance.runtime.step_stream import StepStream
-from hf_dp_balance.runtime.watchdog import Watchdog
 
 logger = get_logger(__name__)
 
@@ -70,7 +69,8 @@ class BalancedLoader:
                  plan_fn: Optional[Callable] = None, cost_model: Any = None,
                  exchange: Optional[SampleExchange] = None, sync: Optional[str] = None,
                  id_key: Optional[str] = None, balancing: bool = True, speed: float = 1.0,
-                 packed_input: Any = None, on_fatal: Optional[Callable[[str], None]] = None):
+                 packed_input: Any = None, on_fatal: Optional[Callable[[str], None]] = None,
+                 side_channel: Any = None):
         self.dataloader = dataloader
         self.config = config if config is not None else DPBalanceConfig()
         self.packed_input = packed_input  # runtime.packed_input.PackedInput: the user's micro-batches are packed rows
@@ -106,10 +106,16 @@ class BalancedLoader:
         self._prior_versions: set = set()
         self._balancing = bool(balancing)
         self._speed = float(speed)
-        self._owns_exchange = exchange is None  # close() destroys only a group it created
-        self._exchange = exchange if exchange is not None else SampleExchange(self.config.timeout_s)
-        self._on_fatal = on_fatal
-        self._watchdog: Optional[Watchdog] = None  # created with the first stream (a collective: main thread)
+        # The side groups and the watchdog belong to the run's SideChannel (a session's); a loader made alone
+        # (no side channel, no exchange) makes its own and closes it with itself.
+        self._owned_side = None
+        if side_channel is None and exchange is None:
+            from hf_dp_balance.runtime.side_channel import SideChannel
+
+            side_channel = self._owned_side = SideChannel(None, self.config, on_fatal=on_fatal)
+        self.side_channel = side_channel
+        self._exchange = exchange if exchange is not None else side_channel.exchange()
+        self._watchdog = side_channel.watchdog if side_channel is not None and self.config.watchdog else None
         self.step_offset = 0  # the user's step of the next stream's first step (errors name it)
         self._stats: List[StepStats] = []
         self._stats_lock = threading.Lock()
@@ -186,21 +192,6 @@ class BalancedLoader:
             raise AttributeError(name)
         return getattr(self.dataloader, name)
 
-    def skip_first_batches(self, num_batches: int) -> "BalancedLoader":
-        """A loader over the same data that skips `num_batches` micro-batches (a whole number of steps)."""
-        if num_batches % self.gradient_accumulation_steps:
-            raise ValueError(f"skip_first_batches({num_batches}): must be a multiple of gradient_accumulation_steps="
-                             f"{self.gradient_accumulation_steps} so that steps keep their micro-batches")
-        from accelerate import skip_first_batches
-
-        clone = object.__new__(BalancedLoader)
-        clone.__dict__.update(self.__dict__)
-        clone.dataloader = skip_first_batches(self.dataloader, num_batches)
-        clone._active, clone._stats, clone._stats_lock = None, [], threading.Lock()
-        clone._owns_exchange = False  # the original's close() destroys its groups
-        clone._watchdog = None
-        return clone
-
     def __iter__(self) -> Iterator[Any]:
         for batches in self.iter_steps():
             yield from batches
@@ -226,9 +217,6 @@ class BalancedLoader:
         """
         if self._active is not None:
             self._active.close()
-        if self._watchdog is None and self._exchange.world_size > 1 and getattr(self.config, "watchdog", True):
-            self._watchdog = Watchdog(self.config.timeout_s, getattr(self.config, "heartbeat_s", 1.0),
-                                      getattr(self.config, "error_grace_s", 3.0), self._on_fatal)
         self._active = StepStream(self, raw_iterator, step_limit, self._watchdog)
         self._prime(self._active, step_limit)
         return self._active
@@ -255,16 +243,13 @@ class BalancedLoader:
         return self._active
 
     def close(self) -> None:
-        """Stop the thread, then destroy the watchdog's group and the exchange's (when this loader made it)."""
+        """Stop the thread; close the side channel when this loader made its own (else its owner closes it)."""
         if self._active is not None:
             self._active.close()
             self._active = None
-        if self._watchdog is not None:
-            self._watchdog.destroy()
-            self._watchdog = None
-        if self._owns_exchange:
-            self._exchange.destroy()
-            self._owns_exchange = False
+        if self._owned_side is not None:
+            self._owned_side.close()
+            self._owned_side = None
 
     # -- one step, run in the background thread ----------------------------------------------
     def _prepare(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:

@@ -49,7 +49,7 @@ class StepStream:
                 self._exhausted = True
         self._thread = threading.Thread(target=self._main, name="hf_dp_balance-exchange", daemon=True)
         self._thread.start()
-        self._watchdog = watchdog
+        self._watchdog = self._liveness = watchdog
         if watchdog is not None:
             watchdog.start(self.describe, lambda: self._error_taken)
 
@@ -165,6 +165,8 @@ class StepStream:
 
     def next_step(self) -> Optional[list]:
         """The next step's packed micro-batches, or None at the end; re-raises a thread failure here."""
+        if self._liveness is not None:  # on_fatal="raise": a peer was found gone while this rank trained
+            self._liveness.raise_if_fatal()
         if self._done:
             return None
         t0 = time.perf_counter()
