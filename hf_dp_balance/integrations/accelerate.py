@@ -111,8 +111,13 @@ class DPBalancer:
         timing = resolve_timing(self.config.timing, device_type, self.sync)
         self._model = getattr(model, "module", model)  # DDP / DeepSpeed wrappers: hooks on the inner model
         # A model given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
-        self.session.start(model=self._model, model_config=self.model_config, timing=timing, device_type=device_type,
-                           decoder=cost_model, vision=vision_cost_model, fitted_step=-1, file_step=0)
+        try:
+            self.session.start(model=self._model, model_config=self.model_config, timing=timing,
+                               device_type=device_type, decoder=cost_model, vision=vision_cost_model, fitted_step=-1,
+                               file_step=0)
+        except BaseException:
+            self.session.close()  # a refused setup leaves no group behind
+            raise
         self.fitter = self.session.fitter
         self.recorder = self.session.recorder
         self.step_stats: collections.deque = collections.deque(maxlen=_MAX_STATS)

@@ -110,7 +110,12 @@ class DPBalanceCallback(TrainerCallback):
     # -- wiring -------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
-        self._take_trainer(_trainer_calling(self))
+        trainer = _trainer_calling(self)
+        self._take_trainer(trainer)
+        if trainer is not None and self._explicit_group is not None:
+            # Trainer builds its train dataloader, and counts its steps from its length, before any event of
+            # train(): sharded by data-parallel index from the start, the counts are right.
+            shard_train_dataloader_by_data_parallel_index(trainer, self._explicit_group)
 
     def _take_trainer(self, trainer) -> None:
         """Hold the Trainer (weakly): its get_batch_samples carries the balanced stream (resume included), its
@@ -138,26 +143,30 @@ class DPBalanceCallback(TrainerCallback):
         trainer = self._trainer()
         data_parallel = resolve_data_parallel_group(getattr(trainer, "accelerator", None), self._explicit_group)
         self.session = BalanceSession(self.config, data_parallel)
-        self._active = True
-        device_type = torch.device(getattr(args, "device", torch.device("cpu"))).type
-        checks = [lambda: _check_sft(args, train_dataloader, model),
-                  lambda: _shard_by_data_parallel_index(train_dataloader, data_parallel, args, self._explicit_group)]
-        decoder, vision, fitted_step = self._initial_models
-        self.session.start(model=model, model_config=getattr(model, "config", None),
-                           timing=resolve_timing(self.config.timing, device_type, self._sync(trainer)),
-                           device_type=device_type, decoder=decoder, vision=vision, fitted_step=fitted_step,
-                           checkpoints=self._checkpoint_files(args, state), file_step=state.global_step,
-                           checks=checks)
-        self.restored_from = self.session.restored_from
-        if train_dataloader is not None and data_parallel.size > 1:
-            self.loader = self.session.add_loader(self._install_loader(train_dataloader, model, args))
-        if self.config.vision and model is not None:
-            self.session.install_vision(model)
-            # errors name the optimizer step the user sees (1-based, as Trainer logs)
-            self.session.vision.step_source = lambda: self._global_step + 1
-        if self.config.verbose and self.session.rank == 0:
-            logger.info("dp_balance: on (%d ranks, %d data-parallel, fitted=%s)", self.session.world,
-                        data_parallel.size, self.decoder_model is not None)
+        try:
+            self._active = True
+            device_type = torch.device(getattr(args, "device", torch.device("cpu"))).type
+            checks = [lambda: _check_sft(args, train_dataloader, model),
+                      lambda: _check_data_parallel_sharding(train_dataloader, data_parallel, self._explicit_group)]
+            decoder, vision, fitted_step = self._initial_models
+            self.session.start(model=model, model_config=getattr(model, "config", None),
+                               timing=resolve_timing(self.config.timing, device_type, self._sync(trainer)),
+                               device_type=device_type, decoder=decoder, vision=vision, fitted_step=fitted_step,
+                               checkpoints=self._checkpoint_files(args, state), file_step=state.global_step,
+                               checks=checks)
+            self.restored_from = self.session.restored_from
+            if train_dataloader is not None and data_parallel.size > 1:
+                self.loader = self.session.add_loader(self._install_loader(train_dataloader, model, args))
+            if self.config.vision and model is not None:
+                self.session.install_vision(model)
+                # errors name the optimizer step the user sees (1-based, as Trainer logs)
+                self.session.vision.step_source = lambda: self._global_step + 1
+            if self.config.verbose and self.session.rank == 0:
+                logger.info("dp_balance: on (%d ranks, %d data-parallel, fitted=%s)", self.session.world,
+                            data_parallel.size, self.decoder_model is not None)
+        except BaseException:
+            self._close_session()  # a refused setup leaves no group, thread or hook behind
+            raise
 
     def _sync(self, trainer) -> str:
         # DDP (`step`): the forward has no collective, its device time is this rank's own compute.
@@ -296,27 +305,42 @@ def _check_sft(args, train_dataloader, model) -> None:
     check_sft_setup(args, getattr(train_dataloader, "dataset", None), getattr(model, "config", None))
 
 
-def _shard_by_data_parallel_index(train_dataloader, data_parallel, args, explicit) -> None:
-    """Trainer's loader is sharded by accelerate over every process (no device mesh); an explicit data-parallel
-    group smaller than the world needs it sharded by data-parallel index, so that tp / cp peers read the same
-    samples. Trainer offers no hook between building its train dataloader and counting its steps from it, so
-    this re-shards the prepared loader's batch sampler in place, and only where the step count does not come
-    from the loader's length (`max_steps` set); otherwise it refuses, naming the setting."""
-    import torch.distributed as dist
+def _is_sharded_by(sampler, data_parallel) -> bool:
+    shards = getattr(sampler, "num_processes", None)
+    return shards is None or (shards == data_parallel.size and sampler.process_index == data_parallel.index)
 
-    if explicit is None or train_dataloader is None or data_parallel.size == dist.get_world_size():
+
+def _check_data_parallel_sharding(train_dataloader, data_parallel, explicit) -> None:
+    """An explicit data-parallel group smaller than the world needs Trainer's loader sharded by data-parallel
+    index (tp / cp peers read the same samples): done at init when the callback was given in `callbacks=`."""
+    if explicit is None or train_dataloader is None:
         return
     sampler = getattr(train_dataloader, "batch_sampler", None)
-    shards = getattr(sampler, "num_processes", None)
-    if shards is None or (shards == data_parallel.size and sampler.process_index == data_parallel.index):
-        return  # already sharded by data-parallel index (accelerate's device mesh)
-    if not getattr(args, "max_steps", 0) or args.max_steps <= 0:
+    if not _is_sharded_by(sampler, data_parallel):
         raise ValueError(
-            f"DPBalanceCallback(data_parallel_group=...): Trainer sharded its train dataloader over {shards} processes "
-            f"and counted its steps from that length; a data-parallel group of {data_parallel.size} reads "
-            f"{shards // data_parallel.size}x as many batches per process. Set TrainingArguments(max_steps=...) "
-            f"(the step count then does not come from the loader) or give Trainer a parallelism_config")
-    sampler.num_processes, sampler.process_index = data_parallel.size, data_parallel.index
+            f"DPBalanceCallback(data_parallel_group=...): Trainer's train dataloader is sharded over "
+            f"{sampler.num_processes} processes, the data-parallel group has {data_parallel.size}: tp / cp peers "
+            f"would train different samples. Trainer builds the loader (and counts its steps) before any event of "
+            f"train(), so only a callback given at init can shard it: pass it in Trainer(callbacks=[...]) rather "
+            f"than trainer.add_callback, or give Trainer a parallelism_config")
+
+
+def shard_train_dataloader_by_data_parallel_index(trainer, explicit) -> None:
+    """Wrap the instance's `get_train_dataloader`: the prepared loader's batch sampler shards by data-parallel
+    index (accelerate's, without a device mesh, shards by process), before Trainer reads its length."""
+    if "get_train_dataloader" in vars(trainer):
+        return  # wrapped already (or the user's own)
+    build = trainer.get_train_dataloader
+
+    def get_train_dataloader(*args, **kwargs):
+        loader = build(*args, **kwargs)
+        data_parallel = resolve_data_parallel_group(getattr(trainer, "accelerator", None), explicit)
+        sampler = getattr(loader, "batch_sampler", None)
+        if not _is_sharded_by(sampler, data_parallel):
+            sampler.num_processes, sampler.process_index = data_parallel.size, data_parallel.index
+        return loader
+
+    trainer.get_train_dataloader = get_train_dataloader
 
 
 # --------------------------------------------------------------------------- small shell helpers

@@ -92,7 +92,15 @@ def pull_micro_batches(step: int, pull: Callable[[], Optional[list]], count: int
     """Up to `count` micro-batches (lists of sample dicts) from `pull`; fewer at the end of the data."""
     micro_batches: List[list] = []
     for m in range(count):
-        mb = pull()
+        try:
+            mb = pull()
+        except StopIteration:
+            raise
+        except Exception as exc:  # the user's dataset / collate: say where, keep the type
+            if str(exc).startswith("step "):
+                raise
+            raise RuntimeError(f"step {step}, rank {rank}, micro-batch {m}: reading it from the dataloader "
+                               f"failed: {type(exc).__name__}: {exc}") from exc
         if mb is None:
             break
         if not isinstance(mb, (list, tuple)):
@@ -109,7 +117,7 @@ def _describe(sample: Any, where: str, features_fn: Callable) -> Tuple[list, int
     try:
         tokens, vision = features_fn(sample)
     except Exception as exc:  # name the sample, keep the cause
-        raise ValueError(f"{where}: cannot compute its features: {exc}") from exc
+        raise ValueError(f"{where}: cannot compute its features: {type(exc).__name__}: {exc}") from exc
     tokens = _whole_count(tokens, "tokens", where)
     try:
         grids = None if isinstance(vision, (int, np.integer)) else item_grids(vision)
@@ -144,7 +152,12 @@ def describe_samples(step: int, micro_batches: Sequence[list], rank: int, featur
             where = f"step {step}, rank {rank}, micro-batch {m}, sample {p}"
             if id_key is not None and isinstance(sample, Mapping) and id_key in sample:
                 where += f" ({id_key}={sample[id_key]!r})"
-            ent, tokens, items, count = _describe(sample, where, features_fn)
+            try:
+                ent, tokens, items, count = _describe(sample, where, features_fn)
+            except ValueError:
+                raise
+            except Exception as exc:  # name the sample and keep the type: a bare KeyError says only the key
+                raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
             samples.append(sample)
             entries.append(ent)
             grids.append(items if items is not None else np.zeros((0, 3), dtype=np.int64))

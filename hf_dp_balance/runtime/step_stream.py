@@ -23,6 +23,17 @@ if TYPE_CHECKING:
     from hf_dp_balance.runtime.loader import BalancedLoader
 
 
+def named_failure(exc: BaseException, step: int, rank: int) -> BaseException:
+    """`exc` when its text already names where it happened (the library's own errors), else a RuntimeError
+    whose headline says the step, the rank and the exception's type (a bare KeyError says only 'input_ids')."""
+    text = str(exc)
+    if isinstance(exc, ExchangeError) or text.startswith("step ") or "hf_dp_balance" in text.split("\n", 1)[0]:
+        return exc
+    named = RuntimeError(f"step {step}, rank {rank}: {type(exc).__name__}: {text}")
+    named.__cause__ = exc
+    return named
+
+
 class StepStream:
     """The background thread of one pass over a raw micro-batch iterator, and its bounded queue."""
 
@@ -117,8 +128,8 @@ class StepStream:
                         for j in range(span):
                             preps.append(loader._prepare(step + j, self._pull))
                     except Exception as exc:  # noqa: BLE001 - forwarded below
-                        pending = (exc, traceback.format_exc())
-                if pending is not None:
+                        pending = (named_failure(exc, step + len(preps), self.rank), traceback.format_exc())
+                if pending is not None:  # no collective of this step has started: told at its gather
                     loader._exchange.report_failure(step, repr(pending[0]))
                     try:
                         loader._run_step(step, None, f"{type(pending[0]).__name__}: {pending[0]}")
@@ -142,15 +153,13 @@ class StepStream:
                         step += 1
                 except ExchangeError:
                     raise
-                except Exception as exc:  # noqa: BLE001 - collation etc.: tell the peers at the next gather
-                    loader._exchange.report_failure(step, repr(exc))
-                    pending = (exc, traceback.format_exc())
-                    step += 1
-                    continue
+                except Exception as exc:  # noqa: BLE001 - the step's collectives have started: raise now
+                    # The peers are inside this step's collectives: going on to the next step's gather would
+                    # meet theirs out of order. The note in the store names this rank in their error.
+                    loader._exchange.report_failure(step, f"{type(exc).__name__}: {exc}")
+                    raise named_failure(exc, step, self.rank) from exc
                 if ended:
                     break
-            if pending is not None:  # failed in the last step before the limit: the peers have stopped already
-                raise pending[0]
             self._put(("end",))
         except BaseException as exc:  # noqa: BLE001 - reaches the main thread with its traceback
             self._thread_error = exc
