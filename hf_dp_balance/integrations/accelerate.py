@@ -189,7 +189,10 @@ class DPBalancer:
         self._loaders.append((loader, restore))
         return BalancedDataLoader(prepared, lambda raw: loader.iter_steps(raw), device=self.device,
                                   count_items=self._global_count, recorder=self.recorder, length=length,
-                                  on_step=self._step_done, before_last=lambda step: self._collect_stats(loader))
+                                  on_step=self._step_done, before_last=lambda step: self._collect_stats(loader),
+                                  window_state=loader.window_state, resume_in_window=loader.resume_in_window,
+                                  stamp=self.session.resume_state, check=self.session.check_resume_state,
+                                  micro_per_step=self.gradient_accumulation_steps)
 
     def _dispatches(self, dataloader) -> bool:
         """Dispatch mode as accelerate decides it: its flag, else an IterableDataset (with device placement)."""

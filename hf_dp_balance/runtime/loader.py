@@ -119,6 +119,8 @@ class BalancedLoader:
         self.step_offset = 0  # the user's step of the next stream's first step (errors name it)
         self._stats: List[StepStats] = []
         self._stats_lock = threading.Lock()
+        self._window_plans: dict = {}   # stream step of a window's first step -> its plan (window_state)
+        self._resume_window: Optional[dict] = None  # a saved window the next pass starts inside
         self._active: Optional[StepStream] = None
 
     # -- settings from the main thread (read by the thread at the start of each step) ----------
@@ -217,6 +219,8 @@ class BalancedLoader:
         """
         if self._active is not None:
             self._active.close()
+        with self._stats_lock:
+            self._window_plans = {}
         self._active = StepStream(self, raw_iterator, step_limit, self._watchdog)
         self._prime(self._active, step_limit)
         return self._active
@@ -342,6 +346,10 @@ class BalancedLoader:
                            [e for p in preps for e in p.entries], np.concatenate(rows, axis=0),
                            model_version=versions.pop() if len(versions) == 1 else None)
         meta, balance, speeds = self._gather(step0, window, error)
+        resume, self._resume_window = self._resume_window, None  # the first window of a resumed pass only
+        if resume is not None:
+            yield from self._resume_in_window(step0, window, meta, balance, speeds, resume, t0)
+            return
         full = bool(np.all(meta.headers[:, H_NUM_MICRO] == k * ga))
         if not (full and balance and k > 1):
             for j, prep in enumerate(preps):
@@ -371,13 +379,58 @@ class BalancedLoader:
         except Exception as exc:  # noqa: BLE001 - invariant 4: every rank falls back together (agree_lookahead)
             planned, failure = kept, f"{type(exc).__name__}: {exc}"
         new_step, start_rank, start_micro, note = agree_lookahead(ex, step0, k, kept, planned, failure)
+        self._remember_window(step0, k, 0, new_step, start_rank, start_micro, cap, note)
+        yield from self._window_steps(step0, window, meta, 0, k, (new_step, start_rank, start_micro), cap, note,
+                                      True, speeds, t0, t1)
+
+    def _window_steps(self, step0, window, meta, skip, k, placement, cap, note, balance, speeds, t0, t1):
+        """Steps skip..k-1 of a planned window: each planned and exchanged from its start placement."""
+        ex, ga, rows, holders = self._exchange, self.gradient_accumulation_steps, meta.rows, meta.owners
+        new_step, start_rank, start_micro = placement
         my_first = int(np.searchsorted(holders, ex.rank))
-        for j in range(k):
+        for j in range(skip, k):
             idx = np.flatnonzero(new_step == j)  # ascending global index: still rank-major by holder
             held = idx[holders[idx] == ex.rank] - my_first
-            work = StepWork(step0 + j, rows[idx], holders[idx], start_rank[idx], start_micro[idx], ga,
+            work = StepWork(step0 + j - skip, rows[idx], holders[idx], start_rank[idx], start_micro[idx], ga,
                             [window.samples[i] for i in held], [window.entries[i] for i in held], cap, note)
-            yield self._finish_step(work, True, speeds, t0 if j == 0 else t1, t1)
+            yield self._finish_step(work, balance, speeds, t0 if j == skip else t1, t1)
+
+    def _remember_window(self, step0, k, skip, new_step, start_rank, start_micro, cap, note) -> None:
+        """The window's plan, kept for `window_state` (a resume inside it re-applies it)."""
+        key = step0 - self.step_offset  # steps the stream handed out before this window
+        with self._stats_lock:
+            self._window_plans[key] = {"k": int(k), "skip": int(skip), "steps": new_step.tolist(),
+                                       "rank": start_rank.tolist(), "micro": start_micro.tolist(),
+                                       "cap": int(cap), "note": note}
+            for old in sorted(self._window_plans)[:-4]:  # the thread runs at most prefetch_steps ahead
+                del self._window_plans[old]
+
+    def _resume_in_window(self, step0, window, meta, balance, speeds, resume, t0):
+        """The window a resume starts inside: the saved plan (every rank holds the same), its untrained steps."""
+        n, saved = int(meta.rows.shape[0]), len(resume["steps"])
+        if n != saved:
+            raise ValueError(f"step {step0}, rank {self._exchange.rank}: resuming inside a look-ahead window: the "
+                             f"window read {n} samples, the saved state planned {saved}; the data differs from the "
+                             f"run that saved it (same dataset, order and batch size are needed)")
+        placement = tuple(np.asarray(resume[key], dtype=np.int64) for key in ("steps", "rank", "micro"))
+        k, skip = int(resume["k"]), int(resume["trained"])
+        self._remember_window(step0, k, skip, *placement, resume["cap"], resume["note"])
+        yield from self._window_steps(step0, window, meta, skip, k, placement, resume["cap"], resume["note"],
+                                      balance, speeds, t0, time.perf_counter())
+
+    def window_state(self, consumed: int) -> Optional[dict]:
+        """Where a resume continues when `consumed` steps of the current pass were handed out: None at a window
+        boundary, else the window's plan and how many of its steps were trained (`trained`)."""
+        with self._stats_lock:
+            for key, plan in self._window_plans.items():
+                end = key + plan["k"] - plan["skip"]
+                if key <= consumed < end and (consumed > key or plan["skip"] > 0):
+                    return {**plan, "trained": plan["skip"] + consumed - key}
+        return None
+
+    def resume_in_window(self, state: Optional[dict]) -> None:
+        """The next pass starts inside a look-ahead window (`window_state`'s): its untrained steps first."""
+        self._resume_window = dict(state) if state else None
 
     def _record(self, stats: StepStats) -> None:
         with self._stats_lock:

@@ -195,6 +195,41 @@ def test_a_cost_model_on_one_rank_only_is_agreed_or_named_on_every_rank(tmp_path
         assert o["seconds"] < 60, o
 
 
+# --------------------------------------------------------------------------- resume inside a look-ahead window
+
+
+def _resume_in_window(rank, world):
+    from accelerate import Accelerator
+
+    from hf_dp_balance.integrations.accelerate import DPBalancer
+    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.runs import TextSamples
+
+    torch.set_num_threads(1)
+    acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+    cfg = _config(lookahead_steps=3)
+    runs, state = [], None
+    for part in range(2):  # 6 steps in 2 windows of 3: stop after step 4 (inside the second window), resume
+        with DPBalancer(acc, model_config=tiny_config("text"), config=cfg, cost_model=_cost_model(),
+                        id_key="sample_id") as balancer:
+            loader = balancer.prepare(torch.utils.data.DataLoader(TextSamples(48, with_ids=True), batch_size=2))
+            if state is not None:
+                loader.load_state_dict(state)
+            for i, _ in enumerate(loader):
+                if part == 0 and i == 4 * GA - 1:  # the last micro-batch of step 4
+                    state = loader.state_dict()
+                    break
+            runs.append([i for s in balancer.step_stats for mb in s.local_ids for i in mb])
+    return {"runs": runs, "window": state["window"] is not None}
+
+
+def test_dpbalancer_resumed_inside_a_lookahead_window_trains_every_sample_once():
+    out = run_ranks(_resume_in_window, 2, timeout=200, pg_timeout_s=60)
+    assert out[0]["window"]  # the state was taken inside a window (the test could fail)
+    trained = sorted(i for o in out for run in o["runs"] for i in run)
+    assert trained == list(range(48))
+
+
 # --------------------------------------------------------------------------- lifetimes
 
 
