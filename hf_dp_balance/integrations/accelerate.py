@@ -8,13 +8,16 @@
             ...
 
 Only the data-parallel dimension is balanced: the group comes from the accelerator's device mesh
-(dp_replicate x dp_shard) or `data_parallel_group=`. The balancer makes two side gloo groups over it
-(the exchange thread's per loader, and one for the main thread: the per-step item count and the
-fitter), times each rank's steps between the loader's own step boundaries and fits, broadcasts and
-refits the cost model with the fitter the Trainer callback uses (`runtime.fitter.CostModelFitter`),
-unless it is given one (`cost_model=`, or `config.cost_model_path`). Until a model is fitted it plans
-with the FLOP prior of the model's config (`config.prior`), like the Trainer callback. A DataLoader whose
-collator packs rows itself is split and packed back in its layout (`config.input`, the callback's rule).
+(dp_replicate x dp_shard) or `data_parallel_group=` (a plain DataLoader is then sharded by
+data-parallel index, so tp / cp peers read the same samples). An adapter over one
+`runtime.session.BalanceSession`, as the Trainer callback is: its `SideChannel` makes every side group
+(one exchange group, one more per further loader, the main thread's control group, the fit group over
+every process when the group is one slice of a mesh, the one watchdog's heartbeat group), its fitter
+times each rank's steps between the loader's own step boundaries and fits, broadcasts and refits the
+cost model, unless it is given one (`cost_model=`, or `config.cost_model_path`, read on rank 0 and
+broadcast). Until a model is fitted it plans with the FLOP prior of the model's config (`config.prior`).
+A DataLoader whose collator packs rows itself is split and packed back in its layout (`config.input`).
+`state_dict` names a look-ahead window a resume starts inside. `close()` closes the session.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[DPBalanceCallback()])
 
-An adapter of Trainer's events: it resolves the `DPBalanceConfig`, installs the balanced loader (and the
-vision wrapper), and drives the framework-free `runtime.fitter` objects (`StepRecorder`: what each rank
-computed and how long it took, on one clock; `CostModelFitter`: gather, fit on rank 0, broadcast, refit).
-Guarantees: every rank plans with the same cost models; `dp_balance/*` metrics reach Trainer's own log
-stream; with look-ahead, checkpoints fall on window ends only. Event by event: docs/usage.md.
+An adapter of Trainer's events onto one `runtime.session.BalanceSession` per `train()`: the session's side
+channel, fitter (gather, fit on rank 0, broadcast, refit), recorder, balanced loader and vision balancer are
+made at train begin and closed at train end. Guarantees: every rank plans with the same cost models (read on
+rank 0 and broadcast); tp / cp peers of one data-parallel index get the same batches; `dp_balance/*` metrics
+reach Trainer's own log stream; with look-ahead, checkpoints fall on window ends only. Event by event: docs/usage.md.
 """
 from __future__ import annotations
 
@@ -356,7 +356,9 @@ def place_before_log_readers(callbacks: list, callback: Any) -> None:
 
 
 def _trainer_calling(callback, max_depth: int = 8):
-    """The Trainer whose callback handler runs `callback`'s event now (on_init_end), or None.
+    """The Trainer whose callback handler runs `callback`'s event now, or None: at on_init_end for a callback
+    given in `callbacks=`, at on_train_begin for one added with `trainer.add_callback` (no event reaches it
+    earlier), so both ways hold the same Trainer before the first step.
 
     Contained here because Trainer offers no hook for it: events are never handed the Trainer (nor its
     callback handler), yet the only data hook that survives a mid-epoch resume is the instance's

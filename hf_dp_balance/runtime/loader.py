@@ -141,6 +141,10 @@ class BalancedLoader:
     def set_balancing(self, enabled: bool) -> None:
         self._balancing = bool(enabled)
 
+    def waits_for_model(self) -> bool:
+        """Balancing is on but no cost model is set yet (`StepPhases`)."""
+        return self._balancing and self.config.enabled and self.cost_model is None
+
     def set_step_offset(self, step: int) -> None:
         """The optimizer step the user sees at the start of the next pass (Trainer: `state.global_step`
         at the epoch's start, resume included). Errors and `StepStats.step` count from it."""
@@ -173,7 +177,7 @@ class BalancedLoader:
         """
         k = self.config.lookahead_steps
         stream = self._active
-        return k <= 1 or stream is None or stream._done or stream.consumed % k == 0
+        return k <= 1 or stream is None or stream.done or stream.consumed % k == 0
 
     def pop_stats(self) -> List[StepStats]:
         """Statistics of the steps consumed since the last call (oldest first)."""
@@ -234,7 +238,7 @@ class BalancedLoader:
         Costs the start `prefetch_steps - 1` steps of preparation once.
         """
         # Until a model is set the thread stays one step ahead (StepStream._wait_for_model_or_consumer).
-        waits = self._balancing and self.config.enabled and self.cost_model is None
+        waits = self.waits_for_model()
         want = 1 if waits else self.config.prefetch_steps
         if step_limit is not None:
             want = min(want, step_limit)
@@ -256,7 +260,7 @@ class BalancedLoader:
             self._owned_side = None
 
     # -- one step, run in the background thread ----------------------------------------------
-    def _prepare(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
+    def prepare_step(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
         """Pull up to GA micro-batches and describe every sample (features, cost, encoded size)."""
         rank = self._exchange.rank
         if self.packed_input is not None:
@@ -275,7 +279,7 @@ class BalancedLoader:
         wants = prep is not None and prep.model_version is not None and self._balancing and self.config.enabled
         return gather_step(self._exchange, step, prep, error, wants, self._speed)
 
-    def _run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
+    def run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         """Collective part of a step. Returns (packed micro-batches, stats) or None at the end of the data."""
         t0 = time.perf_counter()
         meta, balance, speeds = self._gather(step, prep, error)
@@ -324,7 +328,7 @@ class BalancedLoader:
             collate_s=t4 - t3, local_samples=[len(s) for s in by_slot], local_ids=ids)
         return batches, stats
 
-    def _run_window(self, step0: int, preps: List[Prepared], error: Optional[str]):
+    def run_window(self, step0: int, preps: List[Prepared], error: Optional[str]):
         """Look-ahead over len(preps) steps: yields (batches, stats) in step order, None at the end of the data.
 
         One gather for the window. When every rank holds the full window and
@@ -353,7 +357,7 @@ class BalancedLoader:
         full = bool(np.all(meta.headers[:, H_NUM_MICRO] == k * ga))
         if not (full and balance and k > 1):
             for j, prep in enumerate(preps):
-                result = self._run_step(step0 + j, prep, None)
+                result = self.run_step(step0 + j, prep, None)
                 yield result
                 if result is None:
                     return
@@ -432,7 +436,7 @@ class BalancedLoader:
         """The next pass starts inside a look-ahead window (`window_state`'s): its untrained steps first."""
         self._resume_window = dict(state) if state else None
 
-    def _record(self, stats: StepStats) -> None:
+    def record_stats(self, stats: StepStats) -> None:
         with self._stats_lock:
             self._stats.append(stats)
 

@@ -1,7 +1,7 @@
 """The background thread of one pass of a `BalancedLoader` over its raw micro-batches, and its bounded queue.
 
-The thread prepares, gathers, plans, exchanges and packs each step (the loader's `_prepare`, `_run_step`,
-`_run_window`) and queues the packed micro-batches, at most `prefetch_steps` ahead. It stops only while
+The thread prepares, gathers, plans, exchanges and packs each step through the public `StepPhases` protocol
+(the all-to-all `BalancedLoader` and the dispatching `DispatchedLoader` implement it) and queues the packed micro-batches, at most `prefetch_steps` ahead. It stops only while
 waiting on a full queue, never between collectives, so ranks that consume the same steps stop at the same
 step; a local failure before the gather is told to the peers at that gather (cap, plan and collate
 failures are agreed within the step), and any failure reaches the consumer's thread with its traceback.
@@ -14,13 +14,34 @@ import queue
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Protocol, Tuple
 
-from hf_dp_balance.runtime.exchange import ExchangeError
-from hf_dp_balance.runtime.step_rows import Prepared
+from hf_dp_balance.runtime.exchange import ExchangeError, SampleExchange
+from hf_dp_balance.runtime.step_rows import Prepared, StepStats
 
-if TYPE_CHECKING:
-    from hf_dp_balance.runtime.loader import BalancedLoader
+
+class StepPhases(Protocol):
+    """What the thread stage asks of the step phases, and all it asks (collectives in the order called)."""
+
+    config: Any               # DPBalanceConfig: prefetch_steps, lookahead_steps, timeout_s
+    step_offset: int          # the user's step of the stream's first step
+    exchange: SampleExchange  # rank, report_failure
+
+    def waits_for_model(self) -> bool:
+        """Balancing is on but no cost model is set yet (the stage then stays one step ahead)."""
+
+    def prepare_step(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
+        """Pull and describe one step's samples (local: no collective)."""
+
+    def run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
+        """The step's collectives: (packed micro-batches, StepStats), or None at the end of the data; `error`
+        (a local failure before the gather) is told to every rank at its gather."""
+
+    def run_window(self, step0: int, preps: List[Prepared], error: Optional[str]) -> Iterator:
+        """Look-ahead over len(preps) steps: yields run_step's results in step order, None at the end."""
+
+    def record_stats(self, stats: StepStats) -> None:
+        """A step was handed to the consumer (main thread)."""
 
 
 def named_failure(exc: BaseException, step: int, rank: int) -> BaseException:
@@ -37,7 +58,7 @@ def named_failure(exc: BaseException, step: int, rank: int) -> BaseException:
 class StepStream:
     """The background thread of one pass over a raw micro-batch iterator, and its bounded queue."""
 
-    def __init__(self, loader: "BalancedLoader", source: Iterator, step_limit: Optional[int], watchdog=None):
+    def __init__(self, loader: StepPhases, source: Iterator, step_limit: Optional[int], watchdog=None):
         self.loader = loader
         self.source = source
         self.step_limit = step_limit
@@ -63,6 +84,11 @@ class StepStream:
         self._watchdog = self._liveness = watchdog
         if watchdog is not None:
             watchdog.start(self.describe, lambda: self._error_taken)
+
+    @property
+    def done(self) -> bool:
+        """The consumer has taken the stream's end (or its error)."""
+        return self._done
 
     def describe(self) -> Tuple[str, str]:
         """("step S, rank R" of the step in training, the thread's error or ""): the watchdog's context."""
@@ -105,7 +131,7 @@ class StepStream:
         `_put`).
         """
         loader = self.loader
-        while loader._balancing and loader.config.enabled and loader.cost_model is None and not self._queue.empty():
+        while loader.waits_for_model() and not self._queue.empty():
             if self._stop.is_set():
                 return False
             time.sleep(0.002)
@@ -126,24 +152,24 @@ class StepStream:
                 if pending is None:
                     try:
                         for j in range(span):
-                            preps.append(loader._prepare(step + j, self._pull))
+                            preps.append(loader.prepare_step(step + j, self._pull))
                     except Exception as exc:  # noqa: BLE001 - forwarded below
                         pending = (named_failure(exc, step + len(preps), self.rank), traceback.format_exc())
                 if pending is not None:  # no collective of this step has started: told at its gather
-                    loader._exchange.report_failure(step, repr(pending[0]))
+                    loader.exchange.report_failure(step, repr(pending[0]))
                     try:
-                        loader._run_step(step, None, f"{type(pending[0]).__name__}: {pending[0]}")
+                        loader.run_step(step, None, f"{type(pending[0]).__name__}: {pending[0]}")
                     except ExchangeError:
                         pass  # the gather raises on every rank; here the local cause is the better error
                     raise pending[0]
                 ended = False
                 try:
                     if span == 1:
-                        result = loader._run_step(step, preps[0], None)
+                        result = loader.run_step(step, preps[0], None)
                         results, ended = ([] if result is None else [result]), result is None
                         results = iter(results)
                     else:
-                        results = loader._run_window(step, preps, None)
+                        results = loader.run_window(step, preps, None)
                     for result in results:
                         if result is None:
                             ended = True
@@ -156,7 +182,7 @@ class StepStream:
                 except Exception as exc:  # noqa: BLE001 - the step's collectives have started: raise now
                     # The peers are inside this step's collectives: going on to the next step's gather would
                     # meet theirs out of order. The note in the store names this rank in their error.
-                    loader._exchange.report_failure(step, f"{type(exc).__name__}: {exc}")
+                    loader.exchange.report_failure(step, f"{type(exc).__name__}: {exc}")
                     raise named_failure(exc, step, self.rank) from exc
                 if ended:
                     break
@@ -201,7 +227,7 @@ class StepStream:
         _, batches, stats = item
         stats.wait_s = wait
         self.consumed = stats.step + 1 - self.first_step
-        self.loader._record(stats)
+        self.loader.record_stats(stats)
         return batches
 
     def close(self) -> None:
@@ -219,4 +245,4 @@ class StepStream:
             self._watchdog = None
 
 
-__all__ = ["StepStream"]
+__all__ = ["StepPhases", "StepStream", "named_failure"]

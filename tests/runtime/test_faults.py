@@ -331,7 +331,8 @@ def test_side_groups_are_destroyed_when_training_ends():
     for rank in (0, 1):
         ok, counts, _ = got[rank]
         assert ok, counts
-        assert counts[-1] == counts[1], counts  # (threads, fds) after cycles 2..4: no growth (+3 groups per cycle before)
+        # (threads, fds) after cycles 2..4: no growth (+3 groups per cycle before)
+        assert counts[-1][0] <= counts[1][0] and counts[-1][1] <= counts[1][1], counts
 
 
 # ------------------------------------------------------------------ item 9: bad features name their culprit
