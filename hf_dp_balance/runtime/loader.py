@@ -277,18 +277,18 @@ class BalancedLoader:
         # Balance only when every rank's rows were costed by a model: a model that lands while a rank is
         # preparing must not mix its costs with another rank's token stand-ins in one plan.
         wants = prep is not None and prep.model_version is not None and self._balancing and self.config.enabled
-        return gather_step(self._exchange, step, prep, error, wants, self._speed)
+        prior = prep is not None and prep.model_version in self._prior_versions
+        return gather_step(self._exchange, step, prep, error, wants, self._speed, prior)
 
     def run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         """Collective part of a step. Returns (packed micro-batches, stats) or None at the end of the data."""
         t0 = time.perf_counter()
-        meta, balance, speeds = self._gather(step, prep, error)
+        meta, balance, speeds, hedge = self._gather(step, prep, error)
         num_micro = int(meta.headers[:, H_NUM_MICRO].max())
         if num_micro == 0:
             return None
         micro = meta.rows[:, F_MICRO].astype(np.int64)
         work = StepWork(step, meta.rows, meta.owners, meta.owners, micro, num_micro, prep.samples, prep.entries)
-        hedge = balance and prep.model_version in self._prior_versions  # balance: every rank used this version
         return self._finish_step(work, balance, speeds, t0, time.perf_counter(), hedge)
 
     def _finish_step(self, work: StepWork, balance: bool, speeds: np.ndarray, t0: float, t1: float,
@@ -349,7 +349,7 @@ class BalancedLoader:
         window = Prepared([mb for p in preps for mb in p.micro_batches], [s for p in preps for s in p.samples],
                            [e for p in preps for e in p.entries], np.concatenate(rows, axis=0),
                            model_version=versions.pop() if len(versions) == 1 else None)
-        meta, balance, speeds = self._gather(step0, window, error)
+        meta, balance, speeds, _ = self._gather(step0, window, error)
         resume, self._resume_window = self._resume_window, None  # the first window of a resumed pass only
         if resume is not None:
             yield from self._resume_in_window(step0, window, meta, balance, speeds, resume, t0)
