@@ -17,6 +17,8 @@ from typing import Mapping, Optional
 from hf_dp_balance.core.choices import FIT_MODES, INPUT_CHOICES, SYNC_CHOICES, TIMING_CHOICES
 
 ENV_PREFIX = "HF_DP_BALANCE_"
+# What the watchdog does when a peer is gone: end the process, or raise in the main thread at its next step.
+FATAL_CHOICES = ("exit", "raise")
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,23 @@ class DPBalanceConfig:
     step's longest). `auto`: `packed` when the Trainer's data collator is the user's own, not `PackedCollator`
     or one of transformers' padding defaults."""
 
+    watchdog: bool = True
+    """Run heartbeat rounds on a side group while training: a peer that stops answering within `timeout_s`
+    ends the run with a message naming the step, the rank and the phase (instead of every rank waiting in
+    the training collective until `ddp_timeout`)."""
+
+    heartbeat_s: float = 1.0
+    """Seconds between two heartbeat rounds of the watchdog."""
+
+    error_grace_s: float = 3.0
+    """Seconds the watchdog waits, after a round failed, for the main thread to raise the library's error
+    itself before it acts (`on_fatal`)."""
+
+    on_fatal: str = "exit"
+    """What the watchdog does when a peer is gone: `exit` (log the message and end the process with exit
+    code 1: the main thread may be stuck in a training collective until `ddp_timeout`) or `raise` (the main
+    thread raises the message as an error at its next step: for a process that must not be ended)."""
+
     allow_per_rank_loss_mean: bool = False
     """Balance even when each rank's loss is its own token mean (Trainer's `average_tokens_across_devices=False`,
     or a model without loss kwargs): the update then differs from the unbalanced run's, and train begin says
@@ -136,6 +155,12 @@ class DPBalanceConfig:
             bad("prefetch_steps", self.prefetch_steps, "must be >= 1")
         if self.lookahead_steps < 0:
             bad("lookahead_steps", self.lookahead_steps, "must be >= 0")
+        if not self.heartbeat_s > 0:
+            bad("heartbeat_s", self.heartbeat_s, "must be > 0 seconds")
+        if not self.error_grace_s >= 0:
+            bad("error_grace_s", self.error_grace_s, "must be >= 0 seconds")
+        if self.on_fatal not in FATAL_CHOICES:
+            bad("on_fatal", self.on_fatal, f"must be one of {FATAL_CHOICES}")
 
     def replace(self, **changes) -> "DPBalanceConfig":
         return dataclasses.replace(self, **changes)
@@ -183,4 +208,4 @@ def config_field_names() -> tuple:
     return tuple(f.name for f in fields(DPBalanceConfig))
 
 
-__all__ = ["DPBalanceConfig", "ENV_PREFIX", "config_field_names"]
+__all__ = ["DPBalanceConfig", "ENV_PREFIX", "FATAL_CHOICES", "config_field_names"]

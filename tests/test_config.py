@@ -23,7 +23,16 @@ def test_env_bad_value_names_the_variable():
     ({"max_token_ratio": 0.9}, "max_token_ratio"), ({"sync": "ddp"}, "sync"),
     ({"min_gain": -0.1}, "min_gain"), ({"timeout_s": 0}, "timeout_s"), ({"max_tokens": 0}, "max_tokens"),
     ({"fit_mode": "median"}, "fit_mode"), ({"timing": "gpu"}, "timing"),
+    ({"heartbeat_s": 0}, "heartbeat_s"), ({"error_grace_s": -1}, "error_grace_s"), ({"on_fatal": "ignore"}, "on_fatal"),
 ])
 def test_invalid_settings_are_rejected_by_name(kwargs, name):
     with pytest.raises(ValueError, match=name):
         DPBalanceConfig(**kwargs)
+
+
+def test_liveness_settings_are_fields_read_from_the_environment():
+    cfg = DPBalanceConfig.from_env(environ={"HF_DP_BALANCE_WATCHDOG": "off", "HF_DP_BALANCE_HEARTBEAT_S": "0.25",
+                                            "HF_DP_BALANCE_ERROR_GRACE_S": "1.5", "HF_DP_BALANCE_ON_FATAL": "raise"})
+    assert (cfg.watchdog, cfg.heartbeat_s, cfg.error_grace_s, cfg.on_fatal) == (False, 0.25, 1.5, "raise")
+    default = DPBalanceConfig()
+    assert (default.watchdog, default.heartbeat_s, default.error_grace_s, default.on_fatal) == (True, 1.0, 3.0, "exit")

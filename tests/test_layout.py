@@ -25,11 +25,8 @@ ALLOWED = {
 }
 # imports core must never make: communication and the Trainer belong to the shell
 CORE_FORBIDDEN = ("torch.distributed", "transformers.trainer", "accelerate")
-# Import cycles that exist today and are being removed elsewhere; each entry must still be a cycle (a stale
-# one fails), so this list only shrinks. Empty it when the branch that removes the pair is merged.
-KNOWN_CYCLES = [
-    {"hf_dp_balance.runtime.loader", "hf_dp_balance.runtime.step_stream"},  # StepStream drives the loader's privates
-]
+# Import cycles not yet broken (none); each entry must still be a cycle (a stale one fails), so the list only shrinks.
+KNOWN_CYCLES: list = []
 
 
 def _imports(path: pathlib.Path):

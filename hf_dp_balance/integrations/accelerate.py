@@ -8,29 +8,30 @@
             ...
 
 Only the data-parallel dimension is balanced: the group comes from the accelerator's device mesh
-(dp_replicate x dp_shard) or `data_parallel_group=`. The balancer makes two side gloo groups over it
-(the exchange thread's per loader, and one for the main thread: the per-step item count and the
-fitter), times each rank's steps between the loader's own step boundaries and fits, broadcasts and
-refits the cost model with the fitter the Trainer callback uses (`runtime.fitter.CostModelFitter`),
-unless it is given one (`cost_model=`, or `config.cost_model_path`). Until a model is fitted it plans
-with the FLOP prior of the model's config (`config.prior`), like the Trainer callback. A DataLoader whose
-collator packs rows itself is split and packed back in its layout (`config.input`, the callback's rule).
+(dp_replicate x dp_shard) or `data_parallel_group=` (a plain DataLoader is then sharded by
+data-parallel index, so tp / cp peers read the same samples). An adapter over one
+`runtime.session.BalanceSession`, as the Trainer callback is: its `SideChannel` makes every side group
+(one exchange group, one more per further loader, the main thread's control group, the fit group over
+every process when the group is one slice of a mesh, the one watchdog's heartbeat group), its fitter
+times each rank's steps between the loader's own step boundaries and fits, broadcasts and refits the
+cost model, unless it is given one (`cost_model=`, or `config.cost_model_path`, read on rank 0 and
+broadcast). Until a model is fitted it plans with the FLOP prior of the model's config (`config.prior`).
+A DataLoader whose collator packs rows itself is split and packed back in its layout (`config.input`).
+`state_dict` names a look-ahead window a resume starts inside. `close()` closes the session.
 """
 
 from __future__ import annotations
 
 import collections
-import datetime
 from typing import Any, List, Optional
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.integrations.accelerate_loader import BalancedDataLoader
 from hf_dp_balance.integrations.loss_contract import check_loop_loss
-from hf_dp_balance.runtime.balance_metrics import balance_metrics
-from hf_dp_balance.runtime.fitter import (CostModelFitter, StepClock, StepRecorder, image_patches,
-                                          micro_batch_lengths, priors_from_config, resolve_timing)
+from hf_dp_balance.runtime.fitter import image_patches, micro_batch_lengths, resolve_timing
 from hf_dp_balance.runtime.packed_input import packed_input_for
 from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
+from hf_dp_balance.runtime.session import BalanceSession
 
 _MAX_STATS = 4096  # step statistics kept for inspection (`step_stats`)
 
@@ -100,23 +101,30 @@ class DPBalancer:
         self.model_config = _model_config(model, model_config)
         self.data_parallel = resolve_data_parallel_group(accelerator, data_parallel_group)
         check_loop_loss(model, self.config, self.data_parallel.size)  # loss normalisation: integrations.loss_contract
+        self._explicit_group = data_parallel_group is not None
         self.gradient_accumulation_steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
         self.sync = _sync_mode(accelerator, self.config)
         device = getattr(accelerator, "device", None)
         self.device = device
         self._loader_kwargs = loader_kwargs
         self._loaders: List[Any] = []   # (BalancedLoader-like, restore callables)
-        self._groups: List[Any] = []
-        self._control_group = self.data_parallel.new_side_group(self.config.timeout_s)
-        self._groups.append(self._control_group)
+        # Every group, thread and model of the run: the session (the Trainer callback's too).
+        self.session = BalanceSession(self.config, self.data_parallel)
+        self.session.vision_source = lambda: getattr(self._model, "_dp_balance_vision", None)
         device_type = getattr(device, "type", "cpu")
         # DDP (`step`): the forward has no collective, its device time is this rank's own compute.
         timing = resolve_timing(self.config.timing, device_type, self.sync)
-        self.fitter = self._make_fitter(timing, cost_model, vision_cost_model)
-        self.recorder = StepRecorder(StepClock(timing, device_type))
         self._model = getattr(model, "module", model)  # DDP / DeepSpeed wrappers: hooks on the inner model
-        if self._model is not None:
-            self.recorder.install(self._model)  # sample lengths, images and the vision tower's time, as Trainer's
+        # A model given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
+        try:
+            self.session.start(model=self._model, model_config=self.model_config, timing=timing,
+                               device_type=device_type, decoder=cost_model, vision=vision_cost_model, fitted_step=-1,
+                               file_step=0)
+        except BaseException:
+            self.session.close()  # a refused setup leaves no group behind
+            raise
+        self.fitter = self.session.fitter
+        self.recorder = self.session.recorder
         self.step_stats: collections.deque = collections.deque(maxlen=_MAX_STATS)
         self._pending_stats: List[Any] = []
         self._closed = False
@@ -131,33 +139,6 @@ class DPBalancer:
 
     def _step(self) -> int:
         return self._steps_trained + 1  # the step in training, counted from 1 as Trainer's global_step + 1
-
-    def _make_fitter(self, timing: str, decoder, vision) -> CostModelFitter:
-        """The fitter; a model given here is used as is, `cost_model_path`'s is refitted."""
-        fitted_step = -1  # a model given here: no refit (as `DPBalanceCallback(cost_model=...)`)
-        if decoder is None and self.config.cost_model_path:
-            from hf_dp_balance.core.cost import CostModel
-
-            decoder, fitted_step = CostModel.load(self.config.cost_model_path), 0
-        import torch.distributed as dist
-
-        # One fit over every process: tp / cp peers of a data-parallel index must plan with the same model
-        # (or their batches would differ), so the data-parallel groups of all slices share it.
-        group = self._control_group
-        self._speed_peers = [dist.get_rank()]
-        if self.data_parallel.size != dist.get_world_size():
-            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.config.timeout_s))
-            self._groups.append(group)
-            # The processes of one data-parallel index (tp / cp peers) must plan with one speed, or their
-            # batches would differ: the slowest of them sets it (they wait for each other anyway).
-            indices: List[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(indices, self.data_parallel.index, group=group)
-            self._speed_peers = [p for p, i in enumerate(indices) if i == self.data_parallel.index]
-        # Until the first fit, plan with the model config's FLOP prior (as the Trainer callback does).
-        prior, vision_prior = priors_from_config(self.model_config) if self.config.prior else (None, None)
-        return CostModelFitter(self.config, rank=dist.get_rank(), world=dist.get_world_size(), group=group,
-                               timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step,
-                               prior=prior, vision_prior=vision_prior)
 
     @property
     def cost_model(self):
@@ -180,8 +161,6 @@ class DPBalancer:
         each global batch and sends every rank its samples (`runtime.dispatch.DispatchedLoader`)."""
         if self._closed:
             raise RuntimeError("DPBalancer.prepare after close()")
-        from hf_dp_balance.runtime.exchange import SampleExchange
-
         config = self.config
         user_collate = getattr(getattr(dataloader, "base_dataloader", dataloader), "collate_fn", None)
         packed_input = self._loader_kwargs.get("packed_input")
@@ -203,8 +182,6 @@ class DPBalancer:
 
             prepared, restore = self._prepared_shard(dataloader)
             length = None
-        group = self.data_parallel.new_side_group(self.config.timeout_s)
-        self._groups.append(group)
         kwargs = dict(self._loader_kwargs)
         if packed_input is None:  # the rule the Trainer callback follows (`DPBalanceConfig.input`)
             kwargs["packed_input"] = packed_input_for(config.input, user_collate, self.model_config)
@@ -212,13 +189,15 @@ class DPBalancer:
             kwargs["packed_input"] = None
         loader = loader_class(prepared, config, gradient_accumulation_steps=self.gradient_accumulation_steps,
                               model_config=self.model_config, cost_model=None,
-                              exchange=SampleExchange(self.config.timeout_s, group=group), sync=self.sync,
-                              **kwargs)
-        self._publish(loader)
+                              side_channel=self.session.side, sync=self.sync, **kwargs)
+        self.session.add_loader(loader)
         self._loaders.append((loader, restore))
         return BalancedDataLoader(prepared, lambda raw: loader.iter_steps(raw), device=self.device,
                                   count_items=self._global_count, recorder=self.recorder, length=length,
-                                  on_step=self._step_done, before_last=lambda step: self._collect_stats(loader))
+                                  on_step=self._step_done, before_last=lambda step: self._collect_stats(loader),
+                                  window_state=loader.window_state, resume_in_window=loader.resume_in_window,
+                                  stamp=self.session.resume_state, check=self.session.check_resume_state,
+                                  micro_per_step=self.gradient_accumulation_steps)
 
     def _dispatches(self, dataloader) -> bool:
         """Dispatch mode as accelerate decides it: its flag, else an IterableDataset (with device placement)."""
@@ -260,14 +239,52 @@ class DPBalancer:
                 dev = dataloader.device
                 dataloader.device = None  # samples stay on the CPU for the exchange; packed rows move after
                 restore.append(lambda: setattr(dataloader, "device", dev))
+            self._check_prepared_shard(dataloader)
             return dataloader, restore
         old = dataloader.collate_fn
         dataloader.collate_fn = list_collate  # copied into the prepared loader, then put back at once
         try:
-            prepared = self.accelerator.prepare_data_loader(dataloader, device_placement=False)
+            prepared = self._shard_by_data_parallel_index(dataloader)
         finally:
             dataloader.collate_fn = old
         return prepared, restore
+
+    def _slices_without_mesh(self) -> bool:
+        """An explicit data-parallel group smaller than the world, and no device mesh accelerate shards by."""
+        import torch.distributed as dist
+
+        return (self._explicit_group and self.data_parallel.size != dist.get_world_size()
+                and getattr(self.accelerator, "torch_device_mesh", None) is None)
+
+    def _shard_by_data_parallel_index(self, dataloader):
+        """Accelerate's prepared loader, sharded by data-parallel index: the processes of one index (tp / cp
+        peers) read the same batches. Accelerate shards by its device mesh when it has one, else by process;
+        with an explicit group and no mesh the shard is given here (its own prepare_data_loader, its settings)."""
+        if not self._slices_without_mesh():
+            return self.accelerator.prepare_data_loader(dataloader, device_placement=False)
+        from accelerate.data_loader import prepare_data_loader
+
+        acc = self.accelerator
+        return prepare_data_loader(
+            dataloader, acc.device, num_processes=self.data_parallel.size, process_index=self.data_parallel.index,
+            split_batches=acc.split_batches, put_on_device=False, rng_types=acc.rng_types.copy(),
+            dispatch_batches=acc.dispatch_batches, even_batches=acc.even_batches,
+            use_seedable_sampler=acc.use_seedable_sampler, data_seed=acc.dataloader_config.data_seed,
+            non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader)
+
+    def _check_prepared_shard(self, dataloader) -> None:
+        """A loader the user prepared must shard by data-parallel index, or tp / cp peers train other samples."""
+        if not self._slices_without_mesh():
+            return
+        sampler = getattr(dataloader, "batch_sampler", None)
+        shards = getattr(sampler, "num_processes", None)
+        if shards is not None and (shards != self.data_parallel.size
+                                   or getattr(sampler, "process_index", None) != self.data_parallel.index):
+            raise ValueError(
+                f"DPBalancer(data_parallel_group=...): the prepared dataloader is sharded over {shards} processes "
+                f"(accelerator.prepare shards by process, it has no device mesh), but the data-parallel group has "
+                f"{self.data_parallel.size}: tp / cp peers would train different samples. Pass the plain DataLoader "
+                f"to DPBalancer.prepare (it shards by data-parallel index)")
 
     # -- per step ------------------------------------------------------------------------------
     def _global_count(self, local: int) -> int:
@@ -277,7 +294,7 @@ class DPBalancer:
 
         value = torch.tensor([int(local)], dtype=torch.int64)
         if self.data_parallel.size > 1:
-            dist.all_reduce(value, group=self._control_group)
+            dist.all_reduce(value, group=self.session.side.control_group)
         return int(value.item())
 
     def _collect_stats(self, loader) -> None:
@@ -300,24 +317,7 @@ class DPBalancer:
             for b in batches:
                 rec.lengths.extend(micro_batch_lengths(b))
                 rec.patches.extend(image_patches(b))
-        if self.fitter.end_step(step + 1, rec.lengths, seconds, rec.patches, rec.vision_s):  # steps done, as Trainer
-            for loader, _ in self._loaders:
-                self._publish(loader)
-
-    def _publish(self, loader) -> None:
-        """The models to plan with (the fitted ones, else the FLOP priors) to `loader` and the vision wrapper."""
-        decoder, vision_model = self.fitter.planning_models()
-        if decoder is None:
-            return
-        # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with both.
-        # Before the fit the models are the FLOP prior: the loader hedges its plans against the tokens.
-        loader.set_cost_model(decoder, vision=None if self.config.vision else vision_model,
-                              prior=self.fitter.planning_with_prior)
-        if hasattr(loader, "set_speed"):  # the relative speed from the last fit (1.0 before)
-            loader.set_speed(float(min(self.fitter.speeds[p] for p in self._speed_peers)))
-        vision = getattr(self._model, "_dp_balance_vision", None)  # balance_vision_encoder(model, ...)
-        if vision is not None and self.vision_cost_model is not None:
-            vision.cost_model = self.vision_cost_model
+        self.session.end_step(step + 1, seconds)  # steps done, as Trainer counts them
 
     # -- results and teardown ------------------------------------------------------------------
     def metrics(self) -> dict:
@@ -325,31 +325,25 @@ class DPBalancer:
         (plus `dp_balance/steps`). A collective on the balancer's side group: every data-parallel rank
         calls it at the same step."""
         stats, self._pending_stats = self._pending_stats, []
-        out = balance_metrics(self.fitter, stats, getattr(self._model, "_dp_balance_vision", None))
+        out = self.session.metrics(stats)
         out["dp_balance/steps"] = float(len(stats))
         return out
 
     def close(self) -> None:
-        """Stop every exchange thread, put back what `prepare` changed, destroy the side groups."""
+        """Stop every exchange thread, put back what `prepare` changed, close the session (its side groups)."""
         if self._closed:
             return
         self._closed = True
-        import torch.distributed as dist
-
-        for loader, restore in self._loaders:
-            loader.close()
-            for undo in reversed(restore):
+        try:
+            for loader, restore in self._loaders:
+                loader.close()
+                for undo in reversed(restore):
+                    undo()
+            self._loaders = []
+            for undo in self._unwrap:
                 undo()
-        self._loaders = []
-        for undo in self._unwrap:
-            undo()
-        self.recorder.remove()
-        for group in self._groups:
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 - already gone with the default group
-                pass
-        self._groups = []
+        finally:
+            self.session.close()
 
     def __enter__(self) -> "DPBalancer":
         return self

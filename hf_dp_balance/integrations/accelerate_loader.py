@@ -92,7 +92,11 @@ class BalancedDataLoader:
     def __init__(self, prepared: Any, steps_source: Callable[[Iterator], Iterator[list]], *, device: Any,
                  count_items: Callable[[int], int], recorder: Any, on_step: Callable[[int, list, float], None],
                  before_last: Optional[Callable[[int], None]] = None,
-                 gradient_state: Any = None, length: Optional[Callable[[], int]] = None):
+                 gradient_state: Any = None, length: Optional[Callable[[], int]] = None,
+                 window_state: Optional[Callable[[int], Optional[dict]]] = None,
+                 resume_in_window: Optional[Callable[[Optional[dict]], None]] = None,
+                 stamp: Callable[..., dict] = dict, check: Callable[[dict], dict] = lambda state: state,
+                 micro_per_step: int = 1):
         self.prepared = prepared
         self._steps_source = steps_source
         self._device = device
@@ -112,7 +116,12 @@ class BalancedDataLoader:
         self._steps_done = 0             # steps of the current pass fully handed out
         self._micro_done = 0             # raw micro-batches behind them
         self._skip_micro = 0             # load_state_dict: micro-batches to skip at the next pass
+        self._skip_trained = 0           # load_state_dict inside a look-ahead window: its steps already trained
         self._epoch = None
+        self._window_state = window_state
+        self._resume_in_window = resume_in_window
+        self._stamp, self._check = stamp, check
+        self._micro_per_step = int(micro_per_step)  # raw micro-batches of a full step (gradient accumulation)
 
     # -- dataloader protocol ------------------------------------------------------------------
     def __len__(self) -> int:
@@ -130,15 +139,30 @@ class BalancedDataLoader:
         return getattr(self.prepared, name)
 
     def state_dict(self) -> dict:
-        """Where a resume continues: the epoch and the raw micro-batches of the completed steps."""
-        return {"epoch": int(getattr(self.prepared, "iteration", 0) if self._epoch is None else self._epoch),
-                "steps": self._steps_done, "micro_batches": self._micro_done}
+        """Where a resume continues: the epoch, the raw micro-batches read before the resume point, and, inside
+        a look-ahead window (whose samples may train in any of its steps), the window's plan and how many of
+        its steps were trained; stamped with the format version and the data-parallel size."""
+        epoch = int(getattr(self.prepared, "iteration", 0) if self._epoch is None else self._epoch)
+        window = self._window_state(self._steps_done) if self._window_state is not None else None
+        micro = self._micro_done
+        if window is not None:  # resume at the window's start: it is read again, its trained steps skipped
+            micro -= window["trained"] * self._micro_per_step
+        return self._stamp(epoch=epoch, steps=self._steps_done, micro_batches=micro, window=window)
 
     def load_state_dict(self, state: dict) -> None:
-        """The next pass starts after `state`'s completed steps (their raw micro-batches are read and skipped)."""
+        """The next pass starts after `state`'s completed steps (their raw micro-batches are read and skipped);
+        inside a look-ahead window, with the window's untrained samples."""
+        state = self._check(state)
         if "epoch" in state:
             self.set_epoch(int(state["epoch"]))
         self._skip_micro = int(state.get("micro_batches", 0))
+        window = state.get("window")
+        self._skip_trained = int(window["trained"]) if window else 0
+        if self._resume_in_window is not None:
+            self._resume_in_window(window)
+        elif window:
+            raise ValueError("BalancedDataLoader.load_state_dict: the state was taken inside a look-ahead window, "
+                             "and this loader cannot resume one")
 
     # -- iteration ----------------------------------------------------------------------------
     def _last_micro_batch(self, step: int, num_micro: int, steps: Iterator[list]) -> Optional[list]:
@@ -166,7 +190,10 @@ class BalancedDataLoader:
 
         raw = _RawSource(self.prepared, skip=self._skip_micro)
         self._epoch = getattr(self.prepared, "iteration", None)
-        self._steps_done, self._micro_done, self._skip_micro = 0, int(raw._skip), 0
+        # a pass resumed inside a window counts its trained steps as read: the window starts at raw._skip
+        self._steps_done, self._skip_micro = 0, 0
+        self._micro_done = int(raw._skip) + self._skip_trained * self._micro_per_step
+        self._skip_trained = 0
         steps = self._steps_source(raw)
         self.end_of_dataloader = False
         registered = False

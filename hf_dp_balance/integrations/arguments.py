@@ -21,7 +21,7 @@ from typing import Mapping, Optional
 
 from transformers import TrainingArguments
 
-from hf_dp_balance.config import DPBalanceConfig
+from hf_dp_balance.config import FATAL_CHOICES, DPBalanceConfig
 from hf_dp_balance.core.choices import FIT_MODES, INPUT_CHOICES, SYNC_CHOICES, TIMING_CHOICES
 
 ARG_PREFIX = "dp_balance"
@@ -96,6 +96,17 @@ class DPBalanceArguments:
         "What the dataloader yields: samples (per-sample dicts, packed by the library) or packed (rows your "
         "collator packed: split, rebalanced, packed back in your layout); auto: packed when the Trainer's data "
         "collator is your own", "input", INPUT_CHOICES))
+    dp_balance_watchdog: bool = field(default=True, metadata=_help(
+        "Run heartbeat rounds beside training: a peer that stops answering within timeout_s ends the run with a "
+        "message naming step, rank and phase", "watchdog"))
+    dp_balance_heartbeat_s: float = field(default=1.0, metadata=_help(
+        "Seconds between two heartbeat rounds of the watchdog", "heartbeat_s"))
+    dp_balance_error_grace_s: float = field(default=3.0, metadata=_help(
+        "Seconds the watchdog waits after a failed round for the main thread to raise the error itself",
+        "error_grace_s"))
+    dp_balance_on_fatal: str = field(default="exit", metadata=_help(
+        "What the watchdog does when a peer is gone: exit (end the process, exit code 1) or raise (the main "
+        "thread raises the error at its next step)", "on_fatal", FATAL_CHOICES))
     dp_balance_allow_per_rank_loss_mean: bool = field(default=False, metadata=_help(
         "Balance although each rank's loss is its own mean (average_tokens_across_devices=False): the update "
         "then differs from the unbalanced run's (said once); off: such a run is refused", "allow_per_rank_loss_mean"))

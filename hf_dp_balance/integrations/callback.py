@@ -2,15 +2,14 @@
 
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[DPBalanceCallback()])
 
-An adapter of Trainer's events: it resolves the `DPBalanceConfig`, installs the balanced loader (and the
-vision wrapper), and drives the framework-free `runtime.fitter` objects (`StepRecorder`: what each rank
-computed and how long it took, on one clock; `CostModelFitter`: gather, fit on rank 0, broadcast, refit).
-Guarantees: every rank plans with the same cost models; `dp_balance/*` metrics reach Trainer's own log
-stream; with look-ahead, checkpoints fall on window ends only. Event by event: docs/usage.md.
+An adapter of Trainer's events onto one `runtime.session.BalanceSession` per `train()`: the session's side
+channel, fitter (gather, fit on rank 0, broadcast, refit), recorder, balanced loader and vision balancer are
+made at train begin and closed at train end. Guarantees: every rank plans with the same cost models (read on
+rank 0 and broadcast); tp / cp peers of one data-parallel index get the same batches; `dp_balance/*` metrics
+reach Trainer's own log stream; with look-ahead, checkpoints fall on window ends only. Event by event: docs/usage.md.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -22,14 +21,14 @@ from transformers import Trainer, TrainerCallback
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
 from hf_dp_balance.runtime.logs import get_logger, set_verbose
-from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, balance_metrics, summarize_step_stats
+from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, summarize_step_stats
 from hf_dp_balance.runtime.packed_input import packed_input_for
-from hf_dp_balance.runtime.fitter import (CostModelFitter, StepClock, StepRecorder, image_patches, priors_from_config,
-                                          resolve_timing)
+from hf_dp_balance.runtime.fitter import image_patches, resolve_timing
+from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
+from hf_dp_balance.runtime.session import CHECKPOINT_FILE, BalanceSession, load_checkpoint_models
+from hf_dp_balance.integrations.loss_contract import check_trainer_loss
 
 logger = get_logger(__name__)
-
-CHECKPOINT_FILE = "dp_balance_cost_model.json"
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -47,47 +46,34 @@ def resolve_config(explicit: Optional[DPBalanceConfig], args: Any, environ=None)
     return DPBalanceConfig.from_env(None, environ)
 
 
-def load_checkpoint_models(path: str) -> Dict[str, Any]:
-    """Read `dp_balance_cost_model.json`: {"decoder": CostModel, "vision": CostModel|None, "fitted_step": int}."""
-    with open(path, "r", encoding="utf-8") as f:
-        data = json.load(f)
-    if not isinstance(data, dict) or "decoder" not in data:
-        raise ValueError(f"{path}: not a dp_balance cost model checkpoint (no 'decoder' key)")
-    return {
-        "decoder": CostModel.from_dict(data["decoder"]),
-        "vision": CostModel.from_dict(data["vision"]) if data.get("vision") else None,
-        "fitted_step": int(data.get("fitted_step", -1)),
-    }
-
-
-
-
 # --------------------------------------------------------------------------- the callback
 
 
 class DPBalanceCallback(TrainerCallback):
     """Balance the real compute of data-parallel ranks in a stock `Trainer`.
 
-    An adapter: Trainer's events drive a `StepRecorder` (what each rank computed, on one clock) and a
-    `CostModelFitter` (records, gather, fit on rank 0, broadcast), both framework-free.
+    An adapter: Trainer's events drive one `runtime.session.BalanceSession` per `train()` (side groups,
+    fitter, recorder, loader, vision balancer, model state), made at train begin and closed at train end.
 
     Args:
         config: a `DPBalanceConfig`; None reads the `dp_balance_*` fields of the
             TrainingArguments (`DPBalanceTrainingArguments`) or uses the defaults.
             `HF_DP_BALANCE_*` environment variables override either.
         cost_model: a decoder `CostModel` to start from (no warm-up fit needed).
+        data_parallel_group: the processes that trade samples, as in `DPBalancer`: a ProcessGroup, a 1-D
+            DeviceMesh or a `DataParallelGroup` (default: the Trainer accelerator's device mesh, else every
+            process). Processes of one data-parallel index (tp / cp peers) get byte-identical batches.
     """
 
-    def __init__(self, config: Optional[DPBalanceConfig] = None, cost_model: Optional[CostModel] = None):
+    def __init__(self, config: Optional[DPBalanceConfig] = None, cost_model: Optional[CostModel] = None,
+                 data_parallel_group: Any = None):
         self._explicit_config = config
+        self._explicit_group = data_parallel_group
         self.config: Optional[DPBalanceConfig] = None
-        self.fitter: Optional[CostModelFitter] = None  # made at train begin, when the ranks are known
-        self.recorder: Optional[StepRecorder] = None
-        self._initial_models = (cost_model, None, -1)  # (decoder, vision, fitted_step) before a fitter exists
+        self.session: Optional[BalanceSession] = None  # one per train(), made at train begin
+        self._initial_models = (cost_model, None, -1)  # (decoder, vision, fitted_step) before a session exists
         self.loader = None
-        self._group = None
-        self._rank, self._world = 0, 1
-        self._vision = None
+        self.restored_from: Optional[str] = None
         self._trainer_ref = None
         self._installed_on = None
         self._active = False
@@ -95,7 +81,15 @@ class DPBalanceCallback(TrainerCallback):
         self._save_held = False  # a checkpoint waits for the end of a look-ahead window
         self._hold_warned = False
 
-    # -- the fitter's state, read by checkpoints, logs and callers ------------------------
+    # -- the session's state, read by checkpoints, logs and callers ------------------------
+
+    @property
+    def fitter(self):
+        return self.session.fitter if self.session is not None else None
+
+    @property
+    def recorder(self):
+        return self.session.recorder if self.session is not None else None
 
     @property
     def decoder_model(self) -> Optional[CostModel]:
@@ -118,126 +112,115 @@ class DPBalanceCallback(TrainerCallback):
 
     def on_init_end(self, args, state, control, **kwargs):
         trainer = _trainer_calling(self)
-        # The balanced loader's trainer mode (Trainer's own resume / skip_first_batches) needs the Trainer.
-        self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
-        if trainer is not None:
-            # Reporting callbacks (TensorBoard, W&B, printer, ...) read `logs` in their own on_log, and
-            # Trainer puts them before the user's: ours must run first for them to see the dp_balance keys.
-            place_before_log_readers(trainer.callback_handler.callbacks, self)
+        self._take_trainer(trainer)
+        if trainer is not None and self._explicit_group is not None:
+            # Trainer builds its train dataloader, and counts its steps from its length, before any event of
+            # train(): sharded by data-parallel index from the start, the counts are right.
+            shard_train_dataloader_by_data_parallel_index(trainer, self._explicit_group)
+
+    def _take_trainer(self, trainer) -> None:
+        """Hold the Trainer (weakly): its get_batch_samples carries the balanced stream (resume included), its
+        training_step names training errors, its callback list decides who reads `logs` first."""
+        if trainer is None:
+            return
+        self._trainer_ref = weakref.ref(trainer)
+        # Reporting callbacks (TensorBoard, W&B, printer, ...) read `logs` in their own on_log, and
+        # Trainer puts them before the user's: ours must run first for them to see the dp_balance keys.
+        place_before_log_readers(trainer.callback_handler.callbacks, self)
+
+    def _trainer(self):
+        return self._trainer_ref() if self._trainer_ref is not None else None
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        self._close_session()  # a previous train() that raised never reached on_train_end
         self.config = resolve_config(self._explicit_config, args)
         if not self.config.enabled:
             return
         set_verbose(self.config.verbose)  # --dp_balance_verbose shows our INFO lines whatever Trainer's log level
         import torch
-        import torch.distributed as dist
 
-        from hf_dp_balance.integrations.loss_contract import check_trainer_loss
-        from hf_dp_balance.integrations.trl import check_sft_setup
+        if self._trainer() is None:  # added with trainer.add_callback after init: on_init_end never ran for us
+            self._take_trainer(_trainer_calling(self))
+        trainer = self._trainer()
+        data_parallel = resolve_data_parallel_group(getattr(trainer, "accelerator", None), self._explicit_group)
+        self.session = BalanceSession(self.config, data_parallel)
+        try:
+            self._active = True
+            device_type = torch.device(getattr(args, "device", torch.device("cpu"))).type
+            checks = [lambda: _check_sft(args, train_dataloader, model, getattr(trainer, "data_collator", None)),
+                      lambda: check_trainer_loss(args, trainer, self.config),
+                      lambda: _check_data_parallel_sharding(train_dataloader, data_parallel, self._explicit_group)]
+            decoder, vision, fitted_step = self._initial_models
+            self.session.start(model=model, model_config=getattr(model, "config", None),
+                               timing=resolve_timing(self.config.timing, device_type, self._sync(trainer)),
+                               device_type=device_type, decoder=decoder, vision=vision, fitted_step=fitted_step,
+                               checkpoints=self._checkpoint_files(args, state), file_step=state.global_step,
+                               checks=checks)
+            self.restored_from = self.session.restored_from
+            if train_dataloader is not None and data_parallel.size > 1:
+                self.loader = self.session.add_loader(self._install_loader(train_dataloader, model, args))
+            if self.config.vision and model is not None:
+                self.session.install_vision(model)
+                # errors name the optimizer step the user sees (1-based, as Trainer logs)
+                self.session.vision.step_source = lambda: self._global_step + 1
+            if self.config.verbose and self.session.rank == 0:
+                logger.info("dp_balance: on (%d ranks, %d data-parallel, fitted=%s)", self.session.world,
+                            data_parallel.size, self.decoder_model is not None)
+        except BaseException:
+            self._close_session()  # a refused setup leaves no group, thread or hook behind
+            raise
 
-        # TRL's SFTTrainer: its settings that would feed the loader other samples than the user's (same on every rank)
-        check_sft_setup(args, getattr(train_dataloader, "dataset", None), getattr(model, "config", None),
-                        getattr(self._trainer_ref() if self._trainer_ref is not None else None, "data_collator", None))
-        check_trainer_loss(args, self._trainer_ref() if self._trainer_ref is not None else None, self.config)
-        self._active = True
-        if dist.is_available() and dist.is_initialized():
-            self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            # Our own gloo group: coefficients and timing records travel beside training's
-            # collectives (NCCL on GPUs) without touching them.
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.config.timeout_s))
-        device_type = torch.device(getattr(args, "device", torch.device("cpu"))).type
-        if train_dataloader is not None and self._world > 1:
-            self.loader = self._install_loader(train_dataloader, model, args)
+    def _sync(self, trainer) -> str:
         # DDP (`step`): the forward has no collective, its device time is this rank's own compute.
-        sync = getattr(self.loader, "sync", None) or ("step" if self.config.sync == "auto" else self.config.sync)
-        timing = resolve_timing(self.config.timing, device_type, sync)
-        decoder, vision, fitted_step = self._restore(args, state)
-        prior, vision_prior = priors_from_config(getattr(model, "config", None)) if self.config.prior else (None, None)
-        self.fitter = CostModelFitter(self.config, rank=self._rank, world=self._world, group=self._group,
-                                      timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step,
-                                      prior=prior, vision_prior=vision_prior)
-        self._install_hooks(model, timing, device_type)
-        if self.config.vision and model is not None:
-            self._install_vision(model)
-        self._publish_models()
-        if self.config.verbose and self._rank == 0:
-            logger.info("dp_balance: on (%d ranks, timing=%s, fitted=%s)", self._world, timing,
-                        self.decoder_model is not None)
+        from hf_dp_balance.integrations.install import _default_sync
+
+        return _default_sync(trainer, self.config) or ("step" if self.config.sync == "auto" else self.config.sync)
+
+    @staticmethod
+    def _checkpoint_files(args, state) -> List[str]:
+        """Where a resume finds the cost models (read on rank 0 only): the checkpoint resumed from, else the
+        checkpoint of the step Trainer resumes at."""
+        candidates = []
+        resume = getattr(args, "resume_from_checkpoint", None)
+        if isinstance(resume, str):
+            candidates.append(os.path.join(resume, CHECKPOINT_FILE))
+        if state.global_step > 0:
+            candidates.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}", CHECKPOINT_FILE))
+        return candidates
 
     def _install_loader(self, train_dataloader, model, args):
-        """Balance the training data: through the Trainer when we found it (resume keeps Trainer's own
+        """Balance the training data: through the Trainer when we hold it (resume keeps Trainer's own
         skip_first_batches), else in place in the prepared dataloader (the object Trainer iterates)."""
-        try:
-            from hf_dp_balance.integrations.install import install_balanced_loader
-        except ImportError as exc:  # the exchange part is not installed: time and fit, move nothing
-            logger.warning("dp_balance: balanced loader unavailable (%s); measuring only", exc)
-            return None
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        from hf_dp_balance.integrations.install import install_balanced_loader
+
+        trainer = self._trainer()
+        side = self.session.side
         if trainer is not None and trainer.callback_handler.train_dataloader is train_dataloader:
             self._installed_on = trainer
             packed = packed_input_for(self.config.input, trainer.data_collator, getattr(model, "config", None))
-            return install_balanced_loader(trainer, self.config, packed_input=packed)
+            return install_balanced_loader(trainer, self.config, packed_input=packed, side_channel=side)
         self._installed_on = train_dataloader
         return install_balanced_loader(train_dataloader, self.config, model_config=getattr(model, "config", None),
-                                       gradient_accumulation_steps=args.gradient_accumulation_steps)
-
-    def _install_vision(self, model) -> None:
-        try:
-            from hf_dp_balance.runtime.vision import balance_vision_encoder
-        except ImportError as exc:
-            logger.warning("dp_balance: vision balancing unavailable (%s)", exc)
-            return
-        balance_vision_encoder(model, self.config, cost_model=self.fitter.planning_models()[1])
-        self._vision = getattr(model, "_dp_balance_vision", None)
-        if self._vision is not None:  # errors name the optimizer step the user sees (1-based, as Trainer logs)
-            self._vision.step_source = lambda: self._global_step + 1
-
-    def _install_hooks(self, model, timing: str, device_type: str = "cpu") -> None:
-        # A previous train() that raised never reached on_train_end: drop its hooks, or every
-        # forward would be recorded twice.
-        self._remove_hooks()
-        self.recorder = StepRecorder(StepClock(timing, device_type))
-        if model is not None:
-            self.recorder.install(model)
-
-    def _publish_models(self) -> None:
-        """Hand the current cost models (the fitted ones, else the FLOP priors) and this rank's speed to the
-        loader and the vision wrapper (no model: keep everything in place)."""
-        decoder, vision = self.fitter.planning_models()
-        if self.loader is not None and hasattr(self.loader, "set_cost_model"):
-            # Without vision-tower balancing a sample's images are encoded where the sample goes, so
-            # the loader plans with decoder + vision cost; with it, the tower is balanced per image.
-            # Before the fit the models are the FLOP prior: the loader hedges its plans against the tokens.
-            self.loader.set_cost_model(decoder, vision=None if self.config.vision else vision,
-                                       prior=self.fitter.planning_with_prior)
-            if hasattr(self.loader, "set_speed"):
-                self.loader.set_speed(float(self.fitter.speeds[self._rank]))
-        if self._vision is not None and vision is not None:
-            self._vision.cost_model = vision
+                                       gradient_accumulation_steps=args.gradient_accumulation_steps,
+                                       side_channel=side)
 
     # -- timing -------------------------------------------------------------------------
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         self._global_step = state.global_step
-        if self._active and self.loader is not None and hasattr(self.loader, "set_step_offset"):
+        if self._active and self.loader is not None:
             # the loader counts steps from 0 in every pass (epoch, resume): its errors name the user's step
             self.loader.set_step_offset(state.global_step + 1)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._global_step = state.global_step
-        if self._active and self.recorder is not None:
-            self.recorder.begin()
+        if self._active and self.session is not None:
+            self.session.begin_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if not self._active or self.recorder is None:
+        if not self._active or self.session is None:
             return
-        elapsed = self.recorder.end()
-        if elapsed is None:
-            return
-        rec = self.recorder
-        if self.fitter.end_step(state.global_step, rec.lengths, elapsed, rec.patches, rec.vision_s):
-            self._publish_models()
+        self.session.end_step(state.global_step)
         self._checkpoint_on_window_boundary(state, control)
 
     def _checkpoint_on_window_boundary(self, state, control) -> None:
@@ -275,12 +258,12 @@ class DPBalanceCallback(TrainerCallback):
         """At a training log (every rank logs the same steps): measured imbalance over the window (a
         collective), loader and vision counters, the cost model."""
         take = getattr(self.loader, "pop_stats", None)
-        return balance_metrics(self.fitter, take() if callable(take) else [], self._vision)
+        return self.session.metrics(take() if callable(take) else [])
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         # Computed here, not at on_step_end from control.should_log: no reliance on DefaultFlowCallback
         # having run before us. Training logs carry "loss" on every rank; eval and summary logs do not.
-        if not self._active or self.fitter is None or logs is None or "loss" not in logs:
+        if not self._active or self.session is None or logs is None or "loss" not in logs:
             return
         ours = self._collect_logs()
         logs.update(ours)
@@ -291,51 +274,75 @@ class DPBalanceCallback(TrainerCallback):
     # -- checkpoints --------------------------------------------------------------------
 
     def on_save(self, args, state, control, **kwargs):
-        if not self._active or self.decoder_model is None or not state.is_world_process_zero:
+        if not self._active or self.session is None or not state.is_world_process_zero:
             return
+        data = self.session.model_state()
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if not os.path.isdir(folder):
+        if data is None or not os.path.isdir(folder):
             return
-        data = {
-            "decoder": self.decoder_model.to_dict(),
-            "vision": self.vision_model.to_dict() if self.vision_model is not None else None,
-            "fitted_step": self.fitted_step,
-            "config": self.config.to_dict(),
-        }
         with open(os.path.join(folder, CHECKPOINT_FILE), "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1, sort_keys=True)
 
-    def _restore(self, args, state):
-        """Resume: the model saved in the checkpoint being resumed; else `cost_model_path`; else warm-up.
-        Returns (decoder, vision, fitted_step) to start from."""
-        decoder, vision, fitted_step = self.decoder_model, self.vision_model, self.fitted_step
-        candidates = []
-        resume = getattr(args, "resume_from_checkpoint", None)
-        if isinstance(resume, str):
-            candidates.append(os.path.join(resume, CHECKPOINT_FILE))
-        if state.global_step > 0:
-            candidates.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}", CHECKPOINT_FILE))
-        for path in candidates:
-            if os.path.isfile(path):
-                saved = load_checkpoint_models(path)
-                self.restored_from = path
-                return saved["decoder"], saved["vision"], state.global_step
-        if decoder is None and self.config.cost_model_path:
-            return CostModel.load(self.config.cost_model_path), vision, state.global_step
-        return decoder, vision, fitted_step
-
     def on_train_end(self, args, state, control, **kwargs):
-        if self.loader is not None:
-            from hf_dp_balance.integrations.install import uninstall_balanced_loader
+        self._close_session()
 
-            uninstall_balanced_loader(self._installed_on)  # stops the exchange thread
+    def _close_session(self) -> None:
+        """Undo the run: the loader's installation, then the session (thread, hooks, vision balancer, groups)."""
+        try:
+            if self.loader is not None:
+                from hf_dp_balance.integrations.install import uninstall_balanced_loader
+
+                uninstall_balanced_loader(self._installed_on)  # stops the exchange thread
+        finally:
             self.loader, self._installed_on = None, None
-        self._remove_hooks()
-        self._active = False
+            if self.session is not None:
+                self.session.close()
+            self._active = False
 
-    def _remove_hooks(self) -> None:
-        if self.recorder is not None:
-            self.recorder.remove()
+
+def _check_sft(args, train_dataloader, model, collator) -> None:
+    """TRL's SFTTrainer: its settings that would feed the loader other samples than the user's (same on every rank)."""
+    from hf_dp_balance.integrations.trl import check_sft_setup
+
+    check_sft_setup(args, getattr(train_dataloader, "dataset", None), getattr(model, "config", None), collator)
+
+
+def _is_sharded_by(sampler, data_parallel) -> bool:
+    shards = getattr(sampler, "num_processes", None)
+    return shards is None or (shards == data_parallel.size and sampler.process_index == data_parallel.index)
+
+
+def _check_data_parallel_sharding(train_dataloader, data_parallel, explicit) -> None:
+    """An explicit data-parallel group smaller than the world needs Trainer's loader sharded by data-parallel
+    index (tp / cp peers read the same samples): done at init when the callback was given in `callbacks=`."""
+    if explicit is None or train_dataloader is None:
+        return
+    sampler = getattr(train_dataloader, "batch_sampler", None)
+    if not _is_sharded_by(sampler, data_parallel):
+        raise ValueError(
+            f"DPBalanceCallback(data_parallel_group=...): Trainer's train dataloader is sharded over "
+            f"{sampler.num_processes} processes, the data-parallel group has {data_parallel.size}: tp / cp peers "
+            f"would train different samples. Trainer builds the loader (and counts its steps) before any event of "
+            f"train(), so only a callback given at init can shard it: pass it in Trainer(callbacks=[...]) rather "
+            f"than trainer.add_callback, or give Trainer a parallelism_config")
+
+
+def shard_train_dataloader_by_data_parallel_index(trainer, explicit) -> None:
+    """Wrap the instance's `get_train_dataloader`: the prepared loader's batch sampler shards by data-parallel
+    index (accelerate's, without a device mesh, shards by process), before Trainer reads its length."""
+    if "get_train_dataloader" in vars(trainer):
+        return  # wrapped already (or the user's own)
+    build = trainer.get_train_dataloader
+
+    def get_train_dataloader(*args, **kwargs):
+        loader = build(*args, **kwargs)
+        data_parallel = resolve_data_parallel_group(getattr(trainer, "accelerator", None), explicit)
+        sampler = getattr(loader, "batch_sampler", None)
+        if not _is_sharded_by(sampler, data_parallel):
+            sampler.num_processes, sampler.process_index = data_parallel.size, data_parallel.index
+        return loader
+
+    trainer.get_train_dataloader = get_train_dataloader
 
 
 # --------------------------------------------------------------------------- small shell helpers
@@ -351,7 +358,9 @@ def place_before_log_readers(callbacks: list, callback: Any) -> None:
 
 
 def _trainer_calling(callback, max_depth: int = 8):
-    """The Trainer whose callback handler runs `callback`'s event now (on_init_end), or None.
+    """The Trainer whose callback handler runs `callback`'s event now, or None: at on_init_end for a callback
+    given in `callbacks=`, at on_train_begin for one added with `trainer.add_callback` (no event reaches it
+    earlier), so both ways hold the same Trainer before the first step.
 
     Contained here because Trainer offers no hook for it: events are never handed the Trainer (nor its
     callback handler), yet the only data hook that survives a mid-epoch resume is the instance's

@@ -171,8 +171,8 @@ def install_balanced_loader(target, config: Optional[DPBalanceConfig] = None, *,
     `target`: a `transformers.Trainer` (trainer mode; call after its train
     dataloader exists and before the first step) or the prepared train
     dataloader (`DataLoaderShard`, dataloader mode; e.g. `train_dataloader`
-    in `on_train_begin`). Must run on every rank (it creates the side gloo
-    group: a collective). Idempotent: on a target that already balances its
+    in `on_train_begin`). Must run on every rank; give `side_channel=` (the run's
+    `SideChannel`, the callback's session's) or the loader makes and closes its own. Idempotent: on a target that already balances its
     current train dataloader it returns that loader. An installation left
     over from an earlier `train()` (which built another dataloader and never
     uninstalled, e.g. it raised) is uninstalled and replaced, so a second

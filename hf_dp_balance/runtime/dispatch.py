@@ -54,7 +54,7 @@ class DispatchedLoader(BalancedLoader):
         # only rank 0 reads data; the stream's first pull elsewhere takes a placeholder
         return super().open_stream(raw_iterator if self.is_source else iter([None]), step_limit)
 
-    def _prepare(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
+    def prepare_step(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
         """Rank 0: the step's global batch as GA micro-batches of all ranks' raw batches; else nothing."""
         if not self.is_source:
             return Prepared([], [], [], np.zeros((0, F_WIDTH)), model_version=None)
@@ -67,12 +67,12 @@ class DispatchedLoader(BalancedLoader):
             sizes.append([len(p) for p in parts])
             return [s for p in parts for s in p]
 
-        prep = super()._prepare(step, pull_global)
+        prep = super().prepare_step(step, pull_global)
         self._start_ranks = np.concatenate([np.repeat(np.arange(len(sz)), sz) for sz in sizes]).astype(np.int64) \
             if sizes else np.zeros(0, dtype=np.int64)
         return prep
 
-    def _run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
+    def run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         """Rank 0 plans and sends; every rank receives its samples and packs its slots."""
         ex = self._exchange
         t0 = time.perf_counter()

@@ -9,7 +9,6 @@ docs/exchange.md.
 
 from __future__ import annotations
 
-import datetime
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -33,7 +32,7 @@ def failure_detail(failed: Mapping[int, str]) -> str:
 # Fixed header every rank contributes to the first gather of a step.
 H_STATUS, H_NUM_SAMPLES, H_NUM_MICRO, H_FLAGS, H_SPEED, H_WIDTH = range(6)
 _MSG_BYTES = 512
-_STORE_PREFIX = "hf_dp_balance/exchange_failed/"
+_STORE_PREFIX = "exchange_failed/"
 _STORE_DEADLINE_S = 2.0  # the failure notes are best effort: a stopped store host must not hold the error
 
 
@@ -80,22 +79,26 @@ class SampleExchange:
     ranks that reported a failure through the rendezvous store.
     """
 
-    def __init__(self, timeout_s: float = 600.0, group=None):
+    def __init__(self, timeout_s: float = 600.0, group=None, *, namespace: str = "hf_dp_balance/"):
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("SampleExchange needs an initialized torch.distributed default process group")
+        if group is None:
+            raise ValueError("SampleExchange needs its side group (runtime.side_channel.SideChannel.exchange() "
+                             "makes one); it never creates a group itself")
         self._dist = dist
         self.timeout_s = float(timeout_s)
         # A dedicated gloo group: never the training group, so it can run in a thread beside
         # training collectives, and its timeout bounds every wait of the exchange.
-        self.group = group if group is not None else dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.group = group
         # Ranks are positions in the group (a data-parallel subgroup when one is given); failure notes
-        # in the store are keyed by global rank, so several subgroups never overwrite each other's.
+        # in the store are keyed by global rank, so several subgroups never overwrite each other's, and
+        # by the run's namespace, so a later run never reads an earlier run's notes.
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._global_ranks = dist.get_process_group_ranks(self.group)
+        self._store_prefix = f"{namespace}{_STORE_PREFIX}"
 
     # -- failure reporting -------------------------------------------------------------------
     def _store(self):
@@ -109,7 +112,7 @@ class SampleExchange:
         store = self._store()
         if store is not None:  # the store may be gone or stopped with its host: a deadline, never a hang
             note = f"step {step}: {message[:300]}"
-            key = f"{_STORE_PREFIX}{self._global_ranks[self.rank]}"  # global: several subgroups share one store
+            key = f"{self._store_prefix}{self._global_ranks[self.rank]}"  # global: several subgroups share one store
             call_with_deadline(lambda: store.set(key, note), _STORE_DEADLINE_S)
 
     def reported_failures(self) -> Dict[int, str]:
@@ -124,7 +127,7 @@ class SampleExchange:
         def lookup():
             found = {}
             for r in range(self.world_size):
-                key = f"{_STORE_PREFIX}{self._global_ranks[r]}"
+                key = f"{self._store_prefix}{self._global_ranks[r]}"
                 if store.check([key]):
                     found[r] = store.get(key).decode("utf-8", "replace")
             return found
@@ -251,12 +254,6 @@ class SampleExchange:
             return decode_received(recv, layout, step)
         except PayloadError as exc:
             raise ExchangeError(str(exc)) from exc
-
-    def destroy(self) -> None:
-        try:
-            self._dist.destroy_process_group(self.group)
-        except Exception:  # noqa: BLE001 - already torn down with the default group
-            pass
 
 
 __all__ = ["ExchangeError", "failure_detail", "SampleExchange", "GatheredMetadata", "H_STATUS", "H_NUM_SAMPLES", "H_NUM_MICRO",

@@ -27,7 +27,6 @@ from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, 
                                              pull_micro_batches, slot_members, validate_plan)
 from hf_dp_balance.runtime.step_plan import plan_work, token_cap
 from hf_dp_balance.runtime.step_stream import StepStream
-from hf_dp_balance.runtime.watchdog import Watchdog
 
 logger = get_logger(__name__)
 
@@ -70,7 +69,8 @@ class BalancedLoader:
                  plan_fn: Optional[Callable] = None, cost_model: Any = None,
                  exchange: Optional[SampleExchange] = None, sync: Optional[str] = None,
                  id_key: Optional[str] = None, balancing: bool = True, speed: float = 1.0,
-                 packed_input: Any = None, on_fatal: Optional[Callable[[str], None]] = None):
+                 packed_input: Any = None, on_fatal: Optional[Callable[[str], None]] = None,
+                 side_channel: Any = None):
         self.dataloader = dataloader
         self.config = config if config is not None else DPBalanceConfig()
         self.packed_input = packed_input  # runtime.packed_input.PackedInput: the user's micro-batches are packed rows
@@ -107,13 +107,21 @@ class BalancedLoader:
         self._prior_versions: set = set()
         self._balancing = bool(balancing)
         self._speed = float(speed)
-        self._owns_exchange = exchange is None  # close() destroys only a group it created
-        self._exchange = exchange if exchange is not None else SampleExchange(self.config.timeout_s)
-        self._on_fatal = on_fatal
-        self._watchdog: Optional[Watchdog] = None  # created with the first stream (a collective: main thread)
+        # The side groups and the watchdog belong to the run's SideChannel (a session's); a loader made alone
+        # (no side channel, no exchange) makes its own and closes it with itself.
+        self._owned_side = None
+        if side_channel is None and exchange is None:
+            from hf_dp_balance.runtime.side_channel import SideChannel
+
+            side_channel = self._owned_side = SideChannel(None, self.config, on_fatal=on_fatal)
+        self.side_channel = side_channel
+        self._exchange = exchange if exchange is not None else side_channel.exchange()
+        self._watchdog = side_channel.watchdog if side_channel is not None and self.config.watchdog else None
         self.step_offset = 0  # the user's step of the next stream's first step (errors name it)
         self._stats: List[StepStats] = []
         self._stats_lock = threading.Lock()
+        self._window_plans: dict = {}   # stream step of a window's first step -> its plan (window_state)
+        self._resume_window: Optional[dict] = None  # a saved window the next pass starts inside
         self._active: Optional[StepStream] = None
 
     # -- settings from the main thread (read by the thread at the start of each step) ----------
@@ -133,6 +141,10 @@ class BalancedLoader:
 
     def set_balancing(self, enabled: bool) -> None:
         self._balancing = bool(enabled)
+
+    def waits_for_model(self) -> bool:
+        """Balancing is on but no cost model is set yet (`StepPhases`)."""
+        return self._balancing and self.config.enabled and self.cost_model is None
 
     def set_step_offset(self, step: int) -> None:
         """The optimizer step the user sees at the start of the next pass (Trainer: `state.global_step`
@@ -166,7 +178,7 @@ class BalancedLoader:
         """
         k = self.config.lookahead_steps
         stream = self._active
-        return k <= 1 or stream is None or stream._done or stream.consumed % k == 0
+        return k <= 1 or stream is None or stream.done or stream.consumed % k == 0
 
     def pop_stats(self) -> List[StepStats]:
         """Statistics of the steps consumed since the last call (oldest first)."""
@@ -186,21 +198,6 @@ class BalancedLoader:
         if name in ("dataloader", "__setstate__") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.dataloader, name)
-
-    def skip_first_batches(self, num_batches: int) -> "BalancedLoader":
-        """A loader over the same data that skips `num_batches` micro-batches (a whole number of steps)."""
-        if num_batches % self.gradient_accumulation_steps:
-            raise ValueError(f"skip_first_batches({num_batches}): must be a multiple of gradient_accumulation_steps="
-                             f"{self.gradient_accumulation_steps} so that steps keep their micro-batches")
-        from accelerate import skip_first_batches
-
-        clone = object.__new__(BalancedLoader)
-        clone.__dict__.update(self.__dict__)
-        clone.dataloader = skip_first_batches(self.dataloader, num_batches)
-        clone._active, clone._stats, clone._stats_lock = None, [], threading.Lock()
-        clone._owns_exchange = False  # the original's close() destroys its groups
-        clone._watchdog = None
-        return clone
 
     def __iter__(self) -> Iterator[Any]:
         for batches in self.iter_steps():
@@ -227,9 +224,8 @@ class BalancedLoader:
         """
         if self._active is not None:
             self._active.close()
-        if self._watchdog is None and self._exchange.world_size > 1 and getattr(self.config, "watchdog", True):
-            self._watchdog = Watchdog(self.config.timeout_s, getattr(self.config, "heartbeat_s", 1.0),
-                                      getattr(self.config, "error_grace_s", 3.0), self._on_fatal)
+        with self._stats_lock:
+            self._window_plans = {}
         self._active = StepStream(self, raw_iterator, step_limit, self._watchdog)
         self._prime(self._active, step_limit)
         return self._active
@@ -243,7 +239,7 @@ class BalancedLoader:
         Costs the start `prefetch_steps - 1` steps of preparation once.
         """
         # Until a model is set the thread stays one step ahead (StepStream._wait_for_model_or_consumer).
-        waits = self._balancing and self.config.enabled and self.cost_model is None
+        waits = self.waits_for_model()
         want = 1 if waits else self.config.prefetch_steps
         if step_limit is not None:
             want = min(want, step_limit)
@@ -256,19 +252,16 @@ class BalancedLoader:
         return self._active
 
     def close(self) -> None:
-        """Stop the thread, then destroy the watchdog's group and the exchange's (when this loader made it)."""
+        """Stop the thread; close the side channel when this loader made its own (else its owner closes it)."""
         if self._active is not None:
             self._active.close()
             self._active = None
-        if self._watchdog is not None:
-            self._watchdog.destroy()
-            self._watchdog = None
-        if self._owns_exchange:
-            self._exchange.destroy()
-            self._owns_exchange = False
+        if self._owned_side is not None:
+            self._owned_side.close()
+            self._owned_side = None
 
     # -- one step, run in the background thread ----------------------------------------------
-    def _prepare(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
+    def prepare_step(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
         """Pull up to GA micro-batches and describe every sample (features, cost, encoded size)."""
         rank = self._exchange.rank
         if self.packed_input is not None:
@@ -285,18 +278,18 @@ class BalancedLoader:
         # Balance only when every rank's rows were costed by a model: a model that lands while a rank is
         # preparing must not mix its costs with another rank's token stand-ins in one plan.
         wants = prep is not None and prep.model_version is not None and self._balancing and self.config.enabled
-        return gather_step(self._exchange, step, prep, error, wants, self._speed)
+        prior = prep is not None and prep.model_version in self._prior_versions
+        return gather_step(self._exchange, step, prep, error, wants, self._speed, prior)
 
-    def _run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
+    def run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         """Collective part of a step. Returns (packed micro-batches, stats) or None at the end of the data."""
         t0 = time.perf_counter()
-        meta, balance, speeds = self._gather(step, prep, error)
+        meta, balance, speeds, hedge = self._gather(step, prep, error)
         num_micro = int(meta.headers[:, H_NUM_MICRO].max())
         if num_micro == 0:
             return None
         micro = meta.rows[:, F_MICRO].astype(np.int64)
         work = StepWork(step, meta.rows, meta.owners, meta.owners, micro, num_micro, prep.samples, prep.entries)
-        hedge = balance and prep.model_version in self._prior_versions  # balance: every rank used this version
         return self._finish_step(work, balance, speeds, t0, time.perf_counter(), hedge)
 
     def _finish_step(self, work: StepWork, balance: bool, speeds: np.ndarray, t0: float, t1: float,
@@ -336,7 +329,7 @@ class BalancedLoader:
             collate_s=t4 - t3, local_samples=[len(s) for s in by_slot], local_ids=ids)
         return batches, stats
 
-    def _run_window(self, step0: int, preps: List[Prepared], error: Optional[str]):
+    def run_window(self, step0: int, preps: List[Prepared], error: Optional[str]):
         """Look-ahead over len(preps) steps: yields (batches, stats) in step order, None at the end of the data.
 
         One gather for the window. When every rank holds the full window and
@@ -357,11 +350,15 @@ class BalancedLoader:
         window = Prepared([mb for p in preps for mb in p.micro_batches], [s for p in preps for s in p.samples],
                            [e for p in preps for e in p.entries], np.concatenate(rows, axis=0),
                            model_version=versions.pop() if len(versions) == 1 else None)
-        meta, balance, speeds = self._gather(step0, window, error)
+        meta, balance, speeds, _ = self._gather(step0, window, error)
+        resume, self._resume_window = self._resume_window, None  # the first window of a resumed pass only
+        if resume is not None:
+            yield from self._resume_in_window(step0, window, meta, balance, speeds, resume, t0)
+            return
         full = bool(np.all(meta.headers[:, H_NUM_MICRO] == k * ga))
         if not (full and balance and k > 1):
             for j, prep in enumerate(preps):
-                result = self._run_step(step0 + j, prep, None)
+                result = self.run_step(step0 + j, prep, None)
                 yield result
                 if result is None:
                     return
@@ -387,15 +384,60 @@ class BalancedLoader:
         except Exception as exc:  # noqa: BLE001 - invariant 4: every rank falls back together (agree_lookahead)
             planned, failure = kept, f"{type(exc).__name__}: {exc}"
         new_step, start_rank, start_micro, note = agree_lookahead(ex, step0, k, kept, planned, failure)
+        self._remember_window(step0, k, 0, new_step, start_rank, start_micro, cap, note)
+        yield from self._window_steps(step0, window, meta, 0, k, (new_step, start_rank, start_micro), cap, note,
+                                      True, speeds, t0, t1)
+
+    def _window_steps(self, step0, window, meta, skip, k, placement, cap, note, balance, speeds, t0, t1):
+        """Steps skip..k-1 of a planned window: each planned and exchanged from its start placement."""
+        ex, ga, rows, holders = self._exchange, self.gradient_accumulation_steps, meta.rows, meta.owners
+        new_step, start_rank, start_micro = placement
         my_first = int(np.searchsorted(holders, ex.rank))
-        for j in range(k):
+        for j in range(skip, k):
             idx = np.flatnonzero(new_step == j)  # ascending global index: still rank-major by holder
             held = idx[holders[idx] == ex.rank] - my_first
-            work = StepWork(step0 + j, rows[idx], holders[idx], start_rank[idx], start_micro[idx], ga,
+            work = StepWork(step0 + j - skip, rows[idx], holders[idx], start_rank[idx], start_micro[idx], ga,
                             [window.samples[i] for i in held], [window.entries[i] for i in held], cap, note)
-            yield self._finish_step(work, True, speeds, t0 if j == 0 else t1, t1)
+            yield self._finish_step(work, balance, speeds, t0 if j == skip else t1, t1)
 
-    def _record(self, stats: StepStats) -> None:
+    def _remember_window(self, step0, k, skip, new_step, start_rank, start_micro, cap, note) -> None:
+        """The window's plan, kept for `window_state` (a resume inside it re-applies it)."""
+        key = step0 - self.step_offset  # steps the stream handed out before this window
+        with self._stats_lock:
+            self._window_plans[key] = {"k": int(k), "skip": int(skip), "steps": new_step.tolist(),
+                                       "rank": start_rank.tolist(), "micro": start_micro.tolist(),
+                                       "cap": int(cap), "note": note}
+            for old in sorted(self._window_plans)[:-4]:  # the thread runs at most prefetch_steps ahead
+                del self._window_plans[old]
+
+    def _resume_in_window(self, step0, window, meta, balance, speeds, resume, t0):
+        """The window a resume starts inside: the saved plan (every rank holds the same), its untrained steps."""
+        n, saved = int(meta.rows.shape[0]), len(resume["steps"])
+        if n != saved:
+            raise ValueError(f"step {step0}, rank {self._exchange.rank}: resuming inside a look-ahead window: the "
+                             f"window read {n} samples, the saved state planned {saved}; the data differs from the "
+                             f"run that saved it (same dataset, order and batch size are needed)")
+        placement = tuple(np.asarray(resume[key], dtype=np.int64) for key in ("steps", "rank", "micro"))
+        k, skip = int(resume["k"]), int(resume["trained"])
+        self._remember_window(step0, k, skip, *placement, resume["cap"], resume["note"])
+        yield from self._window_steps(step0, window, meta, skip, k, placement, resume["cap"], resume["note"],
+                                      balance, speeds, t0, time.perf_counter())
+
+    def window_state(self, consumed: int) -> Optional[dict]:
+        """Where a resume continues when `consumed` steps of the current pass were handed out: None at a window
+        boundary, else the window's plan and how many of its steps were trained (`trained`)."""
+        with self._stats_lock:
+            for key, plan in self._window_plans.items():
+                end = key + plan["k"] - plan["skip"]
+                if key <= consumed < end and (consumed > key or plan["skip"] > 0):
+                    return {**plan, "trained": plan["skip"] + consumed - key}
+        return None
+
+    def resume_in_window(self, state: Optional[dict]) -> None:
+        """The next pass starts inside a look-ahead window (`window_state`'s): its untrained steps first."""
+        self._resume_window = dict(state) if state else None
+
+    def record_stats(self, stats: StepStats) -> None:
         with self._stats_lock:
             self._stats.append(stats)
 

@@ -6,14 +6,12 @@ group; each slice runs its own exchange over its own group, and since the plan i
 the gathered metadata, peers that share a data-parallel index receive byte-identical batches.
 
 `DataParallelGroup.from_mesh` reads every group from the mesh itself (no communication);
-`from_process_group` takes one explicit group. `new_side_group` makes a gloo group over this
-process's data-parallel ranks with `use_local_synchronization` (only members call it), so each
-slice creates its groups independently.
+`from_process_group` takes one explicit group. The side groups over it are made by
+`runtime.side_channel.SideChannel` (with local synchronisation: each slice makes its own).
 """
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any, Sequence, Tuple
 
@@ -84,16 +82,6 @@ class DataParallelGroup:
             if me in row:
                 return cls.from_ranks(row, me)
         raise ValueError(f"rank {me} is not in the device mesh {grid.tolist()}")
-
-    def new_side_group(self, timeout_s: float):
-        """A gloo group over this data-parallel group (only its members call this: local synchronisation)."""
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=float(timeout_s))
-        if self.size == dist.get_world_size():
-            return dist.new_group(backend="gloo", timeout=timeout)
-        return dist.new_group(ranks=list(self.ranks), backend="gloo", timeout=timeout,
-                              use_local_synchronization=True)
 
 
 def data_parallel_dims(names: Sequence[str]) -> Tuple[str, ...]:

@@ -24,6 +24,7 @@ logger = get_logger(__name__)
 # Columns of the per-sample metadata rows gathered from every rank.
 F_MICRO, F_TOKENS, F_VISION, F_COST, F_NBYTES, F_STEP, F_WIDTH = range(7)  # F_STEP: step within a look-ahead window
 FLAG_BALANCE = 1  # this rank asks for balancing (enabled, past warm-up, has a cost model)
+FLAG_PRIOR = 2  # this rank's rows were costed by a FLOP prior (the step's plan is hedged, on every rank alike)
 MODEL_VERSION_SHIFT = 8  # flags >> 8: which cost model costed the rows (ranks must agree to balance)
 
 
@@ -92,7 +93,15 @@ def pull_micro_batches(step: int, pull: Callable[[], Optional[list]], count: int
     """Up to `count` micro-batches (lists of sample dicts) from `pull`; fewer at the end of the data."""
     micro_batches: List[list] = []
     for m in range(count):
-        mb = pull()
+        try:
+            mb = pull()
+        except StopIteration:
+            raise
+        except Exception as exc:  # the user's dataset / collate: say where, keep the type
+            if str(exc).startswith("step "):
+                raise
+            raise RuntimeError(f"step {step}, rank {rank}, micro-batch {m}: reading it from the dataloader "
+                               f"failed: {type(exc).__name__}: {exc}") from exc
         if mb is None:
             break
         if not isinstance(mb, (list, tuple)):
@@ -109,7 +118,7 @@ def _describe(sample: Any, where: str, features_fn: Callable) -> Tuple[list, int
     try:
         tokens, vision = features_fn(sample)
     except Exception as exc:  # name the sample, keep the cause
-        raise ValueError(f"{where}: cannot compute its features: {exc}") from exc
+        raise ValueError(f"{where}: cannot compute its features: {type(exc).__name__}: {exc}") from exc
     tokens = _whole_count(tokens, "tokens", where)
     try:
         grids = None if isinstance(vision, (int, np.integer)) else item_grids(vision)
@@ -144,7 +153,12 @@ def describe_samples(step: int, micro_batches: Sequence[list], rank: int, featur
             where = f"step {step}, rank {rank}, micro-batch {m}, sample {p}"
             if id_key is not None and isinstance(sample, Mapping) and id_key in sample:
                 where += f" ({id_key}={sample[id_key]!r})"
-            ent, tokens, items, count = _describe(sample, where, features_fn)
+            try:
+                ent, tokens, items, count = _describe(sample, where, features_fn)
+            except ValueError:
+                raise
+            except Exception as exc:  # name the sample and keep the type: a bare KeyError says only the key
+                raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
             samples.append(sample)
             entries.append(ent)
             grids.append(items if items is not None else np.zeros((0, 3), dtype=np.int64))
@@ -169,13 +183,16 @@ def cost_rows(prep: Prepared, grids: Sequence[np.ndarray], models: Tuple[Any, An
 
 
 def gather_step(exchange: SampleExchange, step: int, prep: Optional[Prepared], error: Optional[str],
-                wants_balance: bool, speed: float):
-    """(metadata of every rank, whether to balance, each rank's speed): one metadata gather.
+                wants_balance: bool, speed: float, prior: bool = False):
+    """(metadata of every rank, whether to balance, each rank's speed, whether to hedge): one metadata gather.
 
     Balance only when every rank asks for it and every rank's rows were costed by the same
-    `set_cost_model` call's models (a refit can land while ranks prepare this step).
+    `set_cost_model` call's models (a refit can land while ranks prepare this step). Hedge when any rank's
+    models are a prior: decided from the gathered flags, so every rank decides alike.
     """
     flags = (FLAG_BALANCE | (prep.model_version << MODEL_VERSION_SHIFT)) if wants_balance else 0
+    if wants_balance and prior:
+        flags |= FLAG_PRIOR
     meta = exchange.gather_metadata(
         step, prep.rows if prep is not None else None,
         num_micro_batches=len(prep.micro_batches) if prep is not None else 0,
@@ -183,7 +200,8 @@ def gather_step(exchange: SampleExchange, step: int, prep: Optional[Prepared], e
     gathered = meta.headers[:, H_FLAGS].astype(np.int64)
     versions = set((gathered >> MODEL_VERSION_SHIFT).tolist())
     balance = bool(np.all(gathered & FLAG_BALANCE)) and len(versions) == 1
-    return meta, balance, meta.headers[:, H_SPEED].astype(np.float64)
+    hedge = balance and bool(np.any(gathered & FLAG_PRIOR))
+    return meta, balance, meta.headers[:, H_SPEED].astype(np.float64), hedge
 
 
 def validate_plan(dest_rank, dest_micro, n: int, num_ranks: int, num_micro: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -336,7 +354,7 @@ def collate_slots(ex: SampleExchange, collator: Callable, work: StepWork, by_slo
     return batches, ids
 
 
-__all__ = ["F_MICRO", "F_TOKENS", "F_VISION", "F_COST", "F_NBYTES", "F_STEP", "F_WIDTH", "FLAG_BALANCE",
+__all__ = ["F_MICRO", "F_TOKENS", "F_VISION", "F_COST", "F_NBYTES", "F_STEP", "F_WIDTH", "FLAG_BALANCE", "FLAG_PRIOR",
            "MODEL_VERSION_SHIFT", "StepStats", "list_collate", "Prepared", "StepWork", "pull_micro_batches",
            "describe_samples", "cost_rows", "gather_step", "validate_plan", "default_plan_fn", "slot_members",
            "slot_samples", "plan_digest", "agree_digests", "failure_detail", "agree_plan", "agree_lookahead", "check_cap", "collate_slots"]

@@ -1,7 +1,7 @@
 """The background thread of one pass of a `BalancedLoader` over its raw micro-batches, and its bounded queue.
 
-The thread prepares, gathers, plans, exchanges and packs each step (the loader's `_prepare`, `_run_step`,
-`_run_window`) and queues the packed micro-batches, at most `prefetch_steps` ahead. It stops only while
+The thread prepares, gathers, plans, exchanges and packs each step through the public `StepPhases` protocol
+(the all-to-all `BalancedLoader` and the dispatching `DispatchedLoader` implement it) and queues the packed micro-batches, at most `prefetch_steps` ahead. It stops only while
 waiting on a full queue, never between collectives, so ranks that consume the same steps stop at the same
 step; a local failure before the gather is told to the peers at that gather (cap, plan and collate
 failures are agreed within the step), and any failure reaches the consumer's thread with its traceback.
@@ -14,19 +14,51 @@ import queue
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Protocol, Tuple
 
-from hf_dp_balance.runtime.exchange import ExchangeError
-from hf_dp_balance.runtime.step_rows import Prepared
+from hf_dp_balance.runtime.exchange import ExchangeError, SampleExchange
+from hf_dp_balance.runtime.step_rows import Prepared, StepStats
 
-if TYPE_CHECKING:
-    from hf_dp_balance.runtime.loader import BalancedLoader
+
+class StepPhases(Protocol):
+    """What the thread stage asks of the step phases, and all it asks (collectives in the order called)."""
+
+    config: Any               # DPBalanceConfig: prefetch_steps, lookahead_steps, timeout_s
+    step_offset: int          # the user's step of the stream's first step
+    exchange: SampleExchange  # rank, report_failure
+
+    def waits_for_model(self) -> bool:
+        """Balancing is on but no cost model is set yet (the stage then stays one step ahead)."""
+
+    def prepare_step(self, step: int, pull: Callable[[], Optional[list]]) -> Prepared:
+        """Pull and describe one step's samples (local: no collective)."""
+
+    def run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
+        """The step's collectives: (packed micro-batches, StepStats), or None at the end of the data; `error`
+        (a local failure before the gather) is told to every rank at its gather."""
+
+    def run_window(self, step0: int, preps: List[Prepared], error: Optional[str]) -> Iterator:
+        """Look-ahead over len(preps) steps: yields run_step's results in step order, None at the end."""
+
+    def record_stats(self, stats: StepStats) -> None:
+        """A step was handed to the consumer (main thread)."""
+
+
+def named_failure(exc: BaseException, step: int, rank: int) -> BaseException:
+    """`exc` when its text already names where it happened (the library's own errors), else a RuntimeError
+    whose headline says the step, the rank and the exception's type (a bare KeyError says only 'input_ids')."""
+    text = str(exc)
+    if isinstance(exc, ExchangeError) or text.startswith("step ") or "hf_dp_balance" in text.split("\n", 1)[0]:
+        return exc
+    named = RuntimeError(f"step {step}, rank {rank}: {type(exc).__name__}: {text}")
+    named.__cause__ = exc
+    return named
 
 
 class StepStream:
     """The background thread of one pass over a raw micro-batch iterator, and its bounded queue."""
 
-    def __init__(self, loader: "BalancedLoader", source: Iterator, step_limit: Optional[int], watchdog=None):
+    def __init__(self, loader: StepPhases, source: Iterator, step_limit: Optional[int], watchdog=None):
         self.loader = loader
         self.source = source
         self.step_limit = step_limit
@@ -49,9 +81,14 @@ class StepStream:
                 self._exhausted = True
         self._thread = threading.Thread(target=self._main, name="hf_dp_balance-exchange", daemon=True)
         self._thread.start()
-        self._watchdog = watchdog
+        self._watchdog = self._liveness = watchdog
         if watchdog is not None:
             watchdog.start(self.describe, lambda: self._error_taken)
+
+    @property
+    def done(self) -> bool:
+        """The consumer has taken the stream's end (or its error)."""
+        return self._done
 
     def describe(self) -> Tuple[str, str]:
         """("step S, rank R" of the step in training, the thread's error or ""): the watchdog's context."""
@@ -94,7 +131,7 @@ class StepStream:
         `_put`).
         """
         loader = self.loader
-        while loader._balancing and loader.config.enabled and loader.cost_model is None and not self._queue.empty():
+        while loader.waits_for_model() and not self._queue.empty():
             if self._stop.is_set():
                 return False
             time.sleep(0.002)
@@ -115,24 +152,24 @@ class StepStream:
                 if pending is None:
                     try:
                         for j in range(span):
-                            preps.append(loader._prepare(step + j, self._pull))
+                            preps.append(loader.prepare_step(step + j, self._pull))
                     except Exception as exc:  # noqa: BLE001 - forwarded below
-                        pending = (exc, traceback.format_exc())
-                if pending is not None:
-                    loader._exchange.report_failure(step, repr(pending[0]))
+                        pending = (named_failure(exc, step + len(preps), self.rank), traceback.format_exc())
+                if pending is not None:  # no collective of this step has started: told at its gather
+                    loader.exchange.report_failure(step, repr(pending[0]))
                     try:
-                        loader._run_step(step, None, f"{type(pending[0]).__name__}: {pending[0]}")
+                        loader.run_step(step, None, f"{type(pending[0]).__name__}: {pending[0]}")
                     except ExchangeError:
                         pass  # the gather raises on every rank; here the local cause is the better error
                     raise pending[0]
                 ended = False
                 try:
                     if span == 1:
-                        result = loader._run_step(step, preps[0], None)
+                        result = loader.run_step(step, preps[0], None)
                         results, ended = ([] if result is None else [result]), result is None
                         results = iter(results)
                     else:
-                        results = loader._run_window(step, preps, None)
+                        results = loader.run_window(step, preps, None)
                     for result in results:
                         if result is None:
                             ended = True
@@ -142,15 +179,13 @@ class StepStream:
                         step += 1
                 except ExchangeError:
                     raise
-                except Exception as exc:  # noqa: BLE001 - collation etc.: tell the peers at the next gather
-                    loader._exchange.report_failure(step, repr(exc))
-                    pending = (exc, traceback.format_exc())
-                    step += 1
-                    continue
+                except Exception as exc:  # noqa: BLE001 - the step's collectives have started: raise now
+                    # The peers are inside this step's collectives: going on to the next step's gather would
+                    # meet theirs out of order. The note in the store names this rank in their error.
+                    loader.exchange.report_failure(step, f"{type(exc).__name__}: {exc}")
+                    raise named_failure(exc, step, self.rank) from exc
                 if ended:
                     break
-            if pending is not None:  # failed in the last step before the limit: the peers have stopped already
-                raise pending[0]
             self._put(("end",))
         except BaseException as exc:  # noqa: BLE001 - reaches the main thread with its traceback
             self._thread_error = exc
@@ -165,6 +200,8 @@ class StepStream:
 
     def next_step(self) -> Optional[list]:
         """The next step's packed micro-batches, or None at the end; re-raises a thread failure here."""
+        if self._liveness is not None:  # on_fatal="raise": a peer was found gone while this rank trained
+            self._liveness.raise_if_fatal()
         if self._done:
             return None
         t0 = time.perf_counter()
@@ -190,7 +227,7 @@ class StepStream:
         _, batches, stats = item
         stats.wait_s = wait
         self.consumed = stats.step + 1 - self.first_step
-        self.loader._record(stats)
+        self.loader.record_stats(stats)
         return batches
 
     def close(self) -> None:
@@ -208,4 +245,4 @@ class StepStream:
             self._watchdog = None
 
 
-__all__ = ["StepStream"]
+__all__ = ["StepPhases", "StepStream", "named_failure"]

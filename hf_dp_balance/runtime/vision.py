@@ -11,7 +11,6 @@ The five steps and why they are exact: docs/vision.md.
 from __future__ import annotations
 
 import collections
-import datetime
 import inspect
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
@@ -82,8 +81,10 @@ class VisionBalancer:
             # An own communicator with the default group's ranks and backend: the
             # backward all_to_all then never interleaves with DDP's gradient
             # all-reduce on the default group (orders could differ across ranks).
-            group = dist.new_group(backend=dist.get_backend(),
-                                   timeout=datetime.timedelta(seconds=self.config.timeout_s))
+            from hf_dp_balance.runtime.parallel import DataParallelGroup
+            from hf_dp_balance.runtime.side_channel import new_side_group
+
+            group = new_side_group(DataParallelGroup.world(), self.config.timeout_s, dist.get_backend())
             self._owns_group = True  # remove() destroys it (each gloo group is a mesh of sockets and threads)
         self.group = group
         self.forwards = 0  # balanced training forwards so far (named in errors)

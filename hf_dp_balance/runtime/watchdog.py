@@ -14,14 +14,13 @@ the step, the rank and the phase. Details: docs/reliability.md.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import logging
 import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -47,25 +46,42 @@ def end_process(message: str) -> None:
 
 
 class Watchdog:
-    """Heartbeat rounds on an own gloo group while a stream is open; `on_fatal(message)` when a peer is gone.
+    """Heartbeat rounds on its own gloo group while a stream is open; `on_fatal(message)` when a peer is gone.
 
+    `group`: the heartbeat group (every process; made by `runtime.side_channel.SideChannel`, which owns it).
     `describe()` gives the message's context: ("step S, rank R", the exchange thread's error or "");
     `taken()` tells whether the main thread has taken an error (then nothing is ended here).
-    Create it on every rank in the same order (it creates a process group).
+    `on_fatal`: a callable, None (log and end the process: `end_process`) or "raise" (keep the message:
+    `raise_if_fatal()` raises it in the main thread at its next step).
     """
 
-    def __init__(self, timeout_s: float, heartbeat_s: float = 1.0, error_grace_s: float = 3.0,
-                 on_fatal: Optional[Callable[[str], None]] = None):
+    def __init__(self, group, timeout_s: float, heartbeat_s: float = 1.0, error_grace_s: float = 3.0,
+                 on_fatal: Union[Callable[[str], None], str, None] = None):
         import torch.distributed as dist
 
         self._dist = dist
         self.timeout_s, self.heartbeat_s, self.error_grace_s = float(timeout_s), float(heartbeat_s), float(error_grace_s)
+        self.fatal_message: Optional[str] = None
+        if on_fatal == "raise":
+            on_fatal = self._keep
+        elif on_fatal is not None and not callable(on_fatal):
+            raise ValueError(f"Watchdog(on_fatal={on_fatal!r}): a callable, None (end the process) or 'raise'")
         self.on_fatal = on_fatal or end_process
         self.rank = dist.get_rank()
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.group = group
         self._closing = threading.Event()
         self._raised = threading.Event()  # the main thread raised the library's error itself (stand_down)
         self._thread: Optional[threading.Thread] = None
+
+    def _keep(self, message: str) -> None:
+        logger.error(message)
+        self.fatal_message = message
+
+    def raise_if_fatal(self) -> None:
+        """The kept message (on_fatal="raise") as the library's error, in the calling (main) thread."""
+        if self.fatal_message is not None:
+            message, self.fatal_message = self.fatal_message, None
+            raise ExchangeError(message)
 
     def start(self, describe: Callable[[], Tuple[str, str]], taken: Callable[[], bool]) -> None:
         """Start the rounds (after `stop()` of the previous stream, if any)."""
@@ -116,13 +132,6 @@ class Watchdog:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self.timeout_s + 2.0)
         self._thread = None
-
-    def destroy(self) -> None:
-        self.stop()
-        try:
-            self._dist.destroy_process_group(self.group)
-        except Exception:  # noqa: BLE001 - already torn down with the default group
-            pass
 
 
 def is_distributed_error(exc: BaseException) -> bool:

@@ -430,7 +430,8 @@ def _resume(rank, world):
 
 def test_state_dict_resumes_after_the_last_completed_step():
     out = run_ranks(_resume, 2, timeout=120, pg_timeout_s=50)
-    assert out[0]["state"] == {"epoch": 0, "steps": 2, "micro_batches": 4}
+    assert out[0]["state"] == {"version": 1, "data_parallel_size": 2, "epoch": 0, "steps": 2, "micro_batches": 4,
+                               "window": None}
     assert out[0]["lengths"] == [7, 7]
     first = [i for o in out for i in o["runs"][0]["ids"]]
     second = [i for o in out for i in o["runs"][1]["ids"]]

@@ -7,7 +7,7 @@ import pytest
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_dp_balance.integrations.arguments import DPBalanceArguments, DPBalanceTrainingArguments, argument_name
-from hf_dp_balance.config import DPBalanceConfig
+from hf_dp_balance.config import FATAL_CHOICES, DPBalanceConfig
 from hf_dp_balance.core.choices import FIT_MODES, SYNC_CHOICES, TIMING_CHOICES
 
 
@@ -31,7 +31,8 @@ def test_arguments_match_the_config_field_for_field():
         assert f"HF_DP_BALANCE_{f.name.upper()}" in help_text
         assert len(help_text.split()) > 6, f"{name} lacks a real help text: {help_text!r}"
     assert DPBalanceArguments().to_dp_balance_config(environ={}) == DPBalanceConfig()
-    for name, choices in (("sync", SYNC_CHOICES), ("fit_mode", FIT_MODES), ("timing", TIMING_CHOICES)):
+    for name, choices in (("sync", SYNC_CHOICES), ("fit_mode", FIT_MODES), ("timing", TIMING_CHOICES),
+                          ("on_fatal", FATAL_CHOICES)):
         assert arg_fields[argument_name(name)].metadata["choices"] == list(choices)
 
 
@@ -74,3 +75,12 @@ def test_arguments_alone_parse_next_to_other_dataclasses(tmp_path):
         ["--output_dir", str(tmp_path), "--use_cpu", "true", "--dp_balance", "--dp_balance_fit_mode", "step_max"])
     assert balance.to_dp_balance_config(environ={}).fit_mode == "step_max"
     assert not hasattr(training, "dp_balance")
+
+
+def test_liveness_settings_parse_from_the_command_line(tmp_path):
+    args = _parse(["--dp_balance_watchdog", "false", "--dp_balance_heartbeat_s", "0.5",
+                   "--dp_balance_error_grace_s", "2", "--dp_balance_on_fatal", "raise"], tmp_path)
+    cfg = args.to_dp_balance_config(environ={})
+    assert cfg == DPBalanceConfig(watchdog=False, heartbeat_s=0.5, error_grace_s=2.0, on_fatal="raise")
+    with pytest.raises(SystemExit):
+        _parse(["--dp_balance_on_fatal", "ignore"], tmp_path)

@@ -9,6 +9,7 @@ import torch
 from hf_dp_balance.testing.spawn import run_ranks, run_ranks_allow_failures
 from hf_dp_balance.core.codec import encoded_nbytes, sample_entries, transfer_layout
 from hf_dp_balance.runtime.all_to_all import all_to_all_rows
+from hf_dp_balance.testing.side import side_exchange as _exchange
 from hf_dp_balance.runtime.exchange import ExchangeError, SampleExchange
 
 
@@ -17,7 +18,7 @@ from hf_dp_balance.runtime.exchange import ExchangeError, SampleExchange
 def _exchange_round(rank, world):
     """Every rank owns a few samples; a shared random plan moves some; check who ends up with what."""
     torch.manual_seed(100 + rank)
-    ex = SampleExchange(timeout_s=30)
+    ex = _exchange(30)
     rng = np.random.default_rng(7)  # same on every rank: the plan
     counts = rng.integers(0, 5, world)
     counts[world - 1] = 0  # one rank with no samples at all
@@ -58,7 +59,7 @@ def test_exchange_moves_exactly_the_planned_samples_4_ranks():
 
 def _fault_reported_then_inside(rank, world, timeout_s):
     """Step 3: rank 1 reports a local failure at the gather. Step 5: rank 1 raises inside the payload exchange."""
-    ex = SampleExchange(timeout_s=timeout_s)
+    ex = _exchange(timeout_s)
     t0 = time.monotonic()
     try:
         ex.gather_metadata(3, np.zeros((1, 2)), num_micro_batches=1,
@@ -70,7 +71,7 @@ def _fault_reported_then_inside(rank, world, timeout_s):
 
 
 def _fault_inside_exchange(rank, world, timeout_s, hard_exit, ex=None):
-    ex = ex or SampleExchange(timeout_s=timeout_s)
+    ex = ex or _exchange(timeout_s)
     sample = {"input_ids": torch.arange(10)}
     nbytes = encoded_nbytes(sample_entries(sample))
     meta = ex.gather_metadata(5, np.array([[nbytes]], dtype=np.float64), num_micro_batches=1)

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import torch
 
+from hf_dp_balance.testing.side import side_exchange as _exchange
 from hf_dp_balance.runtime.exchange import ExchangeError, SampleExchange
 from hf_dp_balance.testing.spawn import run_ranks_until
 
@@ -38,7 +39,7 @@ def _errors(got, ranks):
 # ------------------------------------------------------------------ the store's host stopped
 
 def _store_host_stops(rank, world):
-    ex = SampleExchange(timeout_s=TIMEOUT_S)
+    ex = _exchange(TIMEOUT_S)
     ex.gather_metadata(0, np.zeros((1, 2)), num_micro_batches=1)
     if rank == 0:  # rank 0 hosts the rendezvous store (env://): stopped, its socket stays open, never answers
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -330,7 +331,8 @@ def test_side_groups_are_destroyed_when_training_ends():
     for rank in (0, 1):
         ok, counts, _ = got[rank]
         assert ok, counts
-        assert counts[-1] == counts[1], counts  # (threads, fds) after cycles 2..4: no growth (+3 groups per cycle before)
+        # (threads, fds) after cycles 2..4: no growth (+3 groups per cycle before)
+        assert counts[-1][0] <= counts[1][0] and counts[-1][1] <= counts[1][1], counts
 
 
 # ------------------------------------------------------------------ bad features name their culprit

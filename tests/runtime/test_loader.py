@@ -368,7 +368,7 @@ def _prepared_costs(rank, world):
     out = {}
     for name, model in (("decoder_only", None), ("with_vision", vision)):
         loader.set_cost_model(decoder, vision=model)
-        rows = loader._prepare(0, iter([samples]).__next__).rows
+        rows = loader.prepare_step(0, iter([samples]).__next__).rows
         out[name] = rows[:, F_COST].tolist()
     out["vision_items"] = rows[:, F_VISION].tolist()
     out["decoder"] = [float(decoder.sample_costs(np.array([f.tokens]))[0]) for f in feats]

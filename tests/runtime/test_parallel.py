@@ -41,7 +41,9 @@ def _groups(rank, world):
 
     out["accelerator"] = resolve_data_parallel_group(AcceleratorOnCpu())
     group = DataParallelGroup.from_process_group(mesh["dp"].get_group())
-    side = group.new_side_group(30)
+    from hf_dp_balance.runtime.side_channel import new_side_group
+
+    side = new_side_group(group, 30)
     value = torch.tensor([float(rank)])
     dist.all_reduce(value, group=side)  # sums over this dp group only
     out["pg"], out["sum"] = group, float(value)

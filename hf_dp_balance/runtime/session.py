@@ -1,0 +1,275 @@
+"""`BalanceSession`: one balanced training run, whatever framework drives it.
+
+A session owns everything a run creates and keeps the rules every front end must follow alike:
+
+- the `SideChannel` (side groups in one fixed order, the one watchdog, the run's failure-note namespace);
+- the model state: the cost models to start from are read on ONE process (global rank 0) and
+  broadcast, so every rank plans with the same models or every rank raises naming the file and the
+  rank; the fitter (`CostModelFitter`: gather, fit on rank 0, broadcast, refit) and whether the
+  planner hedges (the prior flag travels with the models, the same on every rank);
+- the recorder (`StepRecorder`) hooked on the model, and the vision balancer when asked for;
+- the loaders it builds and the rule for publishing models and speeds to them: tp / cp peers of one
+  data-parallel index plan with one speed (the slowest of them), or their batches would differ;
+- `state_dict` / `load_state_dict` of the resume point, versioned and checked against the data-parallel
+  size; and `close()`, which undoes all of it in reverse.
+
+The Trainer callback (`integrations.callback`) and `DPBalancer` (`integrations.accelerate`) are adapters:
+they map their framework's events onto `start`, `begin_step` / `end_step`, `metrics` and `close`.
+Train-begin checks of the user's setup run in one place: the `checks` given to `start`, before any group
+is used for training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from hf_dp_balance.config import DPBalanceConfig
+from hf_dp_balance.core.cost import CostModel
+from hf_dp_balance.runtime.balance_metrics import balance_metrics
+from hf_dp_balance.runtime.fitter import CostModelFitter, StepClock, StepRecorder, priors_from_config
+from hf_dp_balance.runtime.logs import get_logger
+from hf_dp_balance.runtime.parallel import DataParallelGroup
+from hf_dp_balance.runtime.side_channel import SideChannel
+
+logger = get_logger(__name__)
+
+CHECKPOINT_FILE = "dp_balance_cost_model.json"
+STATE_VERSION = 1
+
+
+def load_checkpoint_models(path: str) -> Dict[str, Any]:
+    """Read `dp_balance_cost_model.json`: {"decoder": CostModel, "vision": CostModel|None, "fitted_step": int}."""
+    with open(path, "r", encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or "decoder" not in data:
+        raise ValueError(f"{path}: not a dp_balance cost model checkpoint (no 'decoder' key)")
+    return {
+        "decoder": CostModel.from_dict(data["decoder"]),
+        "vision": CostModel.from_dict(data["vision"]) if data.get("vision") else None,
+        "fitted_step": int(data.get("fitted_step", -1)),
+    }
+
+
+def read_start_models(checkpoints: Sequence[str], cost_model_path: Optional[str], have_decoder: bool) -> dict:
+    """What rank 0 reads to start from, as a broadcastable dict: the first checkpoint file found, else
+    `cost_model_path` (when no model was given), else nothing; {"error": ...} naming the file instead of raising."""
+    try:
+        for path in checkpoints:
+            if os.path.isfile(path):
+                saved = load_checkpoint_models(path)
+                return {"decoder": saved["decoder"].to_dict(),
+                        "vision": saved["vision"].to_dict() if saved["vision"] is not None else None,
+                        "source": path, "kind": "checkpoint"}
+        if not have_decoder and cost_model_path:
+            if not os.path.isfile(cost_model_path):
+                return {"error": f"cost_model_path {cost_model_path!r} does not exist on rank 0 (rank 0 reads the "
+                                 f"cost model for every rank and broadcasts it)"}
+            return {"decoder": CostModel.load(cost_model_path).to_dict(), "vision": None, "source": cost_model_path,
+                    "kind": "cost_model_path"}
+    except Exception as exc:  # noqa: BLE001 - every rank raises it, after the broadcast
+        return {"error": f"reading the cost model on rank 0 failed: {type(exc).__name__}: {exc}"}
+    return {}
+
+
+class BalanceSession:
+    """One run's side channel, fitter, recorder, loaders and model state (see the module docstring).
+
+    Create it on every process at the same moment (its side channel creates process groups).
+    `data_parallel`: this process's data-parallel group (default: every process).
+    """
+
+    def __init__(self, config: DPBalanceConfig, data_parallel: Optional[DataParallelGroup] = None, *,
+                 on_fatal: Optional[Callable[[str], None]] = None):
+        import torch.distributed as dist
+
+        self.config = config
+        self.side = SideChannel(data_parallel, config, on_fatal=on_fatal)
+        self.data_parallel = self.side.data_parallel
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.side.distributed else (0, 1)
+        self.speed_peers = self._peers_of_my_index()
+        self.fitter: Optional[CostModelFitter] = None
+        self.recorder: Optional[StepRecorder] = None
+        self.loaders: List[Any] = []
+        self.vision = None          # the vision balancer this session installed (removed at close)
+        self._vision_model = None
+        # () -> a vision balancer the user installed (DPBalancer: model._dp_balance_vision); fed models, not owned
+        self.vision_source: Optional[Callable[[], Any]] = None
+        self.restored_from: Optional[str] = None
+        self._closed = False
+
+    def _peers_of_my_index(self) -> List[int]:
+        """The processes of this data-parallel index (tp / cp peers; just this process without a mesh)."""
+        if self.side.spans_world:
+            return [self.rank]
+        import torch.distributed as dist
+
+        indices: List[Any] = [None] * self.world
+        dist.all_gather_object(indices, self.data_parallel.index, group=self.side.fit_group)
+        return [p for p, i in enumerate(indices) if i == self.data_parallel.index]
+
+    # -- start -----------------------------------------------------------------------------------
+    def start(self, *, model=None, model_config=None, timing: str = "thread_cpu", device_type: str = "cpu",
+              decoder: Optional[CostModel] = None, vision: Optional[CostModel] = None, fitted_step: int = -1,
+              checkpoints: Sequence[str] = (), file_step: int = 0,
+              checks: Iterable[Callable[[], None]] = ()) -> None:
+        """Run the train-begin `checks`, agree the models to start from, make the fitter and hook the recorder.
+
+        Start models: the first of `checkpoints` found on rank 0, else `decoder` / `vision` given, else
+        `config.cost_model_path` (read on rank 0), else the warm-up fit (with the FLOP prior of
+        `model_config` when `config.prior`). A model read from a file counts as fitted at `file_step` (refitted
+        every `refit_every` from there); a model given here is never refitted. Every rank gets the same.
+        """
+        for check in checks:  # the user's setup, checked on every rank before training starts
+            check()
+        decoder, vision, fitted_step = self._agree_start_models(checkpoints, decoder, vision, fitted_step, file_step)
+        prior, vision_prior = priors_from_config(model_config) if self.config.prior else (None, None)
+        self.fitter = CostModelFitter(self.config, rank=self.rank, world=self.world, group=self.side.fit_group,
+                                      timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step,
+                                      prior=prior, vision_prior=vision_prior)
+        if self.recorder is not None:
+            self.recorder.remove()
+        self.recorder = StepRecorder(StepClock(timing, device_type))
+        if model is not None:
+            self.recorder.install(model)
+
+    def _agree_start_models(self, checkpoints, decoder, vision, fitted_step, file_step):
+        import torch.distributed as dist
+
+        box = [read_start_models(checkpoints, self.config.cost_model_path, decoder is not None)
+               if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(box, group_src=0, group=self.side.fit_group)
+        found = box[0] or {}
+        if "error" in found:
+            raise ValueError(f"hf_dp_balance: rank {self.rank}: {found['error']}")
+        if "decoder" in found:
+            self.restored_from = found["source"]
+            vision_model = CostModel.from_dict(found["vision"]) if found.get("vision") else None
+            if found["kind"] == "checkpoint":
+                return CostModel.from_dict(found["decoder"]), vision_model, file_step
+            return CostModel.from_dict(found["decoder"]), vision, file_step
+        return decoder, vision, fitted_step
+
+    # -- parts ------------------------------------------------------------------------------------
+    def add_loader(self, loader) -> Any:
+        """Register a loader built on this session's side channel; it is published to now and closed at `close`."""
+        self.loaders.append(loader)
+        self.publish(loader)
+        return loader
+
+    def install_vision(self, model) -> Any:
+        """Balance `model`'s vision tower on the session's vision group (removed at `close`)."""
+        from hf_dp_balance.runtime.vision import balance_vision_encoder
+
+        _, vision = self.fitter.planning_models() if self.fitter is not None else (None, None)
+        balance_vision_encoder(model, self.config, group=self.side.vision_group(), cost_model=vision)
+        self.vision, self._vision_model = getattr(model, "_dp_balance_vision", None), model
+        return self.vision
+
+    # -- models and speeds ----------------------------------------------------------------------
+    @property
+    def speed(self) -> float:
+        """The speed this process plans with: the slowest of its data-parallel index's processes."""
+        return float(min(self.fitter.speeds[p] for p in self.speed_peers))
+
+    def publish(self, loader=None) -> None:
+        """The current models (the fitted ones, else the FLOP priors) and speed to the loaders and the vision
+        wrapper (no model: keep everything in place)."""
+        decoder, vision = self.fitter.planning_models()
+        for target in ([loader] if loader is not None else self.loaders):
+            if decoder is not None and hasattr(target, "set_cost_model"):
+                # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with
+                # decoder + vision; before the fit the models are the prior and the loader hedges its plans.
+                target.set_cost_model(decoder, vision=None if self.config.vision else vision,
+                                      prior=self.fitter.planning_with_prior)
+                if hasattr(target, "set_speed"):
+                    target.set_speed(self.speed)
+        balancer = self.vision_balancer
+        if balancer is not None and vision is not None:
+            balancer.cost_model = vision
+
+    @property
+    def vision_balancer(self):
+        """The vision balancer in use: the session's own, else the user's (`vision_source`)."""
+        if self.vision is not None:
+            return self.vision
+        return self.vision_source() if self.vision_source is not None else None
+
+    # -- per step ---------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.side.raise_if_fatal()
+        if self.recorder is not None:
+            self.recorder.begin()
+
+    def end_step(self, step: int, elapsed: Optional[float] = None) -> bool:
+        """Record the step (its recorder's seconds, or `elapsed`) and fit when due, then publish. A collective
+        when a fit is due: every rank ends the same steps. True if it fitted."""
+        if self.recorder is None or self.fitter is None:
+            return False
+        seconds = self.recorder.end() if elapsed is None else elapsed
+        if seconds is None:
+            return False
+        rec = self.recorder
+        if self.fitter.end_step(step, rec.lengths, seconds, rec.patches, rec.vision_s):
+            self.publish()
+            return True
+        return False
+
+    def metrics(self, step_stats: Sequence[Any]) -> Dict[str, float]:
+        """The dp_balance/* numbers (a collective on the fit group)."""
+        return balance_metrics(self.fitter, step_stats, self.vision_balancer)
+
+    def model_state(self) -> Optional[dict]:
+        """The cost models to checkpoint (None before any is fitted or given)."""
+        if self.fitter is None or self.fitter.decoder is None:
+            return None
+        return {"decoder": self.fitter.decoder.to_dict(),
+                "vision": self.fitter.vision.to_dict() if self.fitter.vision is not None else None,
+                "fitted_step": self.fitter.fitted_step, "config": self.config.to_dict()}
+
+    # -- resume point ------------------------------------------------------------------------------
+    def resume_state(self, **fields) -> dict:
+        """A resume point stamped with the format version and the data-parallel size it was taken at."""
+        return {"version": STATE_VERSION, "data_parallel_size": self.data_parallel.size, **fields}
+
+    def check_resume_state(self, state: dict) -> dict:
+        """`state` if it was taken by this format at this data-parallel size; else an error naming both."""
+        version = state.get("version")
+        if version != STATE_VERSION:
+            raise ValueError(f"hf_dp_balance: a resume state of version {version!r}; this library reads version "
+                             f"{STATE_VERSION} (the state_dict of an older release cannot say which samples its "
+                             f"look-ahead window trained)")
+        size = state.get("data_parallel_size")
+        if size != self.data_parallel.size:
+            raise ValueError(f"hf_dp_balance: the resume state was taken with {size} data-parallel ranks, this run "
+                             f"has {self.data_parallel.size}: each rank's place in the data would differ")
+        return state
+
+    # -- teardown -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the loaders' threads, take the hooks off, remove the vision balancer, close the side channel."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for loader in reversed(self.loaders):
+                loader.close()
+            self.loaders = []
+            if self.recorder is not None:
+                self.recorder.remove()
+            if self.vision is not None:
+                self.vision.remove()
+                if getattr(self._vision_model, "_dp_balance_vision", None) is self.vision:
+                    del self._vision_model._dp_balance_vision
+                self.vision, self._vision_model = None, None
+        finally:
+            self.side.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+__all__ = ["BalanceSession", "CHECKPOINT_FILE", "STATE_VERSION", "load_checkpoint_models", "read_start_models"]
