@@ -1,8 +1,8 @@
 """`BalancedLoader`: plan and exchange each optimizer step's samples one step ahead, in a thread.
 
-Every rank plans from the same gathered numbers, so every rank computes the same plan (invariant 3); a
-planner failure keeps every sample in place on every rank alike (invariant 4); a plan changes where a
-sample is computed, never which samples a step trains (invariant 1); every rank yields the same number of
+Every rank plans from the same gathered numbers, so every rank computes the same plan; a
+planner failure keeps every sample in place on every rank alike (planning never stops training); a plan
+changes where a sample is computed, never which samples a step trains; every rank yields the same number of
 micro-batches per step. The per-step pipeline and look-ahead: docs/exchange.md.
 """
 
@@ -381,7 +381,7 @@ class BalancedLoader:
             new_step = plan_lookahead(rows[:, F_COST], tokens, steps, units, window=k, max_tokens=unit_cap)
             slot = assign_slots(tokens, steps, new_step, micro * world + holders, world * ga, cap)
             planned = (np.asarray(new_step, dtype=np.int64), slot % world, slot // world)
-        except Exception as exc:  # noqa: BLE001 - invariant 4: every rank falls back together (agree_lookahead)
+        except Exception as exc:  # noqa: BLE001 - planning never stops training: every rank falls back together (agree_lookahead)
             planned, failure = kept, f"{type(exc).__name__}: {exc}"
         new_step, start_rank, start_micro, note = agree_lookahead(ex, step0, k, kept, planned, failure)
         self._remember_window(step0, k, 0, new_step, start_rank, start_micro, cap, note)

@@ -1,6 +1,6 @@
 """The data-parallel group: which processes may trade samples, and the side gloo groups over them.
 
-Only the data-parallel dimension is rebalanced (design invariant 7). Under a device mesh with tensor,
+Only the data-parallel dimension is rebalanced. Under a device mesh with tensor,
 context or sequence parallel dimensions, the processes of one tp/cp/sp slice form one data-parallel
 group; each slice runs its own exchange over its own group, and since the plan is a pure function of
 the gathered metadata, peers that share a data-parallel index receive byte-identical batches.

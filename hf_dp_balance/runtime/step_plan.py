@@ -1,7 +1,7 @@
 """One step's placement from its gathered rows: the planner's, or before the fit the hedged one.
 
-Pure given the gathered rows (every rank calls it with the same rows and gets the same plan, invariant 3);
-never raises (a planner failure keeps the start placement and says so, invariant 4).
+Pure given the gathered rows (every rank calls it with the same rows and gets the same plan);
+never raises (a planner failure keeps the start placement and says so: planning never stops training).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def plan_work(work: StepWork, balance: bool, speeds: np.ndarray, world: int, con
             applied, reason = bool(getattr(chosen, "applied", True)), str(getattr(chosen, "reason", "planned"))
         applied = applied and bool(np.any(dest_rank != owners) or np.any(dest_micro != micro))
         return dest_rank, dest_micro, applied, reason, None
-    except Exception as exc:  # invariant 4: planning never stops training (agree_plan logs it)
+    except Exception as exc:  # planning never stops training (agree_plan logs it)
         return owners, micro, False, f"planner failed: {exc!r}", f"{type(exc).__name__}: {exc}"
 
 

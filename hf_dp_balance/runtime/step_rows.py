@@ -3,7 +3,7 @@
 Preparation (this rank, before the gather): pull the step's micro-batches and describe every sample by
 one row (micro-batch, tokens, vision items, cost, encoded bytes, step in the window). Finishing (after the
 plan): which global samples each of this rank's slots trains, in ascending global index whatever the plan,
-so a plan changes where a sample is computed, never which samples a step trains (invariant 1).
+so a plan changes where a sample is computed, never which samples a step trains.
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def agree_plan(ex: SampleExchange, work: StepWork, dest_rank: np.ndarray, dest_m
     """Compare plans across ranks before anything moves: (dest_rank, dest_micro, fallback reason or None).
 
     `agree_digests` on the plan: a planner that failed on any rank makes every rank keep the start
-    placement and log it (invariant 4); plans that differ raise `ExchangeError` on every rank.
+    placement and log it (planning never stops training); plans that differ raise `ExchangeError` on every rank.
     """
     failed = agree_digests(ex, work.step, f"step {work.step}", "plan check", plan_digest(dest_rank, dest_micro),
                            failure)
@@ -290,7 +290,7 @@ def agree_lookahead(ex: SampleExchange, step0: int, window: int, kept: Tuple[np.
 
     `planned`: this rank's look-ahead result, `kept`: the steps and slots as they came. `agree_digests` on
     the look-ahead plan: when it failed on any rank (`failure`: this rank's message), every rank keeps the
-    steps as they came and logs which rank failed and why (invariant 4; `note` prefixes each step's
+    steps as they came and logs which rank failed and why (`note` prefixes each step's
     reason); look-ahead plans that differ raise `ExchangeError` on every rank, naming the odd ranks.
     """
     where = f"steps {step0}..{step0 + window - 1}"
