@@ -35,10 +35,11 @@ class DPBalanceConfig:
     """Also balance the vision encoder (images move for the ViT, embeddings come back)."""
 
     warmup_steps: int = 5
-    """Optimizer steps timed before the cost model is fitted. The first step planned with it is step
-    warmup_steps + 2: the step already prepared when the fit lands keeps its placement (until a model is
-    set the loader prepares one step ahead only, whatever `prefetch_steps`). With `prior` (the default) the
-    steps before are planned with the model's FLOP prior."""
+    """Optimizer steps timed before the cost model is fitted. A new model plans from the first step the
+    loader thread cannot have prepared when it lands, a step every process agrees on: with `prior` (the
+    default: the steps before are planned with the model's FLOP prior) that is warmup_steps +
+    prefetch_steps + 2 (+ lookahead_steps - 1), without a prior warmup_steps + 2 (until a model is set the
+    loader prepares one step ahead only). Refits follow the same rule."""
 
     max_token_ratio: float = 1.2
     """Hard per-rank (per micro-batch slot) token cap, as a multiple of the mean tokens per slot."""

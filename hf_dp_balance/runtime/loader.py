@@ -99,9 +99,13 @@ class BalancedLoader:
         sync = sync or self.config.sync
         self.sync = "step" if sync == "auto" else sync  # `auto` without a framework to ask: DDP semantics
         self.id_key = id_key
-        # (decoder, vision, version): one tuple, swapped atomically for the thread; version counts the
+        # (decoder, vision, version): the models in force for the steps the thread prepares; version counts the
         # set_cost_model calls, equal on every rank (the same broadcast fits, in the same order)
         self._models = (cost_model, None, 0)
+        # models set but not yet in force: (first step they cost, models), oldest first (`set_cost_model`)
+        self._scheduled: List[tuple] = []
+        self._models_lock = threading.Lock()
+        self._speeds = {0: float(speed)}  # models version -> the speed this rank plans with under it
         # versions whose models are a prior (planned hedged); never removed, so a step costed with one is
         # hedged on every rank whenever its thread plans it, even after a fit has landed
         self._prior_versions: set = set()
@@ -134,10 +138,41 @@ class BalancedLoader:
 
         Every rank must make the same calls in the same order (the callback does: one broadcast fit):
         a step is balanced only when every rank costed its rows with the same call's models."""
-        version = self._models[2] + 1
-        if prior:
-            self._prior_versions.add(version)  # before the swap: a thread that sees the version finds it here
-        self._models = (cost_model, vision, version)
+        with self._models_lock:
+            latest = self._latest_models()
+            version = latest[2] + 1
+            if prior:
+                self._prior_versions.add(version)  # before the models: a thread that sees the version finds it
+            self._speeds[version] = self._speeds[latest[2]]
+            start = self._first_unprepared_step()
+            if start is None:
+                self._models, self._scheduled = (cost_model, vision, version), []
+            else:
+                self._scheduled.append((start, (cost_model, vision, version)))
+
+    def _latest_models(self) -> tuple:
+        return self._scheduled[-1][1] if self._scheduled else self._models
+
+    def _first_unprepared_step(self) -> Optional[int]:
+        """The first step the thread cannot have prepared yet (None: no stream runs, nothing is prepared).
+
+        New models take effect there, not at whatever step the thread happens to prepare next: the step is a
+        function of the steps consumed so far, so every process (tp/cp peers in other data-parallel groups,
+        which never gather with this one, included) plans each step with the same models. The thread runs at
+        most `prefetch_steps` queued steps plus the window in hand ahead of the consumer; one step while it
+        waits for a first model (`StepStream`)."""
+        stream = self._active
+        if stream is None or stream.done:
+            return None
+        reach = 1 if self.waits_for_model() else self.config.prefetch_steps + max(1, self.config.lookahead_steps)
+        return stream.first_step + stream.consumed + reach
+
+    def _models_for(self, step: int) -> tuple:
+        """The models that cost `step` (thread side): the newest whose first step has come."""
+        with self._models_lock:
+            while self._scheduled and self._scheduled[0][0] <= step:
+                self._models = self._scheduled.pop(0)[1]
+            return self._models
 
     def set_balancing(self, enabled: bool) -> None:
         self._balancing = bool(enabled)
@@ -152,18 +187,21 @@ class BalancedLoader:
         self.step_offset = int(step)
 
     def set_speed(self, speed: float) -> None:
-        """This rank's relative speed (1.0 = nominal) for heterogeneous ranks."""
+        """This rank's relative speed (1.0 = nominal) for heterogeneous ranks, from the newest models on."""
         if not speed > 0:
             raise ValueError(f"speed={speed!r}: must be > 0")
-        self._speed = float(speed)
+        with self._models_lock:
+            self._speed = float(speed)
+            self._speeds[self._latest_models()[2]] = float(speed)
 
     @property
     def cost_model(self):
-        return self._models[0]
+        """The newest decoder model set (in force from its first step on)."""
+        return self._latest_models()[0]
 
     @property
     def vision_cost_model(self):
-        return self._models[1]
+        return self._latest_models()[1]
 
     @property
     def exchange(self) -> SampleExchange:
@@ -268,7 +306,7 @@ class BalancedLoader:
             pull = self.packed_input.puller(pull, step, rank)
         micro_batches = pull_micro_batches(step, pull, self.gradient_accumulation_steps, rank)
         prep, grids = describe_samples(step, micro_batches, rank, self.features_fn, self.id_key)
-        return cost_rows(prep, grids, self._models)  # one read of the models: costs and version always match
+        return cost_rows(prep, grids, self._models_for(step))  # one read: costs and version always match
 
     def _plan(self, work: StepWork, balance: bool, speeds: np.ndarray, hedge: bool = False):
         """`runtime.step_plan.plan_work` with this loader's world, config, sync and planner."""
@@ -279,7 +317,8 @@ class BalancedLoader:
         # preparing must not mix its costs with another rank's token stand-ins in one plan.
         wants = prep is not None and prep.model_version is not None and self._balancing and self.config.enabled
         prior = prep is not None and prep.model_version in self._prior_versions
-        return gather_step(self._exchange, step, prep, error, wants, self._speed, prior)
+        speed = self._speeds.get(prep.model_version, self._speed) if prep is not None else self._speed
+        return gather_step(self._exchange, step, prep, error, wants, speed, prior)
 
     def run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         """Collective part of a step. Returns (packed micro-batches, stats) or None at the end of the data."""

@@ -59,8 +59,13 @@ def _batch_of_rank(rank, family, dummy_vision):
 def _zero3_family(rank, world, family, dummy_vision):
     """STEPS steps of one family under DeepSpeed ZeRO-3 (CPU accelerator, the spawner's gloo group)."""
     import deepspeed
+    import deepspeed.ops
     import torch
 
+    # DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce (a C++ build of minutes, and a
+    # lock file under ~/.cache that a killed build leaves behind makes every later run wait on it forever);
+    # without it ZeRO-3 runs its collectives on the spawner's gloo group, which is what this test is about.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     model, batch = _batch_of_rank(rank, family, dummy_vision)
     with torch.no_grad():
         reference = float(model(**batch).loss)

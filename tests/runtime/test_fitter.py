@@ -194,8 +194,14 @@ def _slowed_rank(rank, world):
         lengths = rng.integers(64, 1024, size=rng.integers(2, 6)).tolist()
         fitter.end_step(step, lengths, compute(lengths, slowed))
     # the truth: the same work at the nominal and the slowed rate, on this rank's clock
+    # (interleaved, every rank at once: drift in the machine's load or clock speed hits both rates alike)
     reference = [512, 256, 768]
-    true_speed = min(compute(reference, 5) for _ in range(5)) / min(compute(reference, 8) for _ in range(5))
+    dist.barrier(group)
+    nominal, slow = [], []
+    for _ in range(7):
+        nominal.append(compute(reference, 5))
+        slow.append(compute(reference, 8))
+    true_speed = min(nominal) / min(slow)
     # the slowed rank gets proportionally less work: plan a few steps of text samples with the speeds
     samples = [[{"input_ids": torch.zeros(int(n), dtype=torch.int32)} for n in rng.integers(64, 1024, size=6)]
                for _ in range(4)]
