@@ -263,6 +263,7 @@ def full_cap_main(args) -> int:
     for case, old in zip(cases, base):
         mix, R, M, shape, _ = case
         new = full_cap_case(*case, args.repeats, (R, M) == sizes[0])
+        first = len(rows)
         label = f"| {mix} | {R} x {M} | {new['items']} | {shape} | {new['before']:.4f} | {new['floor']:.1f}% |"
         for name, res in [("this", new["ours"]), (f"{args.baseline}", old["ours"])] + (
                 [("published greedy", new["reference"])] if "reference" in new else []):
@@ -270,7 +271,7 @@ def full_cap_main(args) -> int:
         speed = old["ours"][2] / max(new["ours"][2], 1e-9)
         sent = old["ours"][1] / max(new["ours"][1], 1e-9)
         rows.append(f"{label} ratio {args.baseline} / this | | {sent:.1f}x | {speed:.1f}x | |")
-        print("\n".join(rows[-4:]), flush=True)
+        print("\n".join(rows[first:]), flush=True)
     print(header + "\n" + "\n".join(rows))
     return 0
 
