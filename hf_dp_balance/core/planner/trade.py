@@ -100,6 +100,18 @@ def _ranges(lo: np.ndarray, hi: np.ndarray):
     return pos, group
 
 
+def _first_best(idx: np.ndarray, group: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """Of the candidates `idx` (ascending; `group` ascending along them), the first one with the
+    highest score of every group."""
+    if idx.size == 0:
+        return idx
+    g, sc = group[idx], score[idx]
+    head = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
+    best = np.repeat(np.maximum.reduceat(sc, head), np.diff(np.append(head, idx.size)))
+    hit = np.flatnonzero(sc == best)
+    return idx[hit[np.concatenate(([True], g[hit][1:] != g[hit][:-1]))]]
+
+
 def _round(state, h, l, window, budget, limit, order, starts, large, moved, small, overhead, big) -> np.ndarray:
     """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
     rank under budget in at most one; applies them; returns the ranks h that traded.
@@ -141,7 +153,10 @@ def _round(state, h, l, window, budget, limit, order, starts, large, moved, smal
     ok = (c_mv > 0) & (state.load[mv_l] + c_mv <= limit[mv_l])
     if state.count is not None:
         ok &= (state.count[mv_h] - 1 >= state.min_count) & (state.count[mv_l] + 1 >= state.min_count)
-    mv_score = np.where(ok, np.minimum(c_mv, excess[mv_h]) / (t_mv + overhead), -np.inf)
+    mv_score = np.minimum(c_mv, excess[mv_h]) / (t_mv + overhead)
+    # only a pair's best move can win (ties: the first), so only those go on
+    keep = _first_best(np.flatnonzero(ok), go, mv_score)
+    rest, go, c_mv, mv_score = rest[keep], go[keep], c_mv[keep], mv_score[keep]
     # for a large a, the b of l whose cost is nearest below and above c_a - want, if it never
     # moved, and no b
     p_hi = np.searchsorted(l_key, l[ga] + np.maximum(cost[give] - want[ga], 0.0) * scale)
@@ -156,8 +171,10 @@ def _round(state, h, l, window, budget, limit, order, starts, large, moved, smal
     m = np.where(b >= 0, state.micro[np.maximum(b, 0)], recv[g])
     # small pay-back: the slots of l that candidates use, each a segment of cumulative sums
     sk = g * M + m
-    seg_keys = np.unique(sk)
-    sid = np.searchsorted(seg_keys, sk)
+    used = np.zeros(P * M, dtype=bool)  # the (pair, slot) keys in use, in order (no sort)
+    used[sk] = True
+    seg_keys = np.flatnonzero(used)
+    sid = (np.cumsum(used) - 1)[sk]
     sl = l[seg_keys // M] * M + seg_keys % M  # the slot of l, as grouped in `order`
     pos, grp = _ranges(starts[sl], starts[sl + 1])
     pay = order[pos]
