@@ -47,6 +47,10 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     starts = np.zeros(S + 1, dtype=np.int64)
     np.cumsum(np.bincount(slot, minlength=S), out=starts[1:])
     moved = np.zeros(cost.shape[0], dtype=bool)
+    # the items a move may take (at most cap x _LARGE tokens), grouped by rank as in `order`
+    fits = tok[order] <= cap * _LARGE
+    at_fit = np.concatenate(([0], np.cumsum(fits)))
+    rest_items = (order[fits], at_fit[starts[::M]])
     small = tok <= cap * _SMALL
     # the large items (few), grouped by rank, cheapest first within a rank (ties: index)
     large_items = np.flatnonzero(tok > cap * _LARGE)
@@ -81,7 +85,8 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
         l = under[(np.repeat(idx, K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
         # a rank that found no trade among its items nearest what it should shed tries all of them next
         window = np.where(wide[h], R_items, _WINDOW)
-        traded = _round(state, h, l, window, budget, limit, order, starts, large, moved, small, overhead, big)
+        traded = _round(state, h, l, window, budget, limit, order, starts, rest_items, large, moved, small,
+                        overhead, big)
         if traded.size == 0 and bool(np.all(wide[h])):
             return False
         stuck = np.ones(R, dtype=bool)
@@ -112,7 +117,8 @@ def _first_best(idx: np.ndarray, group: np.ndarray, score: np.ndarray) -> np.nda
     return idx[hit[np.concatenate(([True], g[hit][1:] != g[hit][:-1]))]]
 
 
-def _round(state, h, l, window, budget, limit, order, starts, large, moved, small, overhead, big) -> np.ndarray:
+def _round(state, h, l, window, budget, limit, order, starts, rest_items, large, moved, small, overhead,
+           big) -> np.ndarray:
     """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
     rank under budget in at most one; applies them; returns the ranks h that traded.
 
@@ -140,10 +146,11 @@ def _round(state, h, l, window, budget, limit, order, starts, large, moved, smal
     recv = np.argmin(state.slot_tok[l], axis=1)
     # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
     first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
-    pos, go = _ranges(starts[h[first_partner] * M], starts[(h[first_partner] + 1) * M])
-    rest = order[pos]
+    movable, movable_starts = rest_items
+    pos, go = _ranges(movable_starts[h[first_partner]], movable_starts[h[first_partner] + 1])
+    rest = movable[pos]
     go = first_partner[go]
-    ok = ~moved[rest] & (tok[rest] <= cap * _LARGE) & (tok[rest] <= cap - state.slot_tok[l[go], recv[go]])
+    ok = ~moved[rest] & (tok[rest] <= cap - state.slot_tok[l[go], recv[go]])
     rest, go = rest[ok], go[ok]
     if give.size + rest.size == 0:
         return h[:0]
