@@ -25,7 +25,8 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
 
     Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under their
     budget each (furthest under first; the partners shift every round). A trade sends a large
-    item `a` of h (over cap x _LARGE tokens) to l, into l's roomiest slot or in place of a large
+    item `a` of h (over cap x _LARGE tokens; first only the _WINDOW each side of the cost h should
+    shed, all of them once h found no trade that way) to l, into l's roomiest slot or in place of a large
     item `b` of l that comes back; the receiving slot also pays back the fewest of its small
     items (at most cap x _SMALL tokens each, index order) that make room for `a`. Everything
     paid back takes a's slot on h, which must hold it. Kept per over-full rank: the trade with
@@ -126,9 +127,9 @@ def _round(state, h, l, window, budget, limit, order, starts, rest_items, large,
     partner only); the large items `a` of h (the `window` of each side of the cost h should shed;
     all of them once h found no trade that way) into l's roomiest slot, and in place of the two
     large items `b` of l whose cost is nearest c_a - (what h should shed), b paid back (if it
-    never moved); moves are scored directly (no pay-back), the rest all topped up with the fewest small items of the
-    receiving slot (index order) that make room for `a`. Everything paid back takes a's slot
-    on h."""
+    never moved). Moves need no pay-back and are scored apart (only a pair's best goes on); the
+    rest are topped up with the fewest small items of the receiving slot (index order) that make
+    room for `a`. Everything paid back takes a's slot on h."""
     cap, M = state.cap, state.M
     tok, cost = state.tokens, state.costs
     P = h.size
