@@ -121,11 +121,12 @@ def _trades_first(state: _State) -> bool:
         return False
     if float(np.median(state.cap - state.slot_tok)) > state.cap * _LARGE:
         return False
-    large = state.tokens > state.cap * _LARGE
-    t_large, t_rest = float(state.tokens[large].sum()), float(state.tokens[~large].sum())
+    large = (state.tokens > state.cap * _LARGE).view(np.int8)  # one pass per sum, no masked copies
+    t_rest, t_large = np.bincount(large, weights=state.tokens, minlength=2)
     if t_large <= 0 or t_rest <= 0:
         return False
-    return float(state.costs[large].sum()) / t_large >= _LUMPY * float(state.costs[~large].sum()) / t_rest
+    c_rest, c_large = np.bincount(large, weights=state.costs, minlength=2)
+    return float(c_large) / t_large >= _LUMPY * float(c_rest) / t_rest
 
 
 def _sent(state: _State, start: np.ndarray) -> float:

@@ -16,6 +16,7 @@ _ROUNDS = 24  # trade rounds at most (every round: at most one trade per over-fu
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
 _LARGE = 1.0 / 16.0  # items above this share of the cap are the ones traded
 _PARTNERS = 2  # ranks under budget each over-full rank considers per round
+_WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
 _OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer, larger trades)
 
 
@@ -24,7 +25,8 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
 
     Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under their
     budget each (furthest under first; the partners shift every round). A trade sends a large
-    item `a` of h (over cap x _LARGE tokens) to l, into l's roomiest slot or in place of a large
+    item `a` of h (over cap x _LARGE tokens; first only the _WINDOW each side of the cost h should
+    shed, all of them once h found no trade that way) to l, into l's roomiest slot or in place of a large
     item `b` of l that comes back; the receiving slot also pays back the fewest of its small
     items (at most cap x _SMALL tokens each, index order) that make room for `a`. Everything
     paid back takes a's slot on h, which must hold it. Kept per over-full rank: the trade with
@@ -46,6 +48,10 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     starts = np.zeros(S + 1, dtype=np.int64)
     np.cumsum(np.bincount(slot, minlength=S), out=starts[1:])
     moved = np.zeros(cost.shape[0], dtype=bool)
+    # the items a move may take (at most cap x _LARGE tokens), grouped by rank as in `order`
+    fits = tok[order] <= cap * _LARGE
+    at_fit = np.concatenate(([0], np.cumsum(fits)))
+    rest_items = (order[fits], at_fit[starts[::M]])
     small = tok <= cap * _SMALL
     # the large items (few), grouped by rank, cheapest first within a rank (ties: index)
     large_items = np.flatnonzero(tok > cap * _LARGE)
@@ -53,8 +59,12 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     large_items = large_items[np.lexsort((large_items, cost[large_items], lr))]
     large_starts = np.zeros(R + 1, dtype=np.int64)
     np.cumsum(np.bincount(lr, minlength=R), out=large_starts[1:])
-    large = (large_items, large_starts)
+    scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
+    # one sorted key of the large items: rank, then cost within it (searched for nearest costs)
+    large = (large_items, large_starts, state.dest[large_items] + cost[large_items] * scale, scale)
     overhead = cap * _OVERHEAD
+    wide = np.zeros(R, dtype=bool)  # ranks that try all their large items
+    R_items = int(np.diff(large_starts).max()) if R else 0
     big = 4.0 * cap + 4.0  # separates the pairs' segments in one sorted key array
     for k in range(rounds):
         over = np.flatnonzero(state.load > limit)
@@ -74,8 +84,15 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
         h = np.repeat(over[:P], K)
         # the partners shift from round to round: a pair that found no trade meets new ranks
         l = under[(np.repeat(idx, K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
-        if not _round(state, h, l, budget, limit, order, starts, large, moved, small, overhead, big):
+        # a rank that found no trade among its items nearest what it should shed tries all of them next
+        window = np.where(wide[h], R_items, _WINDOW)
+        traded = _round(state, h, l, window, budget, limit, order, starts, rest_items, large, moved, small,
+                        overhead, big)
+        if traded.size == 0 and bool(np.all(wide[h])):
             return False
+        stuck = np.ones(R, dtype=bool)
+        stuck[traded] = False
+        wide[h[stuck[h]]] = True
     return not np.any(state.load > limit)
 
 
@@ -89,59 +106,83 @@ def _ranges(lo: np.ndarray, hi: np.ndarray):
     return pos, group
 
 
-def _round(state, h, l, budget, limit, order, starts, large, moved, small, overhead, big) -> bool:
+def _first_best(idx: np.ndarray, group: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """Of the candidates `idx` (ascending; `group` ascending along them), the first one with the
+    highest score of every group."""
+    if idx.size == 0:
+        return idx
+    g, sc = group[idx], score[idx]
+    head = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
+    best = np.repeat(np.maximum.reduceat(sc, head), np.diff(np.append(head, idx.size)))
+    hit = np.flatnonzero(sc == best)
+    return idx[hit[np.concatenate(([True], g[hit][1:] != g[hit][:-1]))]]
+
+
+def _round(state, h, l, window, budget, limit, order, starts, rest_items, large, moved, small, overhead,
+           big) -> np.ndarray:
     """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
-    rank under budget in at most one; applies them; True if any was applied.
+    rank under budget in at most one; applies them; returns the ranks h that traded.
 
     Trades tried: every other item `a` of h that fits l's roomiest slot moves there (h's first
-    partner only); every large item `a` of h
-    into l's roomiest slot, and in place of the two large items `b` of l whose cost is nearest
-    c_a - (what h should shed), b paid back; all topped up with the fewest small items of the
-    receiving slot (index order) that make room for `a`. Everything paid back takes a's slot
-    on h."""
+    partner only); the large items `a` of h (the `window` of each side of the cost h should shed;
+    all of them once h found no trade that way) into l's roomiest slot, and in place of the two
+    large items `b` of l whose cost is nearest c_a - (what h should shed), b paid back (if it
+    never moved). Moves need no pay-back and are scored apart (only a pair's best goes on); the
+    rest are topped up with the fewest small items of the receiving slot (index order) that make
+    room for `a`. Everything paid back takes a's slot on h."""
     cap, M = state.cap, state.M
     tok, cost = state.tokens, state.costs
     P = h.size
-    l_order, l_starts = large  # large items grouped by rank, cheapest first within a rank
-    # large items of h that never moved (give), and of l (to take back), both per pair
-    pos, ga = _ranges(l_starts[h], l_starts[h + 1])
+    l_order, l_starts, l_key, scale = large  # large items grouped by rank, cheapest first within a rank
+    excess = state.load - budget
+    want = np.minimum(excess[h], limit[l] - state.load[l])
+    # the large items of h whose cost is nearest `want` (W below, W above): a cheaper one sheds
+    # less, a dearer one overshoots or needs a dearer b back (more tokens sent)
+    near = np.searchsorted(l_key, h + want * scale)
+    lo = np.maximum(near - window, l_starts[h])
+    pos, ga = _ranges(lo, np.maximum(np.minimum(near + window, l_starts[h + 1]), lo))
     give = l_order[pos]
     ok = ~moved[give]
     give, ga = give[ok], ga[ok]
-    pos, gb = _ranges(l_starts[l], l_starts[l + 1])
-    theirs = l_order[pos]
-    ok = ~moved[theirs]
-    theirs, gb = theirs[ok], gb[ok]
     recv = np.argmin(state.slot_tok[l], axis=1)
     # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
     first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
-    pos, go = _ranges(starts[h[first_partner] * M], starts[(h[first_partner] + 1) * M])
-    rest = order[pos]
+    movable, movable_starts = rest_items
+    pos, go = _ranges(movable_starts[h[first_partner]], movable_starts[h[first_partner] + 1])
+    rest = movable[pos]
     go = first_partner[go]
-    ok = ~moved[rest] & (tok[rest] <= cap * _LARGE) & (tok[rest] <= cap - state.slot_tok[l[go], recv[go]])
+    ok = ~moved[rest] & (tok[rest] <= cap - state.slot_tok[l[go], recv[go]])
     rest, go = rest[ok], go[ok]
     if give.size + rest.size == 0:
-        return False
-    # for a large a, the b of l whose cost is nearest below and above c_a - want (want: what h
-    # should shed, at most what l can take), and no b
-    want = np.minimum(state.load[h] - budget[h], limit[l] - state.load[l])
-    nb = np.bincount(gb, minlength=P)
-    b_first = np.cumsum(nb) - nb
-    scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
-    key_b = gb + cost[theirs] * scale  # sorted: pairs in order, cheapest first within a pair
-    p_hi = np.searchsorted(key_b, ga + np.maximum(cost[give] - want[ga], 0.0) * scale)
-    a_opts, g_opts, b_opts = [rest, give], [go, ga], [np.full(rest.size + give.size, -1, dtype=np.int64)]
+        return h[:0]
+    # moves need no pay-back (a fits l's roomiest slot as it is): scored without the segments below
+    mv_h, mv_l = h[go], l[go]
+    t_mv, c_mv = tok[rest], cost[rest]
+    ok = (c_mv > 0) & (state.load[mv_l] + c_mv <= limit[mv_l])
+    if state.count is not None:
+        ok &= (state.count[mv_h] - 1 >= state.min_count) & (state.count[mv_l] + 1 >= state.min_count)
+    mv_score = np.minimum(c_mv, excess[mv_h]) / (t_mv + overhead)
+    # only a pair's best move can win (ties: the first), so only those go on
+    keep = _first_best(np.flatnonzero(ok), go, mv_score)
+    rest, go, c_mv, mv_score = rest[keep], go[keep], c_mv[keep], mv_score[keep]
+    # for a large a, the b of l whose cost is nearest below and above c_a - want, if it never
+    # moved, and no b
+    p_hi = np.searchsorted(l_key, l[ga] + np.maximum(cost[give] - want[ga], 0.0) * scale)
+    a_opts, g_opts, b_opts = [give], [ga], [np.full(give.size, -1, dtype=np.int64)]
     for p_b in (p_hi - 1, p_hi):
-        inside = (p_b >= b_first[ga]) & (p_b < b_first[ga] + nb[ga])
+        inside = (p_b >= l_starts[l[ga]]) & (p_b < l_starts[l[ga] + 1])
+        inside[inside] = ~moved[l_order[p_b[inside]]]
         a_opts.append(give[inside])
         g_opts.append(ga[inside])
-        b_opts.append(theirs[p_b[inside]])
+        b_opts.append(l_order[p_b[inside]])
     a, g, b = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
     m = np.where(b >= 0, state.micro[np.maximum(b, 0)], recv[g])
     # small pay-back: the slots of l that candidates use, each a segment of cumulative sums
     sk = g * M + m
-    seg_keys = np.unique(sk)
-    sid = np.searchsorted(seg_keys, sk)
+    used = np.zeros(P * M, dtype=bool)  # the (pair, slot) keys in use, in order (no sort)
+    used[sk] = True
+    seg_keys = np.flatnonzero(used)
+    sid = (np.cumsum(used) - 1)[sk]
     sl = l[seg_keys // M] * M + seg_keys % M  # the slot of l, as grouped in `order`
     pos, grp = _ranges(starts[sl], starts[sl + 1])
     pay = order[pos]
@@ -179,10 +220,20 @@ def _round(state, h, l, budget, limit, order, starts, large, moved, small, overh
     if state.count is not None:
         feasible &= ((state.count[hl] - 1 + n_all >= state.min_count)
                      & (state.count[ll] + 1 - n_all >= state.min_count))
-    useful = np.minimum(delta, state.load[hl] - budget[hl])
+    useful = np.minimum(delta, excess[hl])
     score = np.where(feasible, useful / (ta + back_tok + overhead), -np.inf)
+    # every candidate, the moves first (as they were tried first)
+    pay_lo = np.concatenate((np.zeros(rest.size, dtype=np.int64), seg_start[sid] + 1))
+    n_back = np.concatenate((np.zeros(rest.size, dtype=np.int64), n_back))
+    a, g, b = np.concatenate((rest, a)), np.concatenate((go, g)), np.concatenate((np.full(rest.size, -1), b))
+    m = np.concatenate((recv[go], m))
+    score = np.concatenate((mv_score, score))
+    delta = np.concatenate((c_mv, delta))
+    has_b = b >= 0
+    ma = state.micro[a]
+    hl, ll = h[g], l[g]
     if not np.isfinite(score).any():
-        return False
+        return h[:0]
     # the best trade of every pair (ties: the first candidate); per over-full rank its best one,
     # and its second best too when the best does not cover its excess and the two share no item
     # and no slot of h; every rank under budget trades once, the most over first
@@ -207,7 +258,7 @@ def _round(state, h, l, budget, limit, order, starts, large, moved, small, overh
     np.minimum.at(taken, lr, np.arange(first.size))
     first = first[taken[lr] == np.arange(first.size)]
     # small pay-back of each chosen trade: positions seg_start + 1 .. + n_back of its segment
-    ppos, pg = _ranges(seg_start[sid[first]] + 1, seg_start[sid[first]] + 1 + n_back[first])
+    ppos, pg = _ranges(pay_lo[first], pay_lo[first] + n_back[first])
     item_at = np.full(key.size, -1, dtype=np.int64)
     item_at[at] = pay
     with_b = np.flatnonzero(has_b[first])
@@ -218,7 +269,7 @@ def _round(state, h, l, budget, limit, order, starts, large, moved, small, overh
     _apply(state, np.concatenate((a[first], back)), to_rank, to_slot)
     moved[a[first]] = True
     moved[back] = True
-    return True
+    return hl[first]
 
 
 def _apply(state: _State, allx, rank, slot) -> None:
