@@ -544,22 +544,26 @@ def test_cap_repair_of_a_large_video_heavy_step_moves_few_items(sync):
 
 # ----------------------------------------------------------------------------- a full cap: only exchanges help
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_full_cap_strongly_quadratic_sends_few_tokens(seed):
-    # fixed-length packs, max_tokens = the pack length: every slot is full, so only exchanges help.
-    # With a strongly quadratic cost (a 2B model at long context) the plan stays within 1% of the
-    # bound and sends at most 10% of the step's tokens to another rank (the repack sent 22-37%)
-    R, M, pack = 64, 4, 32768
+def _full_cap_step(seed, R, M, pack, longest):
+    """Fixed-length packs of a long-tail mix (tails to `longest` tokens) and a strongly quadratic cost (a 2B
+    model at long context), planned at max_tokens = the pack length: every slot is full."""
     rng = np.random.default_rng(seed)
 
     def length():
         L = float(rng.lognormal(np.log(300), 0.9)) + (0.0 if rng.random() < 0.35 else float(
             rng.lognormal(np.log(700 if rng.random() < 0.85 else 5000), 0.6)))
-        return round(min(L, 8192))
+        return round(min(L, longest))
 
     _, tokens, owners, mbs = stream_packed(length, R, M, pack)
     costs = 1.4e-4 * tokens ** 2 + tokens + 64.0
-    plan = plan_step(costs, owners, mbs, R, M, tokens=tokens, max_tokens=pack, min_gain=0.0)
+    return tokens, owners, plan_step(costs, owners, mbs, R, M, tokens=tokens, max_tokens=pack, min_gain=0.0)
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_full_cap_strongly_quadratic_sends_few_tokens(seed):
+    # only exchanges help: the plan stays within 1% of the bound and sends at most 10% of the step's
+    # tokens to another rank (the repack sent 22-37%)
+    R, M, pack = 64, 4, 32768
+    tokens, owners, plan = _full_cap_step(seed, R, M, pack, longest=8192)
     assert plan.applied and plan.makespan_before > 1.05 * plan.lower_bound
     slot = plan.dest_rank * M + plan.dest_micro_batch
     assert np.bincount(slot, weights=tokens, minlength=R * M).max() <= pack
@@ -586,16 +590,7 @@ def test_full_cap_trades_reach_far_items_when_near_ones_fail(seed):
     # in cost to what a rank should shed; ranks that find no trade that way must try all of theirs,
     # or the trades stall and the repack runs (13.8-20.7% of the tokens sent on these seeds)
     R, M, pack = 128, 4, 32768
-    rng = np.random.default_rng(seed)
-
-    def length():
-        L = float(rng.lognormal(np.log(300), 0.9)) + (0.0 if rng.random() < 0.35 else float(
-            rng.lognormal(np.log(700 if rng.random() < 0.85 else 5000), 0.6)))
-        return round(min(L, 16384))
-
-    _, tokens, owners, mbs = stream_packed(length, R, M, pack)
-    costs = 1.4e-4 * tokens ** 2 + tokens + 64.0
-    plan = plan_step(costs, owners, mbs, R, M, tokens=tokens, max_tokens=pack, min_gain=0.0)
+    tokens, owners, plan = _full_cap_step(seed, R, M, pack, longest=16384)
     slot = plan.dest_rank * M + plan.dest_micro_batch
     assert np.bincount(slot, weights=tokens, minlength=R * M).max() <= pack
     assert plan.makespan_after <= 1.01 * plan.lower_bound

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from hf_dp_balance.testing.runs import pack_text
 from hf_dp_balance.testing.spawn import run_ranks
 from hf_dp_balance.integrations.callback import CHECKPOINT_FILE, DPBalanceCallback, resolve_config, summarize_step_stats
 from hf_dp_balance.runtime.loader import StepStats
@@ -74,18 +75,6 @@ class _TextSamples(torch.utils.data.Dataset):
         return self.items[i]
 
 
-def _pack_text(samples):
-    """One packed row: positions restart per sample, each sample's first label masked."""
-    ids, pos, labels = [], [], []
-    for s in samples:
-        x = s["input_ids"].tolist()
-        ids += x
-        pos += list(range(len(x)))
-        labels += [-100] + x[1:]
-    t = lambda v: torch.tensor([v], dtype=torch.long)  # noqa: E731
-    return {"input_ids": t(ids), "position_ids": t(pos), "labels": t(labels)}
-
-
 def _record_segments(model, trainer_ref):
     """Forward pre-hook: (step being computed, first 3 tokens of every packed sample)."""
     seen = []
@@ -114,7 +103,7 @@ def _trainer(out_dir, max_steps, save_steps, cost_model=None, **dp_fields):
     callback = DPBalanceCallback(cost_model=cost_model)
     ref = [None]
     seen = _record_segments(model, ref)
-    trainer = Trainer(model=model, args=args, train_dataset=_TextSamples(96), data_collator=_pack_text,
+    trainer = Trainer(model=model, args=args, train_dataset=_TextSamples(96), data_collator=pack_text,
                       callbacks=[callback])
     ref[0] = trainer
     return trainer, callback, seen
