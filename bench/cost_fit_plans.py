@@ -81,6 +81,21 @@ def makespan(model: CostModel, lengths, dest, ranks) -> float:
     return float(np.bincount(dest, weights=model.sample_costs(lengths), minlength=ranks).max() + model.constant)
 
 
+def cut_sums(rng, mix, ranks: int, truth: CostModel, models: dict, evals: int) -> dict:
+    """Over `evals` held-out steps: name -> [slowest-rank time a plan from that model cuts, the cut a plan
+    from the true costs makes], both priced with the true costs."""
+    cut = {name: [0.0, 0.0] for name in models}
+    for _ in range(evals):
+        lengths, owners = step_items(rng, mix, ranks)
+        base = makespan(truth, lengths, owners, ranks)
+        best = makespan(truth, lengths, plan(truth.sample_costs(lengths), lengths, owners, ranks), ranks)
+        for name, model in models.items():
+            got = makespan(truth, lengths, plan(model.sample_costs(lengths), lengths, owners, ranks), ranks)
+            cut[name][0] += base - got
+            cut[name][1] += base - best
+    return cut
+
+
 def warmup(rng, mix, ranks, steps, truth, prior, noise):
     """Features [steps, ranks, 4] and step times of warm-up steps placed as the runtime places them."""
     feats, times = [], []
@@ -126,15 +141,7 @@ def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed) -> dict:
     for d in range(draws):
         rng = np.random.default_rng([seed, ranks, steps, d])
         models = fitted_models(rng, mix, ranks, steps, truth, prior, noise)
-        cut = {name: [0.0, 0.0] for name in models}
-        for _ in range(evals):
-            lengths, owners = step_items(rng, mix, ranks)
-            base = makespan(truth, lengths, owners, ranks)
-            best = makespan(truth, lengths, plan(truth.sample_costs(lengths), lengths, owners, ranks), ranks)
-            for name, model in models.items():
-                got = makespan(truth, lengths, plan(model.sample_costs(lengths), lengths, owners, ranks), ranks)
-                cut[name][0] += base - got
-                cut[name][1] += base - best
+        cut = cut_sums(rng, mix, ranks, truth, models, evals)
         singles = truncate(draw_mix(mix, 4000, rng), PACK).tokens
         singles = singles[singles > 0]
         true_cost = truth.sample_costs(singles)
@@ -188,15 +195,7 @@ def sensitivity(ranks: int = 32, evals: int = 8, seed: int = 1) -> dict:
     out = {}
     for label, mix in MIXES.items():
         rng = np.random.default_rng(seed)
-        cut = {k: [0.0, 0.0] for k in variants}
-        for _ in range(evals):
-            lengths, owners = step_items(rng, mix, ranks)
-            base = makespan(truth, lengths, owners, ranks)
-            best = makespan(truth, lengths, plan(truth.sample_costs(lengths), lengths, owners, ranks), ranks)
-            for k, model in variants.items():
-                got = makespan(truth, lengths, plan(model.sample_costs(lengths), lengths, owners, ranks), ranks)
-                cut[k][0] += base - got
-                cut[k][1] += base - best
+        cut = cut_sums(rng, mix, ranks, truth, variants, evals)
         out[label] = {k: a / b for k, (a, b) in cut.items()}
     return out
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dp_balance.testing.runs import pack_text
+from hf_dp_balance.testing.runs import TextSamples, pack_text
 from hf_dp_balance.testing.spawn import run_ranks
 from hf_dp_balance.integrations.callback import CHECKPOINT_FILE, DPBalanceCallback, resolve_config, summarize_step_stats
 from hf_dp_balance.runtime.loader import StepStats
@@ -56,25 +56,6 @@ def test_config_precedence(monkeypatch):
 # --------------------------------------------------------------------------- Trainer on 2 gloo ranks
 
 
-class _TextSamples(torch.utils.data.Dataset):
-    """Unique text samples with long-tail lengths: tokens 1-2 encode the index."""
-
-    def __init__(self, n: int, seed: int = 0):
-        rng = np.random.default_rng(seed)
-        lengths = np.clip(rng.lognormal(np.log(48), 1.0, size=n), 8, 400).astype(int)
-        self.items = []
-        for i, length in enumerate(lengths):
-            body = rng.integers(11, 512, size=int(length) - 3).tolist()
-            ids = torch.tensor([2, 11 + i % 400, 11 + i // 400] + body)
-            self.items.append({"input_ids": ids, "labels": ids.clone()})
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-
 def _record_segments(model, trainer_ref):
     """Forward pre-hook: (step being computed, first 3 tokens of every packed sample)."""
     seen = []
@@ -103,7 +84,7 @@ def _trainer(out_dir, max_steps, save_steps, cost_model=None, **dp_fields):
     callback = DPBalanceCallback(cost_model=cost_model)
     ref = [None]
     seen = _record_segments(model, ref)
-    trainer = Trainer(model=model, args=args, train_dataset=_TextSamples(96), data_collator=pack_text,
+    trainer = Trainer(model=model, args=args, train_dataset=TextSamples(96), data_collator=pack_text,
                       callbacks=[callback])
     ref[0] = trainer
     return trainer, callback, seen
