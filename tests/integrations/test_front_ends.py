@@ -98,6 +98,33 @@ def test_dpbalancer_with_an_explicit_group_and_a_plain_dataloader_shards_by_dp_i
     assert out[0]["moved"] > 0
 
 
+def _trainer_tp_added_late(rank, world, out_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from hf_dp_balance.testing.runs import text_trainer
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    cb = DPBalanceCallback(_config(), cost_model=_cost_model(), data_parallel_group=mesh["dp"])
+    trainer, seen = text_trainer(os.path.join(out_dir, "late"), max_steps=4, n=64, callback=cb, add="add_callback")
+    try:
+        trainer.train()
+    except ValueError as exc:
+        return {"error": str(exc), "forwards": len(seen)}
+    return {"error": None, "forwards": len(seen)}
+
+
+def test_an_explicit_group_with_a_callback_added_after_init_is_refused_before_any_step(tmp_path):
+    # Trainer shards its loader by process before any event reaches a late callback: tp peers would train
+    # different samples, so every rank refuses at train begin, naming the way out
+    out = run_ranks(_trainer_tp_added_late, 4, str(tmp_path), timeout=300, pg_timeout_s=90)
+    for o in out:
+        assert o["error"] is not None and "add_callback" in o["error"] and "callbacks=" in o["error"], o
+        assert "sharded over 4 processes" in o["error"] and "has 2" in o["error"], o["error"]
+        assert o["forwards"] == 0
+
+
 # --------------------------------------------------------------------------- add_callback == callbacks=
 
 
