@@ -7,8 +7,9 @@ at a fixed throughput (`cost_fit_synthetic.true_model`: a per-sample cost of 0.1
 constant of 5%) with the attention term off the prior's: "prior right", "prior 2x low" (attention takes 2x its
 FLOP share), "prior 2x high" (half), and "held out": quadratic x1.7, linear x0.6, per sample x1.3 (q/l 2.8x off).
 Warm-up steps are placed as the runtime places them: with a prior, `core.hedge.probe_plan` (the function
-`runtime.step_plan` calls: token-balanced on even steps, the plan for 3x the prior's attention share on odd
-ones when it holds up as well; cap 1.2x the mean tokens); without one, the packs as they come.
+`runtime.step_plan` calls: in turn the token-balanced plan, the plan for 3x the prior's attention share, the
+token-balanced plan, the prior's plan, each when it holds up as well as the token-balanced one; cap 1.2x the
+mean tokens); without one, the packs as they come.
 
 Fits, side by side on the same warm-up steps:
   soft-max, no prior   the step time fitted to the soft-max of the rank costs, four free coefficients

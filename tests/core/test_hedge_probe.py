@@ -44,7 +44,7 @@ def test_every_warm_up_placement_bounds_the_hull_as_well_as_the_token_plan(seed,
     owners, micro = rng.integers(0, ranks, n), rng.integers(0, num_micro, n)
     plan = _planner(lengths, owners, micro, ranks, num_micro, sync)
     rank, mb, which, score = probe_plan(plan, prior, lengths, step, ranks, num_micro, sync)
-    assert which in PROBES and (step % 2 == 1 or which == "tokens")
+    assert which in PROBES and (step % 2 == 1 or which == "tokens")  # even steps: the token-balanced plan
     hypotheses = probe_hypotheses(prior, lengths)
     assert worst_excess(hypotheses, rank, mb, ranks, num_micro, sync) == pytest.approx(score)
     token_plan = plan(lengths.astype(float))
@@ -55,18 +55,18 @@ def test_every_warm_up_placement_bounds_the_hull_as_well_as_the_token_plan(seed,
         assert step_imbalance(slot_loads(mix, rank, mb, ranks, num_micro), sync) <= score + 1e-9
 
 
-def test_even_steps_are_token_balanced_odd_ones_probe_a_heavier_attention_share():
+def test_warm_up_steps_cycle_through_the_tokens_a_heavier_attention_share_and_the_prior():
     rng = np.random.default_rng(0)
     lengths = np.minimum(np.round(rng.lognormal(6.0, 1.0, 48)).astype(np.int64) + 1, 4096)
     prior = 1e-3 * lengths.astype(float) ** 2 + lengths
     owners, micro = np.arange(48) % 4, np.zeros(48, dtype=np.int64)
     plan = _planner(lengths, owners, micro, 4, 1, max_tokens=int(1.2 * lengths.sum() / 4))
-    even, odd = probe_plan(plan, prior, lengths, 0, 4, 1), probe_plan(plan, prior, lengths, 1, 4, 1)
-    assert even[2] == "tokens" and odd[2] == "extrapolated"
-    assert np.array_equal(even[0], plan(lengths.astype(float))[0])
-    heavy = extrapolate(prior, lengths, PROBE_FACTOR)
-    assert np.array_equal(odd[0], plan(heavy)[0])
-    assert not np.array_equal(odd[0], even[0])
+    placed = [probe_plan(plan, prior, lengths, step, 4, 1) for step in range(8)]
+    assert [p[2] for p in placed] == ["tokens", "extrapolated", "tokens", "prior"] * 2
+    assert np.array_equal(placed[0][0], plan(lengths.astype(float))[0])
+    assert np.array_equal(placed[1][0], plan(extrapolate(prior, lengths, PROBE_FACTOR))[0])
+    assert np.array_equal(placed[3][0], plan(prior / prior.sum())[0])
+    assert len({placed[k][0].tobytes() for k in (0, 1, 3)}) == 3  # three different placements
 
 
 def test_a_probe_worse_than_the_token_plan_over_the_hull_is_not_kept():
@@ -130,9 +130,12 @@ def _probe(plan_costs, prior_costs, tokens, owners, step):
     return probe_plan(plan_costs, prior_costs, tokens, step, 32, 1)[0]
 
 
-@pytest.mark.parametrize("mix", ["qwen2vl-sft-bounded", "qwen2vl-sft"])
-def test_8_warm_up_steps_at_32_ranks_correct_a_prior_whose_attention_is_2x_low(mix):
-    # Before (the hedged plan of the prior, balanced under it, on every warm-up step): fitted / true ratio
-    # 0.44-0.66 (bounded images) and 0.58-0.88 (video) over 4 seeds; the probe: 0.96-1.09 and 0.80-1.00.
-    off = [abs(np.log(_warm_up_fit(_probe, mix, 2.0, seed))) for seed in range(3)]
-    assert np.median(off) < np.log(1.2), np.exp(off)
+@pytest.mark.parametrize("attention_factor", [2.0, 0.5])
+def test_12_warm_up_steps_at_32_ranks_correct_a_prior_whose_attention_is_2x_off(attention_factor):
+    # Images bounded at 8K tokens: the slowest rank of a plan balanced under the prior looks alike on every
+    # step. Before (the hedged plan of the prior, `core.hedge.hedged_plan`, on every warm-up step): fitted /
+    # true ratio 0.50-0.91 (prior 2x low) and 1.56-1.97 (2x high) over 5 seeds; the probe: 0.72-0.94 and
+    # 1.23-1.39.
+    off = [abs(np.log(_warm_up_fit(_probe, "qwen2vl-sft-bounded", attention_factor, seed, steps=12)))
+           for seed in range(3)]
+    assert np.median(off) < np.log(1.3), np.exp(off)
