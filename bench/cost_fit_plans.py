@@ -27,6 +27,7 @@ summed over the evaluation steps) and the single-sample cost MAPE over samples o
 
     python bench/cost_fit_plans.py          # 12 warm-up steps, 3 draws, 3 evaluation steps
     python bench/cost_fit_plans.py --full   # 8 and 16 warm-up steps, 8 draws
+    python bench/cost_fit_plans.py --ranks 32 128 --truths "prior 2x low" "prior 2x high" --steps 8 16 --draws 8
     python bench/cost_fit_plans.py --sensitivity  # the cut from the true costs with one term perturbed
 """
 
