@@ -130,5 +130,5 @@ def probe_plan(plan_costs: Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]
     return token_plan[0], token_plan[1], PROBES[0], token_score
 
 
-__all__ = ["CANDIDATES", "PROBES", "PROBE_CYCLE", "PROBE_FACTOR", "blend", "extrapolate", "hedged_choice", "hedged_plan",
-           "probe_hypotheses", "probe_plan", "worst_excess"]
+__all__ = ["CANDIDATES", "PROBES", "PROBE_CYCLE", "PROBE_FACTOR", "blend", "extrapolate", "hedged_choice",
+           "hedged_plan", "probe_hypotheses", "probe_plan", "worst_excess"]

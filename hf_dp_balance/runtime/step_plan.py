@@ -29,8 +29,8 @@ def plan_work(work: StepWork, balance: bool, speeds: np.ndarray, world: int, con
     `hedge`: the costs are a FLOP prior's (`BalancedLoader.set_cost_model(prior=True)`, the warm-up before
     the first fit): the placement is `core.hedge.probe_plan`'s for the step (in turn token-balanced, the plan
     for a heavier attention share, token-balanced, the prior's plan, each when it holds up as well as the
-    token-balanced one: the fit then sees slowest ranks of different shapes; one or two planner calls). `failure` is the planner's error message, else None (`agree_plan`
-    then makes every rank fall back together).
+    token-balanced one: the fit then sees slowest ranks of different shapes; one or two planner calls).
+    `failure` is the planner's error message, else None (`agree_plan` then makes every rank fall back together).
     """
     rows, num_micro = work.rows, work.num_micro
     owners, micro, cap = work.start_rank, work.start_micro, work.cap
