@@ -6,24 +6,28 @@ multiplicative rank noise, only the slowest rank's time observed per step. The t
 at a fixed throughput (`cost_fit_synthetic.true_model`: a per-sample cost of 0.1% of a pack and a per-step
 constant of 5%) with the attention term off the prior's: "prior right", "prior 2x low" (attention takes 2x its
 FLOP share), "prior 2x high" (half), and "held out": quadratic x1.7, linear x0.6, per sample x1.3 (q/l 2.8x off).
-Warm-up steps are placed as the runtime places them: with a prior, the hedged FLOP-prior plan
-(`core.hedge.hedged_plan`, cap 1.2x the mean tokens); without one, the packs as they come.
+Warm-up steps are placed as the runtime places them: with a prior, `core.hedge.probe_plan` (the function
+`runtime.step_plan` calls: in turn the token-balanced plan, the plan for 3x the prior's attention share, the
+token-balanced plan, the prior's plan, each when it holds up as well as the token-balanced one; cap 1.2x the
+mean tokens); without one, the packs as they come.
 
 Fits, side by side on the same warm-up steps:
   soft-max, no prior   the step time fitted to the soft-max of the rank costs, four free coefficients
                        (`step_noise=False`: this project's old fit, close to the published system's soft-max
                        fit, whose code is not in apps/reference.py)
-  none                 the noise-aware fit (`fit_cost_model(mode="step_max")`), no prior
-  prior, penalty rows  the noise-aware fit holding the prior's shape with penalty rows (the previous fit)
-  prior                the noise-aware fit with the prior as a distribution (`core.fitting.shape_prior`)
-  prior, packs         the same fit on warm-up steps left as packs (as the prior-free fits see them): how much
-                       the hedged warm-up placement costs the fit in information
+  no prior             the noise-aware fit (`fit_cost_model(mode="step_max")`) without a prior
+  prior, hedged        the noise-aware fit with the prior on warm-up steps placed by `core.hedge.hedged_plan`
+                       (the previous warm-up: the plan that holds up best under the prior and the tokens)
+  prior                the noise-aware fit with the prior as a distribution (`core.fitting.shape_prior`), on
+                       the runtime's warm-up placement (`probe_plan`)
+  prior, packs         the same fit on warm-up steps left as packs (as the prior-free fits see them)
 Measures on held-out steps of the same mix: the share of the reachable cut (makespan of the packs minus that of
 the plan made from the fitted model, both on the TRUE costs, over the same for the plan made from the true costs;
 summed over the evaluation steps) and the single-sample cost MAPE over samples of the mix; medians of draws.
 
     python bench/cost_fit_plans.py          # 12 warm-up steps, 3 draws, 3 evaluation steps
     python bench/cost_fit_plans.py --full   # 8 and 16 warm-up steps, 8 draws
+    python bench/cost_fit_plans.py --ranks 32 128 --truths "prior 2x low" "prior 2x high" --steps 8 16 --draws 8
     python bench/cost_fit_plans.py --sensitivity  # the cut from the true costs with one term perturbed
 """
 
@@ -37,9 +41,8 @@ import numpy as np
 from cost_fit_synthetic import qwen2_7b_prior, true_model  # bench/ (run as a script: its folder is on sys.path)
 from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
 from hf_dp_balance.core.cost import CostModel, features_of
-from hf_dp_balance.core.fit_solvers import column_scale, fit_step_max_noisy
-from hf_dp_balance.core.fitting import STEP_MAX_PRIOR_STRENGTH, fit_cost_model, prior_penalty
-from hf_dp_balance.core.hedge import hedged_plan
+from hf_dp_balance.core.fitting import fit_cost_model
+from hf_dp_balance.core.hedge import hedged_plan, probe_plan
 from hf_dp_balance.core.planner.api import plan_step
 from hf_dp_balance.core.steps import token_cap
 
@@ -47,7 +50,7 @@ PACK = 16384
 MIXES = {"long-tail text": "text-sft", "video, long tail": "qwen2vl-sft", "bounded images": "qwen2vl-sft-bounded"}
 TRUTHS = {"prior right": (1.0, 1.0, 1.0), "prior 2x low": (2.0, 1.0, 1.0), "prior 2x high": (0.5, 1.0, 1.0),
           "held out": (1.7, 0.6, 1.3)}  # truth's (quadratic, linear, per sample) over true_model's
-FITS = ("soft-max, no prior", "none", "prior, penalty rows", "prior", "prior, packs")
+FITS = ("soft-max, no prior", "no prior", "prior, hedged", "prior", "prior, packs")
 
 
 def truth_of(prior: CostModel, factors) -> CostModel:
@@ -96,41 +99,43 @@ def cut_sums(rng, mix, ranks: int, truth: CostModel, models: dict, evals: int) -
     return cut
 
 
-def warmup(rng, mix, ranks, steps, truth, prior, noise):
-    """Features [steps, ranks, 4] and step times of warm-up steps placed as the runtime places them."""
+def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe"):
+    """Features [steps, ranks, 4] and step times of warm-up steps placed as the runtime places them
+    (`placement` "probe"; "hedged": the previous warm-up; without a prior the packs as they come)."""
     feats, times = [], []
-    for _ in range(steps):
+    for step in range(steps):
         lengths, owners = step_items(rng, mix, ranks)
         dest = owners
-        if prior is not None:
-            dest = hedged_plan(lambda c: (plan(c, lengths, owners, ranks), np.zeros_like(owners)),
-                               prior.sample_costs(lengths), lengths.astype(float), owners, np.zeros_like(owners),
-                               ranks, 1)[0]
+        zeros = np.zeros_like(owners)
+
+        def plan_costs(costs):
+            return plan(costs, lengths, owners, ranks), zeros
+
+        if prior is not None and placement == "probe":
+            dest = probe_plan(plan_costs, prior.sample_costs(lengths), lengths.astype(float), step, ranks, 1)[0]
+        elif prior is not None:
+            dest = hedged_plan(plan_costs, prior.sample_costs(lengths), lengths.astype(float), owners, zeros, ranks,
+                               1)[0]
         f = np.stack([features_of(lengths[dest == r]) for r in range(ranks)])
         feats.append(f)
         times.append(float((truth.predict(f) * rng.lognormal(0.0, noise, ranks)).max()))
     return np.stack(feats), np.array(times)
 
 
-def penalty_rows_fit(feats, times, prior) -> CostModel:
-    """The previous noise-aware fit: the prior held by penalty rows at STEP_MAX_PRIOR_STRENGTH."""
-    scale = column_scale(feats)
-    penalty = prior_penalty(prior, feats, times, scale, STEP_MAX_PRIOR_STRENGTH)
-    theta, _, _ = fit_step_max_noisy(feats / scale, times, True, None, penalty)
-    return CostModel(*(np.maximum(theta, 0.0) / scale).tolist())
-
-
 def fitted_models(rng, mix, ranks, steps, truth, prior, noise) -> dict:
-    """fit name -> model; the prior-free fits see the packs as they come, the others the hedged warm-up."""
+    """fit name -> model; the prior-free fits see the packs as they come, the others the runtime's warm-up
+    placement (and the previous, hedged one)."""
     state = rng.bit_generator.state
     feats, times = warmup(rng, mix, ranks, steps, truth, None, noise)
     rng.bit_generator.state = state  # the same samples and noise, placed by the hedge
-    hfeats, htimes = warmup(rng, mix, ranks, steps, truth, prior, noise)
+    hfeats, htimes = warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged")
+    rng.bit_generator.state = state  # and by the runtime's probe
+    pfeats, ptimes = warmup(rng, mix, ranks, steps, truth, prior, noise)
     return {
         "soft-max, no prior": fit_cost_model(feats, times, mode="step_max", holdout=0, step_noise=False).model,
-        "none": fit_cost_model(feats, times, mode="step_max", holdout=0).model,
-        "prior, penalty rows": penalty_rows_fit(hfeats, htimes, prior),
-        "prior": fit_cost_model(hfeats, htimes, mode="step_max", holdout=0, prior=prior).model,
+        "no prior": fit_cost_model(feats, times, mode="step_max", holdout=0).model,
+        "prior, hedged": fit_cost_model(hfeats, htimes, mode="step_max", holdout=0, prior=prior).model,
+        "prior": fit_cost_model(pfeats, ptimes, mode="step_max", holdout=0, prior=prior).model,
         "prior, packs": fit_cost_model(feats, times, mode="step_max", holdout=0, prior=prior).model,
     }
 
@@ -206,6 +211,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draws", type=int, default=None)
     parser.add_argument("--ranks", type=int, nargs="*", default=[8, 32, 128])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, nargs="*", default=None, help="warm-up steps (default 12; --full: 8 16)")
+    parser.add_argument("--truths", nargs="*", default=None, choices=list(TRUTHS), help="default: all")
     parser.add_argument("--sensitivity", action="store_true",
                         help="only: the cut reached with the true costs, one term perturbed (32 ranks, 8 steps)")
     args = parser.parse_args(argv)
@@ -214,9 +221,10 @@ def main(argv=None) -> int:
             print(f"  {mix:16s} " + "  ".join(f"{k} {100 * v:5.1f}%" for k, v in row.items()))
         return 0
     start = time.process_time()
-    steps = (8, 16) if args.full else (12,)
+    steps = tuple(args.steps) if args.steps else (8, 16) if args.full else (12,)
     draws = args.draws or (8 if args.full else 3)
-    results = run(tuple(args.ranks), steps, draws, 6 if args.full else 3, seed=args.seed)
+    truths = {k: TRUTHS[k] for k in args.truths} if args.truths else None
+    results = run(tuple(args.ranks), steps, draws, 6 if args.full else 3, seed=args.seed, truths=truths)
     print_results(results)
     print(f"\n  {time.process_time() - start:.0f} s CPU")
     return 0

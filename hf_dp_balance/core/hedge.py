@@ -11,6 +11,17 @@ placement's makespan over the ideal is at most 1 + its score (that ratio is quas
 the hypotheses, so its largest value is at a hypothesis itself), and its score is at most every other
 candidate's: the token-balanced plan, the loader's stand-in for fixed-length packing, among them.
 Cost: O(hypotheses x candidates x samples).
+
+Warm-up steps are placed by `probe_plan` instead: the step-time fit only sees the slowest rank, and a plan
+balanced under the prior makes that rank's work look alike on every step (or a long indivisible sample
+pins it), which leaves the attention term to the prior. The steps cycle through plans for three shapes of
+cost (`PROBE_CYCLE`): the tokens (the slowest rank is then the one with the most attention work at equal
+tokens), `PROBE_FACTOR` times the prior's excess cost per token over the tokens (`extrapolate`), and the
+prior; under the true cost the slowest rank has a different composition in each. Guarantee: every warm-up
+placement's worst excess over `probe_hypotheses` (the tokens, the prior, the extrapolated costs) is at most
+the token-balanced plan's, so for every cost in that wider hull (attention from none up to PROBE_FACTOR
+times the prior's share over the tokens) it is no worse than fixed-length packing's stand-in. Measured:
+bench/cost_fit_plans.py (docs/benchmarks/cost_fit.md, run 9).
 """
 
 from __future__ import annotations
@@ -66,4 +77,58 @@ def hedged_plan(plan_costs: Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]
     return candidates[best][0], candidates[best][1], CANDIDATES[best], scores
 
 
-__all__ = ["CANDIDATES", "blend", "hedged_choice", "hedged_plan", "worst_excess"]
+# The probe's heavy hypothesis: the prior's excess cost per token over the tokens, times this (3 covers a
+# prior 2x low with room; the tokens bound the other side).
+PROBE_FACTOR = 3.0
+# Warm-up step s is planned for `extrapolate(prior, tokens, PROBE_CYCLE[s % 4])`: 0 the tokens, 1 the prior.
+# Measured (bench/cost_fit_plans.py, 32 / 128 ranks, prior 2x off, 12 steps, 5 draws): tokens / heavy
+# alternating left 3 of 12 cells under 94% of the cut; with the prior's plan every fourth step, 1.
+PROBE_CYCLE = (0.0, PROBE_FACTOR, 0.0, 1.0)
+
+
+def extrapolate(prior_costs: np.ndarray, tokens: np.ndarray, factor: float) -> np.ndarray:
+    """[n] costs t + factor * (p - t), p and t the prior's costs and the tokens each scaled to sum 1: factor 0
+    is the tokens, 1 the prior, > 1 a cost whose non-linear part (attention, vision) weighs `factor` times the
+    prior's against the tokens. Floored at 1e-3 of the tokens' share (short samples never cost nothing)."""
+    p = np.asarray(prior_costs, dtype=np.float64)
+    t = np.asarray(tokens, dtype=np.float64)
+    p = p / p.sum() if p.sum() > 0 else p
+    t = t / t.sum() if t.sum() > 0 else t
+    return np.maximum(t + factor * (p - t), 1e-3 * t)
+
+
+def probe_hypotheses(prior_costs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """[3, n]: the prior's costs, the tokens, and the prior extrapolated by PROBE_FACTOR."""
+    prior = np.asarray(prior_costs, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    return np.stack([prior, tokens, extrapolate(prior, tokens, PROBE_FACTOR)])
+
+
+PROBES = ("tokens", "prior", "extrapolated")
+
+
+def probe_plan(plan_costs: Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]], prior_costs: np.ndarray,
+               tokens: np.ndarray, step: int, num_ranks: int, num_micro: int, sync: str = "step",
+               speeds: Optional[np.ndarray] = None):
+    """(dest_rank, dest_micro, which, score): warm-up step `step`'s placement (see the module's docstring).
+
+    The step's factor in `PROBE_CYCLE`: 0, the token-balanced plan; else the plan for `extrapolate(...,
+    factor)`, kept when its `worst_excess` over `probe_hypotheses` is at most the token-balanced plan's, else
+    that plan. `which` names the kept one (`PROBES`: factor 0, 1, other), `score` its worst excess. One planner
+    call for the tokens, one more for another factor.
+    """
+    hypotheses = probe_hypotheses(prior_costs, tokens)
+    token_plan = plan_costs(hypotheses[1])
+    token_score = worst_excess(hypotheses, *token_plan, num_ranks, num_micro, sync, speeds)
+    factor = float(PROBE_CYCLE[step % len(PROBE_CYCLE)])
+    if factor == 0.0:
+        return token_plan[0], token_plan[1], PROBES[0], token_score
+    probe = plan_costs(extrapolate(prior_costs, tokens, factor))
+    score = worst_excess(hypotheses, *probe, num_ranks, num_micro, sync, speeds)
+    if score <= token_score:
+        return probe[0], probe[1], PROBES[1 if factor == 1.0 else 2], score
+    return token_plan[0], token_plan[1], PROBES[0], token_score
+
+
+__all__ = ["CANDIDATES", "PROBES", "PROBE_CYCLE", "PROBE_FACTOR", "blend", "extrapolate", "hedged_choice",
+           "hedged_plan", "probe_hypotheses", "probe_plan", "worst_excess"]

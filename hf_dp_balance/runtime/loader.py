@@ -133,8 +133,9 @@ class BalancedLoader:
         """Plan the steps prepared from now on with `cost_model.sample_costs(tokens)` per sample, plus
         `vision`'s cost of the sample's images when given (see `planning_costs`: give it when the vision
         tower is not balanced on its own). None as `cost_model` switches planning off. `prior`: the models
-        are a FLOP prior, not fitted to this machine: each step keeps the plan that holds up under both the
-        prior and the tokens (`core.hedge.hedged_plan`; never worse than the token-balanced plan there).
+        are a FLOP prior, not fitted to this machine (the warm-up): each step gets `core.hedge.probe_plan`'s
+        placement (token-balanced, or one that tells the fit how heavy attention is; never worse than the
+        token-balanced plan under the tokens, the prior and a 3x heavier attention share).
 
         Every rank must make the same calls in the same order (the callback does: one broadcast fit):
         a step is balanced only when every rank costed its rows with the same call's models."""
