@@ -70,5 +70,4 @@ def test_ranks_holding_two_long_samples_shed_them_where_trades_for_small_change_
     _ladder_trades(state, budget, 0.005)
     _check(before, state, pack)
     lb = float(budget[0])
-    print(before.load.max() / lb, small_change.load.max() / lb, state.load.max() / lb)
     assert state.load.max() / lb < 1.0 + 0.5 * (small_change.load.max() / lb - 1.0)

@@ -148,7 +148,9 @@ def _round(state, h, l, budget, limit, order, starts, CT, CC, slot_items, stale,
     # the pay-back: a ladder prefix that frees the tokens a needs in (l, m), fits a's slot on h,
     # and costs about what evens h and l (no less than leaves h at its budget)
     lo_tok = CT[base] + np.maximum(ta - (cap - flat_tok[dst]), 0.0)
-    hi_tok = CT[base] + ta + (cap - flat_tok[src])
+    # h's whole room: the pay-back fills a's slot first, then h's other slots (a new micro-batch on
+    # the same rank sends nothing); `_place_back` checks that the items fit
+    hi_tok = CT[base] + ta + (cap * M - state.slot_tok[hl].sum(axis=1))
     j_lo = np.searchsorted(CT, lo_tok, side="left")
     j_hi = np.minimum(np.searchsorted(CT, hi_tok, side="right") - 1, end)
     excess = state.load[hl] - budget[hl]
@@ -189,14 +191,15 @@ def _round(state, h, l, budget, limit, order, starts, CT, CC, slot_items, stale,
     chosen = chosen[taken[ll[chosen]] == np.arange(chosen.size)]
     # a's slot, if it is also some chosen trade's pay-back slot (h under and over in one round cannot
     # happen: h is over, l under), is fine; apply: a -> (l, m), the ladder prefix -> (h, ma)
-    size = n_back[chosen]
-    first = np.cumsum(size) - size
-    back_pos = np.arange(int(size.sum())) - np.repeat(first, size) + np.repeat(base[chosen], size)
-    back = order[back_pos]
-    of = np.repeat(np.arange(chosen.size), size)
-    items = np.concatenate((a[chosen], back))
-    to_rank = np.concatenate((ll[chosen], hl[chosen][of]))
-    to_slot = np.concatenate((m[chosen], ma[chosen][of]))
+    a_c, l_c, m_c, h_c, ma_c = a[chosen], ll[chosen], m[chosen], hl[chosen], ma[chosen]
+    back, to_slot_back, ok = _place_back(state, order, base[chosen], n_back[chosen], h_c, ma_c, ta[chosen])
+    a_c, l_c, m_c = a_c[ok], l_c[ok], m_c[ok]
+    of = np.repeat(np.arange(ok.size), n_back[chosen])
+    keep = ok[of]
+    back, to_slot_back, of = back[keep], to_slot_back[keep], of[keep]
+    items = np.concatenate((a_c, back))
+    to_rank = np.concatenate((l_c, h_c[of]))
+    to_slot = np.concatenate((m_c, to_slot_back))
     from_slot = state.dest[items] * M + state.micro[items]
     _apply(state, items, to_rank, to_slot)
     slot_items += (np.bincount(to_rank * M + to_slot, minlength=slot_items.size)
@@ -204,6 +207,39 @@ def _round(state, h, l, budget, limit, order, starts, CT, CC, slot_items, stale,
     stale[from_slot] = True
     moved[items] = True
     return True
+
+
+def _place_back(state, order, base, n_back, h, ma, ta):
+    """(items, their slots on h, trade ok) of the pay-backs: ladder positions base .. base + n_back of
+    every trade, each into a's slot ma while it has room (a's tokens freed it), else h's roomiest slot;
+    a trade whose pay-back does not fit is not ok (its items are returned, not to be moved)."""
+    cap = state.cap
+    size = n_back
+    first = np.cumsum(size) - size
+    pos = np.arange(int(size.sum())) - np.repeat(first, size) + np.repeat(base, size)
+    back = order[pos]
+    to = np.repeat(ma, size)
+    ok = np.ones(h.size, dtype=bool)
+    if back.size == 0:
+        return back, to, ok
+    room_ma = cap - state.slot_tok[h, ma] + ta
+    cum = np.cumsum(state.tokens[back])
+    cum -= np.repeat(np.concatenate(([0.0], cum))[first], size)  # within each trade
+    spills = np.zeros(h.size, dtype=bool)
+    spills[np.repeat(np.arange(h.size), size)[cum > np.repeat(room_ma, size)]] = True
+    for t in np.flatnonzero(spills):
+        # the rest goes to h's other slots, roomiest first (few trades: a Python loop over their items)
+        room = cap - state.slot_tok[h[t]].astype(np.float64)
+        room[ma[t]] += ta[t]
+        for p in range(first[t], first[t] + size[t]):
+            tk = state.tokens[back[p]]
+            s = int(ma[t]) if room[ma[t]] >= tk else int(np.argmax(room))
+            if room[s] < tk:
+                ok[t] = False
+                break
+            room[s] -= tk
+            to[p] = s
+    return back, to, ok
 
 
 def _apply(state: _State, items, rank, slot) -> None:
