@@ -71,3 +71,21 @@ def test_ranks_holding_two_long_samples_shed_them_where_trades_for_small_change_
     _check(before, state, pack)
     lb = float(budget[0])
     assert state.load.max() / lb < 1.0 + 0.5 * (small_change.load.max() / lb - 1.0)
+
+
+@pytest.mark.parametrize("M, most_sent", [(4, 0.35), (8, 0.16)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_full_cap_long_tails_strongly_quadratic_plan_within_the_bound_sending_a_fraction(seed, M, most_sent):
+    # 32K packs with 1% of samples at 16K-32K, strongly quadratic cost, max_tokens = the pack length: the
+    # repack sent 54-83% (M=4) and 28-89% (M=8) of the step's tokens to another rank on these seeds
+    from hf_dp_balance.core.planner import plan_step
+
+    R, pack = 64, 32768
+    tokens, owners, mbs = _long_tail(seed, R, M, pack)
+    costs = 1.4e-4 * tokens ** 2 + tokens + 64.0
+    plan = plan_step(costs, owners, mbs, R, M, tokens=tokens, max_tokens=pack, min_gain=0.0)
+    slot = plan.dest_rank * M + plan.dest_micro_batch
+    assert np.bincount(slot, weights=tokens, minlength=R * M).max() <= pack
+    assert np.all(np.bincount(slot, minlength=R * M) > 0)
+    assert plan.makespan_after <= 1.01 * plan.lower_bound
+    assert tokens[plan.dest_rank != owners].sum() <= most_sent * tokens.sum()

@@ -6,10 +6,14 @@ anywhere. A long sample costs more per token than the short ones, so sending it 
 and taking back the same tokens of that slot's cheapest-per-token items sheds most of its cost
 while every slot keeps its tokens. Each slot's items, cheapest per token first, form a "ladder":
 its prefix sums say, for any tokens to free, the fewest items that free them and what they cost,
-so every option is one binary search (no Python loop over items).
+so every option is one binary search (no Python loop over items). A new micro-batch on the same
+rank sends nothing, so a rank's whole token room counts: what the receiving slot cannot hold moves
+to the rank's other slots, and the pay-back fills the sender's other slots.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -25,27 +29,32 @@ _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token 
 _DENSITY_BINS = 1 << 16  # cost per token is ordered on this many log-spaced bins (a radix sort)
 
 
-def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS) -> bool:
+def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS,
+                   min_rate: float = _MIN_RATE) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
     A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
-    to a slot (l, m) of a rank l under its budget, and brings back to a's slot on h a prefix of
-    the ladder of (l, m): its original items, cheapest per token first. The prefix is the
-    shortest one that (i) frees the tokens a needs in (l, m), and (ii) costs enough that l stays
-    within budget x (1 + tolerance / 2); it must fit a's slot on h (tokens at most a's plus that
-    slot's room) and take less cost than a brings. A slot gives back once (its ladder is then
-    stale); a slot any item left is no ladder any more.
+    to a slot (l, m) of a rank l under its budget, alone or in place of a large item `b` of that
+    slot (b goes to a's slot), and (l, m) frees what a needs with a prefix of its ladder (its
+    original items, cheapest per token first): the first ones move to l's other slots while they
+    hold them, the rest go back to h (a's slot, then h's other slots). The prefix costs what h
+    should shed as far as l can take it (l within budget x (1 + tolerance / 2)); where h's room
+    allows no more pay-back, l may end over its limit if both end under h's load before. A slot
+    gives back once (its ladder is then stale); an item moves once.
 
     Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under budget each
     (furthest under first, the partners shifting every round), tries h's _CHOICES large items
     with the most cost above their tokens at the cheapest density, into every slot of each
-    partner, and keeps per h the trade with the most load taken off h (no more than its excess)
-    per token sent (+ cap x _OVERHEAD); each partner takes at most one trade per round.
+    partner and in place of the _CHOICES large items of the partner nearest in cost to what a
+    should leave behind, and keeps per h the trade with the most load taken off h (down to its
+    budget, and to no less than l's load after) per token sent (+ cap x _OVERHEAD), if that is
+    at least `min_rate` x the mean cost per token; each partner takes one trade per round.
 
-    Guarantees: every item keeps one (rank, slot); no slot goes over the cap; no rank goes over
-    budget x (1 + tolerance / 2) unless it was already; a rank keeps at least `state.min_count`
-    items and a slot with items keeps one. Cost: one O(n) radix sort (density bins, then slots),
-    then per round O(over-full ranks x _PARTNERS x _CHOICES x M) numpy, no loop over items.
+    Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
+    larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
+    `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
+    bins, then slots), then per round O(over-full ranks x _PARTNERS x _CHOICES x M) numpy and a
+    Python loop over the pay-back items that spill over slots (few).
     """
     cap = state.cap
     R, M = state.load.shape[0], state.M
@@ -62,20 +71,28 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
     CT = np.concatenate(([0.0], np.cumsum(tok[order])))
     CC = np.concatenate(([0.0], np.cumsum(cost[order])))
-    slot_items = np.bincount(slot, minlength=S).astype(np.int64)
-    stale = np.zeros(S, dtype=bool)  # slots an original item left: their ladders no longer hold
-    moved = np.zeros(n, dtype=bool)
-    # the large items, grouped by rank, most cost above their tokens at the lowest density first
+    # the large items, grouped by rank: most cost above their tokens at the lowest density first
+    # (the ones h sends), and by cost (the ones l gives back in a's place)
     large = np.flatnonzero(tok > cap * _LARGE)
     if large.size == 0:
         return False
     d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
     surplus = cost[large] - d_min * tok[large]
     scale = 1.0 / (float(surplus.max()) * 2.0 + 2.0)
-    large = large[np.argsort(state.dest[large] + (1.0 - (surplus + 1.0) * scale), kind="stable")]
-    l_starts = np.searchsorted(state.dest[large], np.arange(R + 1))
+    lad = SimpleNamespace(order=order, starts=starts, CT=CT, CC=CC,
+                          slot_items=np.bincount(slot, minlength=S).astype(np.int64),
+                          stale=np.zeros(S, dtype=bool),  # slots an original item left: their ladders no longer hold
+                          moved=np.zeros(n, dtype=bool))
+    lad.rank_of = np.empty(n, dtype=np.int64)
+    lad.rank_of[order] = np.arange(n)  # ladder position of every item
+    lad.large = large[np.argsort(state.dest[large] + (1.0 - (surplus + 1.0) * scale), kind="stable")]
+    lad.l_starts = np.searchsorted(state.dest[lad.large], np.arange(R + 1))
+    lad.cost_scale = 1.0 / (float(cost[large].max()) * 2.0 + 2.0)
+    key = state.dest[large] + cost[large] * lad.cost_scale
+    by = np.argsort(key, kind="stable")
+    lad.by_cost, lad.cost_key = large[by], key[by]
     overhead = cap * _OVERHEAD
-    min_rate = _MIN_RATE * float(cost.sum()) / max(float(tok.sum()), 1e-300)
+    min_rate = min_rate * float(cost.sum()) / max(float(tok.sum()), 1e-300)
     idle = 0
     for k in range(rounds):
         over = np.flatnonzero(state.load > limit)
@@ -89,9 +106,9 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
         P = min(over.size, under.size)
         K = min(_PARTNERS, under.size)
         h = np.repeat(over[:P], K)
+        # the partners shift from round to round: a pair that found no trade meets new ranks
         l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
-        if _round(state, h, l, budget, limit, order, starts, CT, CC, slot_items, stale, moved, large,
-                  l_starts, overhead, min_rate):
+        if _round(state, h, l, budget, limit, lad, overhead, min_rate):
             idle = 0
         else:
             idle += 1  # the partners shift: the next round may still find trades
@@ -112,101 +129,152 @@ def _ladders(cost: np.ndarray, tok: np.ndarray, slot: np.ndarray, S: int) -> np.
     return by_density[np.argsort(key, kind="stable")]
 
 
-def _round(state, h, l, budget, limit, order, starts, CT, CC, slot_items, stale, moved, large, l_starts,
-           overhead, min_rate) -> bool:
+def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> bool:
     """One trade per over-full rank h of the pairs (h[i], l[i]) (each h in one run of adjacent pairs),
-    every l in at most one; applies them; False when no pair has a trade."""
-    cap, M = state.cap, state.M
+    every l in at most one; applies them; False when no pair has a trade.
+
+    Options: a large item `a` of h into every slot (l, m), or in place of one of the _CHOICES large
+    items `b` of l nearest in cost to what a should leave behind (b goes to a's slot); either way
+    topped up with a ladder prefix of the receiving slot (`_evaluate`)."""
+    M = state.M
     tok, cost = state.tokens, state.costs
     P = h.size
     # h's first unmoved large items (the list is short per rank: a window of twice the choices)
-    lo = l_starts[h]
-    pos = lo[:, None] + np.arange(2 * _CHOICES)[None, :]
-    inside = pos < l_starts[h + 1][:, None]
+    pos = lad.l_starts[h][:, None] + np.arange(2 * _CHOICES)[None, :]
+    inside = pos < lad.l_starts[h + 1][:, None]
     pair = np.broadcast_to(np.arange(P)[:, None], pos.shape)[inside]
-    a = large[pos[inside]]
-    keep = ~moved[a]
+    a = lad.large[pos[inside]]
+    keep = ~lad.moved[a]
     a, pair = a[keep], pair[keep]
     rank_in_pair = np.arange(a.size) - np.searchsorted(pair, pair)
     a, pair = a[rank_in_pair < _CHOICES], pair[rank_in_pair < _CHOICES]
-    # every slot m of the partner: options (a, m)
-    a = np.repeat(a, M)
-    pair = np.repeat(pair, M)
-    m = np.tile(np.arange(M), a.size // M)
-    hl, ll = h[pair], l[pair]
-    dst = ll * M + m
-    ma = state.micro[a]
-    src = hl * M + ma
-    ok = ~stale[dst]
-    a, pair, m, hl, ll, dst, ma, src = a[ok], pair[ok], m[ok], hl[ok], ll[ok], dst[ok], ma[ok], src[ok]
     if a.size == 0:
         return False
-    ta, ca = tok[a], cost[a]
-    flat_tok = state.slot_tok.reshape(-1)
-    base = starts[dst]
-    end = starts[dst + 1]
-    # the pay-back: a ladder prefix that frees the tokens a needs in (l, m), fits a's slot on h,
-    # and costs about what evens h and l (no less than leaves h at its budget)
-    lo_tok = CT[base] + np.maximum(ta - (cap - flat_tok[dst]), 0.0)
-    # h's whole room: the pay-back fills a's slot first, then h's other slots (a new micro-batch on
-    # the same rank sends nothing); `_place_back` checks that the items fit
-    hi_tok = CT[base] + ta + (cap * M - state.slot_tok[hl].sum(axis=1))
-    j_lo = np.searchsorted(CT, lo_tok, side="left")
-    j_hi = np.minimum(np.searchsorted(CT, hi_tok, side="right") - 1, end)
-    excess = state.load[hl] - budget[hl]
-    # what h should shed, as far as l can take it; when the tokens allow no more pay-back, l may end
-    # over its limit if both end under h's load now (`even`)
-    target = ca - np.minimum(excess, limit[ll] - state.load[ll])
-    j = np.clip(np.searchsorted(CC, CC[base] + target, side="left"), j_lo, np.maximum(j_hi, j_lo))
-    feasible = (j_lo <= j_hi)
-    j = np.minimum(j, end)
-    back_tok = CT[j] - CT[base]
-    back_cost = CC[j] - CC[base]
-    n_back = j - base
-    delta = ca - back_cost
-    after = np.maximum(state.load[hl] - delta, state.load[ll] + delta)
-    feasible &= (delta > 0) & (after < state.load[hl] * (1.0 - 1e-9))
-    feasible &= (n_back > 0) | (slot_items[src] > 1)  # a's slot keeps an item
-    if state.count is not None:
-        feasible &= ((state.count[hl] - 1 + n_back >= state.min_count)
-                     & (state.count[ll] + 1 - n_back >= state.min_count))
-    gain = state.load[hl] - np.maximum(after, budget[hl])
-    score = np.where(feasible, gain / (ta + back_tok + overhead), -np.inf)
-    score[score < min_rate] = -np.inf
-    if not np.isfinite(score).any():
+    excess = state.load - budget
+    want = np.minimum(excess[h], limit[l] - state.load[l])  # what a trade of pair i should move
+    # a into every slot of l, no b
+    a1 = np.repeat(a, M)
+    p1 = np.repeat(pair, M)
+    m1 = np.tile(np.arange(M), a.size)
+    # a in place of l's large items b nearest in cost to c_a - want
+    near = np.searchsorted(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale)
+    lo, hi = lad.l_starts[l[pair]], lad.l_starts[l[pair] + 1]
+    pb = near[:, None] + np.arange(-(_CHOICES // 2), _CHOICES - _CHOICES // 2)[None, :]
+    ok = (pb >= lo[:, None]) & (pb < hi[:, None])
+    a2 = np.broadcast_to(a[:, None], pb.shape)[ok]
+    p2 = np.broadcast_to(pair[:, None], pb.shape)[ok]
+    b2 = lad.by_cost[pb[ok]]
+    ok = ~lad.moved[b2]
+    a2, p2, b2 = a2[ok], p2[ok], b2[ok]
+    a = np.concatenate((a1, a2))
+    pair = np.concatenate((p1, p2))
+    b = np.concatenate((np.full(a1.size, -1, dtype=np.int64), b2))
+    m = np.concatenate((m1, state.micro[b2]))
+    opt = _evaluate(state, budget, limit, lad, a, b, h[pair], l[pair], m, want[pair], overhead, min_rate)
+    if opt is None:
         return False
+    score = opt["score"]
     # per over-full rank its best trade (ties: the first option); then every l once, most over first
     best = np.full(P, -np.inf)
     np.maximum.at(best, pair, score)
     win = np.flatnonzero(np.isfinite(score) & (score == best[pair]))
+    win = win[np.lexsort((win, pair[win]))]
     first_of_pair = win[np.concatenate(([True], pair[win][1:] != pair[win][:-1]))]
-    hw = hl[first_of_pair]
+    hw = h[pair[first_of_pair]]
     o = np.lexsort((first_of_pair, -score[first_of_pair], hw))
     chosen = first_of_pair[o]
     chosen = chosen[np.concatenate(([True], hw[o][1:] != hw[o][:-1]))]  # one per h
-    chosen = np.sort(chosen)  # over-full order
-    R = state.load.shape[0]
-    taken = np.full(R, chosen.size, dtype=np.int64)
-    np.minimum.at(taken, ll[chosen], np.arange(chosen.size))
-    chosen = chosen[taken[ll[chosen]] == np.arange(chosen.size)]
-    # a's slot, if it is also some chosen trade's pay-back slot (h under and over in one round cannot
-    # happen: h is over, l under), is fine; apply: a -> (l, m), the ladder prefix -> (h, ma)
-    a_c, l_c, m_c, h_c, ma_c = a[chosen], ll[chosen], m[chosen], hl[chosen], ma[chosen]
-    back, to_slot_back, ok = _place_back(state, order, base[chosen], n_back[chosen], h_c, ma_c, ta[chosen])
-    a_c, l_c, m_c = a_c[ok], l_c[ok], m_c[ok]
-    of = np.repeat(np.arange(ok.size), n_back[chosen])
-    keep = ok[of]
-    back, to_slot_back, of = back[keep], to_slot_back[keep], of[keep]
-    items = np.concatenate((a_c, back))
-    to_rank = np.concatenate((l_c, h_c[of]))
-    to_slot = np.concatenate((m_c, to_slot_back))
+    chosen = chosen[np.argsort(pair[chosen], kind="stable")]  # over-full order
+    lc = l[pair[chosen]]
+    taken = np.full(state.load.shape[0], chosen.size, dtype=np.int64)
+    np.minimum.at(taken, lc, np.arange(chosen.size))
+    chosen = chosen[taken[lc] == np.arange(chosen.size)]
+    _carry_out(state, lad, {k: v[chosen] for k, v in opt.items()})
+    return True
+
+
+def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate):
+    """Every option's ladder cut and score (cost taken off h per token sent); None if none is feasible.
+
+    (l, m) frees the tokens a needs there (beyond b's, if any) with a prefix of its ladder: its first
+    items move to l's other slots while they hold them (a new micro-batch on the same rank sends
+    nothing; 10% kept for the packing; only without b), the rest goes back to h: into a's slot, then
+    h's other slots, costing what h should shed as far as l can take it (`want`); when the tokens
+    allow no more pay-back, l may end over its limit if both end under h's load now."""
+    cap, M = state.cap, state.M
+    tok, cost = state.tokens, state.costs
+    dst = ll * M + m
+    ma = state.micro[a]
+    src = hl * M + ma
+    has_b = b >= 0
+    bs = np.maximum(b, 0)
+    tb = np.where(has_b, tok[bs], 0.0)
+    cb = np.where(has_b, cost[bs], 0.0)
+    ta, ca = tok[a], cost[a]
+    flat_tok = state.slot_tok.reshape(-1)
+    ok = ~lad.stale[dst] & (tb <= ta + cap - flat_tok[src])  # b fits a's slot
+    if not ok.any():
+        return None
+    base = lad.starts[dst]
+    end = lad.starts[dst + 1]
+    CT, CC = lad.CT, lad.CC
+    room_l = cap - flat_tok[dst]
+    other = np.where(has_b, 0.0, cap * M - state.slot_tok[ll].sum(axis=1) - room_l)
+    j_free = np.searchsorted(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), side="left")
+    j_in = np.clip(np.searchsorted(CT, CT[base] + 0.9 * other, side="right") - 1, base, np.minimum(j_free, end))
+    room_h = ta - tb + (cap * M - state.slot_tok[hl].sum(axis=1))
+    j_hi = np.minimum(np.searchsorted(CT, CT[j_in] + room_h, side="right") - 1, end)
+    j = np.clip(np.searchsorted(CC, CC[j_in] + ca - cb - want, side="left"), j_free, np.maximum(j_hi, j_free))
+    ok &= (j_free <= j_hi) & (j_free <= end) & (room_h >= 0)
+    j = np.minimum(j, end)
+    ok &= ~has_b | (lad.rank_of[bs] >= j)  # b is not in the ladder prefix
+    back_tok = CT[j] - CT[j_in]
+    n_back = j - j_in
+    delta = ca - cb - (CC[j] - CC[j_in])
+    load_h, load_l = state.load[hl], state.load[ll]
+    after = np.maximum(load_h - delta, load_l + delta)
+    ok &= (delta > 0) & (after < load_h * (1.0 - 1e-9))
+    n_in = n_back + has_b
+    ok &= (n_in > 0) | (lad.slot_items[src] > 1)  # a's slot keeps an item
+    if state.count is not None:
+        ok &= (state.count[hl] - 1 + n_in >= state.min_count) & (state.count[ll] + 1 - n_in >= state.min_count)
+    gain = load_h - np.maximum(after, budget[hl])
+    score = np.where(ok, gain / (ta + tb + back_tok + overhead), -np.inf)
+    score[score < min_rate] = -np.inf
+    if not np.isfinite(score).any():
+        return None
+    return {"score": score, "a": a, "b": b, "h": hl, "l": ll, "m": m, "ma": ma, "base": base, "j_in": j_in,
+            "j": j}
+
+
+def _carry_out(state, lad, t) -> None:
+    """Apply the chosen trades `t` (each on its own h and l): a -> (l, m), b -> (h, ma), the ladder
+    prefix [j_in, j) -> h (`_place_back`), [base, j_in) -> l's other slots (`_place_intra`); a trade
+    whose items do not fit is dropped, and its receiving slot takes no more."""
+    M = state.M
+    tok = state.tokens
+    has_b = t["b"] >= 0
+    ta_net = tok[t["a"]] - np.where(has_b, tok[np.maximum(t["b"], 0)], 0.0)
+    n_back = t["j"] - t["j_in"]
+    n_intra = t["j_in"] - t["base"]
+    back, to_back, ok = _place_back(state, lad.order, t["j_in"], n_back, t["h"], t["ma"], ta_net)
+    intra, to_intra, ok_intra = _place_intra(state, lad.order, t["base"], t["j_in"], t["l"], t["m"])
+    ok &= ok_intra
+    lad.stale[(t["l"] * M + t["m"])[~ok]] = True  # the same trade would fail again
+    of = np.repeat(np.arange(ok.size), n_back)
+    back, to_back, of = back[ok[of]], to_back[ok[of]], of[ok[of]]
+    of_in = np.repeat(np.arange(ok.size), n_intra)
+    intra, to_intra, of_in = intra[ok[of_in]], to_intra[ok[of_in]], of_in[ok[of_in]]
+    wb = np.flatnonzero(ok & has_b)
+    items = np.concatenate((t["a"][ok], t["b"][wb], back, intra))
+    to_rank = np.concatenate((t["l"][ok], t["h"][wb], t["h"][of], t["l"][of_in]))
+    to_slot = np.concatenate((t["m"][ok], t["ma"][wb], to_back, to_intra))
     from_slot = state.dest[items] * M + state.micro[items]
     _apply(state, items, to_rank, to_slot)
-    slot_items += (np.bincount(to_rank * M + to_slot, minlength=slot_items.size)
-                   - np.bincount(from_slot, minlength=slot_items.size))
-    stale[from_slot] = True
-    moved[items] = True
-    return True
+    S = lad.slot_items.size
+    lad.slot_items += np.bincount(to_rank * M + to_slot, minlength=S) - np.bincount(from_slot, minlength=S)
+    lad.stale[from_slot] = True
+    lad.moved[items] = True
 
 
 def _place_back(state, order, base, n_back, h, ma, ta):
@@ -240,6 +308,32 @@ def _place_back(state, order, base, n_back, h, ma, ta):
             room[s] -= tk
             to[p] = s
     return back, to, ok
+
+
+def _place_intra(state, order, lo, hi, l, m):
+    """(items, their new slots on l, trade ok): ladder positions lo .. hi of every trade leave (l, m)
+    for l's other slots, each into the roomiest one (a Python loop over these few items); a trade
+    whose items do not fit is not ok."""
+    cap = state.cap
+    size = hi - lo
+    first = np.cumsum(size) - size
+    items = order[np.arange(int(size.sum())) - np.repeat(first, size) + np.repeat(lo, size)]
+    to = np.zeros(items.size, dtype=np.int64)
+    ok = np.ones(l.size, dtype=bool)
+    for t in np.flatnonzero(size):
+        # best fit, largest first (the ladder runs cheapest per token first: about shortest first)
+        room = cap - state.slot_tok[l[t]].astype(np.float64)
+        room[m[t]] = -np.inf
+        for p in range(first[t] + size[t] - 1, first[t] - 1, -1):
+            tk = state.tokens[items[p]]
+            fit = np.where(room >= tk, room, np.inf)
+            s = int(np.argmin(fit))
+            if not np.isfinite(fit[s]):
+                ok[t] = False
+                break
+            room[s] -= tk
+            to[p] = s
+    return items, to, ok
 
 
 def _apply(state: _State, items, rank, slot) -> None:

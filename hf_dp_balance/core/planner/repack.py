@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from hf_dp_balance.core.planner.chain import _ladder_trades
 from hf_dp_balance.core.planner.passes import _balance_incremental, _extra_passes, _polish
 from hf_dp_balance.core.planner.place import _place_lpt
 from hf_dp_balance.core.planner.state import _Infeasible, _State, _copy_state, _fullest, _remove
 from hf_dp_balance.core.planner.trade import _LARGE, _trade
 
 _REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first partial repack
+_RESIDUE_PASSES = 2  # ladder trades at any cost per token, each followed by the incremental method
 
 
 def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
@@ -99,8 +101,14 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
         return None
     state = _copy_state(origin)
     try:
+        _ladder_trades(state, budget, tolerance)
         _trade(state, budget, tolerance)
         state = _balance_incremental(state, budget, tolerance, relocate)
+        for _ in range(_RESIDUE_PASSES):  # the small excess left: trades at any cost per token
+            if _fullest(state, budget) <= 1.0 + tolerance:
+                break
+            _ladder_trades(state, budget, tolerance, min_rate=0.0)
+            state = _balance_incremental(state, budget, tolerance, relocate)
         _trade(state, budget, tolerance)
         state = _polish(state, budget, budget * (tolerance / 2.0), tolerance)
         state.path = "trades"
