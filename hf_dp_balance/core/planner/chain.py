@@ -23,6 +23,7 @@ _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-fu
 _IDLE = 3  # rounds in a row without a trade that end the pass
 _LARGE = 1.0 / 16.0  # items above this share of the cap are the ones sent
 _CHOICES = 4  # large items of h tried per round: those whose cost most exceeds what their tokens cost back
+_SLOTS = 2  # slots of a partner tried for a large item alone: the roomiest ones (least pay-back)
 _PARTNERS = 3  # ranks under budget each over-full rank considers per round
 _OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer trades)
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
@@ -152,10 +153,13 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> bool:
         return False
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])  # what a trade of pair i should move
-    # a into every slot of l, no b
-    a1 = np.repeat(a, M)
-    p1 = np.repeat(pair, M)
-    m1 = np.tile(np.arange(M), a.size)
+    # a into the _SLOTS roomiest slots of l that still give back, no b
+    W = min(_SLOTS, M)
+    room = np.where(lad.stale.reshape(-1, M)[l], -np.inf, -state.slot_tok[l])
+    slots = np.argsort(-room, axis=1, kind="stable")[:, :W] if W < M else np.broadcast_to(np.arange(M), (P, M))
+    a1 = np.repeat(a, W)
+    p1 = np.repeat(pair, W)
+    m1 = slots[p1, np.tile(np.arange(W), a.size)]
     # a in place of l's large items b nearest in cost to c_a - want
     near = np.searchsorted(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale)
     lo, hi = lad.l_starts[l[pair]], lad.l_starts[l[pair] + 1]
