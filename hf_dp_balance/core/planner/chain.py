@@ -22,9 +22,10 @@ from hf_dp_balance.core.planner.state import _State
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row without a trade that end the pass
 _LARGE = 1.0 / 16.0  # items above this share of the cap are the ones sent
-_CHOICES = 4  # large items of h tried per round: those whose cost most exceeds what their tokens cost back
+_CHOICES = 2  # large items of h tried per round: those whose cost most exceeds what their tokens cost back
+_SWAPS = 2  # large items of a partner tried in place of a: those nearest in cost to what a should leave
 _SLOTS = 2  # slots of a partner tried for a large item alone: the roomiest ones (least pay-back)
-_PARTNERS = 3  # ranks under budget each over-full rank considers per round
+_PARTNERS = 2  # ranks under budget each over-full rank considers per round
 _OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer trades)
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
 _DENSITY_BINS = 1 << 16  # cost per token is ordered on this many log-spaced bins (a radix sort)
@@ -163,7 +164,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> bool:
     # a in place of l's large items b nearest in cost to c_a - want
     near = np.searchsorted(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale)
     lo, hi = lad.l_starts[l[pair]], lad.l_starts[l[pair] + 1]
-    pb = near[:, None] + np.arange(-(_CHOICES // 2), _CHOICES - _CHOICES // 2)[None, :]
+    pb = near[:, None] + np.arange(-(_SWAPS // 2), _SWAPS - _SWAPS // 2)[None, :]
     ok = (pb >= lo[:, None]) & (pb < hi[:, None])
     a2 = np.broadcast_to(a[:, None], pb.shape)[ok]
     p2 = np.broadcast_to(pair[:, None], pb.shape)[ok]
