@@ -32,7 +32,7 @@ _DENSITY_BINS = 1 << 16  # cost per token is ordered on this many log-spaced bin
 
 
 def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS,
-                   min_rate: float = _MIN_RATE) -> bool:
+                   min_rate: float = _MIN_RATE, near: bool = False) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
     A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
@@ -46,8 +46,9 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
 
     Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under budget each
     (furthest under first, the partners shifting every round), tries h's _CHOICES large items
-    with the most cost above their tokens at the cheapest density, into every slot of each
-    partner and in place of the _CHOICES large items of the partner nearest in cost to what a
+    with the most cost above their tokens at the cheapest density (with `near`: the ones whose
+    such surplus just covers h's excess, for a small excess), into the _SLOTS roomiest slots of each
+    partner and in place of the _SWAPS large items of the partner nearest in cost to what a
     should leave behind, and keeps per h the trade with the most load taken off h (down to its
     budget, and to no less than l's load after) per token sent (+ cap x _OVERHEAD), if that is
     at least `min_rate` x the mean cost per token; each partner takes one trade per round.
@@ -87,7 +88,9 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
                           moved=np.zeros(n, dtype=bool))
     lad.rank_of = np.empty(n, dtype=np.int64)
     lad.rank_of[order] = np.arange(n)  # ladder position of every item
-    lad.large = large[np.argsort(state.dest[large] + (1.0 - (surplus + 1.0) * scale), kind="stable")]
+    key = state.dest[large] + (1.0 - (surplus + 1.0) * scale)
+    by = np.argsort(key, kind="stable")
+    lad.large, lad.surplus_key, lad.surplus_scale, lad.near = large[by], key[by], scale, near
     lad.l_starts = np.searchsorted(state.dest[lad.large], np.arange(R + 1))
     lad.cost_scale = 1.0 / (float(cost[large].max()) * 2.0 + 2.0)
     key = state.dest[large] + cost[large] * lad.cost_scale
@@ -135,14 +138,19 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> bool:
     """One trade per over-full rank h of the pairs (h[i], l[i]) (each h in one run of adjacent pairs),
     every l in at most one; applies them; False when no pair has a trade.
 
-    Options: a large item `a` of h into every slot (l, m), or in place of one of the _CHOICES large
+    Options: a large item `a` of h into the _SLOTS roomiest slots of l, or in place of one of the _SWAPS large
     items `b` of l nearest in cost to what a should leave behind (b goes to a's slot); either way
     topped up with a ladder prefix of the receiving slot (`_evaluate`)."""
     M = state.M
     tok, cost = state.tokens, state.costs
     P = h.size
-    # h's first unmoved large items (the list is short per rank: a window of twice the choices)
-    pos = lad.l_starts[h][:, None] + np.arange(2 * _CHOICES)[None, :]
+    # h's first unmoved large items (the list is short per rank: a window of twice the choices), or
+    # (`near`) those whose surplus is nearest h's excess: a small excess is shed by a small trade
+    first = lad.l_starts[h]
+    if lad.near:
+        at = np.searchsorted(lad.surplus_key, h + (1.0 - (state.load[h] - budget[h] + 1.0) * lad.surplus_scale))
+        first = np.maximum(at - _CHOICES, first)
+    pos = first[:, None] + np.arange(2 * _CHOICES)[None, :]
     inside = pos < lad.l_starts[h + 1][:, None]
     pair = np.broadcast_to(np.arange(P)[:, None], pos.shape)[inside]
     a = lad.large[pos[inside]]

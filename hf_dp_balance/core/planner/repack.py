@@ -18,8 +18,8 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
              deep: bool = True, repack_gain: float = 0.0) -> _State:
     """The incremental method and full-cap trades; if both stop above the goal, repacks that move more.
 
-    Full-cap trades (`_full_cap_trades`: large items traded for small change, the incremental
-    method, trades again) are for slots filled to the cap, where only exchanges help: they go
+    Full-cap trades (`_full_cap_trades`: ladder trades of large items, the incremental method, the
+    residue, small-change trades) are for slots filled to the cap, where only exchanges help: they go
     first when most slots are full and the cost is strongly quadratic (`_trades_first`), else only
     after the incremental method. Moves
     budget: when the incremental method or the trades end within twice the tolerance, the one
@@ -94,20 +94,21 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
 
 
 def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool):
-    """Trades of large items (`_trade`), the incremental method, trades again, polish: the plan for
-    a placement whose slots are full, where only exchanges help; None when the start breaks the
-    cap (a repair: the incremental method's token shedding does it) or no plan is found."""
+    """Ladder trades (core/planner/chain.py), the incremental method, then for what is left above
+    the goal up to _RESIDUE_PASSES ladder trades at any cost per token (items whose surplus just
+    covers the excess) each with the incremental method, small-change trades (`_trade`), polish:
+    the plan for a placement whose slots are full, where only exchanges help; None when the start
+    breaks the cap (a repair: the incremental method's token shedding does it) or no plan is found."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
     state = _copy_state(origin)
     try:
         _ladder_trades(state, budget, tolerance)
-        _trade(state, budget, tolerance)
         state = _balance_incremental(state, budget, tolerance, relocate)
         for _ in range(_RESIDUE_PASSES):  # the small excess left: trades at any cost per token
             if _fullest(state, budget) <= 1.0 + tolerance:
                 break
-            _ladder_trades(state, budget, tolerance, min_rate=0.0)
+            _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True)
             state = _balance_incremental(state, budget, tolerance, relocate)
         _trade(state, budget, tolerance)
         state = _polish(state, budget, budget * (tolerance / 2.0), tolerance)
