@@ -56,21 +56,24 @@ def test_ladder_trades_keep_a_valid_placement_and_never_raise_the_fullest_rank(s
     _check(before, state, pack)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_ranks_holding_two_long_samples_shed_them_where_trades_for_small_change_stall(seed):
+def test_ranks_holding_two_long_samples_shed_them_where_trades_for_small_change_stall():
     # 32K packs with 1% of samples at 16K-32K, strongly quadratic cost, every slot full: a rank with two long
     # samples is ~1.3-1.6x the mean; paying back with only the smallest items (the trades of trade.py) leaves
-    # the fullest rank far above the mean, the ladder of a whole slot brings it close
+    # the fullest rank far above the mean (1.26-1.67x on these seeds), the ladder of a whole slot brings it
+    # close: on average less than half as far above
     R, M, pack = 64, 4, 32768
-    tokens, owners, mbs = _long_tail(seed, R, M, pack)
-    state, budget = _state(tokens, owners, mbs, R, M, pack, 1.4e-4)
-    before = _copy_state(state)
-    small_change = _copy_state(state)
-    _trade(small_change, budget, 0.005)
-    _ladder_trades(state, budget, 0.005)
-    _check(before, state, pack)
-    lb = float(budget[0])
-    assert state.load.max() / lb < 1.0 + 0.5 * (small_change.load.max() / lb - 1.0)
+    ladder, small = [], []
+    for seed in range(4):
+        tokens, owners, mbs = _long_tail(seed, R, M, pack)
+        state, budget = _state(tokens, owners, mbs, R, M, pack, 1.4e-4)
+        before = _copy_state(state)
+        small_change = _copy_state(state)
+        _trade(small_change, budget, 0.005)
+        _ladder_trades(state, budget, 0.005)
+        _check(before, state, pack)
+        ladder.append(state.load.max() / budget[0] - 1.0)
+        small.append(small_change.load.max() / budget[0] - 1.0)
+    assert np.mean(ladder) < 0.5 * np.mean(small), (ladder, small)
 
 
 @pytest.mark.parametrize("M, most_sent", [(4, 0.35), (8, 0.16)])

@@ -325,16 +325,21 @@ def _place_back(state, order, base, n_back, h, ma, ta):
 
 def _place_intra(state, order, lo, hi, l, m):
     """(items, their new slots on l, trade ok): ladder positions lo .. hi of every trade leave (l, m)
-    for l's other slots, each into the roomiest one (a Python loop over these few items); a trade
-    whose items do not fit is not ok."""
+    for l's other slots: all into the roomiest one if they fit there, else best fit, largest first
+    (a Python loop over these few items); a trade whose items do not fit is not ok."""
     cap = state.cap
     size = hi - lo
     first = np.cumsum(size) - size
     items = order[np.arange(int(size.sum())) - np.repeat(first, size) + np.repeat(lo, size)]
-    to = np.zeros(items.size, dtype=np.int64)
     ok = np.ones(l.size, dtype=bool)
-    for t in np.flatnonzero(size):
-        # best fit, largest first (the ladder runs cheapest per token first: about shortest first)
+    # most often all of a trade's items fit l's roomiest other slot: they all go there
+    room = cap - state.slot_tok[l].astype(np.float64)
+    room[np.arange(l.size), m] = -np.inf
+    roomiest = np.argmax(room, axis=1)
+    to = np.repeat(roomiest, size)
+    total = np.bincount(np.repeat(np.arange(l.size), size), weights=state.tokens[items], minlength=l.size)
+    for t in np.flatnonzero((size > 0) & (total > room[np.arange(l.size), roomiest])):
+        # else best fit, largest first (the ladder runs cheapest per token first: about shortest first)
         room = cap - state.slot_tok[l[t]].astype(np.float64)
         room[m[t]] = -np.inf
         for p in range(first[t] + size[t] - 1, first[t] - 1, -1):
