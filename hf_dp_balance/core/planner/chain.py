@@ -20,7 +20,8 @@ import numpy as np
 from hf_dp_balance.core.planner.state import _State
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
-_IDLE = 3  # rounds in a row without a trade that end the pass
+_IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
+_FEW = 0.02
 _LARGE = 1.0 / 16.0  # items above this share of the cap are the ones sent
 _CHOICES = 2  # large items of h tried per round: those whose cost most exceeds what their tokens cost back
 _SWAPS = 2  # large items of a partner tried in place of a: those nearest in cost to what a should leave
@@ -113,10 +114,10 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
         h = np.repeat(over[:P], K)
         # the partners shift from round to round: a pair that found no trade meets new ranks
         l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
-        if _round(state, h, l, budget, limit, lad, overhead, min_rate):
+        if _round(state, h, l, budget, limit, lad, overhead, min_rate) > _FEW * over.size:
             idle = 0
         else:
-            idle += 1  # the partners shift: the next round may still find trades
+            idle += 1  # the partners shift: the next round may still find (more) trades
             if idle >= _IDLE:
                 return False
     return not np.any(state.load > limit)
@@ -134,9 +135,9 @@ def _ladders(cost: np.ndarray, tok: np.ndarray, slot: np.ndarray, S: int) -> np.
     return by_density[np.argsort(key, kind="stable")]
 
 
-def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> bool:
+def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     """One trade per over-full rank h of the pairs (h[i], l[i]) (each h in one run of adjacent pairs),
-    every l in at most one; applies them; False when no pair has a trade.
+    every l in at most one; applies them; returns how many.
 
     Options: a large item `a` of h into the _SLOTS roomiest slots of l, or in place of one of the _SWAPS large
     items `b` of l nearest in cost to what a should leave behind (b goes to a's slot); either way
@@ -159,7 +160,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> bool:
     rank_in_pair = np.arange(a.size) - np.searchsorted(pair, pair)
     a, pair = a[rank_in_pair < _CHOICES], pair[rank_in_pair < _CHOICES]
     if a.size == 0:
-        return False
+        return 0
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])  # what a trade of pair i should move
     # a into the _SLOTS roomiest slots of l that still give back, no b
@@ -185,7 +186,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> bool:
     m = np.concatenate((m1, state.micro[b2]))
     opt = _evaluate(state, budget, limit, lad, a, b, h[pair], l[pair], m, want[pair], overhead, min_rate)
     if opt is None:
-        return False
+        return 0
     score = opt["score"]
     # per over-full rank its best trade (ties: the first option); then every l once, most over first
     best = np.full(P, -np.inf)
@@ -202,8 +203,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> bool:
     taken = np.full(state.load.shape[0], chosen.size, dtype=np.int64)
     np.minimum.at(taken, lc, np.arange(chosen.size))
     chosen = chosen[taken[lc] == np.arange(chosen.size)]
-    _carry_out(state, lad, {k: v[chosen] for k, v in opt.items()})
-    return True
+    return _carry_out(state, lad, {k: v[chosen] for k, v in opt.items()})
 
 
 def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate):
@@ -260,10 +260,10 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
             "j": j}
 
 
-def _carry_out(state, lad, t) -> None:
+def _carry_out(state, lad, t) -> int:
     """Apply the chosen trades `t` (each on its own h and l): a -> (l, m), b -> (h, ma), the ladder
     prefix [j_in, j) -> h (`_place_back`), [base, j_in) -> l's other slots (`_place_intra`); a trade
-    whose items do not fit is dropped, and its receiving slot takes no more."""
+    whose items do not fit is dropped, and its receiving slot takes no more; returns how many were applied."""
     M = state.M
     tok = state.tokens
     has_b = t["b"] >= 0
@@ -288,6 +288,7 @@ def _carry_out(state, lad, t) -> None:
     lad.slot_items += np.bincount(to_rank * M + to_slot, minlength=S) - np.bincount(from_slot, minlength=S)
     lad.stale[from_slot] = True
     lad.moved[items] = True
+    return int(np.count_nonzero(ok))
 
 
 def _place_back(state, order, base, n_back, h, ma, ta):
