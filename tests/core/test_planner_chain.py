@@ -47,12 +47,15 @@ def _check(before: _State, after: _State, cap):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), R=st.integers(2, 24), M=st.integers(1, 4),
-       q=st.sampled_from([0.0, 1.9e-5, 1.4e-4, 1e-3]), pack=st.sampled_from([4096, 32768]))
-def test_ladder_trades_keep_a_valid_placement_and_never_raise_the_fullest_rank(seed, R, M, q, pack):
+       q=st.sampled_from([0.0, 1.9e-5, 1.4e-4, 1e-3]), pack=st.sampled_from([4096, 32768]), residue=st.booleans())
+def test_ladder_trades_keep_a_valid_placement_and_never_raise_the_fullest_rank(seed, R, M, q, pack, residue):
     tokens, owners, mbs = _long_tail(seed, R, M, pack)
     state, budget = _state(tokens, owners, mbs, R, M, pack, q)
     before = _copy_state(state)
-    _ladder_trades(state, budget, 0.005)
+    if residue:  # as the residue passes run them: any cost per token, items whose surplus just covers
+        _ladder_trades(state, budget, 0.005, min_rate=0.0, near=True)
+    else:
+        _ladder_trades(state, budget, 0.005)
     _check(before, state, pack)
 
 
