@@ -326,20 +326,32 @@ def _place_back(state, order, base, n_back, h, ma, ta):
 
 def _place_intra(state, order, lo, hi, l, m):
     """(items, their new slots on l, trade ok): ladder positions lo .. hi of every trade leave (l, m)
-    for l's other slots: all into the roomiest one if they fit there, else best fit, largest first
-    (a Python loop over these few items); a trade whose items do not fit is not ok."""
+    for l's other slots: next fit, roomiest slot first, if that holds them all, else best fit,
+    largest first (a Python loop over these few items); a trade whose items do not fit is not ok."""
     cap = state.cap
     size = hi - lo
     first = np.cumsum(size) - size
     items = order[np.arange(int(size.sum())) - np.repeat(first, size) + np.repeat(lo, size)]
     ok = np.ones(l.size, dtype=bool)
-    # most often all of a trade's items fit l's roomiest other slot: they all go there
+    # next fit over l's other slots, roomiest first, in ladder order (one search), checked per slot
+    T = l.size
     room = cap - state.slot_tok[l].astype(np.float64)
-    room[np.arange(l.size), m] = -np.inf
-    roomiest = np.argmax(room, axis=1)
-    to = np.repeat(roomiest, size)
-    total = np.bincount(np.repeat(np.arange(l.size), size), weights=state.tokens[items], minlength=l.size)
-    for t in np.flatnonzero((size > 0) & (total > room[np.arange(l.size), roomiest])):
+    room[np.arange(T), m] = 0.0
+    by_room = np.argsort(-room, axis=1, kind="stable")
+    rooms = np.take_along_axis(room, by_room, axis=1)
+    Mx = room.shape[1]
+    of = np.repeat(np.arange(T), size)
+    t_items = state.tokens[items]
+    end = np.cumsum(t_items)
+    end -= np.repeat(np.concatenate(([0.0], end))[first], size)  # within each trade
+    big = 4.0 * cap * Mx + 4.0
+    cum = np.cumsum(rooms, axis=1) + (np.arange(T) * big)[:, None]
+    at = np.searchsorted(cum.reshape(-1), end + of * big, side="left") - of * Mx
+    at = np.minimum(at, Mx - 1)
+    to = by_room[of, at]
+    used = np.bincount(of * Mx + at, weights=t_items, minlength=T * Mx).reshape(T, Mx)
+    overfull = (used > rooms).any(axis=1)  # a slot over its room (or no room left): the exact loop
+    for t in np.flatnonzero((size > 0) & overfull):
         # else best fit, largest first (the ladder runs cheapest per token first: about shortest first)
         room = cap - state.slot_tok[l[t]].astype(np.float64)
         room[m[t]] = -np.inf
