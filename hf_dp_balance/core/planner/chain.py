@@ -57,8 +57,10 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
     larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
     `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
-    bins, then slots), then per round O(over-full ranks x _PARTNERS x _CHOICES x M) numpy and a
-    Python loop over the pay-back items that spill over slots (few).
+    bins, then slots), then per round O(over-full ranks x _PARTNERS x _CHOICES x (_SLOTS + _SWAPS))
+    binary searches and O(items traded) numpy, with a Python loop only over the pay-back items that
+    spill past a's slot and the receiving slot's items that next fit cannot place. A pass ends after
+    _IDLE rounds in a row that trade for at most _FEW of the over-full ranks.
     """
     cap = state.cap
     R, M = state.load.shape[0], state.M
