@@ -437,13 +437,19 @@ def heavy_tail_case(draw):
     return heavy_tail_instance(num_ranks, seed, draw(st.floats(1.0, 1.3)))
 
 
-def test_heavy_tail_cases_reach_the_repack_fallback():
-    # the property test below is only worth its name if its instances take the fallback
-    paths = []
-    for seed in range(40):
-        costs, owners, R, tokens, cap = heavy_tail_instance(2 + seed % 11, seed, 1.1)
-        paths.append(plan_balance(costs, owners, R, tokens=tokens, max_tokens=cap, min_gain=0.0).path)
-    assert paths.count("repack") >= 4 and paths.count("incremental") >= 4
+def test_heavy_tail_cases_reach_the_fallbacks():
+    # the property test below is only worth its name if its instances take the fallbacks (the ladder
+    # trades now settle most that took the repack; at a looser cap some still take it)
+    def paths(cap_factor):
+        got = []
+        for seed in range(40):
+            costs, owners, R, tokens, cap = heavy_tail_instance(2 + seed % 11, seed, cap_factor)
+            got.append(plan_balance(costs, owners, R, tokens=tokens, max_tokens=cap, min_gain=0.0).path)
+        return got
+
+    tight = paths(1.1)
+    assert tight.count("trades") >= 4 and tight.count("incremental") >= 4
+    assert paths(1.3).count("repack") >= 1
 
 
 @SETTINGS

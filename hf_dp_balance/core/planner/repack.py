@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from hf_dp_balance.core.planner.chain import _ladder_trades
 from hf_dp_balance.core.planner.passes import _balance_incremental, _extra_passes, _polish
 from hf_dp_balance.core.planner.place import _place_lpt
 from hf_dp_balance.core.planner.state import _Infeasible, _State, _copy_state, _fullest, _remove
 from hf_dp_balance.core.planner.trade import _LARGE, _trade
 
 _REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first partial repack
+_RESIDUE_PASSES = 2  # ladder trades at any cost per token, each followed by the incremental method
 
 
 def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
              deep: bool = True, repack_gain: float = 0.0) -> _State:
     """The incremental method and full-cap trades; if both stop above the goal, repacks that move more.
 
-    Full-cap trades (`_full_cap_trades`: large items traded for small change, the incremental
-    method, trades again) are for slots filled to the cap, where only exchanges help: they go
+    Full-cap trades (`_full_cap_trades`: ladder trades of large items, the incremental method, the
+    residue, small-change trades) are for slots filled to the cap, where only exchanges help: they go
     first when most slots are full and the cost is strongly quadratic (`_trades_first`), else only
     after the incremental method. Moves
     budget: when the incremental method or the trades end within twice the tolerance, the one
@@ -92,15 +94,22 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
 
 
 def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool):
-    """Trades of large items (`_trade`), the incremental method, trades again, polish: the plan for
-    a placement whose slots are full, where only exchanges help; None when the start breaks the
-    cap (a repair: the incremental method's token shedding does it) or no plan is found."""
+    """Ladder trades (core/planner/chain.py), the incremental method, then for what is left above
+    the goal up to _RESIDUE_PASSES ladder trades at any cost per token (items whose surplus just
+    covers the excess) each with the incremental method, small-change trades (`_trade`), polish:
+    the plan for a placement whose slots are full, where only exchanges help; None when the start
+    breaks the cap (a repair: the incremental method's token shedding does it) or no plan is found."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
     state = _copy_state(origin)
     try:
-        _trade(state, budget, tolerance)
+        _ladder_trades(state, budget, tolerance)
         state = _balance_incremental(state, budget, tolerance, relocate)
+        for _ in range(_RESIDUE_PASSES):  # the small excess left: trades at any cost per token
+            if _fullest(state, budget) <= 1.0 + tolerance:
+                break
+            _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True)
+            state = _balance_incremental(state, budget, tolerance, relocate)
         _trade(state, budget, tolerance)
         state = _polish(state, budget, budget * (tolerance / 2.0), tolerance)
         state.path = "trades"

@@ -1,0 +1,386 @@
+"""Ladder trades for a full token cap: a large item for the cheapest-per-token items of one slot.
+
+When every slot is filled to the cap and the cost is strongly quadratic, the imbalance sits in a
+few long samples: a rank holding two 30K-token samples is far over the mean, and no move fits
+anywhere. A long sample costs more per token than the short ones, so sending it to a light rank
+and taking back the same tokens of that slot's cheapest-per-token items sheds most of its cost
+while every slot keeps its tokens. Each slot's items, cheapest per token first, form a "ladder":
+its prefix sums say, for any tokens to free, the fewest items that free them and what they cost,
+so every option is one binary search (no Python loop over items). A new micro-batch on the same
+rank sends nothing, so a rank's whole token room counts: what the receiving slot cannot hold moves
+to the rank's other slots, and the pay-back fills the sender's other slots.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from hf_dp_balance.core.planner.state import _State
+
+_ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
+_IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
+_FEW = 0.02
+_LARGE = 1.0 / 16.0  # items above this share of the cap are the ones sent
+_CHOICES = 2  # large items of h tried per round: those whose cost most exceeds what their tokens cost back
+_SWAPS = 2  # large items of a partner tried in place of a: those nearest in cost to what a should leave
+_SLOTS = 2  # slots of a partner tried for a large item alone: the roomiest ones (least pay-back)
+_PARTNERS = 2  # ranks under budget each over-full rank considers per round
+_OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer trades)
+_MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
+_DENSITY_BINS = 1 << 16  # cost per token is ordered on this many log-spaced bins (a radix sort)
+
+
+def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS,
+                   min_rate: float = _MIN_RATE, near: bool = False) -> bool:
+    """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
+
+    A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
+    to a slot (l, m) of a rank l under its budget, alone or in place of a large item `b` of that
+    slot (b goes to a's slot), and (l, m) frees what a needs with a prefix of its ladder (its
+    original items, cheapest per token first): the first ones move to l's other slots while they
+    hold them, the rest go back to h (a's slot, then h's other slots). The prefix costs what h
+    should shed as far as l can take it (l within budget x (1 + tolerance / 2)); where h's room
+    allows no more pay-back, l may end over its limit if both end under h's load before. A slot
+    gives back once (its ladder is then stale); an item moves once.
+
+    Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under budget each
+    (furthest under first, the partners shifting every round), tries h's _CHOICES large items
+    with the most cost above their tokens at the cheapest density (with `near`: the ones whose
+    such surplus just covers h's excess, for a small excess), into the _SLOTS roomiest slots of each
+    partner and in place of the _SWAPS large items of the partner nearest in cost to what a
+    should leave behind, and keeps per h the trade with the most load taken off h (down to its
+    budget, and to no less than l's load after) per token sent (+ cap x _OVERHEAD), if that is
+    at least `min_rate` x the mean cost per token; each partner takes one trade per round.
+
+    Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
+    larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
+    `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
+    bins, then slots), then per round O(over-full ranks x _PARTNERS x _CHOICES x (_SLOTS + _SWAPS))
+    binary searches and O(items traded) numpy, with a Python loop only over the pay-back items that
+    spill past a's slot and the receiving slot's items that next fit cannot place. A pass ends after
+    _IDLE rounds in a row that trade for at most _FEW of the over-full ranks.
+    """
+    cap = state.cap
+    R, M = state.load.shape[0], state.M
+    limit = budget * (1.0 + tolerance / 2.0)
+    if cap is None or R < 2 or not np.any(state.load > limit):
+        return not np.any(state.load > limit)
+    tok, cost = state.tokens, state.costs
+    n = cost.shape[0]
+    S = R * M
+    slot = state.dest * M + state.micro
+    order = _ladders(cost, tok, slot, S)
+    starts = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(np.bincount(slot, minlength=S), out=starts[1:])
+    # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
+    CT = np.concatenate(([0.0], np.cumsum(tok[order])))
+    CC = np.concatenate(([0.0], np.cumsum(cost[order])))
+    # the large items, grouped by rank: most cost above their tokens at the lowest density first
+    # (the ones h sends), and by cost (the ones l gives back in a's place)
+    large = np.flatnonzero(tok > cap * _LARGE)
+    if large.size == 0:
+        return False
+    d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
+    surplus = cost[large] - d_min * tok[large]
+    scale = 1.0 / (float(surplus.max()) * 2.0 + 2.0)
+    lad = SimpleNamespace(order=order, starts=starts, CT=CT, CC=CC,
+                          slot_items=np.bincount(slot, minlength=S).astype(np.int64),
+                          stale=np.zeros(S, dtype=bool),  # slots an original item left: their ladders no longer hold
+                          moved=np.zeros(n, dtype=bool))
+    lad.rank_of = np.empty(n, dtype=np.int64)
+    lad.rank_of[order] = np.arange(n)  # ladder position of every item
+    key = state.dest[large] + (1.0 - (surplus + 1.0) * scale)
+    by = np.argsort(key, kind="stable")
+    lad.large, lad.surplus_key, lad.surplus_scale, lad.near = large[by], key[by], scale, near
+    lad.l_starts = np.searchsorted(state.dest[lad.large], np.arange(R + 1))
+    lad.cost_scale = 1.0 / (float(cost[large].max()) * 2.0 + 2.0)
+    key = state.dest[large] + cost[large] * lad.cost_scale
+    by = np.argsort(key, kind="stable")
+    lad.by_cost, lad.cost_key = large[by], key[by]
+    overhead = cap * _OVERHEAD
+    min_rate = min_rate * float(cost.sum()) / max(float(tok.sum()), 1e-300)
+    idle = 0
+    for k in range(rounds):
+        over = np.flatnonzero(state.load > limit)
+        if over.size == 0:
+            return True
+        under = np.flatnonzero(state.load < budget)
+        if under.size == 0:
+            return False
+        over = over[np.lexsort((over, budget[over] - state.load[over]))]
+        under = under[np.lexsort((under, state.load[under] - budget[under]))]
+        P = min(over.size, under.size)
+        K = min(_PARTNERS, under.size)
+        h = np.repeat(over[:P], K)
+        # the partners shift from round to round: a pair that found no trade meets new ranks
+        l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
+        if _round(state, h, l, budget, limit, lad, overhead, min_rate) > _FEW * over.size:
+            idle = 0
+        else:
+            idle += 1  # the partners shift: the next round may still find (more) trades
+            if idle >= _IDLE:
+                return False
+    return not np.any(state.load > limit)
+
+
+def _ladders(cost: np.ndarray, tok: np.ndarray, slot: np.ndarray, S: int) -> np.ndarray:
+    """Items grouped by slot, cheapest per token first within a slot (ties: index): two stable
+    radix sorts, on log-spaced density bins and on the slot."""
+    dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
+    lo, hi = float(dens.min()), float(dens.max())
+    bins = ((dens - lo) * ((_DENSITY_BINS - 1) / max(hi - lo, 1e-12))).astype(np.uint16)
+    by_density = np.argsort(bins, kind="stable")
+    key = slot[by_density]
+    key = key.astype(np.uint16) if S <= _DENSITY_BINS else key
+    return by_density[np.argsort(key, kind="stable")]
+
+
+def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
+    """One trade per over-full rank h of the pairs (h[i], l[i]) (each h in one run of adjacent pairs),
+    every l in at most one; applies them; returns how many.
+
+    Options: a large item `a` of h into the _SLOTS roomiest slots of l, or in place of one of the _SWAPS large
+    items `b` of l nearest in cost to what a should leave behind (b goes to a's slot); either way
+    topped up with a ladder prefix of the receiving slot (`_evaluate`)."""
+    M = state.M
+    tok, cost = state.tokens, state.costs
+    P = h.size
+    # h's first unmoved large items (the list is short per rank: a window of twice the choices), or
+    # (`near`) those whose surplus is nearest h's excess: a small excess is shed by a small trade
+    first = lad.l_starts[h]
+    if lad.near:
+        at = np.searchsorted(lad.surplus_key, h + (1.0 - (state.load[h] - budget[h] + 1.0) * lad.surplus_scale))
+        first = np.maximum(at - _CHOICES, first)
+    pos = first[:, None] + np.arange(2 * _CHOICES)[None, :]
+    inside = pos < lad.l_starts[h + 1][:, None]
+    pair = np.broadcast_to(np.arange(P)[:, None], pos.shape)[inside]
+    a = lad.large[pos[inside]]
+    keep = ~lad.moved[a]
+    a, pair = a[keep], pair[keep]
+    rank_in_pair = np.arange(a.size) - np.searchsorted(pair, pair)
+    a, pair = a[rank_in_pair < _CHOICES], pair[rank_in_pair < _CHOICES]
+    if a.size == 0:
+        return 0
+    excess = state.load - budget
+    want = np.minimum(excess[h], limit[l] - state.load[l])  # what a trade of pair i should move
+    # a into the _SLOTS roomiest slots of l that still give back, no b
+    W = min(_SLOTS, M)
+    room = np.where(lad.stale.reshape(-1, M)[l], -np.inf, -state.slot_tok[l])
+    slots = np.argsort(-room, axis=1, kind="stable")[:, :W] if W < M else np.broadcast_to(np.arange(M), (P, M))
+    a1 = np.repeat(a, W)
+    p1 = np.repeat(pair, W)
+    m1 = slots[p1, np.tile(np.arange(W), a.size)]
+    # a in place of l's large items b nearest in cost to c_a - want
+    near = np.searchsorted(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale)
+    lo, hi = lad.l_starts[l[pair]], lad.l_starts[l[pair] + 1]
+    pb = near[:, None] + np.arange(-(_SWAPS // 2), _SWAPS - _SWAPS // 2)[None, :]
+    ok = (pb >= lo[:, None]) & (pb < hi[:, None])
+    a2 = np.broadcast_to(a[:, None], pb.shape)[ok]
+    p2 = np.broadcast_to(pair[:, None], pb.shape)[ok]
+    b2 = lad.by_cost[pb[ok]]
+    ok = ~lad.moved[b2]
+    a2, p2, b2 = a2[ok], p2[ok], b2[ok]
+    a = np.concatenate((a1, a2))
+    pair = np.concatenate((p1, p2))
+    b = np.concatenate((np.full(a1.size, -1, dtype=np.int64), b2))
+    m = np.concatenate((m1, state.micro[b2]))
+    opt = _evaluate(state, budget, limit, lad, a, b, h[pair], l[pair], m, want[pair], overhead, min_rate)
+    if opt is None:
+        return 0
+    score = opt["score"]
+    # per over-full rank its best trade (ties: the first option); then every l once, most over first
+    best = np.full(P, -np.inf)
+    np.maximum.at(best, pair, score)
+    win = np.flatnonzero(np.isfinite(score) & (score == best[pair]))
+    win = win[np.lexsort((win, pair[win]))]
+    first_of_pair = win[np.concatenate(([True], pair[win][1:] != pair[win][:-1]))]
+    hw = h[pair[first_of_pair]]
+    o = np.lexsort((first_of_pair, -score[first_of_pair], hw))
+    chosen = first_of_pair[o]
+    chosen = chosen[np.concatenate(([True], hw[o][1:] != hw[o][:-1]))]  # one per h
+    chosen = chosen[np.argsort(pair[chosen], kind="stable")]  # over-full order
+    lc = l[pair[chosen]]
+    taken = np.full(state.load.shape[0], chosen.size, dtype=np.int64)
+    np.minimum.at(taken, lc, np.arange(chosen.size))
+    chosen = chosen[taken[lc] == np.arange(chosen.size)]
+    return _carry_out(state, lad, {k: v[chosen] for k, v in opt.items()})
+
+
+def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate):
+    """Every option's ladder cut and score (cost taken off h per token sent); None if none is feasible.
+
+    (l, m) frees the tokens a needs there (beyond b's, if any) with a prefix of its ladder: its first
+    items move to l's other slots while they hold them (a new micro-batch on the same rank sends
+    nothing; 10% kept for the packing; only without b), the rest goes back to h: into a's slot, then
+    h's other slots, costing what h should shed as far as l can take it (`want`); when the tokens
+    allow no more pay-back, l may end over its limit if both end under h's load now."""
+    cap, M = state.cap, state.M
+    tok, cost = state.tokens, state.costs
+    dst = ll * M + m
+    ma = state.micro[a]
+    src = hl * M + ma
+    has_b = b >= 0
+    bs = np.maximum(b, 0)
+    tb = np.where(has_b, tok[bs], 0.0)
+    cb = np.where(has_b, cost[bs], 0.0)
+    ta, ca = tok[a], cost[a]
+    flat_tok = state.slot_tok.reshape(-1)
+    ok = ~lad.stale[dst] & (tb <= ta + cap - flat_tok[src])  # b fits a's slot
+    if not ok.any():
+        return None
+    base = lad.starts[dst]
+    end = lad.starts[dst + 1]
+    CT, CC = lad.CT, lad.CC
+    room_l = cap - flat_tok[dst]
+    other = np.where(has_b, 0.0, cap * M - state.slot_tok[ll].sum(axis=1) - room_l)
+    j_free = np.searchsorted(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), side="left")
+    j_in = np.clip(np.searchsorted(CT, CT[base] + 0.9 * other, side="right") - 1, base, np.minimum(j_free, end))
+    room_h = ta - tb + (cap * M - state.slot_tok[hl].sum(axis=1))
+    j_hi = np.minimum(np.searchsorted(CT, CT[j_in] + room_h, side="right") - 1, end)
+    j = np.clip(np.searchsorted(CC, CC[j_in] + ca - cb - want, side="left"), j_free, np.maximum(j_hi, j_free))
+    ok &= (j_free <= j_hi) & (j_free <= end) & (room_h >= 0)
+    j = np.minimum(j, end)
+    ok &= ~has_b | (lad.rank_of[bs] >= j)  # b is not in the ladder prefix
+    back_tok = CT[j] - CT[j_in]
+    n_back = j - j_in
+    delta = ca - cb - (CC[j] - CC[j_in])
+    load_h, load_l = state.load[hl], state.load[ll]
+    after = np.maximum(load_h - delta, load_l + delta)
+    ok &= (delta > 0) & (after < load_h * (1.0 - 1e-9))
+    n_in = n_back + has_b
+    ok &= (n_in > 0) | (lad.slot_items[src] > 1)  # a's slot keeps an item
+    if state.count is not None:
+        ok &= (state.count[hl] - 1 + n_in >= state.min_count) & (state.count[ll] + 1 - n_in >= state.min_count)
+    gain = load_h - np.maximum(after, budget[hl])
+    score = np.where(ok, gain / (ta + tb + back_tok + overhead), -np.inf)
+    score[score < min_rate] = -np.inf
+    if not np.isfinite(score).any():
+        return None
+    return {"score": score, "a": a, "b": b, "h": hl, "l": ll, "m": m, "ma": ma, "base": base, "j_in": j_in,
+            "j": j}
+
+
+def _carry_out(state, lad, t) -> int:
+    """Apply the chosen trades `t` (each on its own h and l): a -> (l, m), b -> (h, ma), the ladder
+    prefix [j_in, j) -> h (`_place_back`), [base, j_in) -> l's other slots (`_place_intra`); a trade
+    whose items do not fit is dropped, and its receiving slot takes no more; returns how many were applied."""
+    M = state.M
+    tok = state.tokens
+    has_b = t["b"] >= 0
+    ta_net = tok[t["a"]] - np.where(has_b, tok[np.maximum(t["b"], 0)], 0.0)
+    n_back = t["j"] - t["j_in"]
+    n_intra = t["j_in"] - t["base"]
+    back, to_back, ok = _place_back(state, lad.order, t["j_in"], n_back, t["h"], t["ma"], ta_net)
+    intra, to_intra, ok_intra = _place_intra(state, lad.order, t["base"], t["j_in"], t["l"], t["m"])
+    ok &= ok_intra
+    lad.stale[(t["l"] * M + t["m"])[~ok]] = True  # the same trade would fail again
+    of = np.repeat(np.arange(ok.size), n_back)
+    back, to_back, of = back[ok[of]], to_back[ok[of]], of[ok[of]]
+    of_in = np.repeat(np.arange(ok.size), n_intra)
+    intra, to_intra, of_in = intra[ok[of_in]], to_intra[ok[of_in]], of_in[ok[of_in]]
+    wb = np.flatnonzero(ok & has_b)
+    items = np.concatenate((t["a"][ok], t["b"][wb], back, intra))
+    to_rank = np.concatenate((t["l"][ok], t["h"][wb], t["h"][of], t["l"][of_in]))
+    to_slot = np.concatenate((t["m"][ok], t["ma"][wb], to_back, to_intra))
+    from_slot = state.dest[items] * M + state.micro[items]
+    _apply(state, items, to_rank, to_slot)
+    S = lad.slot_items.size
+    lad.slot_items += np.bincount(to_rank * M + to_slot, minlength=S) - np.bincount(from_slot, minlength=S)
+    lad.stale[from_slot] = True
+    lad.moved[items] = True
+    return int(np.count_nonzero(ok))
+
+
+def _place_back(state, order, base, n_back, h, ma, ta):
+    """(items, their slots on h, trade ok) of the pay-backs: ladder positions base .. base + n_back of
+    every trade, each into a's slot ma while it has room (a's tokens freed it), else h's roomiest slot;
+    a trade whose pay-back does not fit is not ok (its items are returned, not to be moved)."""
+    cap = state.cap
+    size = n_back
+    first = np.cumsum(size) - size
+    pos = np.arange(int(size.sum())) - np.repeat(first, size) + np.repeat(base, size)
+    back = order[pos]
+    to = np.repeat(ma, size)
+    ok = np.ones(h.size, dtype=bool)
+    if back.size == 0:
+        return back, to, ok
+    room_ma = cap - state.slot_tok[h, ma] + ta
+    cum = np.cumsum(state.tokens[back])
+    cum -= np.repeat(np.concatenate(([0.0], cum))[first], size)  # within each trade
+    spills = np.zeros(h.size, dtype=bool)
+    spills[np.repeat(np.arange(h.size), size)[cum > np.repeat(room_ma, size)]] = True
+    for t in np.flatnonzero(spills):
+        # the rest goes to h's other slots, roomiest first (few trades: a Python loop over their items)
+        room = cap - state.slot_tok[h[t]].astype(np.float64)
+        room[ma[t]] += ta[t]
+        for p in range(first[t], first[t] + size[t]):
+            tk = state.tokens[back[p]]
+            s = int(ma[t]) if room[ma[t]] >= tk else int(np.argmax(room))
+            if room[s] < tk:
+                ok[t] = False
+                break
+            room[s] -= tk
+            to[p] = s
+    return back, to, ok
+
+
+def _place_intra(state, order, lo, hi, l, m):
+    """(items, their new slots on l, trade ok): ladder positions lo .. hi of every trade leave (l, m)
+    for l's other slots: next fit, roomiest slot first, if that holds them all, else best fit,
+    largest first (a Python loop over these few items); a trade whose items do not fit is not ok."""
+    cap = state.cap
+    size = hi - lo
+    first = np.cumsum(size) - size
+    items = order[np.arange(int(size.sum())) - np.repeat(first, size) + np.repeat(lo, size)]
+    ok = np.ones(l.size, dtype=bool)
+    # next fit over l's other slots, roomiest first, in ladder order (one search), checked per slot
+    T = l.size
+    room = cap - state.slot_tok[l].astype(np.float64)
+    room[np.arange(T), m] = 0.0
+    by_room = np.argsort(-room, axis=1, kind="stable")
+    rooms = np.take_along_axis(room, by_room, axis=1)
+    Mx = room.shape[1]
+    of = np.repeat(np.arange(T), size)
+    t_items = state.tokens[items]
+    end = np.cumsum(t_items)
+    end -= np.repeat(np.concatenate(([0.0], end))[first], size)  # within each trade
+    big = 4.0 * cap * Mx + 4.0
+    cum = np.cumsum(rooms, axis=1) + (np.arange(T) * big)[:, None]
+    at = np.searchsorted(cum.reshape(-1), end + of * big, side="left") - of * Mx
+    at = np.minimum(at, Mx - 1)
+    to = by_room[of, at]
+    used = np.bincount(of * Mx + at, weights=t_items, minlength=T * Mx).reshape(T, Mx)
+    overfull = (used > rooms).any(axis=1)  # a slot over its room (or no room left): the exact loop
+    for t in np.flatnonzero((size > 0) & overfull):
+        # else best fit, largest first (the ladder runs cheapest per token first: about shortest first)
+        room = cap - state.slot_tok[l[t]].astype(np.float64)
+        room[m[t]] = -np.inf
+        for p in range(first[t] + size[t] - 1, first[t] - 1, -1):
+            tk = state.tokens[items[p]]
+            fit = np.where(room >= tk, room, np.inf)
+            s = int(np.argmin(fit))
+            if not np.isfinite(fit[s]):
+                ok[t] = False
+                break
+            room[s] -= tk
+            to[p] = s
+    return items, to, ok
+
+
+def _apply(state: _State, items, rank, slot) -> None:
+    """Move `items` to (rank, slot) each, updating the sums."""
+    R, M = state.load.shape[0], state.M
+    src = state.dest[items]
+    c = state.costs[items]
+    state.load += np.bincount(rank, weights=c, minlength=R) - np.bincount(src, weights=c, minlength=R)
+    t = state.tokens[items]
+    flat = state.slot_tok.reshape(-1)
+    flat += (np.bincount(rank * M + slot, weights=t, minlength=R * M)
+             - np.bincount(src * M + state.micro[items], weights=t, minlength=R * M))
+    if state.count is not None:
+        state.count += np.bincount(rank, minlength=R) - np.bincount(src, minlength=R)
+    state.prev[items] = src
+    state.dest[items] = rank
+    state.micro[items] = slot
