@@ -174,10 +174,9 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     hl, ll = h[g], l[g]
     need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
     into = ll * M + m  # the receiving slot: the fewest of its small items (index order) that free enough
-    j, feasible = pay_back.search(into, need)
-    n_back = pay_back.cn[j]
-    back_tok = np.where(feasible, pay_back.ct[j], np.inf) + tb
-    back_cost = pay_back.cc[j] + cb
+    (back_tok, back_cost, n_back), j, feasible = pay_back.search(into, need)
+    back_tok = np.where(feasible, back_tok, np.inf) + tb
+    back_cost = back_cost + cb
     feasible &= back_tok <= ta + (cap - state.slot_tok[hl, ma])  # the pay-back fits a's slot on h
     delta = ca - back_cost
     feasible &= (delta > 0) & (state.load[ll] + delta <= limit[ll])
@@ -190,7 +189,7 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     # every candidate, the moves first (as they were tried first)
     mv_into = l[go] * M + recv[go]
     into = np.concatenate((mv_into, into))
-    j = np.concatenate((pay_back.head[mv_into], j))  # a move pays nothing back
+    j = np.concatenate((pay_back.start[mv_into] - 1, j))  # a move pays nothing back
     a, g, b = np.concatenate((rest, a)), np.concatenate((go, g)), np.concatenate((np.full(rest.size, -1), b))
     m = np.concatenate((recv[go], m))
     score = np.concatenate((mv_score, score))
@@ -224,7 +223,7 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     np.minimum.at(taken, lr, np.arange(first.size))
     first = first[taken[lr] == np.arange(first.size)]
     # small pay-back of each chosen trade: its slot's prefix up to its position
-    paid, pg = pay_back.items(into[first], j[first])
+    paid, pg = pay_back.paid(into[first], j[first])
     with_b = np.flatnonzero(has_b[first])
     back = np.concatenate((paid, b[first][with_b]))
     back_of = np.concatenate((pg, with_b))

@@ -29,74 +29,70 @@ def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
 
 
 class _PayBack:
-    """Cumulative tokens / costs / items of the small items of every slot, in index order, kept
-    only for items that never moved (a moved item counts 0: it left the slot; arrivals moved too).
+    """Running sums of tokens / costs / items over the small items of every slot, in index order,
+    kept only for items that never moved (a moved item counts 0: it left the slot; arrivals moved too).
 
-    Slot s is the segment [head[s], head[s] + size[s]] of the arrays, its first entry a 0 (no
-    pay-back)."""
+    `items` are grouped by slot, slot s from start[s], size[s] of them; the running sums run over
+    all slots (no pass to restart them per slot): slot s's first k items sum to sum[start[s] + k - 1]
+    - sum[start[s] - 1] (`base`). A touched slot's sums are recomputed from its own base."""
 
     def __init__(self, items: np.ndarray, slot_of: np.ndarray, tok: np.ndarray, cost: np.ndarray, num_slots: int):
         # items: the small items grouped by slot, index order within one
-        where = slot_of[items]
-        self.size = np.bincount(where, minlength=num_slots)
-        self.head = np.cumsum(self.size + 1) - (self.size + 1)
-        at = np.arange(items.size) + where + 1  # slot s's items follow s heads and the earlier slots' items
-        self.at = np.full(tok.shape[0], -1, dtype=np.int64)  # an item's position in the arrays
-        self.at[items] = at
-        length = items.size + num_slots
-        self.item = np.full(length, -1, dtype=np.int64)
-        self.item[at] = items
-        self.tok, self.cost, self.count = np.zeros(length), np.zeros(length), np.zeros(length)
-        self.tok[at] = tok[items]
-        self.cost[at] = cost[items]
-        self.count[at] = 1.0
-        self.slot_of = slot_of
-        self.steps = int(self.size.max(initial=0) + 1).bit_length()  # bisection steps over a segment
-        seg = np.repeat(np.arange(num_slots), self.size + 1)
-        self.ct, self.cc, self.cn = (self._within(np.cumsum(v), self.head, seg) for v in (self.tok, self.cost, self.count))
-
-    @staticmethod
-    def _within(run: np.ndarray, heads: np.ndarray, seg: np.ndarray) -> np.ndarray:
-        """Running sums from the start of every segment (each head entry is 0: its sum is the base)."""
-        return run - run[heads][seg]
+        self.items, self.slot_of = items, slot_of
+        self.size = np.bincount(slot_of[items], minlength=num_slots)
+        self.start = np.cumsum(self.size) - self.size
+        self.at = np.full(tok.shape[0], -1, dtype=np.int64)  # an item's position
+        self.at[items] = np.arange(items.size)
+        self.values = [tok[items], cost[items], np.ones(items.size)]
+        self.sums = [np.cumsum(v) for v in self.values]
+        self.sums[2] = np.arange(1.0, items.size + 1.0)  # the running count
+        self.base = [np.concatenate(([0.0], run))[self.start] for run in self.sums]
+        self.steps = int(self.size.max(initial=0) + 1).bit_length()  # bisection steps over a slot
 
     def search(self, slot: np.ndarray, need: np.ndarray):
-        """(position of the fewest small items of `slot` (index order) that free `need` tokens,
-        clipped into the arrays; whether the slot has them)."""
-        # bisection within each segment (running sums ascend there): its first entry >= need
-        lo = self.head[slot]
-        end = lo + self.size[slot]
-        hi = end + 1
-        ct = self.ct
+        """(tokens, cost, items) of the fewest small items of `slot` (index order) that free `need`
+        tokens, the position of the last of them (start - 1 if none), and whether the slot has them."""
+        start = self.start[slot]
+        if self.items.size == 0:  # no small items anywhere: only what needs no pay-back
+            return [np.zeros(slot.size) for _ in self.sums], start - 1, need <= 0
+        end = start + self.size[slot]  # one past the slot's last item
+        run, base = self.sums[0], self.base[0][slot]
+        goal = need + base
+        lo, hi = start, end  # the first position whose running sum reaches the goal, in [start, end]
+        last = run.size - 1
         for _ in range(self.steps):
             mid = (lo + hi) >> 1
-            short = ct[np.minimum(mid, end)] < need
-            up = short & (lo < hi)
-            lo = np.where(up, mid + 1, lo)
+            short = run[np.minimum(mid, last)] < goal
+            lo = np.where(short & (lo < hi), mid + 1, lo)
             hi = np.where(short, hi, mid)
-        return np.minimum(lo, end), lo <= end
+        feasible = (need <= 0) | (lo < end)
+        j = np.where(need <= 0, start - 1, np.minimum(lo, end - 1))  # the last item paid back
+        got = j >= start
+        jj = np.clip(j, 0, last)
+        sums = [np.where(got, s[jj] - b[slot], 0.0) for s, b in zip(self.sums, self.base)]
+        return sums, j, feasible
 
-    def items(self, slot: np.ndarray, j: np.ndarray):
+    def paid(self, slot: np.ndarray, j: np.ndarray):
         """(items, index into `slot` of each): the small items of slot[i] that count, up to position j[i]."""
-        pos, grp = _ranges(self.head[slot] + 1, j + 1)
-        live = self.count[pos] > 0
-        return self.item[pos[live]], grp[live]
+        pos, grp = _ranges(self.start[slot], j + 1)
+        live = self.values[2][pos] > 0
+        return self.items[pos[live]], grp[live]
 
     def moved(self, items: np.ndarray) -> None:
-        """`items` left their slots: their entries count 0; their slots' sums are recomputed."""
+        """`items` left their slots: they count 0; their slots' running sums are recomputed."""
         items = items[self.at[items] >= 0]
         if items.size == 0:
             return
         pos = self.at[items]
-        self.tok[pos] = 0.0
-        self.cost[pos] = 0.0
-        self.count[pos] = 0.0
+        for v in self.values:
+            v[pos] = 0.0
         slots = np.unique(self.slot_of[items])
-        sizes = self.size[slots] + 1
-        pos, grp = _ranges(self.head[slots], self.head[slots] + sizes)
-        heads = np.cumsum(sizes) - sizes
-        self.ct[pos], self.cc[pos], self.cn[pos] = (self._within(np.cumsum(v[pos]), heads, grp)
-                                                     for v in (self.tok, self.cost, self.count))
+        sizes = self.size[slots]
+        pos, grp = _ranges(self.start[slots], self.start[slots] + sizes)
+        first = np.cumsum(sizes) - sizes
+        for v, run, base in zip(self.values, self.sums, self.base):
+            within = np.cumsum(v[pos])
+            run[pos] = within - np.repeat(within[first] - v[pos][first], sizes) + base[slots][grp]
 
 
 def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
