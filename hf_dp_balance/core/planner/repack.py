@@ -18,8 +18,7 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
 
     Full-cap trades (`_full_cap_trades`: large items traded for small change, the incremental
     method, trades again) are for slots filled to the cap, where only exchanges help: they go
-    first when most slots are full and the cost is strongly quadratic (`_trades_first`), else only
-    after the incremental method. Moves
+    first when most slots are full (`_trades_first`), else only after the incremental method. Moves
     budget: when the incremental method or the trades end within twice the tolerance, the one
     that sends fewer tokens is kept and no repack runs (a repack sends most of the step again).
     A repack pools every item of a set of ranks (those still above the goal and the
@@ -109,24 +108,15 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
         return None
 
 
-_LUMPY = 1.25  # large items cost at least this much more per token than the rest: trades go first
-
-
 def _trades_first(state: _State) -> bool:
     """Fixed-length packing at max_tokens = the pack length (most slots have less token room than
-    a large item of `_trade`) with a cost whose large items are dearer per token than the rest by
-    _LUMPY (a strongly quadratic cost): the imbalance is in the large items, which no move can
-    place, so the incremental method would fail (slowly) and the trades go first."""
+    a large item of `_trade`): only exchanges help, so the trades go first. With a strongly
+    quadratic cost the imbalance is in the large items, which no move can place (the incremental
+    method would fail, slowly); with a milder one the incremental method gets there too, but with
+    more tokens sent (4096 x 8: 4.5% of them against 3.2%) and a fullest rank further from the goal."""
     if state.cap is None or state.slot_tok is None or bool(np.any(state.slot_tok > state.cap)):
         return False
-    if float(np.median(state.cap - state.slot_tok)) > state.cap * _LARGE:
-        return False
-    large = (state.tokens > state.cap * _LARGE).view(np.int8)  # one pass per sum, no masked copies
-    t_rest, t_large = np.bincount(large, weights=state.tokens, minlength=2)
-    if t_large <= 0 or t_rest <= 0:
-        return False
-    c_rest, c_large = np.bincount(large, weights=state.costs, minlength=2)
-    return float(c_large) / t_large >= _LUMPY * float(c_rest) / t_rest
+    return float(np.median(state.cap - state.slot_tok)) <= state.cap * _LARGE
 
 
 def _sent(state: _State, start: np.ndarray) -> float:
