@@ -47,7 +47,6 @@ class _PayBack:
         self.sums = [np.cumsum(v) for v in self.values]
         self.sums[2] = np.arange(1.0, items.size + 1.0)  # the running count
         self.base = [np.concatenate(([0.0], run))[self.start] for run in self.sums]
-        self.steps = int(self.size.max(initial=0) + 1).bit_length()  # bisection steps over a slot
 
     def search(self, slot: np.ndarray, need: np.ndarray):
         """(tokens, cost, items) of the fewest small items of `slot` (index order) that free `need`
@@ -58,13 +57,23 @@ class _PayBack:
         end = start + self.size[slot]  # one past the slot's last item
         run, base = self.sums[0], self.base[0][slot]
         goal = need + base
-        lo, hi = start, end  # the first position whose running sum reaches the goal, in [start, end]
         last = run.size - 1
-        for _ in range(self.steps):
-            mid = (lo + hi) >> 1
-            short = run[np.minimum(mid, last)] < goal
-            lo = np.where(short & (lo < hi), mid + 1, lo)
-            hi = np.where(short, hi, mid)
+        total = np.where(end > start, run[np.maximum(end - 1, 0)], base)
+        lo = np.where(total >= goal, start, end)  # end: the slot's small items cannot free enough
+        # bisection for the first position whose running sum reaches the goal; each candidate
+        # leaves as it converges (most slots hold a few small items)
+        todo = np.flatnonzero((need > 0) & (lo < end))
+        a, b, g = lo[todo], end[todo], goal[todo]
+        while todo.size:
+            mid = (a + b) >> 1
+            short = run[np.minimum(mid, last)] < g
+            a = np.where(short, mid + 1, a)
+            b = np.where(short, b, mid)
+            done = a >= b
+            if done.any():
+                lo[todo[done]] = a[done]
+                keep = ~done
+                todo, a, b, g = todo[keep], a[keep], b[keep], g[keep]
         feasible = (need <= 0) | (lo < end)
         j = np.where(need <= 0, start - 1, np.minimum(lo, end - 1))  # the last item paid back
         got = j >= start
