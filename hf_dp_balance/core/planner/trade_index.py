@@ -20,6 +20,26 @@ def _ranges(lo: np.ndarray, hi: np.ndarray):
     return pos, group
 
 
+def _first_at_least(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, goal: np.ndarray) -> np.ndarray:
+    """For every i, the first position p in [lo[i], hi[i]) with values[p] >= goal[i] (hi[i] if
+    none), `values` ascending on each range: a bisection of all at once, each leaving as it
+    converges (the ranges here are slots, most of them short)."""
+    out = hi.copy()
+    todo = np.flatnonzero(lo < hi)
+    a, b, g = lo[todo], hi[todo], goal[todo]
+    while todo.size:
+        mid = (a + b) >> 1
+        short = values[mid] < g
+        a = np.where(short, mid + 1, a)
+        b = np.where(short, b, mid)
+        done = a >= b
+        if done.any():
+            out[todo[done]] = a[done]
+            keep = ~done
+            todo, a, b, g = todo[keep], a[keep], b[keep], g[keep]
+    return out
+
+
 def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
     """`values` (non-negative integers < `below`) as the narrowest unsigned type: numpy's stable sort
     of 8- / 16-bit keys is a radix sort (O(n)), much faster than its merge sort of wider ones."""
@@ -41,12 +61,11 @@ class _PayBack:
         self.items, self.slot_of = items, slot_of
         self.size = np.bincount(slot_of[items], minlength=num_slots)
         self.start = np.cumsum(self.size) - self.size
-        self.at = np.full(tok.shape[0], -1, dtype=np.int64)  # an item's position
-        self.at[items] = np.arange(items.size)
         self.values = [tok[items], cost[items], np.ones(items.size)]
-        self.sums = [np.cumsum(v) for v in self.values]
-        self.sums[2] = np.arange(1.0, items.size + 1.0)  # the running count
-        self.base = [np.concatenate(([0.0], run))[self.start] for run in self.sums]
+        self.sums = [np.cumsum(self.values[0]), np.cumsum(self.values[1]), np.arange(1.0, items.size + 1.0)]
+        before = self.start - 1  # the running sums before each slot
+        self.base = [np.where(before >= 0, run[np.maximum(before, 0)], 0.0) if run.size else np.zeros(num_slots)
+                     for run in self.sums]
 
     def search(self, slot: np.ndarray, need: np.ndarray):
         """(tokens, cost, items) of the fewest small items of `slot` (index order) that free `need`
@@ -60,20 +79,8 @@ class _PayBack:
         last = run.size - 1
         total = np.where(end > start, run[np.maximum(end - 1, 0)], base)
         lo = np.where(total >= goal, start, end)  # end: the slot's small items cannot free enough
-        # bisection for the first position whose running sum reaches the goal; each candidate
-        # leaves as it converges (most slots hold a few small items)
         todo = np.flatnonzero((need > 0) & (lo < end))
-        a, b, g = lo[todo], end[todo], goal[todo]
-        while todo.size:
-            mid = (a + b) >> 1
-            short = run[np.minimum(mid, last)] < g
-            a = np.where(short, mid + 1, a)
-            b = np.where(short, b, mid)
-            done = a >= b
-            if done.any():
-                lo[todo[done]] = a[done]
-                keep = ~done
-                todo, a, b, g = todo[keep], a[keep], b[keep], g[keep]
+        lo[todo] = _first_at_least(run, lo[todo], end[todo], goal[todo])
         feasible = (need <= 0) | (lo < end)
         j = np.where(need <= 0, start - 1, np.minimum(lo, end - 1))  # the last item paid back
         got = j >= start
@@ -89,10 +96,13 @@ class _PayBack:
 
     def moved(self, items: np.ndarray) -> None:
         """`items` left their slots: they count 0; their slots' running sums are recomputed."""
-        items = items[self.at[items] >= 0]
+        slots = self.slot_of[items]
+        pos = _first_at_least(self.items, self.start[slots], self.start[slots] + self.size[slots], items)
+        found = pos < self.start[slots] + self.size[slots]
+        found[found] = self.items[pos[found]] == items[found]  # the small ones (index order in a slot)
+        items, pos = items[found], pos[found]
         if items.size == 0:
             return
-        pos = self.at[items]
         for v in self.values:
             v[pos] = 0.0
         slots = np.unique(self.slot_of[items])
