@@ -71,21 +71,24 @@ class _PayBack:
         """(tokens, cost, items) of the fewest small items of `slot` (index order) that free `need`
         tokens, the position of the last of them (start - 1 if none), and whether the slot has them."""
         start = self.start[slot]
-        if self.items.size == 0:  # no small items anywhere: only what needs no pay-back
-            return [np.zeros(slot.size) for _ in self.sums], start - 1, need <= 0
-        end = start + self.size[slot]  # one past the slot's last item
-        run, base = self.sums[0], self.base[0][slot]
-        goal = need + base
-        last = run.size - 1
-        total = np.where(end > start, run[np.maximum(end - 1, 0)], base)
-        lo = np.where(total >= goal, start, end)  # end: the slot's small items cannot free enough
-        todo = np.flatnonzero((need > 0) & (lo < end))
-        lo[todo] = _first_at_least(run, lo[todo], end[todo], goal[todo])
-        feasible = (need <= 0) | (lo < end)
-        j = np.where(need <= 0, start - 1, np.minimum(lo, end - 1))  # the last item paid back
-        got = j >= start
-        jj = np.clip(j, 0, last)
-        sums = [np.where(got, s[jj] - b[slot], 0.0) for s, b in zip(self.sums, self.base)]
+        j, feasible = start - 1, need <= 0
+        sums = [np.zeros(slot.size) for _ in self.sums]
+        # only the candidates that need a pay-back, and whose slot holds enough, are searched
+        idx = np.flatnonzero(~feasible)
+        if idx.size == 0 or self.items.size == 0:
+            return sums, j, feasible
+        s = slot[idx]
+        lo, hi = start[idx], start[idx] + self.size[s]
+        run, base = self.sums[0], self.base[0][s]
+        goal = need[idx] + base
+        total = np.where(hi > lo, run[np.maximum(hi - 1, 0)], base)
+        ok = total >= goal
+        idx, s, lo, hi, goal = idx[ok], s[ok], lo[ok], hi[ok], goal[ok]
+        pos = _first_at_least(run, lo, hi, goal)  # below hi: the slot's total reaches the goal
+        j[idx] = pos
+        feasible[idx] = True
+        for out, run_k, base_k in zip(sums, self.sums, self.base):
+            out[idx] = run_k[pos] - base_k[s]
         return sums, j, feasible
 
     def paid(self, slot: np.ndarray, j: np.ndarray):
