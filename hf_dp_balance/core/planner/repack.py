@@ -40,7 +40,13 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     origin = _copy_state(state)
     tried = []
     first = _trades_first(origin)
-    traded = _full_cap_trades(origin, budget, tolerance, relocate) if first else None
+    traded = None
+    if first:
+        # on `state` itself (no copy of the step's arrays): the incremental method below starts
+        # from a fresh copy of `origin` instead when the trades find no plan
+        traded = _full_cap_trades(state, budget, tolerance, relocate, copy=False)
+        if traded is None:
+            state = _copy_state(origin)
     if traded is not None and _fullest(traded, budget) <= goal:
         return traded
     if traded is not None:
@@ -90,13 +96,14 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     return _choose(tried, incremental, budget, tolerance, start, repack_gain)
 
 
-def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool):
+def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool = True):
     """Trades of large items (`_trade`), the incremental method, trades again, polish: the plan for
     a placement whose slots are full, where only exchanges help; None when the start breaks the
-    cap (a repair: the incremental method's token shedding does it) or no plan is found."""
+    cap (a repair: the incremental method's token shedding does it) or no plan is found. With
+    `copy` False it works on `origin` itself (spoilt when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
-    state = _copy_state(origin)
+    state = _copy_state(origin) if copy else origin
     try:
         _trade(state, budget, tolerance)
         state = _balance_incremental(state, budget, tolerance, relocate)
