@@ -53,10 +53,13 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     # the ranks over the limit (no other rank ever sheds: a trade never puts one over), both grouped
     # by rank, cheapest first within a rank: one sorted key each, rank + cost x scale
     tok_o = tok[order]
+    # with the tokens, costs and slots of their items (a round reads these short arrays, not the step's)
     large = _by_rank_and_cost(order[tok_o > cap * _LARGE], state.dest, cost, scale, R)
+    large += (tok[large[0]], cost[large[0]], state.micro[large[0]])
     over_start = state.load > limit
     rest_items = _by_rank_and_cost(order[(tok_o <= cap * _LARGE) & over_start[state.dest[order]]], state.dest,
                                    cost, scale, R)
+    rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
     pay_back = _PayBack(order[tok_o <= cap * _SMALL], slot, tok, cost, S)
     overhead = cap * _OVERHEAD
     wide = np.zeros(R, dtype=bool)  # ranks that try all their large items
@@ -116,7 +119,7 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     cap, M = state.cap, state.M
     tok, cost = state.tokens, state.costs
     P = h.size
-    l_order, l_starts, l_key, scale = large  # large items grouped by rank, cheapest first within a rank
+    l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large  # by rank, cheapest first within one
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
     # the large items of h whose cost is nearest `want` (W below, W above): a cheaper one sheds
@@ -124,13 +127,12 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     near = np.searchsorted(l_key, h + want * scale)
     lo = np.maximum(near - window, l_starts[h])
     pos, ga = _ranges(lo, np.maximum(np.minimum(near + window, l_starts[h + 1]), lo))
-    give = l_order[pos]
-    ok = ~moved[give]
-    give, ga = give[ok], ga[ok]
+    ok = ~moved[l_order[pos]]
+    pa, ga = pos[ok], ga[ok]  # positions of the items a in `large`
     recv = np.argmin(state.slot_tok[l], axis=1)
     # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
     first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
-    movable, movable_starts, movable_key, _ = rest_items
+    movable, movable_starts, movable_key, _, mv_tok, mv_cost, mv_micro = rest_items
     hf, lf = h[first_partner], l[first_partner]
     room = cap - state.slot_tok[lf, recv[first_partner]]
     # as for the large items: the `window` each side of the cost h should shed (for a cost that grows
@@ -139,38 +141,41 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     wf = window[first_partner]
     lo = np.maximum(near - wf, movable_starts[hf])
     pos, gi = _ranges(lo, np.maximum(np.minimum(near + wf, movable_starts[hf + 1]), lo))
-    rest = movable[pos]
-    ok = ~moved[rest] & (tok[rest] <= room[gi])
-    rest, go = rest[ok], first_partner[gi[ok]]
-    if give.size + rest.size == 0:
+    ok = ~moved[movable[pos]] & (mv_tok[pos] <= room[gi])
+    pos, go = pos[ok], first_partner[gi[ok]]
+    if pa.size + pos.size == 0:
         return h[:0]
     # moves need no pay-back (a fits l's roomiest slot as it is): scored without the segments below
     mv_h, mv_l = h[go], l[go]
-    t_mv, c_mv = tok[rest], cost[rest]
+    t_mv, c_mv = mv_tok[pos], mv_cost[pos]
     ok = (c_mv > 0) & (state.load[mv_l] + c_mv <= limit[mv_l])
     if state.count is not None:
         ok &= (state.count[mv_h] - 1 >= state.min_count) & (state.count[mv_l] + 1 >= state.min_count)
     mv_score = np.minimum(c_mv, excess[mv_h]) / (t_mv + overhead)
     # only a pair's best move can win (ties: the first), so only those go on
     keep = _first_best(np.flatnonzero(ok), go, mv_score)
-    rest, go, c_mv, mv_score = rest[keep], go[keep], c_mv[keep], mv_score[keep]
+    pos, go, c_mv, mv_score = pos[keep], go[keep], c_mv[keep], mv_score[keep]
+    rest = movable[pos]
     # for a large a, the b of l whose cost is nearest below and above c_a - want, if it never
     # moved, and no b
-    p_hi = np.searchsorted(l_key, l[ga] + np.maximum(cost[give] - want[ga], 0.0) * scale)
-    a_opts, g_opts, b_opts = [give], [ga], [np.full(give.size, -1, dtype=np.int64)]
+    ll_a = l[ga]
+    p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
+    lo_b, hi_b = l_starts[ll_a], l_starts[ll_a + 1]
+    a_opts, g_opts, b_opts = [pa], [ga], [np.full(pa.size, -1, dtype=np.int64)]
     for p_b in (p_hi - 1, p_hi):
-        inside = (p_b >= l_starts[l[ga]]) & (p_b < l_starts[l[ga] + 1])
+        inside = (p_b >= lo_b) & (p_b < hi_b)
         inside[inside] = ~moved[l_order[p_b[inside]]]
-        a_opts.append(give[inside])
+        a_opts.append(pa[inside])
         g_opts.append(ga[inside])
-        b_opts.append(l_order[p_b[inside]])
-    a, g, b = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
-    m = np.where(b >= 0, state.micro[np.maximum(b, 0)], recv[g])
-    has_b = b >= 0
-    bsafe = np.maximum(b, 0)
-    tb = np.where(has_b, tok[bsafe], 0.0)
-    cb = np.where(has_b, cost[bsafe], 0.0)
-    ta, ca, ma = tok[a], cost[a], state.micro[a]
+        b_opts.append(p_b[inside])
+    pa, g, pb = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
+    has_b = pb >= 0
+    pbs = np.maximum(pb, 0)
+    a, b = l_order[pa], np.where(has_b, l_order[pbs], -1)
+    m = np.where(has_b, l_micro[pbs], recv[g])
+    tb = np.where(has_b, l_tok[pbs], 0.0)
+    cb = np.where(has_b, l_cost[pbs], 0.0)
+    ta, ca, ma = l_tok[pa], l_cost[pa], l_micro[pa]
     hl, ll = h[g], l[g]
     need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
     into = ll * M + m  # the receiving slot: the fewest of its small items (index order) that free enough
@@ -195,8 +200,8 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     score = np.concatenate((mv_score, score))
     delta = np.concatenate((c_mv, delta))
     has_b = b >= 0
-    ma = state.micro[a]
-    hl, ll = h[g], l[g]
+    ma = np.concatenate((mv_micro[pos], ma))
+    hl, ll = np.concatenate((h[go], hl)), np.concatenate((l[go], ll))
     if not np.isfinite(score).any():
         return h[:0]
     # the best trade of every pair (ties: the first candidate); per over-full rank its best one,
