@@ -587,8 +587,8 @@ def test_a_cap_no_placement_can_meet_names_the_item_s_tokens_and_the_room_left()
 @pytest.mark.parametrize("seed", [1, 2])
 def test_full_cap_trades_reach_far_items_when_near_ones_fail(seed):
     # tails to 16K, strongly quadratic, at a full cap: the trades first try the large items nearest
-    # in cost to what a rank should shed; ranks that find no trade that way must try all of theirs,
-    # or the trades stall and the repack runs (13.8-20.7% of the tokens sent on these seeds)
+    # in cost to what a rank should shed; ranks that find no trade that way must try farther ones
+    # (twice as many each time, up to all of theirs), or the trades stall and the repack runs (13.8-20.7% of the tokens sent on these seeds)
     R, M, pack = 128, 4, 32768
     tokens, owners, plan = _full_cap_step(seed, R, M, pack, longest=16384)
     slot = plan.dest_rank * M + plan.dest_micro_batch

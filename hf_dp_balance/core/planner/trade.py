@@ -27,14 +27,15 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under their
     budget each (furthest under first; the partners shift every round). A trade sends a large
     item `a` of h (over cap x _LARGE tokens; first only the _WINDOW each side of the cost h should
-    shed, all of them once h found no trade that way) to l, into l's roomiest slot or in place of a large
-    item `b` of l that comes back; the receiving slot also pays back the fewest of its small
-    items (at most cap x _SMALL tokens each, index order) that make room for `a`. Everything
-    paid back takes a's slot on h, which must hold it. Smaller items of h (at most cap x _LARGE) move
-    alone where they fit, the _WINDOW (or all) nearest in cost likewise. Kept per over-full rank: the trade with
-    the most load taken off h (no more than h is over its budget) per token sent (plus a fixed
-    cap x _OVERHEAD per trade), that does not put l over budget x (1 + tolerance / 2); each
-    rank under budget takes at most one trade per round. Items that moved once stay put.
+    shed, twice as many each time h found no trade, up to all of them) to l, into l's roomiest
+    slot or in place of a large item `b` of l that comes back; the receiving slot also pays back
+    the fewest of its small items (at most cap x _SMALL tokens each, index order) that make room
+    for `a`. Everything paid back takes a's slot on h, which must hold it. Smaller items of h (at
+    most cap x _LARGE tokens) move alone where they fit, as many nearest in cost. Kept per
+    over-full rank: the trade with the most load taken off h (no more than h is over its budget)
+    per token sent (plus a fixed cap x _OVERHEAD per trade), that does not put l over budget x
+    (1 + tolerance / 2); each rank under budget takes at most one trade per round. Items that
+    moved once stay put.
     Cost per round: O(items of the pairs' windows x options) numpy, no Python loop over items and
     no O(n) pass; first one O(n) grouping by slot and by rank and cost (near-linear sorts of runs).
     """
@@ -62,7 +63,7 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
     pay_back = _PayBack(order[tok_o <= cap * _SMALL], slot, tok, cost, S)
     overhead = cap * _OVERHEAD
-    wide = np.zeros(R, dtype=bool)  # ranks that try all their large items
+    reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
     R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max())) if R else 0
     for k in range(rounds):
         over = np.flatnonzero(state.load > limit)
@@ -82,14 +83,15 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
         h = np.repeat(over[:P], K)
         # the partners shift from round to round: a pair that found no trade meets new ranks
         l = under[(np.repeat(idx, K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
-        # a rank that found no trade among its items nearest what it should shed tries all of them next
-        window = np.where(wide[h], R_items, _WINDOW)
+        # a rank that found no trade among its items nearest what it should shed tries twice as many next
+        window = reach[h]
         traded = _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead)
-        if traded.size == 0 and bool(np.all(wide[h])):
+        if traded.size == 0 and bool(np.all(reach[h] >= R_items)):
             return False
         stuck = np.ones(R, dtype=bool)
         stuck[traded] = False
-        wide[h[stuck[h]]] = True
+        failed = np.unique(h[stuck[h]])
+        reach[failed] = np.minimum(reach[failed] * 2, R_items)
     return not np.any(state.load > limit)
 
 
@@ -109,9 +111,10 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
     rank under budget in at most one; applies them; returns the ranks h that traded.
 
-    Trades tried: the other items `a` of h (the `window` of each side of the cost h should shed, as
-    for the large ones) that fit l's roomiest slot move there (h's first partner only); the large items `a` of h (the `window` of each side of the cost h should shed;
-    all of them once h found no trade that way) into l's roomiest slot, and in place of the two
+    Trades tried: the other items `a` of h (the `window` each side of the cost h should shed, as
+    for the large ones) that fit l's roomiest slot move there (h's first partner only); the large
+    items `a` of h (the `window` each side of the cost h should shed; twice as many each time h
+    found no trade, up to all) into l's roomiest slot, and in place of the two
     large items `b` of l whose cost is nearest c_a - (what h should shed), b paid back (if it
     never moved). Moves need no pay-back and are scored apart (only a pair's best goes on); the
     rest are topped up with the fewest small items of the receiving slot (index order) that make
