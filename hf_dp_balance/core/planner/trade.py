@@ -127,7 +127,7 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     want = np.minimum(excess[h], limit[l] - state.load[l])
     # the large items of h whose cost is nearest `want` (W below, W above): a cheaper one sheds
     # less, a dearer one overshoots or needs a dearer b back (more tokens sent)
-    near = np.searchsorted(l_key, h + want * scale)
+    near = np.searchsorted(l_key, h + np.minimum(want * scale, 0.5))
     lo = np.maximum(near - window, l_starts[h])
     pos, ga = _ranges(lo, np.maximum(np.minimum(near + window, l_starts[h + 1]), lo))
     ok = ~moved[l_order[pos]]
@@ -135,12 +135,12 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     recv = np.argmin(state.slot_tok[l], axis=1)
     # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
     first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
-    movable, movable_starts, movable_key, _, mv_tok, mv_cost, mv_micro = rest_items
+    movable, movable_starts, movable_key, mv_scale, mv_tok, mv_cost, mv_micro = rest_items
     hf, lf = h[first_partner], l[first_partner]
     room = cap - state.slot_tok[lf, recv[first_partner]]
     # as for the large items: the `window` each side of the cost h should shed (for a cost that grows
     # with the tokens, the best move is the cheapest that covers it, or the dearest one short of it)
-    near = np.searchsorted(movable_key, hf + want[first_partner] * scale)
+    near = np.searchsorted(movable_key, hf + np.minimum(want[first_partner] * mv_scale, 0.5))
     wf = window[first_partner]
     lo = np.maximum(near - wf, movable_starts[hf])
     pos, gi = _ranges(lo, np.maximum(np.minimum(near + wf, movable_starts[hf + 1]), lo))

@@ -119,10 +119,12 @@ class _PayBack:
 
 def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
     """(items, starts, key, scale): `items` (grouped by rank) sorted by rank, then cost (ties: their
-    order), starts[r] where rank r's begin; key = rank + cost x scale (scale < 1 / (2 max cost)), sorted."""
+    order), starts[r] where rank r's begin; key = rank + cost x scale (scale < 1 / (2 max cost)), sorted;
+    a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them."""
     key = rank_of[items] + cost[items] * scale
     o = np.argsort(key, kind="stable")  # runs of one rank each: the merge sort is near linear
     items, key = items[o], key[o]
     starts = np.zeros(num_ranks + 1, dtype=np.int64)
     np.cumsum(np.bincount(rank_of[items], minlength=num_ranks), out=starts[1:])
     return items, starts, key, scale
+
