@@ -181,6 +181,13 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     ta, ca, ma = l_tok[pa], l_cost[pa], l_micro[pa]
     hl, ll = h[g], l[g]
     need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
+    # only a pair's best can win: a candidate that needs no pay-back and scores below the pair's best
+    # move or such candidate, or one that needs a pay-back and scores at most min(c_a - c_b, what h
+    # sheds, room of l) / (t_a + t_b + need + overhead) below it, goes no further (no search)
+    keep = _worth_searching(state, h, l, g, go, mv_score, need, ta, ca, tb, cb, hl, ll, ma, excess, limit, overhead,
+                            has_b)
+    pa, g, pb, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need = (
+        x[keep] for x in (pa, g, pb, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need))
     into = ll * M + m  # the receiving slot: the fewest of its small items (index order) that free enough
     (back_tok, back_cost, n_back), j, feasible = pay_back.search(into, need)
     back_tok = np.where(feasible, back_tok, np.inf) + tb
@@ -242,6 +249,26 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     moved[back] = True
     pay_back.moved(np.concatenate((a[first], back)))
     return hl[first]
+
+
+def _worth_searching(state, h, l, g, go, mv_score, need, ta, ca, tb, cb, hl, ll, ma, excess, limit, overhead,
+                     has_b) -> np.ndarray:
+    """Which candidates of `_round`'s large items can still be their pair's best (see there)."""
+    cap = state.cap
+    best = np.full(h.size, -np.inf)
+    best[go] = mv_score  # a pair's best move (one per pair at most)
+    zero = need <= 0
+    z = np.flatnonzero(zero)
+    dz, hz, lz = ca[z] - cb[z], hl[z], ll[z]
+    ok = (tb[z] <= ta[z] + (cap - state.slot_tok[hz, ma[z]])) & (dz > 0) & (state.load[lz] + dz <= limit[lz])
+    if state.count is not None:
+        n_all = has_b[z].astype(np.int64)
+        ok &= (state.count[hz] - 1 + n_all >= state.min_count) & (state.count[lz] + 1 - n_all >= state.min_count)
+    score = np.full(g.size, -np.inf)
+    score[z] = np.where(ok, np.minimum(dz, excess[hz]) / (ta[z] + tb[z] + overhead), -np.inf)
+    np.maximum.at(best, g[z], score[z])
+    bound = np.minimum(np.minimum(ca - cb, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + need + overhead)
+    return np.where(zero, np.isfinite(score) & (score >= best[g]), bound >= best[g])
 
 
 def _apply(state: _State, allx, rank, slot) -> None:
