@@ -58,11 +58,11 @@ class _PayBack:
 
     def __init__(self, items: np.ndarray, slot_of: np.ndarray, tok: np.ndarray, cost: np.ndarray, num_slots: int):
         # items: the small items grouped by slot, index order within one
-        self.items, self.slot_of = items, slot_of
+        self.items, self.slot_of, self.tok, self.cost = items, slot_of, tok, cost
         self.size = np.bincount(slot_of[items], minlength=num_slots)
         self.start = np.cumsum(self.size) - self.size
-        self.values = [tok[items], cost[items], np.ones(items.size)]
-        self.sums = [np.cumsum(self.values[0]), np.cumsum(self.values[1]), np.arange(1.0, items.size + 1.0)]
+        self.live = np.ones(items.size, dtype=bool)  # not moved (few arrays: each new one costs page faults)
+        self.sums = [np.cumsum(tok[items]), np.cumsum(cost[items]), np.arange(1.0, items.size + 1.0)]
         before = self.start - 1  # the running sums before each slot
         self.base = [np.where(before >= 0, run[np.maximum(before, 0)], 0.0) if run.size else np.zeros(num_slots)
                      for run in self.sums]
@@ -94,7 +94,7 @@ class _PayBack:
     def paid(self, slot: np.ndarray, j: np.ndarray):
         """(items, index into `slot` of each): the small items of slot[i] that count, up to position j[i]."""
         pos, grp = _ranges(self.start[slot], j + 1)
-        live = self.values[2][pos] > 0
+        live = self.live[pos]
         return self.items[pos[live]], grp[live]
 
     def moved(self, items: np.ndarray) -> None:
@@ -106,15 +106,16 @@ class _PayBack:
         items, pos = items[found], pos[found]
         if items.size == 0:
             return
-        for v in self.values:
-            v[pos] = 0.0
+        self.live[pos] = False
         slots = np.unique(self.slot_of[items])
         sizes = self.size[slots]
         pos, grp = _ranges(self.start[slots], self.start[slots] + sizes)
         first = np.cumsum(sizes) - sizes
-        for v, run, base in zip(self.values, self.sums, self.base):
-            within = np.cumsum(v[pos])
-            run[pos] = within - np.repeat(within[first] - v[pos][first], sizes) + base[slots][grp]
+        live, at = self.live[pos], self.items[pos]
+        for v, run, base in zip((self.tok[at] * live, self.cost[at] * live, live.astype(np.float64)), self.sums,
+                                self.base):
+            within = np.cumsum(v)
+            run[pos] = within - np.repeat(within[first] - v[first], sizes) + base[slots][grp]
 
 
 def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
