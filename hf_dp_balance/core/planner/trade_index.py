@@ -1,8 +1,8 @@
 """Indexes the trades of `trade.py` build once per call and patch per round (no O(n) work per round).
 
-`_PayBack`: every slot's small items (index order) as one segment of cumulative tokens / costs /
-items, so the fewest that free t tokens are one search of one sorted key. `_by_tokens`: the items
-a move may take, grouped by rank, fewest tokens first, so a round reads only those that fit.
+`_PayBack`: every slot's small items (index order) as running sums of tokens / costs / items, so
+the fewest that free t tokens are a bisection inside the slot. `_by_rank_and_cost`: items grouped
+by rank, cheapest first, under one sorted key, so the ones nearest a cost are a search away.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, 
     order), starts[r] where rank r's begin; key = rank + cost x scale (scale < 1 / (2 max cost)), sorted;
     a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them."""
     key = rank_of[items] + cost[items] * scale
-    o = np.argsort(key, kind="stable")  # runs of one rank each: the merge sort is near linear
+    o = np.argsort(key, kind="stable")  # grouped by rank already: timsort only orders each rank's stretch
     items, key = items[o], key[o]
     starts = np.zeros(num_ranks + 1, dtype=np.int64)
     np.cumsum(np.bincount(rank_of[items], minlength=num_ranks), out=starts[1:])
