@@ -64,6 +64,7 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     pay_back = _PayBack(order[tok_o <= cap * _SMALL], slot, tok, cost, S)
     overhead = cap * _OVERHEAD
     reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
+    failed_before = np.zeros(R, dtype=bool)
     R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max())) if R else 0
     for k in range(rounds):
         over = np.flatnonzero(state.load > limit)
@@ -86,11 +87,12 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
         # a rank that found no trade among its items nearest what it should shed tries twice as many next
         window = reach[h]
         traded = _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead)
-        if traded.size == 0 and bool(np.all(reach[h] >= R_items)):
-            return False
+        if traded.size == 0 and bool(np.all(failed_before[h] & (reach[h] >= R_items))):
+            return False  # every rank failed before and has now tried all its items
         stuck = np.ones(R, dtype=bool)
         stuck[traded] = False
         failed = np.unique(h[stuck[h]])
+        failed_before[failed] = True
         reach[failed] = np.minimum(reach[failed] * 2, R_items)
     return not np.any(state.load > limit)
 
