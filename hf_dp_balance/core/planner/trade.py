@@ -58,8 +58,8 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     large = _by_rank_and_cost(order[tok_o > cap * _LARGE], state.dest, cost, scale, R)
     large += (tok[large[0]], cost[large[0]], state.micro[large[0]])
     over_start = state.load > limit
-    rest_items = _by_rank_and_cost(order[(tok_o <= cap * _LARGE) & over_start[state.dest[order]]], state.dest,
-                                   cost, scale, R)
+    of_over = np.repeat(over_start, np.bincount(state.dest, minlength=R))  # along `order` (rank-major)
+    rest_items = _by_rank_and_cost(order[(tok_o <= cap * _LARGE) & of_over], state.dest, cost, scale, R)
     rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
     pay_back = _PayBack(order[tok_o <= cap * _SMALL], slot, tok, cost, S)
     overhead = cap * _OVERHEAD
