@@ -61,7 +61,7 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     of_over = np.repeat(over_start, np.bincount(state.dest, minlength=R))  # along `order` (rank-major)
     rest_items = _by_rank_and_cost(order[(tok_o <= cap * _LARGE) & of_over], state.dest, cost, scale, R)
     rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
-    pay_back = _PayBack(order[tok_o <= cap * _SMALL], slot, tok, cost, S)
+    pay_back = _PayBack(order, slot, tok, cost, S, cap * _SMALL, moved)
     overhead = cap * _OVERHEAD
     reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
     failed_before = np.zeros(R, dtype=bool)
@@ -191,7 +191,7 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     pa, g, pb, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need = (
         x[keep] for x in (pa, g, pb, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need))
     into = ll * M + m  # the receiving slot: the fewest of its small items (index order) that free enough
-    (back_tok, back_cost, n_back), j, feasible = pay_back.search(into, need)
+    (back_tok, back_cost, n_back), lo, j, feasible = pay_back.search(into, need)
     back_tok = np.where(feasible, back_tok, np.inf) + tb
     back_cost = back_cost + cb
     feasible &= back_tok <= ta + (cap - state.slot_tok[hl, ma])  # the pay-back fits a's slot on h
@@ -204,9 +204,8 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     useful = np.minimum(delta, excess[hl])
     score = np.where(feasible, useful / (ta + back_tok + overhead), -np.inf)
     # every candidate, the moves first (as they were tried first)
-    mv_into = l[go] * M + recv[go]
-    into = np.concatenate((mv_into, into))
-    j = np.concatenate((pay_back.start[mv_into] - 1, j))  # a move pays nothing back
+    lo = np.concatenate((np.zeros(go.size, dtype=np.int64), lo))  # a move pays nothing back
+    j = np.concatenate((np.full(go.size, -1, dtype=np.int64), j))
     a, g, b = np.concatenate((rest, a)), np.concatenate((go, g)), np.concatenate((np.full(rest.size, -1), b))
     m = np.concatenate((recv[go], m))
     score = np.concatenate((mv_score, score))
@@ -240,7 +239,7 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     np.minimum.at(taken, lr, np.arange(first.size))
     first = first[taken[lr] == np.arange(first.size)]
     # small pay-back of each chosen trade: its slot's prefix up to its position
-    paid, pg = pay_back.paid(into[first], j[first])
+    paid, pg = pay_back.paid(lo[first], j[first])
     with_b = np.flatnonzero(has_b[first])
     back = np.concatenate((paid, b[first][with_b]))
     back_of = np.concatenate((pg, with_b))
@@ -249,7 +248,6 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     _apply(state, np.concatenate((a[first], back)), to_rank, to_slot)
     moved[a[first]] = True
     moved[back] = True
-    pay_back.moved(np.concatenate((a[first], back)))
     return hl[first]
 
 

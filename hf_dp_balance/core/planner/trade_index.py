@@ -1,7 +1,7 @@
-"""Indexes the trades of `trade.py` build once per call and patch per round (no O(n) work per round).
+"""Indexes the trades of `trade.py` read (no O(n) work per round).
 
-`_PayBack`: every slot's small items (index order) as running sums of tokens / costs / items, so
-the fewest that free t tokens are a bisection inside the slot. `_by_rank_and_cost`: items grouped
+`_PayBack`: the small items (index order) of the slots a round searches as running sums of tokens
+and costs, so the fewest that free t tokens are a bisection inside the slot. `_by_rank_and_cost`: items grouped
 by rank, cheapest first, under one sorted key, so the ones nearest a cost are a search away.
 """
 
@@ -49,73 +49,56 @@ def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
 
 
 class _PayBack:
-    """Running sums of tokens / costs / items over the small items of every slot, in index order,
-    kept only for items that never moved (a moved item counts 0: it left the slot; arrivals moved too).
+    """The small items of the slots a round searches, in index order, as running sums of tokens /
+    costs: only items that never moved count (a moved item left its slot; arrivals moved too).
 
-    `items` are grouped by slot, slot s from start[s], size[s] of them; the running sums run over
-    all slots (no pass to restart them per slot): slot s's first k items sum to sum[start[s] + k - 1]
-    - sum[start[s] - 1] (`base`). A touched slot's sums are recomputed from its own base."""
+    Built per search from the items grouped by slot (`order`, `starts`) for the slots asked only:
+    after the bound of `_round` few candidates need a search (a few hundred slots of 32K at DP
+    4096 x 8), so an index of every slot would be mostly unread."""
 
-    def __init__(self, items: np.ndarray, slot_of: np.ndarray, tok: np.ndarray, cost: np.ndarray, num_slots: int):
-        # items: the small items grouped by slot, index order within one
-        self.items, self.slot_of, self.tok, self.cost = items, slot_of, tok, cost
-        self.size = np.bincount(slot_of[items], minlength=num_slots)
-        self.start = np.cumsum(self.size) - self.size
-        self.live = np.ones(items.size, dtype=bool)  # not moved (few arrays: each new one costs page faults)
-        self.sums = [np.cumsum(tok[items]), np.cumsum(cost[items]), np.arange(1.0, items.size + 1.0)]
-        before = self.start - 1  # the running sums before each slot
-        self.base = [np.where(before >= 0, run[np.maximum(before, 0)], 0.0) if run.size else np.zeros(num_slots)
-                     for run in self.sums]
+    def __init__(self, order: np.ndarray, slot_of: np.ndarray, tok: np.ndarray, cost: np.ndarray, num_slots: int,
+                 small: float, moved: np.ndarray):
+        self.order, self.tok, self.cost, self.small, self.moved = order, tok, cost, small, moved
+        self.starts = np.zeros(num_slots + 1, dtype=np.int64)
+        np.cumsum(np.bincount(slot_of, minlength=num_slots), out=self.starts[1:])
+        self.items = order[:0]  # the last search's small items, grouped by the slots it read
 
     def search(self, slot: np.ndarray, need: np.ndarray):
-        """(tokens, cost, items) of the fewest small items of `slot` (index order) that free `need`
-        tokens, the position of the last of them (start - 1 if none), and whether the slot has them."""
-        start = self.start[slot]
-        j, feasible = start - 1, need <= 0
-        sums = [np.zeros(slot.size) for _ in self.sums]
-        # only the candidates that need a pay-back, and whose slot holds enough, are searched
+        """((tokens, cost, count) of the fewest small items of `slot` (index order) that free `need`
+        tokens, the first and the last position of them in `items` (last = first - 1 if none),
+        whether the slot has them)."""
+        n = slot.size
+        sums = [np.zeros(n), np.zeros(n), np.zeros(n)]
+        lo, j, feasible = np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), need <= 0
         idx = np.flatnonzero(~feasible)
-        if idx.size == 0 or self.items.size == 0:
-            return sums, j, feasible
-        s = slot[idx]
-        lo, hi = start[idx], start[idx] + self.size[s]
-        run, base = self.sums[0], self.base[0][s]
-        goal = need[idx] + base
-        total = np.where(hi > lo, run[np.maximum(hi - 1, 0)], base)
-        ok = total >= goal
-        idx, s, lo, hi, goal = idx[ok], s[ok], lo[ok], hi[ok], goal[ok]
-        pos = _first_at_least(run, lo, hi, goal)  # below hi: the slot's total reaches the goal
-        j[idx] = pos
-        feasible[idx] = True
-        for out, run_k, base_k in zip(sums, self.sums, self.base):
-            out[idx] = run_k[pos] - base_k[s]
-        return sums, j, feasible
+        self.items = self.order[:0]
+        if idx.size == 0:
+            return sums, lo, j, feasible
+        used, inv = np.unique(slot[idx], return_inverse=True)
+        pos, grp = _ranges(self.starts[used], self.starts[used + 1])
+        items = self.order[pos]
+        keep = (self.tok[items] <= self.small) & ~self.moved[items]
+        items, grp = items[keep], grp[keep]
+        size = np.bincount(grp, minlength=used.size)
+        first = np.cumsum(size) - size
+        run_t, run_c = np.cumsum(self.tok[items]), np.cumsum(self.cost[items])
+        base_t = np.where(first > 0, run_t[np.maximum(first - 1, 0)], 0.0) if items.size else np.zeros(used.size)
+        base_c = np.where(first > 0, run_c[np.maximum(first - 1, 0)], 0.0) if items.size else np.zeros(used.size)
+        a, b = first[inv], first[inv] + size[inv]
+        p = _first_at_least(run_t, a, b, need[idx] + base_t[inv])
+        got = p < b
+        idx, inv, a, p = idx[got], inv[got], a[got], p[got]
+        lo[idx], j[idx], feasible[idx] = a, p, True
+        sums[0][idx] = run_t[p] - base_t[inv]
+        sums[1][idx] = run_c[p] - base_c[inv]
+        sums[2][idx] = p - a + 1
+        self.items = items
+        return sums, lo, j, feasible
 
-    def paid(self, slot: np.ndarray, j: np.ndarray):
-        """(items, index into `slot` of each): the small items of slot[i] that count, up to position j[i]."""
-        pos, grp = _ranges(self.start[slot], j + 1)
-        live = self.live[pos]
-        return self.items[pos[live]], grp[live]
-
-    def moved(self, items: np.ndarray) -> None:
-        """`items` left their slots: they count 0; their slots' running sums are recomputed."""
-        slots = self.slot_of[items]
-        pos = _first_at_least(self.items, self.start[slots], self.start[slots] + self.size[slots], items)
-        found = pos < self.start[slots] + self.size[slots]
-        found[found] = self.items[pos[found]] == items[found]  # the small ones (index order in a slot)
-        items, pos = items[found], pos[found]
-        if items.size == 0:
-            return
-        self.live[pos] = False
-        slots = np.unique(self.slot_of[items])
-        sizes = self.size[slots]
-        pos, grp = _ranges(self.start[slots], self.start[slots] + sizes)
-        first = np.cumsum(sizes) - sizes
-        live, at = self.live[pos], self.items[pos]
-        for v, run, base in zip((self.tok[at] * live, self.cost[at] * live, live.astype(np.float64)), self.sums,
-                                self.base):
-            within = np.cumsum(v)
-            run[pos] = within - np.repeat(within[first] - v[first], sizes) + base[slots][grp]
+    def paid(self, lo: np.ndarray, j: np.ndarray):
+        """(items, index of each into lo / j): the small items at positions lo[i]..j[i] of the last search."""
+        pos, grp = _ranges(lo, j + 1)
+        return self.items[pos], grp
 
 
 def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
