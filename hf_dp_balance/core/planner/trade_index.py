@@ -108,7 +108,6 @@ def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, 
     key = rank_of[items] + cost[items] * scale
     o = np.argsort(key, kind="stable")  # grouped by rank already: timsort only orders each rank's stretch
     items, key = items[o], key[o]
-    starts = np.zeros(num_ranks + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rank_of[items], minlength=num_ranks), out=starts[1:])
+    starts = np.searchsorted(key, np.arange(num_ranks + 1))  # cost x scale < 1/2: rank r starts at key r
     return items, starts, key, scale
 
