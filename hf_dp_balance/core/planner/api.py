@@ -155,7 +155,9 @@ def _step_violation(slot: np.ndarray, tok, cap, num_ranks: int, num_mb: int):
     if bad_cap is not None:
         r, m = divmod(bad_cap, num_mb)
         return slot_tok, f"slot (rank {r}, micro-batch {m}) holds {slot_tok[bad_cap]:.0f} tokens > cap {cap:.0f}", bad_cap
-    bad_empty = _first(np.bincount(slot, minlength=S) == 0) if slot.size >= S else None
+    # a slot holding tokens is not empty: count the items per slot only when one holds none
+    maybe_empty = slot.size >= S and (slot_tok is None or bool(slot_tok.min() <= 0))
+    bad_empty = _first(np.bincount(slot, minlength=S) == 0) if maybe_empty else None
     if bad_empty is not None:
         r, m = divmod(bad_empty, num_mb)
         return slot_tok, f"slot (rank {r}, micro-batch {m}) is empty", bad_empty
