@@ -122,7 +122,6 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     rest are topped up with the fewest small items of the receiving slot (index order) that make
     room for `a` (`_PayBack`). Everything paid back takes a's slot on h."""
     cap, M = state.cap, state.M
-    tok, cost = state.tokens, state.costs
     P = h.size
     l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large  # by rank, cheapest first within one
     excess = state.load - budget
@@ -188,8 +187,8 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     # sheds, room of l) / (t_a + t_b + need + overhead) below it, goes no further (no search)
     keep = _worth_searching(state, h, l, g, go, mv_score, need, ta, ca, tb, cb, hl, ll, ma, excess, limit, overhead,
                             has_b)
-    pa, g, pb, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need = (
-        x[keep] for x in (pa, g, pb, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need))
+    g, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need = (
+        x[keep] for x in (g, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need))
     into = ll * M + m  # the receiving slot: the fewest of its small items (index order) that free enough
     (back_tok, back_cost, n_back), lo, j, feasible = pay_back.search(into, need)
     back_tok = np.where(feasible, back_tok, np.inf) + tb
