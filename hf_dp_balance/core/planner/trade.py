@@ -160,9 +160,16 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     keep = _first_best(np.flatnonzero(ok), go, mv_score)
     pos, go, c_mv, mv_score = pos[keep], go[keep], c_mv[keep], mv_score[keep]
     rest = movable[pos]
+    # a large a scores at most min(c_a, what h sheds, room of l) / (t_a + overhead) whatever comes
+    # back: one below its pair's best move cannot win
+    best_move = np.full(P, -np.inf)
+    best_move[go] = mv_score
+    ll_a = l[ga]
+    bound = np.minimum(np.minimum(l_cost[pa], excess[h[ga]]), limit[ll_a] - state.load[ll_a]) / (l_tok[pa] + overhead)
+    ok = bound >= best_move[ga]
+    pa, ga, ll_a = pa[ok], ga[ok], ll_a[ok]
     # for a large a, the b of l whose cost is nearest below and above c_a - want, if it never
     # moved, and no b
-    ll_a = l[ga]
     p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
     lo_b, hi_b = l_starts[ll_a], l_starts[ll_a + 1]
     a_opts, g_opts, b_opts = [pa], [ga], [np.full(pa.size, -1, dtype=np.int64)]
