@@ -119,7 +119,7 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
         over_cap = slot_tok is not None and bool(np.any(slot_tok > cap))
         repack_gain = min_gain if over_cap else 0.0  # as in plan_balance
         rank, micro, path = _plan_slots(c, own, mb, tok, cap, spd, before, lb, num_mb, sync, tolerance, n,
-                                        repack_gain)
+                                        repack_gain, slot_tok)
     except _Infeasible as exc:
         if required is None:
             return keep("no feasible plan found; kept in place")
@@ -155,18 +155,22 @@ def _step_violation(slot: np.ndarray, tok, cap, num_ranks: int, num_mb: int):
     if bad_cap is not None:
         r, m = divmod(bad_cap, num_mb)
         return slot_tok, f"slot (rank {r}, micro-batch {m}) holds {slot_tok[bad_cap]:.0f} tokens > cap {cap:.0f}", bad_cap
-    bad_empty = _first(np.bincount(slot, minlength=S) == 0) if slot.size >= S else None
+    # a slot holding tokens is not empty: count the items per slot only when one holds none
+    maybe_empty = slot.size >= S and (slot_tok is None or bool(slot_tok.min() <= 0))
+    bad_empty = _first(np.bincount(slot, minlength=S) == 0) if maybe_empty else None
     if bad_empty is not None:
         r, m = divmod(bad_empty, num_mb)
         return slot_tok, f"slot (rank {r}, micro-batch {m}) is empty", bad_empty
     return slot_tok, None, None
 
 
-def _plan_slots(c, own, mb, tok, cap, spd, before, lb, num_mb, sync, tolerance, n, repack_gain):
-    """(dest rank, dest micro-batch, path) of every item; raises _Infeasible."""
+def _plan_slots(c, own, mb, tok, cap, spd, before, lb, num_mb, sync, tolerance, n, repack_gain, slot_tok=None):
+    """(dest rank, dest micro-batch, path) of every item; raises _Infeasible. `slot_tok`: the tokens
+    per slot when known (not counted again)."""
     need_all_slots = n >= spd.shape[0] * num_mb
     if sync == "step":
-        state = _State(c, tok, cap, spd, own, mb, num_mb, before.sum(axis=1), num_mb if need_all_slots else 0)
+        state = _State(c, tok, cap, spd, own, mb, num_mb, before.sum(axis=1), num_mb if need_all_slots else 0,
+                       slot_tok=slot_tok if tok is not None else None)
         state = _balance(state, lb * spd, tolerance, repack_gain=repack_gain)
         return state.dest, state.micro, state.path
     return _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots)

@@ -29,7 +29,8 @@ class _State:
     ranks need a minimum count.
     """
 
-    def __init__(self, costs, tokens, cap, speeds, dest, micro, num_slots, load, min_count, fixed=None):
+    def __init__(self, costs, tokens, cap, speeds, dest, micro, num_slots, load, min_count, fixed=None,
+                 slot_tok=None):
         R = speeds.shape[0]
         self.fixed = np.zeros(R) if fixed is None else fixed  # load that cannot move (prior_loads)
         self.costs = costs
@@ -42,8 +43,11 @@ class _State:
         self.load = load.copy()  # prior + costs per rank
         track = cap is not None or num_slots > 1
         self.tokens = tokens if tokens is not None else (np.ones(costs.shape[0]) if track else None)
-        self.slot_tok = (np.bincount(dest * num_slots + micro, weights=self.tokens, minlength=R * num_slots)
-                         .reshape(R, num_slots) if track else None)
+        if slot_tok is not None:  # the caller's tokens per slot (a copy: this state changes them)
+            self.slot_tok = np.array(slot_tok, dtype=np.float64).reshape(R, num_slots)
+        else:
+            self.slot_tok = (np.bincount(dest * num_slots + micro, weights=self.tokens, minlength=R * num_slots)
+                             .reshape(R, num_slots) if track else None)
         self.count = None if min_count <= 0 else np.bincount(dest, minlength=R)
         self.min_count = min_count
         self.path = "incremental"  # "repack" once the repack fallback re-placed it (Plan.path)

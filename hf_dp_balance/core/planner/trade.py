@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _PayBack, _ranges, _uint_key
 
 _ROUNDS = 24  # trade rounds at most (every round: at most one trade per over-full rank)
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
@@ -26,15 +27,17 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under their
     budget each (furthest under first; the partners shift every round). A trade sends a large
     item `a` of h (over cap x _LARGE tokens; first only the _WINDOW each side of the cost h should
-    shed, all of them once h found no trade that way) to l, into l's roomiest slot or in place of a large
-    item `b` of l that comes back; the receiving slot also pays back the fewest of its small
-    items (at most cap x _SMALL tokens each, index order) that make room for `a`. Everything
-    paid back takes a's slot on h, which must hold it. Kept per over-full rank: the trade with
-    the most load taken off h (no more than h is over its budget) per token sent (plus a fixed
-    cap x _OVERHEAD per trade), that does not put l over budget x (1 + tolerance / 2); each
-    rank under budget takes at most one trade per round. Items that moved once stay put.
-    Cost per round: O(large items of the pairs x options + items of the slots used) numpy,
-    no Python loop over items; one O(n) grouping by slot first.
+    shed, twice as many each time h found no trade, up to all of them) to l, into l's roomiest
+    slot or in place of a large item `b` of l that comes back; the receiving slot also pays back
+    the fewest of its small items (at most cap x _SMALL tokens each, index order) that make room
+    for `a`. Everything paid back takes a's slot on h, which must hold it. Smaller items of h (at
+    most cap x _LARGE tokens) move alone where they fit, as many nearest in cost. Kept per
+    over-full rank: the trade with the most load taken off h (no more than h is over its budget)
+    per token sent (plus a fixed cap x _OVERHEAD per trade), that does not put l over budget x
+    (1 + tolerance / 2); each rank under budget takes at most one trade per round. Items that
+    moved once stay put.
+    Cost per round: O(items of the pairs' windows x options) numpy, no Python loop over items and
+    no O(n) pass; first one O(n) grouping by slot and by rank and cost (near-linear sorts of runs).
     """
     cap = state.cap
     R, M = state.load.shape[0], state.M
@@ -44,28 +47,25 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     tok, cost = state.tokens, state.costs
     slot = state.dest * M + state.micro
     S = R * M
-    order = np.argsort(slot.astype(np.uint16 if S <= 1 << 16 else np.int64), kind="stable")
-    starts = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(np.bincount(slot, minlength=S), out=starts[1:])
+    order = np.argsort(_uint_key(slot, S), kind="stable")  # items grouped by slot, so by rank
     moved = np.zeros(cost.shape[0], dtype=bool)
-    # the items a move may take (at most cap x _LARGE tokens), grouped by rank as in `order`
-    fits = tok[order] <= cap * _LARGE
-    at_fit = np.concatenate(([0], np.cumsum(fits)))
-    rest_items = (order[fits], at_fit[starts[::M]])
-    small = tok <= cap * _SMALL
-    # the large items (few), grouped by rank, cheapest first within a rank (ties: index)
-    large_items = np.flatnonzero(tok > cap * _LARGE)
-    lr = state.dest[large_items]
-    large_items = large_items[np.lexsort((large_items, cost[large_items], lr))]
-    large_starts = np.zeros(R + 1, dtype=np.int64)
-    np.cumsum(np.bincount(lr, minlength=R), out=large_starts[1:])
     scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
-    # one sorted key of the large items: rank, then cost within it (searched for nearest costs)
-    large = (large_items, large_starts, state.dest[large_items] + cost[large_items] * scale, scale)
+    # the large items of every rank, and the items a move may take (at most cap x _LARGE tokens) of
+    # the ranks over the limit (no other rank ever sheds: a trade never puts one over), both grouped
+    # by rank, cheapest first within a rank: one sorted key each, rank + cost x scale
+    tok_o = tok[order]
+    # with the tokens, costs and slots of their items (a round reads these short arrays, not the step's)
+    large = _by_rank_and_cost(order[tok_o > cap * _LARGE], state.dest, cost, scale, R)
+    large += (tok[large[0]], cost[large[0]], state.micro[large[0]])
+    over_start = state.load > limit
+    of_over = np.repeat(over_start, np.bincount(state.dest, minlength=R))  # along `order` (rank-major)
+    rest_items = _by_rank_and_cost(order[(tok_o <= cap * _LARGE) & of_over], state.dest, cost, scale, R)
+    rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
+    pay_back = _PayBack(order, slot, tok, cost, S, cap * _SMALL, moved)
     overhead = cap * _OVERHEAD
-    wide = np.zeros(R, dtype=bool)  # ranks that try all their large items
-    R_items = int(np.diff(large_starts).max()) if R else 0
-    big = 4.0 * cap + 4.0  # separates the pairs' segments in one sorted key array
+    reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
+    failed_before = np.zeros(R, dtype=bool)
+    R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max())) if R else 0
     for k in range(rounds):
         over = np.flatnonzero(state.load > limit)
         if over.size == 0:
@@ -84,26 +84,17 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
         h = np.repeat(over[:P], K)
         # the partners shift from round to round: a pair that found no trade meets new ranks
         l = under[(np.repeat(idx, K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
-        # a rank that found no trade among its items nearest what it should shed tries all of them next
-        window = np.where(wide[h], R_items, _WINDOW)
-        traded = _round(state, h, l, window, budget, limit, order, starts, rest_items, large, moved, small,
-                        overhead, big)
-        if traded.size == 0 and bool(np.all(wide[h])):
-            return False
+        # a rank that found no trade among its items nearest what it should shed tries twice as many next
+        window = reach[h]
+        traded = _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead)
+        if traded.size == 0 and bool(np.all(failed_before[h] & (reach[h] >= R_items))):
+            return False  # every rank failed before and has now tried all its items
         stuck = np.ones(R, dtype=bool)
         stuck[traded] = False
-        wide[h[stuck[h]]] = True
+        failed = np.unique(h[stuck[h]])
+        failed_before[failed] = True
+        reach[failed] = np.minimum(reach[failed] * 2, R_items)
     return not np.any(state.load > limit)
-
-
-def _ranges(lo: np.ndarray, hi: np.ndarray):
-    """(positions, group of each): the concatenated index ranges [lo[g], hi[g]) of every group g."""
-    size = hi - lo
-    total = int(size.sum())
-    group = np.repeat(np.arange(lo.size), size)
-    first = np.cumsum(size) - size
-    pos = np.arange(total) - np.repeat(first, size) + np.repeat(lo, size)
-    return pos, group
 
 
 def _first_best(idx: np.ndarray, group: np.ndarray, score: np.ndarray) -> np.ndarray:
@@ -118,101 +109,97 @@ def _first_best(idx: np.ndarray, group: np.ndarray, score: np.ndarray) -> np.nda
     return idx[hit[np.concatenate(([True], g[hit][1:] != g[hit][:-1]))]]
 
 
-def _round(state, h, l, window, budget, limit, order, starts, rest_items, large, moved, small, overhead,
-           big) -> np.ndarray:
+def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead) -> np.ndarray:
     """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
     rank under budget in at most one; applies them; returns the ranks h that traded.
 
-    Trades tried: every other item `a` of h that fits l's roomiest slot moves there (h's first
-    partner only); the large items `a` of h (the `window` of each side of the cost h should shed;
-    all of them once h found no trade that way) into l's roomiest slot, and in place of the two
+    Trades tried: the other items `a` of h (the `window` each side of the cost h should shed, as
+    for the large ones) that fit l's roomiest slot move there (h's first partner only); the large
+    items `a` of h (the `window` each side of the cost h should shed; twice as many each time h
+    found no trade, up to all) into l's roomiest slot, and in place of the two
     large items `b` of l whose cost is nearest c_a - (what h should shed), b paid back (if it
     never moved). Moves need no pay-back and are scored apart (only a pair's best goes on); the
     rest are topped up with the fewest small items of the receiving slot (index order) that make
-    room for `a`. Everything paid back takes a's slot on h."""
+    room for `a` (`_PayBack`). Everything paid back takes a's slot on h."""
     cap, M = state.cap, state.M
-    tok, cost = state.tokens, state.costs
     P = h.size
-    l_order, l_starts, l_key, scale = large  # large items grouped by rank, cheapest first within a rank
+    l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large  # by rank, cheapest first within one
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
     # the large items of h whose cost is nearest `want` (W below, W above): a cheaper one sheds
     # less, a dearer one overshoots or needs a dearer b back (more tokens sent)
-    near = np.searchsorted(l_key, h + want * scale)
+    near = np.searchsorted(l_key, h + np.minimum(want * scale, 0.5))
     lo = np.maximum(near - window, l_starts[h])
     pos, ga = _ranges(lo, np.maximum(np.minimum(near + window, l_starts[h + 1]), lo))
-    give = l_order[pos]
-    ok = ~moved[give]
-    give, ga = give[ok], ga[ok]
+    ok = ~moved[l_order[pos]]
+    pa, ga = pos[ok], ga[ok]  # positions of the items a in `large`
     recv = np.argmin(state.slot_tok[l], axis=1)
     # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
     first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
-    movable, movable_starts = rest_items
-    pos, go = _ranges(movable_starts[h[first_partner]], movable_starts[h[first_partner] + 1])
-    rest = movable[pos]
-    go = first_partner[go]
-    ok = ~moved[rest] & (tok[rest] <= cap - state.slot_tok[l[go], recv[go]])
-    rest, go = rest[ok], go[ok]
-    if give.size + rest.size == 0:
+    movable, movable_starts, movable_key, mv_scale, mv_tok, mv_cost, mv_micro = rest_items
+    hf, lf = h[first_partner], l[first_partner]
+    room = cap - state.slot_tok[lf, recv[first_partner]]
+    # as for the large items: the `window` each side of the cost h should shed (for a cost that grows
+    # with the tokens, the best move is the cheapest that covers it, or the dearest one short of it)
+    near = np.searchsorted(movable_key, hf + np.minimum(want[first_partner] * mv_scale, 0.5))
+    wf = window[first_partner]
+    lo = np.maximum(near - wf, movable_starts[hf])
+    pos, gi = _ranges(lo, np.maximum(np.minimum(near + wf, movable_starts[hf + 1]), lo))
+    ok = ~moved[movable[pos]] & (mv_tok[pos] <= room[gi])
+    pos, go = pos[ok], first_partner[gi[ok]]
+    if pa.size + pos.size == 0:
         return h[:0]
     # moves need no pay-back (a fits l's roomiest slot as it is): scored without the segments below
     mv_h, mv_l = h[go], l[go]
-    t_mv, c_mv = tok[rest], cost[rest]
+    t_mv, c_mv = mv_tok[pos], mv_cost[pos]
     ok = (c_mv > 0) & (state.load[mv_l] + c_mv <= limit[mv_l])
     if state.count is not None:
         ok &= (state.count[mv_h] - 1 >= state.min_count) & (state.count[mv_l] + 1 >= state.min_count)
     mv_score = np.minimum(c_mv, excess[mv_h]) / (t_mv + overhead)
     # only a pair's best move can win (ties: the first), so only those go on
     keep = _first_best(np.flatnonzero(ok), go, mv_score)
-    rest, go, c_mv, mv_score = rest[keep], go[keep], c_mv[keep], mv_score[keep]
+    pos, go, c_mv, mv_score = pos[keep], go[keep], c_mv[keep], mv_score[keep]
+    rest = movable[pos]
+    # a large a scores at most min(c_a, what h sheds, room of l) / (t_a + overhead) whatever comes
+    # back: one below its pair's best move cannot win
+    best_move = np.full(P, -np.inf)
+    best_move[go] = mv_score
+    ll_a = l[ga]
+    bound = np.minimum(np.minimum(l_cost[pa], excess[h[ga]]), limit[ll_a] - state.load[ll_a]) / (l_tok[pa] + overhead)
+    ok = bound >= best_move[ga]
+    pa, ga, ll_a = pa[ok], ga[ok], ll_a[ok]
     # for a large a, the b of l whose cost is nearest below and above c_a - want, if it never
     # moved, and no b
-    p_hi = np.searchsorted(l_key, l[ga] + np.maximum(cost[give] - want[ga], 0.0) * scale)
-    a_opts, g_opts, b_opts = [give], [ga], [np.full(give.size, -1, dtype=np.int64)]
+    p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
+    lo_b, hi_b = l_starts[ll_a], l_starts[ll_a + 1]
+    a_opts, g_opts, b_opts = [pa], [ga], [np.full(pa.size, -1, dtype=np.int64)]
     for p_b in (p_hi - 1, p_hi):
-        inside = (p_b >= l_starts[l[ga]]) & (p_b < l_starts[l[ga] + 1])
+        inside = (p_b >= lo_b) & (p_b < hi_b)
         inside[inside] = ~moved[l_order[p_b[inside]]]
-        a_opts.append(give[inside])
+        a_opts.append(pa[inside])
         g_opts.append(ga[inside])
-        b_opts.append(l_order[p_b[inside]])
-    a, g, b = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
-    m = np.where(b >= 0, state.micro[np.maximum(b, 0)], recv[g])
-    # small pay-back: the slots of l that candidates use, each a segment of cumulative sums
-    sk = g * M + m
-    used = np.zeros(P * M, dtype=bool)  # the (pair, slot) keys in use, in order (no sort)
-    used[sk] = True
-    seg_keys = np.flatnonzero(used)
-    sid = (np.cumsum(used) - 1)[sk]
-    sl = l[seg_keys // M] * M + seg_keys % M  # the slot of l, as grouped in `order`
-    pos, grp = _ranges(starts[sl], starts[sl + 1])
-    pay = order[pos]
-    ok = small[pay] & ~moved[pay]
-    pay, grp = pay[ok], grp[ok]
-    Q = seg_keys.size
-    seg = np.bincount(grp, minlength=Q)
-    seg_start = np.cumsum(seg + 1) - (seg + 1)  # every segment starts with a 0 (no pay-back)
-    at = np.arange(pay.size) + np.repeat(seg_start + 1 - (np.cumsum(seg) - seg), seg)
-    ct = np.zeros(int(seg.sum()) + Q)
-    cc = np.zeros_like(ct)
-    ct[at] = tok[pay]
-    cc[at] = cost[pay]
-    ct, cc = np.cumsum(ct), np.cumsum(cc)
-    ct -= np.repeat(ct[seg_start], seg + 1)  # cumulative within each segment (its 0 entry is its base)
-    cc -= np.repeat(cc[seg_start], seg + 1)
-    key = ct + np.repeat(np.arange(Q) * big, seg + 1)
-    has_b = b >= 0
-    bsafe = np.maximum(b, 0)
-    tb = np.where(has_b, tok[bsafe], 0.0)
-    cb = np.where(has_b, cost[bsafe], 0.0)
-    ta, ca, ma = tok[a], cost[a], state.micro[a]
+        b_opts.append(p_b[inside])
+    pa, g, pb = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
+    has_b = pb >= 0
+    pbs = np.maximum(pb, 0)
+    a, b = l_order[pa], np.where(has_b, l_order[pbs], -1)
+    m = np.where(has_b, l_micro[pbs], recv[g])
+    tb = np.where(has_b, l_tok[pbs], 0.0)
+    cb = np.where(has_b, l_cost[pbs], 0.0)
+    ta, ca, ma = l_tok[pa], l_cost[pa], l_micro[pa]
     hl, ll = h[g], l[g]
     need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
-    j = np.searchsorted(key, need + sid * big, side="left")  # first prefix that frees enough
-    n_back = j - seg_start[sid]
-    feasible = n_back <= seg[sid]
-    j = np.minimum(j, key.size - 1)
-    back_tok = np.where(feasible, ct[j], np.inf) + tb
-    back_cost = cc[j] + cb
+    # only a pair's best can win: a candidate that needs no pay-back and scores below the pair's best
+    # move or such candidate, or one that needs a pay-back and scores at most min(c_a - c_b, what h
+    # sheds, room of l) / (t_a + t_b + need + overhead) below it, goes no further (no search)
+    keep = _worth_searching(state, h, l, g, go, mv_score, need, ta, ca, tb, cb, hl, ll, ma, excess, limit, overhead,
+                            has_b)
+    g, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need = (
+        x[keep] for x in (g, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need))
+    into = ll * M + m  # the receiving slot: the fewest of its small items (index order) that free enough
+    (back_tok, back_cost, n_back), lo, j, feasible = pay_back.search(into, need)
+    back_tok = np.where(feasible, back_tok, np.inf) + tb
+    back_cost = back_cost + cb
     feasible &= back_tok <= ta + (cap - state.slot_tok[hl, ma])  # the pay-back fits a's slot on h
     delta = ca - back_cost
     feasible &= (delta > 0) & (state.load[ll] + delta <= limit[ll])
@@ -223,15 +210,15 @@ def _round(state, h, l, window, budget, limit, order, starts, rest_items, large,
     useful = np.minimum(delta, excess[hl])
     score = np.where(feasible, useful / (ta + back_tok + overhead), -np.inf)
     # every candidate, the moves first (as they were tried first)
-    pay_lo = np.concatenate((np.zeros(rest.size, dtype=np.int64), seg_start[sid] + 1))
-    n_back = np.concatenate((np.zeros(rest.size, dtype=np.int64), n_back))
+    lo = np.concatenate((np.zeros(go.size, dtype=np.int64), lo))  # a move pays nothing back
+    j = np.concatenate((np.full(go.size, -1, dtype=np.int64), j))
     a, g, b = np.concatenate((rest, a)), np.concatenate((go, g)), np.concatenate((np.full(rest.size, -1), b))
     m = np.concatenate((recv[go], m))
     score = np.concatenate((mv_score, score))
     delta = np.concatenate((c_mv, delta))
     has_b = b >= 0
-    ma = state.micro[a]
-    hl, ll = h[g], l[g]
+    ma = np.concatenate((mv_micro[pos], ma))
+    hl, ll = np.concatenate((h[go], hl)), np.concatenate((l[go], ll))
     if not np.isfinite(score).any():
         return h[:0]
     # the best trade of every pair (ties: the first candidate); per over-full rank its best one,
@@ -257,12 +244,10 @@ def _round(state, h, l, window, budget, limit, order, starts, rest_items, large,
     taken = np.full(R, first.size, dtype=np.int64)
     np.minimum.at(taken, lr, np.arange(first.size))
     first = first[taken[lr] == np.arange(first.size)]
-    # small pay-back of each chosen trade: positions seg_start + 1 .. + n_back of its segment
-    ppos, pg = _ranges(pay_lo[first], pay_lo[first] + n_back[first])
-    item_at = np.full(key.size, -1, dtype=np.int64)
-    item_at[at] = pay
+    # small pay-back of each chosen trade: its slot's prefix up to its position
+    paid, pg = pay_back.paid(lo[first], j[first])
     with_b = np.flatnonzero(has_b[first])
-    back = np.concatenate((item_at[ppos], b[first][with_b]))
+    back = np.concatenate((paid, b[first][with_b]))
     back_of = np.concatenate((pg, with_b))
     to_rank = np.concatenate((ll[first], hl[first][back_of]))
     to_slot = np.concatenate((m[first], ma[first][back_of]))
@@ -270,6 +255,26 @@ def _round(state, h, l, window, budget, limit, order, starts, rest_items, large,
     moved[a[first]] = True
     moved[back] = True
     return hl[first]
+
+
+def _worth_searching(state, h, l, g, go, mv_score, need, ta, ca, tb, cb, hl, ll, ma, excess, limit, overhead,
+                     has_b) -> np.ndarray:
+    """Which candidates of `_round`'s large items can still be their pair's best (see there)."""
+    cap = state.cap
+    best = np.full(h.size, -np.inf)
+    best[go] = mv_score  # a pair's best move (one per pair at most)
+    zero = need <= 0
+    z = np.flatnonzero(zero)
+    dz, hz, lz = ca[z] - cb[z], hl[z], ll[z]
+    ok = (tb[z] <= ta[z] + (cap - state.slot_tok[hz, ma[z]])) & (dz > 0) & (state.load[lz] + dz <= limit[lz])
+    if state.count is not None:
+        n_all = has_b[z].astype(np.int64)
+        ok &= (state.count[hz] - 1 + n_all >= state.min_count) & (state.count[lz] + 1 - n_all >= state.min_count)
+    score = np.full(g.size, -np.inf)
+    score[z] = np.where(ok, np.minimum(dz, excess[hz]) / (ta[z] + tb[z] + overhead), -np.inf)
+    np.maximum.at(best, g[z], score[z])
+    bound = np.minimum(np.minimum(ca - cb, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + need + overhead)
+    return np.where(zero, np.isfinite(score) & (score >= best[g]), bound >= best[g])
 
 
 def _apply(state: _State, allx, rank, slot) -> None:

@@ -1,0 +1,113 @@
+"""Indexes the trades of `trade.py` read (no O(n) work per round).
+
+`_PayBack`: the small items (index order) of the slots a round searches as running sums of tokens
+and costs, so the fewest that free t tokens are a bisection inside the slot. `_by_rank_and_cost`: items grouped
+by rank, cheapest first, under one sorted key, so the ones nearest a cost are a search away.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _ranges(lo: np.ndarray, hi: np.ndarray):
+    """(positions, group of each): the concatenated index ranges [lo[g], hi[g]) of every group g."""
+    size = hi - lo
+    total = int(size.sum())
+    group = np.repeat(np.arange(lo.size), size)
+    first = np.cumsum(size) - size
+    pos = np.arange(total) - np.repeat(first, size) + np.repeat(lo, size)
+    return pos, group
+
+
+def _first_at_least(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, goal: np.ndarray) -> np.ndarray:
+    """For every i, the first position p in [lo[i], hi[i]) with values[p] >= goal[i] (hi[i] if
+    none), `values` ascending on each range: a bisection of all at once, each leaving as it
+    converges (the ranges here are slots, most of them short)."""
+    out = hi.copy()
+    todo = np.flatnonzero(lo < hi)
+    a, b, g = lo[todo], hi[todo], goal[todo]
+    while todo.size:
+        mid = (a + b) >> 1
+        short = values[mid] < g
+        a = np.where(short, mid + 1, a)
+        b = np.where(short, b, mid)
+        done = a >= b
+        if done.any():
+            out[todo[done]] = a[done]
+            keep = ~done
+            todo, a, b, g = todo[keep], a[keep], b[keep], g[keep]
+    return out
+
+
+def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
+    """`values` (non-negative integers < `below`) as the narrowest unsigned type: numpy's stable sort
+    of 8- / 16-bit keys is a radix sort (O(n)), much faster than its merge sort of wider ones."""
+    if below <= 1 << 16:
+        return values.astype(np.uint16)
+    return values.astype(np.int64)
+
+
+class _PayBack:
+    """The small items of the slots a round searches, in index order, as running sums of tokens /
+    costs: only items that never moved count (a moved item left its slot; arrivals moved too).
+
+    Built per search from the items grouped by slot (`order`, `starts`) for the slots asked only:
+    after the bound of `_round` few candidates need a search (a few hundred slots of 32K at DP
+    4096 x 8), so an index of every slot would be mostly unread."""
+
+    def __init__(self, order: np.ndarray, slot_of: np.ndarray, tok: np.ndarray, cost: np.ndarray, num_slots: int,
+                 small: float, moved: np.ndarray):
+        self.order, self.tok, self.cost, self.small, self.moved = order, tok, cost, small, moved
+        self.starts = np.zeros(num_slots + 1, dtype=np.int64)
+        np.cumsum(np.bincount(slot_of, minlength=num_slots), out=self.starts[1:])
+        self.items = order[:0]  # the last search's small items, grouped by the slots it read
+
+    def search(self, slot: np.ndarray, need: np.ndarray):
+        """((tokens, cost, count) of the fewest small items of `slot` (index order) that free `need`
+        tokens, the first and the last position of them in `items` (last = first - 1 if none),
+        whether the slot has them)."""
+        n = slot.size
+        sums = [np.zeros(n), np.zeros(n), np.zeros(n)]
+        lo, j, feasible = np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), need <= 0
+        idx = np.flatnonzero(~feasible)
+        self.items = self.order[:0]
+        if idx.size == 0:
+            return sums, lo, j, feasible
+        used, inv = np.unique(slot[idx], return_inverse=True)
+        pos, grp = _ranges(self.starts[used], self.starts[used + 1])
+        items = self.order[pos]
+        keep = (self.tok[items] <= self.small) & ~self.moved[items]
+        items, grp = items[keep], grp[keep]
+        size = np.bincount(grp, minlength=used.size)
+        first = np.cumsum(size) - size
+        run_t, run_c = np.cumsum(self.tok[items]), np.cumsum(self.cost[items])
+        base_t = np.where(first > 0, run_t[np.maximum(first - 1, 0)], 0.0) if items.size else np.zeros(used.size)
+        base_c = np.where(first > 0, run_c[np.maximum(first - 1, 0)], 0.0) if items.size else np.zeros(used.size)
+        a, b = first[inv], first[inv] + size[inv]
+        p = _first_at_least(run_t, a, b, need[idx] + base_t[inv])
+        got = p < b
+        idx, inv, a, p = idx[got], inv[got], a[got], p[got]
+        lo[idx], j[idx], feasible[idx] = a, p, True
+        sums[0][idx] = run_t[p] - base_t[inv]
+        sums[1][idx] = run_c[p] - base_c[inv]
+        sums[2][idx] = p - a + 1
+        self.items = items
+        return sums, lo, j, feasible
+
+    def paid(self, lo: np.ndarray, j: np.ndarray):
+        """(items, index of each into lo / j): the small items at positions lo[i]..j[i] of the last search."""
+        pos, grp = _ranges(lo, j + 1)
+        return self.items[pos], grp
+
+
+def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
+    """(items, starts, key, scale): `items` (grouped by rank) sorted by rank, then cost (ties: their
+    order), starts[r] where rank r's begin; key = rank + cost x scale (scale < 1 / (2 max cost)), sorted;
+    a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them."""
+    key = rank_of[items] + cost[items] * scale
+    o = np.argsort(key, kind="stable")  # grouped by rank already: timsort only orders each rank's stretch
+    items, key = items[o], key[o]
+    starts = np.searchsorted(key, np.arange(num_ranks + 1))  # cost x scale < 1/2: rank r starts at key r
+    return items, starts, key, scale
+
