@@ -20,8 +20,9 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
 
     Full-cap trades (`_full_cap_trades`) are for slots filled to the cap, where only exchanges help:
     they go first when most slots are full (`_trades_first`), else only after the incremental method.
-    With a strongly quadratic cost (`_lumpy`) they start with ladder trades of large items
-    (core/planner/chain.py), else with small-change trades (`_trade`). Moves
+    Going first, they start with ladder trades of large items (core/planner/chain.py) for a strongly
+    quadratic cost (`_lumpy`), with small-change trades (`_trade`) for a milder one; after the
+    incremental method, with ladder trades. Moves
     budget: when the incremental method or the trades end within twice the tolerance, the one
     that sends fewer tokens is kept and no repack runs (a repack sends most of the step again).
     A repack pools every item of a set of ranks (those still above the goal and the
@@ -47,7 +48,7 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     if first:
         # on `state` itself (no copy of the step's arrays): the incremental method below starts
         # from a fresh copy of `origin` instead when the trades find no plan
-        traded = _full_cap_trades(state, budget, tolerance, relocate, copy=False)
+        traded = _full_cap_trades(state, budget, tolerance, relocate, copy=False, ladder=_lumpy(origin))
         if traded is None:
             state = _copy_state(origin)
     if traded is not None and _fullest(traded, budget) <= goal:
@@ -99,19 +100,20 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     return _choose(tried, incremental, budget, tolerance, start, repack_gain)
 
 
-def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool = True):
+def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool = True,
+                     ladder: bool = True):
     """The plan for a placement whose slots are full, where only exchanges help; None when the start
     breaks the cap (a repair: the incremental method's token shedding does it) or no plan is found.
-    With a strongly quadratic cost (`_lumpy`): ladder trades (core/planner/chain.py), the incremental
-    method, then for what is left above the goal up to _RESIDUE_PASSES ladder trades at any cost per
-    token (items whose surplus just covers the excess) each with the incremental method. Else
-    small-change trades (`_trade`) and the incremental method. Then `_trade` again and polish. With
-    `copy` False it works on `origin` itself (spoilt when it returns None)."""
+    With `ladder`: ladder trades (core/planner/chain.py), the incremental method, then for what is
+    left above the goal up to _RESIDUE_PASSES ladder trades at any cost per token (items whose surplus
+    just covers the excess) each with the incremental method. Without: small-change trades (`_trade`)
+    and the incremental method (what a milder cost needs first: fewer tokens sent). Then `_trade`
+    again and polish. With `copy` False it works on `origin` itself (spoilt when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
     state = _copy_state(origin) if copy else origin
     try:
-        if _lumpy(state):
+        if ladder:
             _ladder_trades(state, budget, tolerance)
             state = _balance_incremental(state, budget, tolerance, relocate)
             for _ in range(_RESIDUE_PASSES):  # the small excess left: trades at any cost per token
