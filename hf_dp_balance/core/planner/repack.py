@@ -143,7 +143,7 @@ def _trades_first(state: _State) -> bool:
     return float(np.median(state.cap - state.slot_tok)) <= state.cap * _LARGE
 
 
-_LUMPY = 1.25  # large items cost at least this much more per token than the rest: ladder trades first
+_LUMPY = 2.0  # large items cost at least this much more per token than the rest: ladder trades first
 
 
 def _lumpy(state: _State) -> bool:
