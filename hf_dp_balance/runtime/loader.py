@@ -109,6 +109,7 @@ class BalancedLoader:
         # versions whose models are a prior (planned hedged); never removed, so a step costed with one is
         # hedged on every rank whenever its thread plans it, even after a fit has landed
         self._prior_versions: set = set()
+        self._probe = False  # prior-costed steps probe the cost's shape for a step-time fit (`set_cost_model`)
         self._balancing = bool(balancing)
         self._speed = float(speed)
         # The side groups and the watchdog belong to the run's SideChannel (a session's); a loader made alone
@@ -129,13 +130,16 @@ class BalancedLoader:
         self._active: Optional[StepStream] = None
 
     # -- settings from the main thread (read by the thread at the start of each step) ----------
-    def set_cost_model(self, cost_model: Any, vision: Any = None, prior: bool = False) -> None:
+    def set_cost_model(self, cost_model: Any, vision: Any = None, prior: bool = False, probe: bool = False) -> None:
         """Plan the steps prepared from now on with `cost_model.sample_costs(tokens)` per sample, plus
         `vision`'s cost of the sample's images when given (see `planning_costs`: give it when the vision
         tower is not balanced on its own). None as `cost_model` switches planning off. `prior`: the models
-        are a FLOP prior, not fitted to this machine (the warm-up): each step gets `core.hedge.probe_plan`'s
-        placement (token-balanced, or one that tells the fit how heavy attention is; never worse than the
-        token-balanced plan under the tokens, the prior and a 3x heavier attention share).
+        are a FLOP prior, not fitted to this machine (the warm-up): each step's placement holds up under
+        both the prior and the tokens (`core.hedge.hedged_plan`; never worse than the token-balanced plan
+        there). With `probe` as well (the fit will see only step times: `fit_mode="step_max"`) it is
+        `core.hedge.probe_plan`'s instead: token-balanced, or one that tells the fit how heavy attention is
+        (never worse than the token-balanced plan under the tokens, the prior and a 3x heavier attention
+        share). Per-rank fits see every rank's time, so they need no probing and keep the hedged plan.
 
         Every rank must make the same calls in the same order (the callback does: one broadcast fit):
         a step is balanced only when every rank costed its rows with the same call's models."""
@@ -144,6 +148,7 @@ class BalancedLoader:
             version = latest[2] + 1
             if prior:
                 self._prior_versions.add(version)  # before the models: a thread that sees the version finds it
+            self._probe = bool(probe)  # one value per run (the fit mode), the same on every rank
             self._speeds[version] = self._speeds[latest[2]]
             start = self._first_unprepared_step()
             if start is None:
@@ -311,7 +316,8 @@ class BalancedLoader:
 
     def _plan(self, work: StepWork, balance: bool, speeds: np.ndarray, hedge: bool = False):
         """`runtime.step_plan.plan_work` with this loader's world, config, sync and planner."""
-        return plan_work(work, balance, speeds, self._exchange.world_size, self.config, self.sync, self.plan_fn, hedge)
+        return plan_work(work, balance, speeds, self._exchange.world_size, self.config, self.sync, self.plan_fn, hedge,
+                         probe=self._probe)
 
     def _gather(self, step: int, prep: Optional[Prepared], error: Optional[str]):
         # Balance only when every rank's rows were costed by a model: a model that lands while a rank is

@@ -183,7 +183,8 @@ class BalanceSession:
                 # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with
                 # decoder + vision; before the fit the models are the prior and the loader hedges its plans.
                 target.set_cost_model(decoder, vision=None if self.config.vision else vision,
-                                      prior=self.fitter.planning_with_prior)
+                                      prior=self.fitter.planning_with_prior,
+                                      probe=self.fitter.fit_mode == "step_max")
                 if hasattr(target, "set_speed"):
                     target.set_speed(self.speed)
         balancer = self.vision_balancer

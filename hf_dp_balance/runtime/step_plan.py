@@ -12,7 +12,7 @@ import numpy as np
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core import steps as step_maths
-from hf_dp_balance.core.hedge import probe_plan
+from hf_dp_balance.core.hedge import hedged_plan, probe_plan
 from hf_dp_balance.core.steps import slot_loads
 from hf_dp_balance.runtime.step_rows import F_COST, F_TOKENS, StepWork, default_plan_fn, validate_plan
 
@@ -23,13 +23,15 @@ def token_cap(tokens: np.ndarray, num_slots: int, config: DPBalanceConfig, large
 
 
 def plan_work(work: StepWork, balance: bool, speeds: np.ndarray, world: int, config: DPBalanceConfig, sync: str,
-              plan_fn: Optional[Callable] = None, hedge: bool = False):
+              plan_fn: Optional[Callable] = None, hedge: bool = False, probe: bool = False):
     """(dest_rank, dest_micro, applied, reason, failure) from the work's start placement.
 
     `hedge`: the costs are a FLOP prior's (`BalancedLoader.set_cost_model(prior=True)`, the warm-up before
-    the first fit): the placement is `core.hedge.probe_plan`'s for the step (in turn token-balanced, the plan
-    for a heavier attention share, token-balanced, the prior's plan, each when it holds up as well as the
-    token-balanced one: the fit then sees slowest ranks of different shapes; one or two planner calls).
+    the first fit): the placement is `core.hedge.hedged_plan`'s (prior, blend, tokens or kept, whichever
+    holds up under both the prior and the tokens; three planner calls), or with `probe` (a step-time fit
+    follows) `core.hedge.probe_plan`'s for the step (in turn token-balanced, the plan for a heavier
+    attention share, token-balanced, the prior's plan, each when it holds up as well as the token-balanced
+    one: the fit then sees slowest ranks of different shapes; one or two planner calls).
     `failure` is the planner's error message, else None (`agree_plan` then makes every rank fall back together).
     """
     rows, num_micro = work.rows, work.num_micro
@@ -53,7 +55,11 @@ def plan_work(work: StepWork, balance: bool, speeds: np.ndarray, world: int, con
         def placement(p):
             return validate_plan(p.dest_rank, p.dest_micro_batch, rows.shape[0], world, num_micro)
 
-        if hedge:
+        if hedge and not probe:
+            dest_rank, dest_micro, which, scores = hedged_plan(lambda c: placement(plan(c)), rows[:, F_COST], tokens,
+                                                               owners, micro, world, num_micro, sync, spd)
+            applied, reason = which != "kept", f"FLOP prior, hedged: {which} plan (worst excess {min(scores):.3f})"
+        elif hedge:
             dest_rank, dest_micro, which, score = probe_plan(lambda c: placement(plan(c)), rows[:, F_COST], tokens,
                                                              work.step, world, num_micro, sync, spd)
             applied, reason = True, f"FLOP prior, hedged probe: {which} plan (worst excess {score:.3f})"

@@ -46,15 +46,19 @@ def test_the_queue_is_full_before_the_first_step_is_taken():
         assert got == {"model": 2, "none": 1}, got
 
 
-def _step_ids(rank, world, prior):
+def _step_ids(rank, world):
+    """{way: (this rank's ids, the step's reason)}: a fitted model, the prior hedged, the prior probing."""
     from hf_dp_balance.core.cost import CostModel
 
-    loader = _loader(rank, 1, None)
-    loader.set_cost_model(CostModel(quadratic=1e-2, linear=1.0), prior=prior)
-    (batches,) = list(loader.iter_steps())
-    (stats,) = loader.pop_stats()
-    loader.close()
-    return batches[0]["ids"], stats.reason
+    out = {}
+    for way, prior, probe in (("plain", False, False), ("hedged", True, False), ("probed", True, True)):
+        loader = _loader(rank, 1, None)
+        loader.set_cost_model(CostModel(quadratic=1e-2, linear=1.0), prior=prior, probe=probe)
+        (batches,) = list(loader.iter_steps())
+        (stats,) = loader.pop_stats()
+        loader.close()
+        out[way] = (batches[0]["ids"], stats.reason)
+    return out
 
 
 def _token_excess(per_rank_ids):
@@ -62,12 +66,16 @@ def _token_excess(per_rank_ids):
     return loads.max() / loads.mean() - 1.0
 
 
-def test_a_step_costed_by_the_prior_gets_the_hedged_plan():
-    plain = run_ranks(_step_ids, 3, False, timeout=120)
-    hedged = run_ranks(_step_ids, 3, True, timeout=120)
-    for ids in ([i for i, _ in plain], [i for i, _ in hedged]):  # every sample once either way
-        assert sorted(i for r in ids for i in r) == list(range(len(LENGTHS)))
-    assert all("hedged" in reason for _, reason in hedged) and not any("hedged" in r for _, r in plain)
+def test_a_step_costed_by_the_prior_gets_the_hedged_plan_and_probes_only_for_a_step_time_fit():
+    out = run_ranks(_step_ids, 3, timeout=120)
+    ways = {way: [o[way] for o in out] for way in ("plain", "hedged", "probed")}
+    for got in ways.values():  # every sample once, every way
+        assert sorted(i for ids, _ in got for i in ids) == list(range(len(LENGTHS)))
+    assert all("hedged:" in r and "probe" not in r for _, r in ways["hedged"]), ways["hedged"]
+    assert not any("hedged" in r for _, r in ways["plain"])
     # the prior's own plan leaves a rank > 50% above the mean in tokens; the hedged one < 20%
-    assert _token_excess([i for i, _ in plain]) > 0.5
-    assert _token_excess([i for i, _ in hedged]) < 0.2
+    assert _token_excess([i for i, _ in ways["plain"]]) > 0.5
+    assert _token_excess([i for i, _ in ways["hedged"]]) < 0.2
+    # a per-rank fit sees every rank's time: its warm-up keeps the hedged plan; a step-time fit sees only the
+    # slowest rank, so its warm-up probes the cost's shape (`core.hedge.probe_plan`), every rank alike
+    assert all("probe" in r for _, r in ways["probed"]) and len({r for _, r in ways["probed"]}) == 1
