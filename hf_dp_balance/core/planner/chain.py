@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.trade import _apply
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
@@ -367,20 +368,3 @@ def _place_intra(state, order, lo, hi, l, m):
             room[s] -= tk
             to[p] = s
     return items, to, ok
-
-
-def _apply(state: _State, items, rank, slot) -> None:
-    """Move `items` to (rank, slot) each, updating the sums."""
-    R, M = state.load.shape[0], state.M
-    src = state.dest[items]
-    c = state.costs[items]
-    state.load += np.bincount(rank, weights=c, minlength=R) - np.bincount(src, weights=c, minlength=R)
-    t = state.tokens[items]
-    flat = state.slot_tok.reshape(-1)
-    flat += (np.bincount(rank * M + slot, weights=t, minlength=R * M)
-             - np.bincount(src * M + state.micro[items], weights=t, minlength=R * M))
-    if state.count is not None:
-        state.count += np.bincount(rank, minlength=R) - np.bincount(src, minlength=R)
-    state.prev[items] = src
-    state.dest[items] = rank
-    state.micro[items] = slot
