@@ -1,0 +1,180 @@
+"""A user's right-padding collator on a tiny Qwen2-VL (flat `pixel_values`, one `image_grid_thw` row per image,
+mrope positions computed by the model), balanced by DPBalanceCallback: same losses and update as unbalanced."""
+
+import torch
+
+from hf_dp_balance.testing.spawn import run_ranks
+
+MULTIPLE = 16
+
+
+class RightPaddingVLMCollator:
+    """What a VLM user pads with: one sample per row, right padding to a multiple of 16, attention_mask,
+    the batch's images' patch rows concatenated in row order, their grids likewise; no position_ids."""
+
+    pad_to_multiple_of = MULTIPLE
+
+    def __init__(self, pad_token_id):
+        self.pad_token_id = pad_token_id
+        self.batches = []  # what the collator gave (the layout the balanced batches must keep)
+
+    def __call__(self, samples):
+        longest = max(int(s["input_ids"].numel()) for s in samples)
+        width = -(-longest // MULTIPLE) * MULTIPLE
+        fills = {"input_ids": self.pad_token_id, "labels": -100, "mm_token_type_ids": 0}
+        out = {k: torch.stack([torch.cat([s[k], s[k].new_full((width - s[k].numel(),), fill)]) for s in samples])
+               for k, fill in fills.items()}
+        out["attention_mask"] = (torch.arange(width)[None] < torch.tensor([[s["input_ids"].numel()] for s in samples])).long()
+        with_images = [s for s in samples if "pixel_values" in s]
+        if with_images:
+            out["pixel_values"] = torch.cat([s["pixel_values"].double() for s in with_images])
+            out["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
+        self.batches.append(out)
+        return out
+
+
+def _samples():
+    """24 samples (2 steps of 2 ranks x 3 x GA 2) with 0, 1 or 3 images; under the sequential sampler rank 1's
+    micro-batches of step 1 (samples 3-5, 9-11) are text only, so unbalanced it has no image at that step."""
+    from hf_dp_balance.testing.data import make_samples
+
+    kinds = ["image", "multi_image", "text", "text", "text", "text",
+             "text", "image", "image", "text", "text", "text",
+             "multi_image", "text", "image", "image", "text", "multi_image",
+             "text", "image", "text", "multi_image", "image", "text"]
+    out = []
+    for i, kind in enumerate(kinds):
+        sample = make_samples("qwen2_vl", (kind,), seed=i, text_tokens=8 + (37 * i) % 90, vision_tokens=12 + (5 * i) % 24)[0]
+        out.append({k: v for k, v in sample.items() if k in ("input_ids", "labels", "mm_token_type_ids",
+                                                             "pixel_values", "image_grid_thw")})
+    return out
+
+
+def _convert(obj, to):
+    """Tensors as numpy arrays across the process boundary (a returned tensor travels as shared memory)."""
+    if isinstance(obj, dict):
+        return {k: _convert(v, to) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_convert(v, to) for v in obj]
+    if to == "numpy" and isinstance(obj, torch.Tensor):
+        return obj.numpy()
+    if to == "torch" and type(obj).__module__ == "numpy" and hasattr(obj, "shape"):
+        return torch.from_numpy(obj)
+    return obj
+
+
+def _train(rank, world, outdir):
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from hf_dp_balance.testing.data import make_model
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    data = _samples()
+    tagged = [dict(s) for s in data]  # the originals, to identify the trained rows and their images
+
+    class KeepStats(DPBalanceCallback):
+        def _install_loader(self, train_dataloader, model, args):
+            loader = super()._install_loader(train_dataloader, model, args)
+            self.packed_input, self.stats, take = loader.packed_input, [], loader.pop_stats
+
+            def pop_stats():
+                out = take()
+                self.stats.extend(out)
+                return out
+
+            loader.pop_stats = pop_stats
+            self.kept = loader
+            return loader
+
+    def train(balanced):
+        model = make_model("qwen2_vl", seed=0, dtype=torch.float64)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        seen = []  # per forward: (input_ids, attention_mask, pixel rows, grids)
+        model.register_forward_pre_hook(lambda m, a, kw: seen.append(
+            {k: kw[k].detach().clone() for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
+             if kw.get(k) is not None} | {"keys": tuple(sorted(k for k, v in kw.items() if v is not None))}),
+            with_kwargs=True)
+        pad = getattr(model.config, "pad_token_id", None)
+        pad = pad if pad is not None else getattr(model.config.text_config, "pad_token_id", None) or 0
+        collator = RightPaddingVLMCollator(pad)
+        args = TrainingArguments(output_dir=f"{outdir}/{int(balanced)}", use_cpu=True, per_device_train_batch_size=3,
+                                 gradient_accumulation_steps=2, max_steps=2, optim="sgd", learning_rate=1.0,
+                                 max_grad_norm=0.0, report_to=[], logging_steps=1, save_strategy="no",
+                                 remove_unused_columns=False, train_sampling_strategy="sequential",
+                                 disable_tqdm=True, seed=0)
+        cb = KeepStats(DPBalanceConfig(timeout_s=60, min_gain=0.0, warmup_steps=0, vision=False),
+                       cost_model=CostModel(quadratic=1.0, linear=20.0))
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
+                          callbacks=[cb] if balanced else [])
+        trainer.train()
+        if balanced:
+            cb.kept.pop_stats()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        update = {n: p.detach() - start[n] for n, p in model.named_parameters()}
+        return update, cb, losses, seen, pad
+
+    ref, _, ref_losses, ref_seen, _ = train(False)
+    bal, cb, losses, seen, pad = train(True)
+    num = sum(float((bal[n] - ref[n]).norm() ** 2) for n in ref) ** 0.5
+    den = sum(float(ref[n].norm() ** 2) for n in ref) ** 0.5
+    # which samples each forward trained: a row's real tokens identify the sample (all distinct)
+    index = {tuple(s["input_ids"].tolist()): i for i, s in enumerate(tagged)}
+    trained = []
+    for batch in seen:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        rows = [tuple(ids[r][mask[r].bool()].tolist()) for r in range(ids.shape[0])]
+        trained.append([index.get(row, -1) for row in rows])
+    return _convert({"update_rel": num / den, "update_norm": den, "loss_gap": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "n_losses": (len(losses), len(ref_losses)), "stats": [(s.moved_samples, s.plan_hash) for s in cb.stats],
+            "kind": cb.packed_input.kind, "trained": trained, "ref_trained": [
+                [index.get(tuple(b["input_ids"][r][b["attention_mask"][r].bool()].tolist()), -1)
+                 for r in range(b["input_ids"].shape[0])] for b in ref_seen],
+            "seen": seen, "ref_images": [int(b.get("image_grid_thw", torch.zeros(0, 3)).shape[0]) for b in ref_seen],
+            "pad": pad, "grids": {i: s.get("image_grid_thw") for i, s in enumerate(tagged)},
+            "pixels": {i: s.get("pixel_values") for i, s in enumerate(tagged)}}, "numpy")
+
+
+def test_a_right_padding_vlm_collator_balanced_trains_as_unbalanced_with_its_images_and_layout(tmp_path):
+    from hf_dp_balance.core.unpacking import INPUT_PADDED
+
+    results = [_convert(r, "torch") for r in run_ranks(_train, 2, str(tmp_path), timeout=300)]
+    for rank, res in enumerate(results):
+        assert res["kind"] == INPUT_PADDED
+        assert res["update_norm"] > 0 and res["update_rel"] < 1e-9, (rank, res["update_rel"])
+        # Trainer logs the loss through a float32 round: 1e-5 is a few ulps of a loss near 6
+        assert res["n_losses"] == (2, 2) and res["loss_gap"] < 1e-5, (rank, res["loss_gap"])
+        assert len(res["stats"]) == 2
+        for batch in res["seen"]:  # the user's layout: padded rows, right padding, width a multiple of 16
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            assert "position_ids" not in batch["keys"], batch["keys"]
+            assert ids.shape[1] % MULTIPLE == 0 and ids.shape == mask.shape
+            lengths = mask.sum(1)
+            assert torch.equal(mask, (torch.arange(ids.shape[1])[None] < lengths[:, None]).to(mask.dtype))
+            assert bool((ids[~mask.bool()] == res["pad"]).all())
+        for batch, samples in zip(res["seen"], res["trained"]):  # each row's patches and grids travel with it
+            assert -1 not in samples, samples
+            grids = [res["grids"][i] for i in samples if res["grids"][i] is not None]
+            pixels = [res["pixels"][i] for i in samples if res["pixels"][i] is not None]
+            if grids:
+                assert torch.equal(batch["image_grid_thw"], torch.cat(grids))
+                assert torch.equal(batch["pixel_values"], torch.cat(pixels).double())
+            else:
+                assert "pixel_values" not in batch["keys"] and "image_grid_thw" not in batch["keys"]
+    assert results[0]["stats"] == results[1]["stats"]  # one plan on every rank
+    assert sum(moved for moved, _ in results[0]["stats"]) > 0
+    # every sample trained exactly once per step, on some rank; unbalanced, rank 1 has no image at step 1
+    for res_list in (("trained",), ("ref_trained",)):
+        key = res_list[0]
+        per_step = [sorted(i for res in results for b in res[key][2 * s:2 * s + 2] for i in b) for s in range(2)]
+        assert per_step == [list(range(12)), list(range(12, 24))], (key, per_step)
+    assert results[1]["ref_images"][:2] == [0, 0], results[1]["ref_images"]
+    # balanced too, some micro-batch goes without an image (the vision tower idle on that rank): no hang
+    assert any("pixel_values" not in b["keys"] for res in results for b in res["seen"])
+    print("update_rel", [r["update_rel"] for r in results], "loss_gap", [r["loss_gap"] for r in results],
+          "moved", [m for m, _ in results[0]["stats"]], "trained", [r["trained"] for r in results])
+    assert results[0]["trained"] != results[0]["ref_trained"] or results[1]["trained"] != results[1]["ref_trained"]
