@@ -6,6 +6,7 @@ import torch
 from hf_dp_balance.testing.spawn import run_ranks
 
 MULTIPLE = 16
+DUMMY = "dummy"
 
 
 class PaddingVLMCollator:
@@ -119,14 +120,15 @@ def _train(rank, world, outdir, side):
             cb.kept.pop_stats()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         update = {n: p.detach() - start[n] for n, p in model.named_parameters()}
-        return update, cb, losses, seen, pad
+        return update, cb, losses, seen, pad, model.config.image_token_id
 
-    ref, _, ref_losses, ref_seen, _ = train(False)
-    bal, cb, losses, seen, pad = train(True)
+    ref, _, ref_losses, ref_seen, _, _ = train(False)
+    bal, cb, losses, seen, pad, model_config_image_token = train(True)
     num = sum(float((bal[n] - ref[n]).norm() ** 2) for n in ref) ** 0.5
     den = sum(float(ref[n].norm() ** 2) for n in ref) ** 0.5
     # which samples each forward trained: a row's real tokens identify the sample (all distinct)
     index = {tuple(s["input_ids"].tolist()): i for i, s in enumerate(tagged)}
+    index[(int(model_config_image_token),)] = DUMMY  # the library's dummy image row (labels -100)
     trained = []
     for batch in seen:
         ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -174,25 +176,66 @@ def _check(results, side):
             want = at < lengths[:, None] if side == "right" else at >= ids.shape[1] - lengths[:, None]
             assert torch.equal(mask, want.to(mask.dtype)), (side, mask)
             assert bool((ids[~mask.bool()] == res["pad"]).all())
-        for batch, samples in zip(res["seen"], res["trained"]):  # each row's patches and grids travel with it
-            assert -1 not in samples, samples
+        for batch, rows in zip(res["seen"], res["trained"]):  # each row's patches and grids travel with it
+            assert -1 not in rows, rows
+            samples = [i for i in rows if i != DUMMY]
             grids = [res["grids"][i] for i in samples if res["grids"][i] is not None]
             pixels = [res["pixels"][i] for i in samples if res["pixels"][i] is not None]
             if grids:
+                assert DUMMY not in rows
                 assert torch.equal(batch["image_grid_thw"], torch.cat(grids))
                 assert torch.equal(batch["pixel_values"], torch.cat(pixels).double())
-            else:
-                assert "pixel_values" not in batch["keys"] and "image_grid_thw" not in batch["keys"]
+            else:  # no image among its samples: the dummy image's row, so the vision tower runs on this rank too
+                assert rows.count(DUMMY) == 1 and batch["image_grid_thw"].shape == (1, 3), rows
     assert results[0]["stats"] == results[1]["stats"]  # one plan on every rank
     assert sum(moved for moved, _ in results[0]["stats"]) > 0
     # every sample trained exactly once per step, on some rank; unbalanced, rank 1 has no image at step 1
     for res_list in (("trained",), ("ref_trained",)):
         key = res_list[0]
-        per_step = [sorted(i for res in results for b in res[key][2 * s:2 * s + 2] for i in b) for s in range(2)]
+        per_step = [sorted(i for res in results for b in res[key][2 * s:2 * s + 2] for i in b if i != DUMMY)
+                    for s in range(2)]
         assert per_step == [list(range(12)), list(range(12, 24))], (key, per_step)
     assert results[1]["ref_images"][:2] == [0, 0], results[1]["ref_images"]
-    # balanced too, some micro-batch goes without an image (the vision tower idle on that rank): no hang
-    assert any("pixel_values" not in b["keys"] for res in results for b in res["seen"])
+    # balanced, some micro-batch's samples have no image (it gets the dummy row) and the unbalanced one's has none
+    assert any(DUMMY in rows for res in results for rows in res["trained"])
+    assert all("pixel_values" in b["keys"] for res in results for b in res["seen"])
     print(side, "update_rel", [r["update_rel"] for r in results], "loss_gap", [r["loss_gap"] for r in results],
           "moved", [m for m, _ in results[0]["stats"]], "trained", [r["trained"] for r in results])
     assert results[0]["trained"] != results[0]["ref_trained"] or results[1]["trained"] != results[1]["ref_trained"]
+
+
+def _train_without_unused_parameters(rank, world, outdir):
+    """ddp_find_unused_parameters=False (Trainer's choice under gradient checkpointing), every micro-batch with
+    one image unbalanced: a balanced micro-batch left with text only must still run the vision tower."""
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from hf_dp_balance.testing.data import make_model, make_samples
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    keep = ("input_ids", "labels", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+    data = [{k: v for k, v in make_samples("qwen2_vl", (kind,), seed=i, text_tokens=(8, 120, 100, 8, 8, 8)[i % 6],
+                                           vision_tokens=4)[0].items() if k in keep}
+            for i, kind in enumerate(["image", "text", "text"] * 4)]
+    model = make_model("qwen2_vl", seed=0, dtype=torch.float64)
+    images = []
+    model.register_forward_pre_hook(lambda m, a, kw: images.append(kw.get("pixel_values") is not None), with_kwargs=True)
+    args = TrainingArguments(output_dir=outdir, use_cpu=True, per_device_train_batch_size=3, max_steps=2, optim="sgd",
+                             report_to=[], save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
+                             train_sampling_strategy="sequential", ddp_find_unused_parameters=False)
+    cb = DPBalanceCallback(DPBalanceConfig(timeout_s=30, min_gain=0.0, warmup_steps=0),
+                           cost_model=CostModel(quadratic=1.0, linear=20.0))
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=PaddingVLMCollator(0, "right"),
+                      callbacks=[cb])
+    trainer.train()
+    return trainer.state.global_step, images
+
+
+def test_a_balanced_padded_vlm_batch_without_images_runs_the_tower_under_ddp_without_unused_parameter_search(tmp_path):
+    """Without the dummy image row, both ranks waited past the timeout (rank 0's tower had no gradients)."""
+    for steps, images in run_ranks(_train_without_unused_parameters, 2, str(tmp_path), timeout=120):
+        assert steps == 2 and images == [True, True], (steps, images)
