@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from hf_dp_balance.core.boundaries import boundaries_from_cu_seq_lens, segment_boundaries
+from hf_dp_balance.core.dummy_vision import needs_dummy_vision
 from hf_dp_balance.core.families import IGNORE_INDEX, QWEN_FAMILIES
 from hf_dp_balance.core.packing import REQUIRED_KEYS, SAMPLE_TENSOR_KEYS, family_of
 from hf_dp_balance.core.padded_rows import aligned, real_span, repad, split_padded
@@ -290,7 +291,7 @@ def repack(samples: Sequence[Mapping[str, Any]], layout: PackedLayout, collate: 
     rebuilt from the boundaries. Padded rows: one row per sample, padded on the user's side (`repad`), or,
     with `layout.output == "packed"`, one padding-free row of restarting positions."""
     if layout.kind == INPUT_PADDED and layout.output == "padded":
-        return _repad(samples, layout, pad_token_id)
+        return _repad(samples, layout, pad_token_id, getattr(collate, "dummy_vision", None))
     lengths = [int(s["input_ids"].numel()) for s in samples]
     if layout.rows == 1 or layout.kind == INPUT_PADDED:
         groups = [list(range(len(samples)))]
@@ -309,7 +310,12 @@ def repack(samples: Sequence[Mapping[str, Any]], layout: PackedLayout, collate: 
     return _layout_keys(batch, layout, qwen)
 
 
-def _repad(samples: Sequence[Mapping[str, Any]], layout: PackedLayout, pad_token_id: int) -> dict:
+def _repad(samples: Sequence[Mapping[str, Any]], layout: PackedLayout, pad_token_id: int,
+           dummy_vision: Optional[Mapping[str, Any]] = None) -> dict:
+    """Padded rows; with no image or video among the samples, `dummy_vision` (a VLM's, labels all -100) as one
+    more row, so the vision tower runs on this rank too (DDP without find_unused_parameters waits otherwise)."""
+    if dummy_vision is not None and needs_dummy_vision(samples):
+        samples = list(samples) + [dummy_vision]
     longest = max((int(s["input_ids"].numel()) for s in samples), default=1)
     pos_dtype = layout.dtype("position_ids") if "position_ids" in layout.keys else None
     batch = repad(samples, TOKEN_KEYS, side=layout.side or "right", width=aligned(longest, layout.multiple),

@@ -272,3 +272,22 @@ def test_padded_rows_packed_padding_free_give_the_padded_loss_and_gradients(setu
     assert n_a == n_b
     assert abs(loss_a - loss_b) <= 1e-6 * abs(loss_a)
     assert float((grad_a - grad_b).norm() / grad_a.norm()) < 1e-6
+
+
+def test_padded_vlm_rows_with_no_image_come_back_with_the_dummy_image_row_so_the_tower_runs(setup):
+    from hf_dp_balance.core.padded_rows import repad
+
+    config, collator, samples = setup("qwen2_vl")
+    keys = ("input_ids", "labels", "mm_token_type_ids")
+    batch = repad(samples[:2], keys, side="right", width=8, pad_token_id=PAD, mask_dtype=torch.long, position_dtype=None)
+    batch.update(pixel_values=samples[1]["pixel_values"], image_grid_thw=samples[1]["image_grid_thw"])  # text, image
+    layout = layout_of(batch, multiple=8)
+    text, image = split_packed(batch, config)
+    assert torch.equal(image["image_grid_thw"], samples[1]["image_grid_thw"])
+    alone = repack([text], layout, collator, PAD)
+    assert alone["input_ids"].shape[0] == 2  # the text row and the dummy image's row, labels all -100
+    assert bool((alone["labels"][1] == IGNORE_INDEX).all()) and int(alone["attention_mask"][1].sum()) == 1
+    assert torch.equal(alone["image_grid_thw"], collator.dummy_vision["image_grid_thw"])
+    assert int((alone["input_ids"] == config.image_token_id).sum()) == 1
+    with_image = repack([text, image], layout, collator, PAD)
+    assert with_image["input_ids"].shape[0] == 2 and torch.equal(with_image["image_grid_thw"], samples[1]["image_grid_thw"])
