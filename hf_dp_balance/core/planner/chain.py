@@ -19,6 +19,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
 from hf_dp_balance.core.planner.trade import _apply
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _ranges
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
@@ -96,10 +97,8 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     by = np.argsort(key, kind="stable")
     lad.large, lad.surplus_key, lad.surplus_scale, lad.near = large[by], key[by], scale, near
     lad.l_starts = np.searchsorted(state.dest[lad.large], np.arange(R + 1))
-    lad.cost_scale = 1.0 / (float(cost[large].max()) * 2.0 + 2.0)
-    key = state.dest[large] + cost[large] * lad.cost_scale
-    by = np.argsort(key, kind="stable")
-    lad.by_cost, lad.cost_key = large[by], key[by]
+    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(
+        large, state.dest, cost, 1.0 / (float(cost[large].max()) * 2.0 + 2.0), R)
     overhead = cap * _OVERHEAD
     min_rate = min_rate * float(cost.sum()) / max(float(tok.sum()), 1e-300)
     idle = 0
@@ -301,7 +300,7 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     cap = state.cap
     size = n_back
     first = np.cumsum(size) - size
-    pos = np.arange(int(size.sum())) - np.repeat(first, size) + np.repeat(base, size)
+    pos, of = _ranges(base, base + size)
     back = order[pos]
     to = np.repeat(ma, size)
     ok = np.ones(h.size, dtype=bool)
@@ -311,7 +310,7 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     cum = np.cumsum(state.tokens[back])
     cum -= np.repeat(np.concatenate(([0.0], cum))[first], size)  # within each trade
     spills = np.zeros(h.size, dtype=bool)
-    spills[np.repeat(np.arange(h.size), size)[cum > np.repeat(room_ma, size)]] = True
+    spills[of[cum > room_ma[of]]] = True
     for t in np.flatnonzero(spills):
         # the rest goes to h's other slots, roomiest first (few trades: a Python loop over their items)
         room = cap - state.slot_tok[h[t]].astype(np.float64)
@@ -334,7 +333,8 @@ def _place_intra(state, order, lo, hi, l, m):
     cap = state.cap
     size = hi - lo
     first = np.cumsum(size) - size
-    items = order[np.arange(int(size.sum())) - np.repeat(first, size) + np.repeat(lo, size)]
+    pos, of = _ranges(lo, hi)
+    items = order[pos]
     ok = np.ones(l.size, dtype=bool)
     # next fit over l's other slots, roomiest first, in ladder order (one search), checked per slot
     T = l.size
@@ -343,7 +343,6 @@ def _place_intra(state, order, lo, hi, l, m):
     by_room = np.argsort(-room, axis=1, kind="stable")
     rooms = np.take_along_axis(room, by_room, axis=1)
     Mx = room.shape[1]
-    of = np.repeat(np.arange(T), size)
     t_items = state.tokens[items]
     end = np.cumsum(t_items)
     end -= np.repeat(np.concatenate(([0.0], end))[first], size)  # within each trade
