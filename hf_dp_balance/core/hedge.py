@@ -12,7 +12,8 @@ the hypotheses, so its largest value is at a hypothesis itself), and its score i
 candidate's: the token-balanced plan, the loader's stand-in for fixed-length packing, among them.
 Cost: O(hypotheses x candidates x samples).
 
-Warm-up steps are placed by `probe_plan` instead: the step-time fit only sees the slowest rank, and a plan
+Warm-up steps before a step-time fit (FSDP / ZeRO-3: `fit_mode="step_max"`) are placed by `probe_plan`
+instead; per-rank fits see every rank's time and keep `hedged_plan`. The step-time fit only sees the slowest rank, and a plan
 balanced under the prior makes that rank's work look alike on every step (or a long indivisible sample
 pins it), which leaves the attention term to the prior. The steps cycle through plans for three shapes of
 cost (`PROBE_CYCLE`): the tokens (the slowest rank is then the one with the most attention work at equal
