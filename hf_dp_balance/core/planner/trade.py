@@ -48,20 +48,23 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     slot = state.dest * M + state.micro
     S = R * M
     order = np.argsort(_uint_key(slot, S), kind="stable")  # items grouped by slot, so by rank
+    slot_starts = np.zeros(S + 1, dtype=np.int64)  # where each slot's items begin along `order`
+    np.cumsum(np.bincount(slot, minlength=S), out=slot_starts[1:])
     moved = np.zeros(cost.shape[0], dtype=bool)
     scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
     # the large items of every rank, and the items a move may take (at most cap x _LARGE tokens) of
     # the ranks over the limit (no other rank ever sheds: a trade never puts one over), both grouped
     # by rank, cheapest first within a rank: one sorted key each, rank + cost x scale
-    tok_o = tok[order]
+    is_large = tok[order] > cap * _LARGE
     # with the tokens, costs and slots of their items (a round reads these short arrays, not the step's)
-    large = _by_rank_and_cost(order[tok_o > cap * _LARGE], state.dest, cost, scale, R)
+    large = _by_rank_and_cost(order[is_large], state.dest, cost, scale, R)
     large += (tok[large[0]], cost[large[0]], state.micro[large[0]])
-    over_start = state.load > limit
-    of_over = np.repeat(over_start, np.bincount(state.dest, minlength=R))  # along `order` (rank-major)
-    rest_items = _by_rank_and_cost(order[(tok_o <= cap * _LARGE) & of_over], state.dest, cost, scale, R)
+    over_start = np.flatnonzero(state.load > limit)
+    rank_starts = slot_starts[::M]  # `order` is rank-major: a rank's items are one stretch of it
+    at, _ = _ranges(rank_starts[over_start], rank_starts[over_start + 1])
+    rest_items = _by_rank_and_cost(order[at[~is_large[at]]], state.dest, cost, scale, R)
     rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
-    pay_back = _PayBack(order, slot, tok, cost, S, cap * _SMALL, moved)
+    pay_back = _PayBack(order, slot_starts, tok, cost, cap * _SMALL, moved)
     overhead = cap * _OVERHEAD
     reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
     failed_before = np.zeros(R, dtype=bool)
