@@ -77,9 +77,10 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
         if under.size == 0:
             return False
         excess = state.load[over] - budget[over]
-        over = over[np.lexsort((over, -excess))]
+        # most over first (ties: lowest rank; `over` and `under` ascend, so a stable sort keeps that)
+        over = over[np.argsort(-excess, kind="stable")]
         room_under = limit[under] - state.load[under]
-        under = under[np.lexsort((under, -room_under))]
+        under = under[np.argsort(-room_under, kind="stable")]
         P = min(over.size, under.size)
         # every over-full rank looks at _PARTNERS ranks under budget, from its own place in that order
         K = min(_PARTNERS, under.size)
@@ -94,7 +95,7 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
             return False  # every rank failed before and has now tried all its items
         stuck = np.ones(R, dtype=bool)
         stuck[traded] = False
-        failed = np.unique(h[stuck[h]])
+        failed = h[stuck[h]]  # repeats are harmless: every copy writes the same value
         failed_before[failed] = True
         reach[failed] = np.minimum(reach[failed] * 2, R_items)
     return not np.any(state.load > limit)
@@ -182,13 +183,14 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
         a_opts.append(pa[inside])
         g_opts.append(ga[inside])
         b_opts.append(p_b[inside])
+    alone = pa.size  # the options without a b come first
     pa, g, pb = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
     has_b = pb >= 0
     pbs = np.maximum(pb, 0)
-    a, b = l_order[pa], np.where(has_b, l_order[pbs], -1)
-    m = np.where(has_b, l_micro[pbs], recv[g])
-    tb = np.where(has_b, l_tok[pbs], 0.0)
-    cb = np.where(has_b, l_cost[pbs], 0.0)
+    b_pos = pb[alone:]
+    m = np.concatenate((recv[g[:alone]], l_micro[b_pos]))
+    tb = np.concatenate((np.zeros(alone), l_tok[b_pos]))
+    cb = np.concatenate((np.zeros(alone), l_cost[b_pos]))
     ta, ca, ma = l_tok[pa], l_cost[pa], l_micro[pa]
     hl, ll = h[g], l[g]
     need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
@@ -197,8 +199,10 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     # sheds, room of l) / (t_a + t_b + need + overhead) below it, goes no further (no search)
     keep = _worth_searching(state, h, l, g, go, mv_score, need, ta, ca, tb, cb, hl, ll, ma, excess, limit, overhead,
                             has_b)
-    g, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need = (
-        x[keep] for x in (g, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need))
+    keep = np.flatnonzero(keep)  # one index for the thirteen arrays (items a, b looked up after it)
+    g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need = (
+        x[keep] for x in (g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need))
+    a, b = l_order[pa], np.where(has_b, l_order[pbs], -1)
     into = ll * M + m  # the receiving slot: the fewest of its small items (index order) that free enough
     (back_tok, back_cost, n_back), lo, j, feasible = pay_back.search(into, need)
     back_tok = np.where(feasible, back_tok, np.inf) + tb

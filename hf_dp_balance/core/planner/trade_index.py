@@ -74,7 +74,7 @@ class _PayBack:
         a, b = first[inv], first[inv] + size[inv]
         # run_t never decreases (tokens >= 0), over all the slots: one search of it, clipped to each slot's
         # stretch, is the first position there that reaches the goal (b if none)
-        p = np.minimum(np.maximum(np.searchsorted(run_t, need[idx] + base_t[inv], side="left"), a), b)
+        p = np.minimum(np.maximum(np.searchsorted(run_t, need[idx] + base_t[inv]), a), b)
         got = p < b
         idx, inv, a, p = idx[got], inv[got], a[got], p[got]
         lo[idx], j[idx], feasible[idx] = a, p, True
@@ -95,7 +95,9 @@ def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, 
     order), starts[r] where rank r's begin; key = rank + cost x scale (scale < 1 / (2 max cost)), sorted;
     a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them."""
     key = rank_of[items] + cost[items] * scale
-    o = np.argsort(key, kind="stable")  # grouped by rank already: timsort only orders each rank's stretch
+    # grouped by rank already: timsort only orders each rank's stretch. The keys are >= +0.0 and never
+    # NaN, so their bit patterns as int64 sort as they do (the same order, ties too), and faster
+    o = np.argsort(key.view(np.int64), kind="stable")
     items, key = items[o], key[o]
     starts = np.searchsorted(key, np.arange(num_ranks + 1))  # cost x scale < 1/2: rank r starts at key r
     return items, starts, key, scale
