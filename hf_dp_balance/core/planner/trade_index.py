@@ -64,7 +64,7 @@ class _PayBack:
         pos, grp = _ranges(self.starts[used], self.starts[used + 1])
         items = self.order[pos]
         item_tok = self.tok[items]
-        keep = (item_tok <= self.small) & ~self.moved[items]
+        keep = np.flatnonzero((item_tok <= self.small) & ~self.moved[items])  # (faster than a boolean mask)
         items, grp, item_tok = items[keep], grp[keep], item_tok[keep]
         size = np.bincount(grp, minlength=used.size)
         first = np.cumsum(size) - size
@@ -75,7 +75,7 @@ class _PayBack:
         # run_t never decreases (tokens >= 0), over all the slots: one search of it, clipped to each slot's
         # stretch, is the first position there that reaches the goal (b if none)
         p = np.minimum(np.maximum(np.searchsorted(run_t, need[idx] + base_t[inv]), a), b)
-        got = p < b
+        got = np.flatnonzero(p < b)
         idx, inv, a, p = idx[got], inv[got], a[got], p[got]
         lo[idx], j[idx], feasible[idx] = a, p, True
         sums[0][idx] = run_t[p] - base_t[inv]
