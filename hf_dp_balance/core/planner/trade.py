@@ -48,20 +48,23 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     slot = state.dest * M + state.micro
     S = R * M
     order = np.argsort(_uint_key(slot, S), kind="stable")  # items grouped by slot, so by rank
+    slot_starts = np.zeros(S + 1, dtype=np.int64)  # where each slot's items begin along `order`
+    np.cumsum(np.bincount(slot, minlength=S), out=slot_starts[1:])
     moved = np.zeros(cost.shape[0], dtype=bool)
     scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
     # the large items of every rank, and the items a move may take (at most cap x _LARGE tokens) of
     # the ranks over the limit (no other rank ever sheds: a trade never puts one over), both grouped
     # by rank, cheapest first within a rank: one sorted key each, rank + cost x scale
-    tok_o = tok[order]
+    is_large = tok[order] > cap * _LARGE
     # with the tokens, costs and slots of their items (a round reads these short arrays, not the step's)
-    large = _by_rank_and_cost(order[tok_o > cap * _LARGE], state.dest, cost, scale, R)
+    large = _by_rank_and_cost(order[np.flatnonzero(is_large)], state.dest, cost, scale, R)
     large += (tok[large[0]], cost[large[0]], state.micro[large[0]])
-    over_start = state.load > limit
-    of_over = np.repeat(over_start, np.bincount(state.dest, minlength=R))  # along `order` (rank-major)
-    rest_items = _by_rank_and_cost(order[(tok_o <= cap * _LARGE) & of_over], state.dest, cost, scale, R)
+    over_start = np.flatnonzero(state.load > limit)
+    rank_starts = slot_starts[::M]  # `order` is rank-major: a rank's items are one stretch of it
+    at, _ = _ranges(rank_starts[over_start], rank_starts[over_start + 1])
+    rest_items = _by_rank_and_cost(order[at[np.flatnonzero(~is_large[at])]], state.dest, cost, scale, R)
     rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
-    pay_back = _PayBack(order, slot, tok, cost, S, cap * _SMALL, moved)
+    pay_back = _PayBack(order, slot_starts, tok, cost, cap * _SMALL, moved)
     overhead = cap * _OVERHEAD
     reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
     failed_before = np.zeros(R, dtype=bool)
@@ -74,9 +77,10 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
         if under.size == 0:
             return False
         excess = state.load[over] - budget[over]
-        over = over[np.lexsort((over, -excess))]
+        # most over first (ties: lowest rank; `over` and `under` ascend, so a stable sort keeps that)
+        over = over[np.argsort(-excess, kind="stable")]
         room_under = limit[under] - state.load[under]
-        under = under[np.lexsort((under, -room_under))]
+        under = under[np.argsort(-room_under, kind="stable")]
         P = min(over.size, under.size)
         # every over-full rank looks at _PARTNERS ranks under budget, from its own place in that order
         K = min(_PARTNERS, under.size)
@@ -91,7 +95,7 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
             return False  # every rank failed before and has now tried all its items
         stuck = np.ones(R, dtype=bool)
         stuck[traded] = False
-        failed = np.unique(h[stuck[h]])
+        failed = h[stuck[h]]  # repeats are harmless: every copy writes the same value
         failed_before[failed] = True
         reach[failed] = np.minimum(reach[failed] * 2, R_items)
     return not np.any(state.load > limit)
@@ -131,7 +135,8 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     near = np.searchsorted(l_key, h + np.minimum(want * scale, 0.5))
     lo = np.maximum(near - window, l_starts[h])
     pos, ga = _ranges(lo, np.maximum(np.minimum(near + window, l_starts[h + 1]), lo))
-    ok = ~moved[l_order[pos]]
+    # (filters index by np.flatnonzero: numpy's boolean-mask indexing of random masks is 2-4x slower)
+    ok = np.flatnonzero(~moved[l_order[pos]])
     pa, ga = pos[ok], ga[ok]  # positions of the items a in `large`
     recv = np.argmin(state.slot_tok[l], axis=1)
     # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
@@ -145,7 +150,7 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     wf = window[first_partner]
     lo = np.maximum(near - wf, movable_starts[hf])
     pos, gi = _ranges(lo, np.maximum(np.minimum(near + wf, movable_starts[hf + 1]), lo))
-    ok = ~moved[movable[pos]] & (mv_tok[pos] <= room[gi])
+    ok = np.flatnonzero(~moved[movable[pos]] & (mv_tok[pos] <= room[gi]))
     pos, go = pos[ok], first_partner[gi[ok]]
     if pa.size + pos.size == 0:
         return h[:0]
@@ -166,7 +171,7 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     best_move[go] = mv_score
     ll_a = l[ga]
     bound = np.minimum(np.minimum(l_cost[pa], excess[h[ga]]), limit[ll_a] - state.load[ll_a]) / (l_tok[pa] + overhead)
-    ok = bound >= best_move[ga]
+    ok = np.flatnonzero(bound >= best_move[ga])
     pa, ga, ll_a = pa[ok], ga[ok], ll_a[ok]
     # for a large a, the b of l whose cost is nearest below and above c_a - want, if it never
     # moved, and no b
@@ -174,18 +179,19 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     lo_b, hi_b = l_starts[ll_a], l_starts[ll_a + 1]
     a_opts, g_opts, b_opts = [pa], [ga], [np.full(pa.size, -1, dtype=np.int64)]
     for p_b in (p_hi - 1, p_hi):
-        inside = (p_b >= lo_b) & (p_b < hi_b)
-        inside[inside] = ~moved[l_order[p_b[inside]]]
+        inside = np.flatnonzero((p_b >= lo_b) & (p_b < hi_b))
+        inside = inside[np.flatnonzero(~moved[l_order[p_b[inside]]])]
         a_opts.append(pa[inside])
         g_opts.append(ga[inside])
         b_opts.append(p_b[inside])
+    alone = pa.size  # the options without a b come first
     pa, g, pb = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
     has_b = pb >= 0
     pbs = np.maximum(pb, 0)
-    a, b = l_order[pa], np.where(has_b, l_order[pbs], -1)
-    m = np.where(has_b, l_micro[pbs], recv[g])
-    tb = np.where(has_b, l_tok[pbs], 0.0)
-    cb = np.where(has_b, l_cost[pbs], 0.0)
+    b_pos = pb[alone:]
+    m = np.concatenate((recv[g[:alone]], l_micro[b_pos]))
+    tb = np.concatenate((np.zeros(alone), l_tok[b_pos]))
+    cb = np.concatenate((np.zeros(alone), l_cost[b_pos]))
     ta, ca, ma = l_tok[pa], l_cost[pa], l_micro[pa]
     hl, ll = h[g], l[g]
     need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
@@ -194,8 +200,10 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     # sheds, room of l) / (t_a + t_b + need + overhead) below it, goes no further (no search)
     keep = _worth_searching(state, h, l, g, go, mv_score, need, ta, ca, tb, cb, hl, ll, ma, excess, limit, overhead,
                             has_b)
-    g, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need = (
-        x[keep] for x in (g, has_b, a, b, m, tb, cb, ta, ca, ma, hl, ll, need))
+    keep = np.flatnonzero(keep)  # one index for the thirteen arrays (items a, b looked up after it)
+    g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need = (
+        x[keep] for x in (g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need))
+    a, b = l_order[pa], np.where(has_b, l_order[pbs], -1)
     into = ll * M + m  # the receiving slot: the fewest of its small items (index order) that free enough
     (back_tok, back_cost, n_back), lo, j, feasible = pay_back.search(into, need)
     back_tok = np.where(feasible, back_tok, np.inf) + tb
@@ -265,14 +273,15 @@ def _worth_searching(state, h, l, g, go, mv_score, need, ta, ca, tb, cb, hl, ll,
     best[go] = mv_score  # a pair's best move (one per pair at most)
     zero = need <= 0
     z = np.flatnonzero(zero)
-    dz, hz, lz = ca[z] - cb[z], hl[z], ll[z]
-    ok = (tb[z] <= ta[z] + (cap - state.slot_tok[hz, ma[z]])) & (dz > 0) & (state.load[lz] + dz <= limit[lz])
+    dz, hz, lz, tz, tbz = ca[z] - cb[z], hl[z], ll[z], ta[z], tb[z]
+    ok = (tbz <= tz + (cap - state.slot_tok[hz, ma[z]])) & (dz > 0) & (state.load[lz] + dz <= limit[lz])
     if state.count is not None:
         n_all = has_b[z].astype(np.int64)
         ok &= (state.count[hz] - 1 + n_all >= state.min_count) & (state.count[lz] + 1 - n_all >= state.min_count)
     score = np.full(g.size, -np.inf)
-    score[z] = np.where(ok, np.minimum(dz, excess[hz]) / (ta[z] + tb[z] + overhead), -np.inf)
-    np.maximum.at(best, g[z], score[z])
+    score_z = np.where(ok, np.minimum(dz, excess[hz]) / (tz + tbz + overhead), -np.inf)
+    score[z] = score_z
+    np.maximum.at(best, g[z], score_z)
     bound = np.minimum(np.minimum(ca - cb, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + need + overhead)
     return np.where(zero, np.isfinite(score) & (score >= best[g]), bound >= best[g])
 

@@ -1,7 +1,7 @@
 """Indexes the trades of `trade.py` read (no O(n) work per round).
 
 `_PayBack`: the small items (index order) of the slots a round searches as running sums of tokens
-and costs, so the fewest that free t tokens are a bisection inside the slot. `_by_rank_and_cost`: items grouped
+and costs, so the fewest that free t tokens are one search of those sums. `_by_rank_and_cost`: items grouped
 by rank, cheapest first, under one sorted key, so the ones nearest a cost are a search away.
 """
 
@@ -16,28 +16,8 @@ def _ranges(lo: np.ndarray, hi: np.ndarray):
     total = int(size.sum())
     group = np.repeat(np.arange(lo.size), size)
     first = np.cumsum(size) - size
-    pos = np.arange(total) - np.repeat(first, size) + np.repeat(lo, size)
+    pos = np.arange(total) + np.repeat(lo - first, size)  # every range's offset, repeated once
     return pos, group
-
-
-def _first_at_least(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, goal: np.ndarray) -> np.ndarray:
-    """For every i, the first position p in [lo[i], hi[i]) with values[p] >= goal[i] (hi[i] if
-    none), `values` ascending on each range: a bisection of all at once, each leaving as it
-    converges (the ranges here are slots, most of them short)."""
-    out = hi.copy()
-    todo = np.flatnonzero(lo < hi)
-    a, b, g = lo[todo], hi[todo], goal[todo]
-    while todo.size:
-        mid = (a + b) >> 1
-        short = values[mid] < g
-        a = np.where(short, mid + 1, a)
-        b = np.where(short, b, mid)
-        done = a >= b
-        if done.any():
-            out[todo[done]] = a[done]
-            keep = ~done
-            todo, a, b, g = todo[keep], a[keep], b[keep], g[keep]
-    return out
 
 
 def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
@@ -56,11 +36,10 @@ class _PayBack:
     after the bound of `_round` few candidates need a search (a few hundred slots of 32K at DP
     4096 x 8), so an index of every slot would be mostly unread."""
 
-    def __init__(self, order: np.ndarray, slot_of: np.ndarray, tok: np.ndarray, cost: np.ndarray, num_slots: int,
-                 small: float, moved: np.ndarray):
+    def __init__(self, order: np.ndarray, starts: np.ndarray, tok: np.ndarray, cost: np.ndarray, small: float,
+                 moved: np.ndarray):
         self.order, self.tok, self.cost, self.small, self.moved = order, tok, cost, small, moved
-        self.starts = np.zeros(num_slots + 1, dtype=np.int64)
-        np.cumsum(np.bincount(slot_of, minlength=num_slots), out=self.starts[1:])
+        self.starts = starts  # slot s's items are order[starts[s]:starts[s + 1]]
         self.items = order[:0]  # the last search's small items, grouped by the slots it read
 
     def search(self, slot: np.ndarray, need: np.ndarray):
@@ -74,19 +53,29 @@ class _PayBack:
         self.items = self.order[:0]
         if idx.size == 0:
             return sums, lo, j, feasible
-        used, inv = np.unique(slot[idx], return_inverse=True)
+        # the slots asked (ascending) and each query's index among them: a mark per slot, no sort
+        asked = slot[idx]
+        seen = np.zeros(self.starts.size - 1, dtype=bool)
+        seen[asked] = True
+        used = np.flatnonzero(seen)
+        index_of = np.empty(seen.size, dtype=np.int64)
+        index_of[used] = np.arange(used.size)
+        inv = index_of[asked]
         pos, grp = _ranges(self.starts[used], self.starts[used + 1])
         items = self.order[pos]
-        keep = (self.tok[items] <= self.small) & ~self.moved[items]
-        items, grp = items[keep], grp[keep]
+        item_tok = self.tok[items]
+        keep = np.flatnonzero((item_tok <= self.small) & ~self.moved[items])  # (faster than a boolean mask)
+        items, grp, item_tok = items[keep], grp[keep], item_tok[keep]
         size = np.bincount(grp, minlength=used.size)
         first = np.cumsum(size) - size
-        run_t, run_c = np.cumsum(self.tok[items]), np.cumsum(self.cost[items])
+        run_t, run_c = np.cumsum(item_tok), np.cumsum(self.cost[items])
         base_t = np.where(first > 0, run_t[np.maximum(first - 1, 0)], 0.0) if items.size else np.zeros(used.size)
         base_c = np.where(first > 0, run_c[np.maximum(first - 1, 0)], 0.0) if items.size else np.zeros(used.size)
         a, b = first[inv], first[inv] + size[inv]
-        p = _first_at_least(run_t, a, b, need[idx] + base_t[inv])
-        got = p < b
+        # run_t never decreases (tokens >= 0), over all the slots: one search of it, clipped to each slot's
+        # stretch, is the first position there that reaches the goal (b if none)
+        p = np.minimum(np.maximum(np.searchsorted(run_t, need[idx] + base_t[inv]), a), b)
+        got = np.flatnonzero(p < b)
         idx, inv, a, p = idx[got], inv[got], a[got], p[got]
         lo[idx], j[idx], feasible[idx] = a, p, True
         sums[0][idx] = run_t[p] - base_t[inv]
@@ -106,7 +95,9 @@ def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, 
     order), starts[r] where rank r's begin; key = rank + cost x scale (scale < 1 / (2 max cost)), sorted;
     a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them."""
     key = rank_of[items] + cost[items] * scale
-    o = np.argsort(key, kind="stable")  # grouped by rank already: timsort only orders each rank's stretch
+    # grouped by rank already: timsort only orders each rank's stretch. The keys are >= +0.0 and never
+    # NaN, so their bit patterns as int64 sort as they do (the same order, ties too), and faster
+    o = np.argsort(key.view(np.int64), kind="stable")
     items, key = items[o], key[o]
     starts = np.searchsorted(key, np.arange(num_ranks + 1))  # cost x scale < 1/2: rank r starts at key r
     return items, starts, key, scale

@@ -13,12 +13,21 @@ def _as_item_values(values, name: str, n: Optional[int], allow_zero: bool = True
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if n is not None and arr.shape[0] != n:
         raise ValueError(f"{name} has {arr.shape[0]} entries but costs has {n}")
+    if arr.size and _within(arr, 0.0, allow_zero):
+        return arr
     bad = ~np.isfinite(arr) | (arr < 0) if allow_zero else ~np.isfinite(arr) | (arr <= 0)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         need = "finite and >= 0" if allow_zero else "finite and > 0"
         raise ValueError(f"{name}[{i}]={float(arr[i])!r}: must be {need}")
     return arr
+
+
+def _within(arr: np.ndarray, low: float, allow_low: bool) -> bool:
+    """Every entry finite and >= low (> low without `allow_low`): two reductions instead of a mask per
+    check (min is NaN when any entry is, and NaN fails the comparison); the mask only to name a bad one."""
+    lowest, highest = float(arr.min()), float(arr.max())
+    return (lowest >= low if allow_low else lowest > low) and highest < np.inf
 
 
 def _as_index_array(values, name: str, n: int, upper: int, upper_name: str) -> np.ndarray:
@@ -36,7 +45,9 @@ def _as_index_array(values, name: str, n: int, upper: int, upper_name: str) -> n
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(f"{name}[{i}]={raw[i].item()!r}: must be an integer")
-    arr = raw.astype(np.int64)
+    arr = raw.astype(np.int64, copy=False)  # read only by the planner: the caller's int64 array as it is
+    if 0 <= int(arr.min()) and int(arr.max()) < upper:
+        return arr
     bad = (arr < 0) | (arr >= upper)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
@@ -81,7 +92,7 @@ def _check_tokens(tokens, max_tokens, n: int):
         raise ValueError(f"max_tokens={max_tokens!r}: must be a positive token count or None")
     if tok is None:
         raise ValueError("max_tokens is given but tokens is None: the cap needs each item's token count")
-    over = np.flatnonzero(tok > cap)
+    over = np.flatnonzero(tok > cap) if tok.size and float(tok.max()) > cap else np.zeros(0, dtype=np.int64)
     if over.size:
         i = int(over[0])
         raise ValueError(f"tokens[{i}]={float(tok[i])!r} exceeds max_tokens={cap!r} on its own: no placement can hold it")
