@@ -208,6 +208,44 @@ def per_sample_prior(tokens: Optional[float], sigma: Optional[float]):
         fitting.PER_SAMPLE_TOKENS, fitting.PER_SAMPLE_SIGMA = saved
 
 
+def diagnose(mix, ranks, steps, truth, prior, draws, noise=0.03, seed=0):
+    """Per draw of the current warm-up: what the step maxima say. (fitted / true ratio, per sample; the negative
+    log-likelihood of the step times (no prior) at the fit and at the truth's shape, each with its best common
+    scale and the fit's rank noise; steps whose true slowest rank holds one sample; the heaviest rank holding
+    more than one sample over the step's slowest, median)."""
+    from scipy.optimize import minimize_scalar
+
+    from hf_dp_balance.core.fit_solvers import column_scale, step_max_likelihood
+
+    rows = []
+    for d in range(draws):
+        rng = np.random.default_rng([seed, ranks, steps, d])
+        probe = Probe(truth)
+        feats, times = warmup(rng, "current", probe, mix, ranks, steps, prior, noise)
+        result = fit_cost_model(feats, times, mode="step_max", holdout=0, prior=prior)
+        model, sigma = result.model, result.report.step_noise
+        scale = column_scale(feats)
+        x, log_y = feats / scale, np.log(times)
+
+        def nll(coefficients):
+            theta = coefficients * scale
+
+            def at(a):
+                params = np.concatenate([theta * np.exp(a), [np.log(sigma)]])
+                return step_max_likelihood(params, x, log_y, np.zeros((0, 4)), 1.0)[0]
+
+            return float(minimize_scalar(at, bounds=(-3.0, 3.0), method="bounded").fun)
+
+        costs = truth.predict(feats)
+        slowest = costs.argmax(axis=1)
+        alone = feats[np.arange(steps), slowest, 2] == 1
+        several = np.where(feats[..., 2] > 1, costs, 0.0).max(axis=1) / costs.max(axis=1)
+        rows.append(((model.quadratic / model.linear) / (truth.quadratic / truth.linear),
+                     model.per_sample / truth.per_sample, nll(model.coefficients), nll(truth.coefficients),
+                     int(alone.sum()), float(np.median(several))))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mix", default="bounded images", choices=list(MIXES))
@@ -222,9 +260,20 @@ def main(argv=None) -> int:
                         help="experiment: the shape prior's per-sample guess in tokens (default 8)")
     parser.add_argument("--per-sample-sigma", type=float, default=None,
                         help="experiment: its log-normal sigma (default 1.0)")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="only: per draw of the current warm-up, the evidence for the fit against the truth")
     args = parser.parse_args(argv)
     start = time.process_time()
     prior = qwen2_7b_prior()
+    if args.diagnose:
+        print(f"{args.mix}, {args.ranks} ranks, {args.truth}, {args.steps} warm-up steps (current warm-up)")
+        print("  draw  ratio  per sample  -loglik fit  truth  (truth - fit)  slowest alone  heaviest multi-sample rank")
+        for d, r in enumerate(diagnose(MIXES[args.mix], args.ranks, args.steps, truth_of(prior, TRUTHS[args.truth]),
+                                       prior, args.draws)):
+            print(f"  {d:4d}  {r[0]:.2f}x  {r[1]:.2f}x  {r[2]:10.2f}  {r[3]:7.2f}  {r[3] - r[2]:+6.2f}  "
+                  f"{r[4]:4d}/{args.steps}  {r[5]:.3f}")
+        print(f"  {time.process_time() - start:.0f} s CPU")
+        return 0
     with per_sample_prior(args.per_sample_tokens, args.per_sample_sigma):
         rows, probes = cell(MIXES[args.mix], args.ranks, args.steps, truth_of(prior, TRUTHS[args.truth]), prior,
                             args.draws, args.variants, lone_pair=args.lone_pair, unhedged=args.unhedged)
