@@ -1,0 +1,297 @@
+"""Warm-up placements for the step-time fit, side by side on the same draws: can another placement let the fit
+correct a prior 2x off in the cells where `core.hedge.probe_plan` misses (docs/benchmarks/cost_fit.md, run 11)?
+
+Same setup, draws and measures as `bench/cost_fit_plans.py`'s "prior" column: every variant's warm-up draws
+the same samples and rank noise from the same generator state, and the evaluation steps and single samples
+follow as in that bench, so "current" reproduces its column. Only the warm-up placement changes (`VARIANTS`):
+  current        `probe_plan` (what the runtime does): tokens, 3x the prior's excess, tokens, the prior
+  adaptive       the first cycle as current; then odd steps planned for the fit of the steps timed so far
+                 (LAG steps behind, as a loader that prepares steps ahead would be) with its attention ratio x3,
+                 then /3, each kept only if its worst excess over the fixed hull (tokens, prior, 3x the prior)
+                 is at most the token plan's (the same guarantee); even steps the token plan
+  adaptive-wide  the same, the hull widened by the fit's x3 hypothesis
+  per-sample     current, the second token step of each cycle replaced by the plan for the tokens plus 64 tokens
+                 per sample (ranks with many samples get fewer tokens), hedged over the hull plus that cost
+  ridge-pick     odd steps: of the hedged plans for extrapolate(prior, tokens, f), f in FACTORS, the one whose
+                 slowest rank differs most between the two ends of the ratio / per-sample ridge around the
+                 prior (ratio x1.5 with per sample x0.6, and the inverse); even steps the token plan
+  oracle-pick    the same choice made with the truth and the model the fit settles on (ratio x1.5, per sample
+                 x0.6 of the truth's): a bound for any rule that chooses among these plans
+  lone-pair      not hedged: the rank of the step's longest sample gets (step % 4) x --lone-pair short samples
+                 (< 512 tokens) beside it, so its companions' cost shows in the step maximum
+`--unhedged` lets ridge-pick / oracle-pick take any candidate, factors -1, -0.5, 4 and 6 as well. Printed per
+variant: median [min] share of the true-cost cut, median single-sample MAPE, fitted / true attention ratio and
+per-sample cost (medians), the share per draw; for the oracle and lone-pair also each warm-up step's slowest
+rank (true costs) over the token plan's / the hedged probe's.
+
+    python bench/cost_fit_probes.py --mix "bounded images" --ranks 32 --truth "prior 2x high" --steps 12 \\
+        --variants current adaptive adaptive-wide per-sample ridge-pick oracle-pick
+    python bench/cost_fit_probes.py --mix "video, long tail" --ranks 128 --truth "prior 2x low" --variants lone-pair
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+import hf_dp_balance.core.fitting as fitting
+from cost_fit_plans import MIXES, PACK, TRUTHS, cut_sums, plan, step_items, truth_of
+from cost_fit_synthetic import qwen2_7b_prior
+from hf_dp_balance.apps.mixes import draw_mix, truncate
+from hf_dp_balance.core.cost import CostModel, features_of
+from hf_dp_balance.core.fitting import fit_cost_model
+from hf_dp_balance.core.hedge import extrapolate, probe_hypotheses, probe_plan, worst_excess
+
+LAG = 2  # steps between a step's time and the plan that can use it (the loader prepares steps ahead)
+VARIANTS = ("current", "adaptive", "adaptive-wide", "per-sample", "ridge-pick", "oracle-pick", "lone-pair")
+FACTORS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0)  # ridge / oracle candidates: extrapolate(prior, tokens, f)
+UNHEDGED_FACTORS = (-1.0, -0.5, 4.0, 6.0)
+RIDGE = (1.5, 0.6)  # (ratio, per sample) of the ridge's upper end; the lower end is the inverse
+
+
+@dataclass
+class Probe:
+    """One cell's variant settings and what its warm-up did (read after the run)."""
+
+    truth: CostModel
+    lone_pair: int = 8
+    unhedged: bool = False
+    slowdown: list = field(default_factory=list)  # warm-up step's true slowest rank over its reference plan's
+    picked: list = field(default_factory=list)  # ridge / oracle: the factor chosen per odd step (0: tokens)
+
+    @property
+    def wrong(self) -> CostModel:
+        t = self.truth
+        return CostModel(t.quadratic * RIDGE[0], t.linear, t.per_sample * RIDGE[1], t.constant)
+
+
+def _top(costs, dest, ranks) -> float:
+    return float(np.bincount(dest, weights=costs, minlength=ranks).max())
+
+
+def _hedged_pick(plan_costs, hull, probe_costs, tokens, ranks):
+    """The plan for `probe_costs` if its worst excess over `hull` is at most the token plan's, else the token plan."""
+    token_plan = plan_costs(tokens)
+    probe = plan_costs(probe_costs)
+    keep = worst_excess(hull, *probe, ranks, 1) <= worst_excess(hull, *token_plan, ranks, 1)
+    return probe[0] if keep else token_plan[0]
+
+
+def _scaled_ratio(model: CostModel, factor: float) -> CostModel:
+    return CostModel(model.quadratic * factor, model.linear, model.per_sample, model.constant)
+
+
+def _pick(probe: Probe, step, lengths, plan_costs, prior_costs, tokens, hull, ranks, one: CostModel,
+          other: CostModel):
+    """Odd steps: of the candidate plans (hedged unless `probe.unhedged`), the one whose slowest rank tells `one`
+    from `other` the most (|log ratio of the slowest rank's cost under the two|, `other` scaled to agree with
+    `one` on the token plan: the fit's free scale); even steps the token plan."""
+    token_plan = plan_costs(tokens)
+    if step % 2 == 0:
+        return token_plan[0]
+    limit = worst_excess(hull, *token_plan, ranks, 1)
+    a, b = one.sample_costs(lengths), other.sample_costs(lengths)
+    norm = np.log(_top(a, token_plan[0], ranks)) - np.log(_top(b, token_plan[0], ranks))
+    best, best_gap, best_f = token_plan[0], 0.0, 0.0
+    for f in FACTORS + (UNHEDGED_FACTORS if probe.unhedged else ()):
+        dest = plan_costs(extrapolate(prior_costs, tokens, f))
+        if not probe.unhedged and worst_excess(hull, *dest, ranks, 1) > limit:
+            continue
+        gap = abs(np.log(_top(a, dest[0], ranks)) - np.log(_top(b, dest[0], ranks)) - norm)
+        if gap > best_gap:
+            best, best_gap, best_f = dest[0], gap, f
+    probe.picked.append(best_f)
+    real = probe.truth.sample_costs(lengths)
+    probe.slowdown.append(_top(real, best, ranks) / _top(real, token_plan[0], ranks))
+    return best
+
+
+def placement(variant, probe: Probe, step, lengths, plan_costs, prior: CostModel, history, ranks):
+    """The warm-up step's dest rank under `variant`; `history` = (features, times) of the steps before it."""
+    tokens = lengths.astype(float)
+    prior_costs = prior.sample_costs(lengths)
+    hull = probe_hypotheses(prior_costs, tokens)
+    if variant == "current" or (variant.startswith("adaptive") and step < 4):
+        return probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
+    if variant.startswith("adaptive"):
+        seen = step - LAG
+        if step % 2 == 0 or seen < 4:
+            return probe_plan(plan_costs, prior_costs, tokens, 0, ranks, 1)[0]
+        fit = fit_cost_model(np.stack(history[0][:seen]), np.array(history[1][:seen]), mode="step_max", holdout=0,
+                             prior=prior).model
+        costs = _scaled_ratio(fit, 3.0 if step % 4 == 1 else 1.0 / 3.0).sample_costs(lengths)
+        if variant == "adaptive-wide":
+            hull = np.vstack([hull, _scaled_ratio(fit, 3.0).sample_costs(lengths)])
+        return _hedged_pick(plan_costs, hull, costs, tokens, ranks)
+    if variant == "per-sample":
+        if step % 4 != 2:
+            return probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
+        heavy = tokens + 64.0  # 64 tokens a sample: 4x the truth's, ~2 sigma over the prior's guess of 8
+        return _hedged_pick(plan_costs, np.vstack([hull, heavy]), heavy, tokens, ranks)
+    if variant == "ridge-pick":
+        ps = fitting.PER_SAMPLE_TOKENS * prior.linear  # the shape prior's per-sample guess
+        up = CostModel(prior.quadratic * RIDGE[0], prior.linear, ps * RIDGE[1], 0.0)
+        down = CostModel(prior.quadratic / RIDGE[0], prior.linear, ps / RIDGE[1], 0.0)
+        return _pick(probe, step, lengths, plan_costs, prior_costs, tokens, hull, ranks, up, down)
+    if variant == "oracle-pick":
+        return _pick(probe, step, lengths, plan_costs, prior_costs, tokens, hull, ranks, probe.truth, probe.wrong)
+    if variant == "lone-pair":
+        hedged = probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
+        dest = hedged.copy()
+        longest = int(np.argmax(lengths))
+        short = np.flatnonzero((lengths < 512) & (dest != dest[longest]))
+        dest[short[: (step % 4) * probe.lone_pair]] = dest[longest]
+        real = probe.truth.sample_costs(lengths)
+        probe.slowdown.append(_top(real, dest, ranks) / _top(real, hedged, ranks))
+        return dest
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def warmup(rng, variant, probe: Probe, mix, ranks, steps, prior, noise):
+    """Features [steps, ranks, 4] and step times (slowest rank, multiplicative rank noise) of the warm-up."""
+    feats, times = [], []
+    for step in range(steps):
+        lengths, owners = step_items(rng, mix, ranks)
+        zeros = np.zeros_like(owners)
+
+        def plan_costs(costs):
+            return plan(costs, lengths, owners, ranks), zeros
+
+        dest = placement(variant, probe, step, lengths, plan_costs, prior, (feats, times), ranks)
+        f = np.stack([features_of(lengths[dest == r]) for r in range(ranks)])
+        feats.append(f)
+        times.append(float((probe.truth.predict(f) * rng.lognormal(0.0, noise, ranks)).max()))
+    return np.stack(feats), np.array(times)
+
+
+def cell(mix, ranks, steps, truth, prior, draws, variants, evals=3, noise=0.03, seed=0, lone_pair=8,
+         unhedged=False):
+    """(variant -> per-draw rows (share of the cut, single-sample MAPE, fitted / true ratio, fitted / true per
+    sample), variant -> its `Probe`) on `bench/cost_fit_plans.py`'s draws."""
+    probes = {v: Probe(truth, lone_pair, unhedged) for v in variants}
+    out = {v: [] for v in variants}
+    for d in range(draws):
+        rng = np.random.default_rng([seed, ranks, steps, d])
+        state = rng.bit_generator.state
+        models = {}
+        for v in variants:
+            rng.bit_generator.state = state  # every warm-up draws the same samples and noise (as the bench's)
+            models[v] = fit_cost_model(*warmup(rng, v, probes[v], mix, ranks, steps, prior, noise), mode="step_max",
+                                       holdout=0, prior=prior).model
+        cut = cut_sums(rng, mix, ranks, truth, models, evals)
+        singles = truncate(draw_mix(mix, 4000, rng), PACK).tokens
+        singles = singles[singles > 0]
+        true_cost = truth.sample_costs(singles)
+        for v, m in models.items():
+            out[v].append((cut[v][0] / cut[v][1] if cut[v][1] > 0 else 1.0,
+                           float(np.mean(np.abs(m.sample_costs(singles) / true_cost - 1))),
+                           (m.quadratic / m.linear) / (truth.quadratic / truth.linear),
+                           m.per_sample / truth.per_sample))
+    return out, probes
+
+
+@contextlib.contextmanager
+def per_sample_prior(tokens: Optional[float], sigma: Optional[float]):
+    """Experiment only: the shape prior's per-sample guess (`core.fitting.PER_SAMPLE_TOKENS` / `_SIGMA`) set for
+    the block, restored after it."""
+    saved = fitting.PER_SAMPLE_TOKENS, fitting.PER_SAMPLE_SIGMA
+    fitting.PER_SAMPLE_TOKENS = saved[0] if tokens is None else tokens
+    fitting.PER_SAMPLE_SIGMA = saved[1] if sigma is None else sigma
+    try:
+        yield
+    finally:
+        fitting.PER_SAMPLE_TOKENS, fitting.PER_SAMPLE_SIGMA = saved
+
+
+def diagnose(mix, ranks, steps, truth, prior, draws, noise=0.03, seed=0):
+    """Per draw of the current warm-up: what the step maxima say. (fitted / true ratio, per sample; the negative
+    log-likelihood of the step times (no prior) at the fit and at the truth's shape, each with its best common
+    scale and the fit's rank noise; steps whose true slowest rank holds one sample; the heaviest rank holding
+    more than one sample over the step's slowest, median)."""
+    from scipy.optimize import minimize_scalar
+
+    from hf_dp_balance.core.fit_solvers import column_scale, step_max_likelihood
+
+    rows = []
+    for d in range(draws):
+        rng = np.random.default_rng([seed, ranks, steps, d])
+        probe = Probe(truth)
+        feats, times = warmup(rng, "current", probe, mix, ranks, steps, prior, noise)
+        result = fit_cost_model(feats, times, mode="step_max", holdout=0, prior=prior)
+        model, sigma = result.model, result.report.step_noise
+        scale = column_scale(feats)
+        x, log_y = feats / scale, np.log(times)
+
+        def nll(coefficients):
+            theta = coefficients * scale
+
+            def at(a):
+                params = np.concatenate([theta * np.exp(a), [np.log(sigma)]])
+                return step_max_likelihood(params, x, log_y, np.zeros((0, 4)), 1.0)[0]
+
+            return float(minimize_scalar(at, bounds=(-3.0, 3.0), method="bounded").fun)
+
+        costs = truth.predict(feats)
+        slowest = costs.argmax(axis=1)
+        alone = feats[np.arange(steps), slowest, 2] == 1
+        several = np.where(feats[..., 2] > 1, costs, 0.0).max(axis=1) / costs.max(axis=1)
+        rows.append(((model.quadratic / model.linear) / (truth.quadratic / truth.linear),
+                     model.per_sample / truth.per_sample, nll(model.coefficients), nll(truth.coefficients),
+                     int(alone.sum()), float(np.median(several))))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mix", default="bounded images", choices=list(MIXES))
+    parser.add_argument("--ranks", type=int, default=32)
+    parser.add_argument("--truth", default="prior 2x high", choices=list(TRUTHS))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--draws", type=int, default=8)
+    parser.add_argument("--variants", nargs="*", default=["current", "adaptive", "ridge-pick"], choices=VARIANTS)
+    parser.add_argument("--unhedged", action="store_true", help="ridge-pick / oracle-pick without the hedge")
+    parser.add_argument("--lone-pair", type=int, default=8, help="lone-pair: short samples per step of the cycle")
+    parser.add_argument("--per-sample-tokens", type=float, default=None,
+                        help="experiment: the shape prior's per-sample guess in tokens (default 8)")
+    parser.add_argument("--per-sample-sigma", type=float, default=None,
+                        help="experiment: its log-normal sigma (default 1.0)")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="only: per draw of the current warm-up, the evidence for the fit against the truth")
+    args = parser.parse_args(argv)
+    start = time.process_time()
+    prior = qwen2_7b_prior()
+    if args.diagnose:
+        print(f"{args.mix}, {args.ranks} ranks, {args.truth}, {args.steps} warm-up steps (current warm-up)")
+        print("  draw  ratio  per sample  -loglik fit  truth  (truth - fit)  slowest alone  heaviest multi-sample rank")
+        for d, r in enumerate(diagnose(MIXES[args.mix], args.ranks, args.steps, truth_of(prior, TRUTHS[args.truth]),
+                                       prior, args.draws)):
+            print(f"  {d:4d}  {r[0]:.2f}x  {r[1]:.2f}x  {r[2]:10.2f}  {r[3]:7.2f}  {r[3] - r[2]:+6.2f}  "
+                  f"{r[4]:4d}/{args.steps}  {r[5]:.3f}")
+        print(f"  {time.process_time() - start:.0f} s CPU")
+        return 0
+    with per_sample_prior(args.per_sample_tokens, args.per_sample_sigma):
+        rows, probes = cell(MIXES[args.mix], args.ranks, args.steps, truth_of(prior, TRUTHS[args.truth]), prior,
+                            args.draws, args.variants, lone_pair=args.lone_pair, unhedged=args.unhedged)
+    print(f"{args.mix}, {args.ranks} ranks, {args.truth}, {args.steps} warm-up steps, {args.draws} draws")
+    for v, r in rows.items():
+        a = np.array(r)
+        print(f"  {v:14s} share {100 * np.median(a[:, 0]):5.1f}% [min {100 * a[:, 0].min():5.1f}]  single "
+              f"{100 * np.median(a[:, 1]):4.1f}%  ratio {np.median(a[:, 2]):.2f}x  per sample {np.median(a[:, 3]):.2f}x"
+              f"   shares " + " ".join(f"{100 * s:.0f}" for s in a[:, 0]))
+        p = probes[v]
+        if p.slowdown:
+            print(f"  {'':14s} warm-up slowest rank over the reference plan's (true costs): median "
+                  f"{np.median(p.slowdown):.3f}, max {max(p.slowdown):.3f}")
+        if p.picked:
+            print(f"  {'':14s} factors picked: {dict((f, p.picked.count(f)) for f in sorted(set(p.picked)))}")
+    print(f"  {time.process_time() - start:.0f} s CPU")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
