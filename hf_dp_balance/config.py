@@ -34,12 +34,15 @@ class DPBalanceConfig:
     vision: bool = False
     """Also balance the vision encoder (images move for the ViT, embeddings come back)."""
 
-    warmup_steps: int = 5
-    """Optimizer steps timed before the cost model is fitted. A new model plans from the first step the
-    loader thread cannot have prepared when it lands, a step every process agrees on: with `prior` (the
-    default: the steps before are planned with the model's FLOP prior) that is warmup_steps +
-    prefetch_steps + 2 (+ lookahead_steps - 1), without a prior warmup_steps + 2 (until a model is set the
-    loader prepares one step ahead only). Refits follow the same rule."""
+    warmup_steps: Optional[int] = None
+    """Optimizer steps timed before the cost model is fitted. None (default): 5 where each rank's compute is
+    timed (`fit_mode="per_rank"`: CPU, DDP, ZeRO-1/2), 16 where only step times are (`step_max`: FSDP / ZeRO-3
+    on accelerators), because from fewer step maxima the cost's shape is mostly the prior's (from 5: 6 of 12
+    measured cells reach 95% of the cut; from 16: 11 of 12, docs/benchmarks/cost_fit.md runs 9-11). A new
+    model plans from the first step the loader thread cannot have prepared when it lands, a step every
+    process agrees on: with `prior` (the default: the steps before are planned with the model's FLOP prior)
+    that is warmup_steps + prefetch_steps + 2 (+ lookahead_steps - 1), without a prior warmup_steps + 2
+    (until a model is set the loader prepares one step ahead only). Refits follow the same rule."""
 
     max_token_ratio: float = 1.2
     """Hard per-rank (per micro-batch slot) token cap, as a multiple of the mean tokens per slot."""
@@ -130,7 +133,7 @@ class DPBalanceConfig:
         def bad(name: str, value, why: str) -> None:
             raise ValueError(f"DPBalanceConfig.{name}={value!r}: {why}")
 
-        if self.warmup_steps < 0:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
             bad("warmup_steps", self.warmup_steps, "must be >= 0")
         if not self.max_token_ratio >= 1.0:
             bad("max_token_ratio", self.max_token_ratio, "must be >= 1.0 (a cap below the mean cannot hold every sample)")

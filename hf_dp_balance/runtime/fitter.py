@@ -59,6 +59,17 @@ def resolve_fit_mode(fit_mode: str, timing: str) -> str:
     return "step_max" if timing == "wall" else "per_rank"
 
 
+WARMUP_PER_RANK = 5  # every rank's time is seen: 5 steps pin the four coefficients (docs/cost_model.md)
+WARMUP_STEP_MAX = 16  # only the slowest rank's: 4 probe cycles (core/hedge.py), 11 of 12 cells >= 95% of the cut
+
+
+def resolve_warmup_steps(warmup_steps: Optional[int], fit_mode: str) -> int:
+    """The steps timed before the first fit: `warmup_steps` when set, else by what the fit sees."""
+    if warmup_steps is not None:
+        return warmup_steps
+    return WARMUP_STEP_MAX if fit_mode == "step_max" else WARMUP_PER_RANK
+
+
 def priors_from_config(model_config) -> Tuple[Optional[CostModel], Optional[CostModel]]:
     """(decoder prior, vision prior) from the model's config (`CostModel.from_config`); None for what the
     config does not describe (logged once: planning then waits for the fit)."""
@@ -112,7 +123,7 @@ class CostModelFitter:
     """Timing records of this rank, fitted across ranks into the cost models every rank plans with.
 
     Args:
-        config: `warmup_steps` (first fit), `refit_every`, `fit_mode`, `verbose` are read.
+        config: `warmup_steps` (first fit; None: by the fit mode, `resolve_warmup_steps`), `refit_every`, `fit_mode`, `verbose` are read.
         rank, world, group: this process in the data-parallel group and the side (gloo) group that
             carries records and coefficients (None with world 1).
         timing: the resolved clock (`thread_cpu` / `wall`); `fit_mode="auto"` follows it.
@@ -129,6 +140,7 @@ class CostModelFitter:
         self.rank, self.world, self.group = rank, world, group
         self.timing = timing
         self.fit_mode = resolve_fit_mode(config.fit_mode, timing)
+        self.warmup_steps = resolve_warmup_steps(config.warmup_steps, self.fit_mode)
         self.decoder: Optional[CostModel] = decoder
         self.vision: Optional[CostModel] = vision
         self.fitted_step = fitted_step
@@ -160,7 +172,7 @@ class CostModelFitter:
 
     def fit_due(self, step: int) -> bool:
         """The first fit after `warmup_steps` steps (when no model is given), then every `refit_every`."""
-        first = self.decoder is None and step >= max(self.config.warmup_steps, 1)
+        first = self.decoder is None and step >= max(self.warmup_steps, 1)
         refit = self.config.refit_every > 0 and self.fitted_step >= 0 and step - self.fitted_step >= self.config.refit_every
         return first or refit
 
@@ -277,4 +289,4 @@ class CostModelFitter:
 # StepClock, StepRecorder and what a micro-batch computes live in runtime.recorder; importable from here.
 __all__ = ["CostModelFitter", "MAX_FIT_REPORTS", "MAX_RECORDS", "MAX_WINDOW_STEPS", "SPEED_DEADBAND", "StepClock",
            "StepRecord", "StepRecorder", "image_patches", "micro_batch_lengths", "priors_from_config", "rank_speeds",
-           "resolve_fit_mode", "resolve_timing", "synchronize", "vision_tower"]
+           "resolve_fit_mode", "resolve_timing", "resolve_warmup_steps", "synchronize", "vision_tower"]

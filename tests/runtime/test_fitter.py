@@ -11,7 +11,7 @@ import torch
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.runtime.fitter import (MAX_RECORDS, MAX_WINDOW_STEPS, CostModelFitter, resolve_fit_mode,
-                                          resolve_timing)
+                                          resolve_timing, resolve_warmup_steps)
 from hf_dp_balance.runtime.recorder import StepClock, micro_batch_lengths
 from hf_dp_balance.testing.spawn import run_ranks
 
@@ -255,3 +255,14 @@ def test_priors_from_a_model_config():
     assert vision == CostModel.from_config(tiny_config("qwen2_vl"), module="vision")
     assert priors_from_config(tiny_config("text"))[1] is None  # no tower: the decoder prior alone
     assert priors_from_config(object()) == (None, None) and priors_from_config(None) == (None, None)
+
+
+@pytest.mark.parametrize("timing, fit_mode, first_fit", [("thread_cpu", "auto", 5), ("wall", "auto", 16),
+                                                          ("thread_cpu", "step_max", 16), ("wall", "per_rank", 5)])
+def test_a_step_time_fit_waits_for_more_warm_up_steps_unless_told(timing, fit_mode, first_fit):
+    # The slowest rank's time alone needs more steps than every rank's: the default follows what the fit sees.
+    rng = np.random.default_rng(1)
+    fitter = CostModelFitter(DPBalanceConfig(fit_mode=fit_mode), timing=timing)
+    fits = [step for step in range(1, 21) if fitter.end_step(step, *_synthetic_step(rng, 0, step)[:2])]
+    assert fitter.warmup_steps == first_fit and fits == [first_fit] and fitter.decoder is not None
+    assert resolve_warmup_steps(8, "step_max") == resolve_warmup_steps(8, "per_rank") == 8  # set: kept
