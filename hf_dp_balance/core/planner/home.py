@@ -50,7 +50,7 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     A, B = start[x], state.dest[x]
     saving = tok[x] + np.where(start[y] == B, tok[y], 0.0)
     # most tokens saved first (ties: the item indexes); a candidate holds while x and y stay put
-    o = np.lexsort((y, x, -saving))
+    o = np.argsort(-saving, kind="stable")  # candidates were made in (x, y position) order: ties keep it
     x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
     saved_total = 0.0
     for _ in range(rounds):
