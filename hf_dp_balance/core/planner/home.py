@@ -17,12 +17,15 @@ from hf_dp_balance.core.planner.trade import _apply
 
 _ROUNDS = 4  # rounds at most; every round each rank takes part in at most one redirection (later ones save little)
 _NEAR = 2  # items y tried per item x: this many nearest in cost on x's home rank
+_WORTH = 0.05  # runs only when the plan sends at least this share of the tokens: it saves ~2-3% of what
+# is sent for O(items away) work (4096 x 8, 3.5% sent: 0.1% saved for ~20 ms)
 
 
 def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: int = _ROUNDS) -> int:
     """Redirect pairs (x away from its home A, now on B; y now on A, from C != A): y -> (B, x's slot),
     x -> (A, y's slot), when both slots hold their new item, A and B end at or under `ceiling` and
-    the tokens sent fall (by x's tokens, plus y's when B is y's home). Per round, in vectorised numpy:
+    the tokens sent fall (by x's tokens, plus y's when B is y's home); only when at least _WORTH of
+    the tokens are away from home. Per round, in vectorised numpy:
     every x's _NEAR candidates y nearest in cost, each x's best, then a set of pairs that touch every
     rank at most once, most tokens saved first. Returns the tokens saved.
 
@@ -33,7 +36,7 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     if cap is None or tok is None or R < 2:
         return 0
     away = np.flatnonzero(state.dest != start)
-    if away.size < 2:
+    if away.size < 2 or float(tok[away].sum()) < _WORTH * float(tok.sum()):
         return 0
     # the items away from home grouped by the rank they are on, cheapest first: a key rank + cost x scale
     scale = 1.0 / (2.0 * float(cost[away].max()) + 2.0)
