@@ -128,7 +128,8 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
             state = _balance_incremental(state, budget, tolerance, relocate)
         _trade(state, budget, tolerance)
         state = _polish(state, budget, budget * (tolerance / 2.0), tolerance)
-        _send_home(state, start, budget * (1.0 + tolerance / 2.0))
+        # up to the trades' limit, never above the fullest rank now (fewer tokens, not a slower step)
+        _send_home(state, start, budget * min(1.0 + tolerance / 2.0, _fullest(state, budget)))
         state.path = "trades"
         return state
     except _Infeasible:
