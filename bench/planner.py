@@ -20,6 +20,8 @@ a `git archive` of it in a child process, on the same seeded instances) and agai
 published greedy per micro-batch. Reported: slowest / bound, % of the step's tokens that change
 rank, CPU ms (time.process_time, min of repeats), and the floor: fewer tokens than any plan must send to end
 within 1.01x the bound (`sent_floor`, a fractional-knapsack bound per over-full rank, nothing taken back).
+A tighter floor, with whole long samples and the receivers' room (a mixed-integer relaxation, minutes of
+HiGHS): bench/planner_floor.py.
 
     python bench/planner.py --full-cap [--baseline 27df345] [--sizes 512x4,2048x4,4096x8]
 """

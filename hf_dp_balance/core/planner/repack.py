@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.chain import _ladder_trades
+from hf_dp_balance.core.planner.home import _send_home
 from hf_dp_balance.core.planner.passes import _balance_incremental, _extra_passes, _polish
 from hf_dp_balance.core.planner.place import _place_lpt
 from hf_dp_balance.core.planner.state import _Infeasible, _State, _copy_state, _fullest, _remove
@@ -111,6 +112,7 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     again and polish. With `copy` False it works on `origin` itself (spoilt when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
+    start = origin.dest.copy()
     state = _copy_state(origin) if copy else origin
     try:
         if ladder:
@@ -126,6 +128,8 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
             state = _balance_incremental(state, budget, tolerance, relocate)
         _trade(state, budget, tolerance)
         state = _polish(state, budget, budget * (tolerance / 2.0), tolerance)
+        # up to the trades' limit, never above the fullest rank now (fewer tokens, not a slower step)
+        _send_home(state, start, budget * min(1.0 + tolerance / 2.0, _fullest(state, budget)))
         state.path = "trades"
         return state
     except _Infeasible:

@@ -1,0 +1,164 @@
+"""How few tokens can a full-cap plan send? A mixed-integer floor beside plan_step's tokens and trajectory.
+
+At max_tokens = the pack length only exchanges help, and every token that changes rank is bytes on the
+side network. `bench/planner.py --full-cap` prints `sent_floor` (each over-full rank's excess carried
+by its densest items, nothing paid back): valid but loose. This bench solves a relaxation of "fewest
+tokens sent such that every rank ends at or under goal x the bound" with HiGHS (scipy.optimize.milp):
+
+- y_i: item i stays on its rank (binary for items over --big tokens, fractional below); the
+  objective, sum of tokens_i (1 - y_i), is exactly the tokens a plan sends (a new micro-batch on
+  the same rank sends nothing);
+- what a rank receives: items of at most --big tokens as tokens of a density class (cost / token),
+  each priced at its class's lowest density; longer items as an integer count per length class,
+  each counted at its class's fewest tokens and lowest cost;
+- every moved item is received by some rank; every rank ends with load <= goal x bound and
+  tokens <= M x cap (the slot caps relaxed to the rank's).
+
+Every real plan is a feasible point of it with the same objective, so its optimum is a floor on the
+tokens any plan sends, and so is HiGHS's dual bound when the time limit stops it first (printed:
+the floor is that bound; the best point of the relaxation found, when one is, is not a plan: it
+moves short items fractionally and ignores slot caps). Then plan_step on the same
+instance, with the share of tokens sent and slowest / bound after each of its full-cap stages.
+
+    python bench/planner_floor.py [--sizes 512x4] [--goals 1.01,1.0025] [--time-limit 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import planner as bench  # noqa: E402  (the full-cap instances and sent_floor of bench/planner.py)
+
+from hf_dp_balance.core.planner import lower_bound, plan_step  # noqa: E402
+from hf_dp_balance.core.planner import repack as _repack  # noqa: E402
+from hf_dp_balance.core.planner.state import _State, _fullest  # noqa: E402
+
+
+def _classes(values, lo, hi, count):
+    """Class of each value on `count` geometric classes over [lo, hi]."""
+    edges = np.geomspace(lo, hi * (1.0 + 1e-12), count + 1)
+    return np.clip(np.searchsorted(edges, values, side="right") - 1, 0, count - 1)
+
+
+def milp_floor(c, L, own, R, M, cap, goal_load, big, time_limit, big_classes=48, small_classes=100):
+    """(floor on tokens sent, HiGHS's incumbent or None, CPU s, message) of the relaxation above."""
+    n = c.size
+    dens = c / L
+    isbig = L > big
+    sm = ~isbig
+    ks = _classes(dens, dens[sm].min(), dens[sm].max(), small_classes) if sm.any() else np.zeros(n, dtype=np.int64)
+    kb = _classes(L, big, L.max(), big_classes) if isbig.any() else np.zeros(n, dtype=np.int64)
+    Ks, Kb = small_classes, big_classes
+    ds = np.zeros(Ks)  # lowest density of each small class (an empty class has no items to receive)
+    d = np.full(Ks, np.inf)
+    np.minimum.at(d, ks[sm], dens[sm])
+    ds[np.isfinite(d)] = d[np.isfinite(d)]
+    Lb, cb = np.full(Kb, np.inf), np.full(Kb, np.inf)  # fewest tokens and lowest cost of each long class
+    np.minimum.at(Lb, kb[isbig], L[isbig])
+    np.minimum.at(cb, kb[isbig], c[isbig])
+    Lb[~np.isfinite(Lb)], cb[~np.isfinite(cb)] = 0.0, 0.0
+    nzs, nzb = R * Ks, R * Kb
+    N = n + nzs + nzb
+    items = np.arange(n)
+    zs, zb = n + np.arange(nzs), n + nzs + np.arange(nzb)
+    r_s, k_s = np.repeat(np.arange(R), Ks), np.tile(np.arange(Ks), R)
+    r_b, k_b = np.repeat(np.arange(R), Kb), np.tile(np.arange(Kb), R)
+    rows = np.concatenate((own, r_s, r_b))
+    cols = np.concatenate((items, zs, zb))
+    load = sparse.csr_matrix((np.concatenate((c, ds[k_s], cb[k_b])), (rows, cols)), shape=(R, N))
+    toks = sparse.csr_matrix((np.concatenate((L, np.ones(nzs), Lb[k_b])), (rows, cols)), shape=(R, N))
+    # received = moved: small classes in tokens, long classes in items
+    eq_s = sparse.csr_matrix((np.concatenate((L[sm], np.ones(nzs))),
+                              (np.concatenate((ks[sm], k_s)), np.concatenate((items[sm], zs)))), shape=(Ks, N))
+    eq_b = sparse.csr_matrix((np.ones(int(isbig.sum()) + nzb),
+                              (np.concatenate((kb[isbig], k_b)), np.concatenate((items[isbig], zb)))), shape=(Kb, N))
+    moved_s = np.bincount(ks[sm], weights=L[sm], minlength=Ks)
+    moved_b = np.bincount(kb[isbig], minlength=Kb).astype(np.float64)
+    constraints = [LinearConstraint(load, -np.inf, goal_load), LinearConstraint(toks, -np.inf, M * cap),
+                   LinearConstraint(eq_s, moved_s, moved_s), LinearConstraint(eq_b, moved_b, moved_b)]
+    integrality = np.zeros(N)
+    integrality[items[isbig]] = 1
+    integrality[zb] = 1
+    upper = np.concatenate((np.ones(n), np.full(nzs + nzb, np.inf)))
+    t = time.process_time()
+    res = milp(np.concatenate((-L, np.zeros(nzs + nzb))), constraints=constraints, bounds=Bounds(np.zeros(N), upper),
+               integrality=integrality, options={"time_limit": time_limit, "mip_rel_gap": 1e-3})
+    t = time.process_time() - t
+    # minimised: -(tokens kept home); a lower bound on it is the dual bound (the optimum when solved)
+    low = res.fun if res.status == 0 else getattr(res, "mip_dual_bound", None)
+    floor = None if low is None else float(L.sum() + low)
+    incumbent = None if res.fun is None else float(L.sum() + res.fun)
+    return floor, incumbent, t, res.message
+
+
+def trajectory(c, L, own, mb, R, M):
+    """plan_step at a full cap, with (stage, slowest / bound, % tokens sent) after each full-cap stage
+    (the stage functions of core/planner/repack.py wrapped to record, their results unchanged)."""
+    lb = lower_bound(c, R)
+    stages = []
+    wrapped = {}
+    for name in ("_ladder_trades", "_balance_incremental", "_trade", "_polish", "_send_home"):
+        fn = getattr(_repack, name)
+        wrapped[name] = fn
+
+        def record(state, *args, _fn=fn, _name=name, **kw):
+            out = _fn(state, *args, **kw)
+            st = out if isinstance(out, _State) else state
+            stages.append((_name + (" (near)" if kw.get("near") else ""), _fullest(st, np.full(R, lb)),
+                           100.0 * L[st.dest != own].sum() / L.sum()))
+            return out
+
+        setattr(_repack, name, record)
+    try:
+        plan = plan_step(c, own, mb, R, M, tokens=L, max_tokens=bench.PACK, sync="step", min_gain=0.0)
+    finally:
+        for name, fn in wrapped.items():
+            setattr(_repack, name, fn)
+    return plan, stages
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="512x4")
+    parser.add_argument("--mix", default="long-tail")
+    parser.add_argument("--cost", default="strongly quadratic", choices=sorted(bench.FULL_CAP_COSTS))
+    parser.add_argument("--goals", default="1.01,1.0025")
+    parser.add_argument("--big", type=float, default=8192.0, help="items over this many tokens are whole (integer)")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="HiGHS seconds per goal")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for size in args.sizes.split(","):
+        R, M = (int(x) for x in size.split("x"))
+        L, own, mb = bench.full_cap_instance(args.mix, R, M, args.seed)
+        c = bench.FULL_CAP_COSTS[args.cost] * L ** 2 + L
+        lb = lower_bound(c, R)
+        T = float(L.sum())
+        plan, stages = trajectory(c, L, own, mb, R, M)
+        print(f"## {args.mix} {R} x {M}, {args.cost}: {L.size} items, {int((L > args.big).sum())} over {args.big:.0f} "
+              f"tokens; before / bound {plan.makespan_before / lb:.4f}\n")
+        print("| goal (x bound) | sent_floor | MILP floor | best point of the relaxation found | HiGHS | plan_step |\n"
+              "|---|---|---|---|---|---|")
+        sent = 100.0 * L[plan.dest_rank != own].sum() / T
+        for goal in (float(g) for g in args.goals.split(",")):
+            floor, best, secs, msg = milp_floor(c, L, own, R, M, bench.PACK, goal * lb, args.big, args.time_limit)
+            loose = 100.0 * bench.sent_floor(c, L, own, R, goal * lb) / T
+            shown = "none found" if floor is None else f"{100.0 * floor / T:.2f}%"
+            point = "none" if best is None else f"{100.0 * best / T:.2f}%"
+            print(f"| {goal} | {loose:.2f}% | {shown} | {point} | {secs:.0f} s CPU, {msg.split('(')[0].strip()} | "
+                  f"{sent:.2f}% at {plan.makespan_after / lb:.4f} |", flush=True)
+        print("\n| plan_step stage | slowest / bound | tokens sent |\n|---|---|---|")
+        for name, full, share in stages:
+            print(f"| {name} | {full:.4f} | {share:.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Sending items home after full-cap trades: a moved item goes back where a like one took its place.
+
+Trades in several passes leave detours: rank A sent item x to rank B (a pay-back, or a large item
+traded away) and later took item y from rank C in another trade. When x and y cost and weigh about
+the same, y can go to B in x's place and x back home to A: A and B each change by c_x - c_y, every
+slot keeps its item count, and x no longer crosses the network (nor y, when B is y's home). At a
+full cap these detours are a large share of what the trades send, and balancing them out costs
+almost no load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.trade import _apply
+
+_ROUNDS = 4  # rounds at most; every round each rank takes part in at most one redirection (later ones save little)
+_NEAR = 2  # items y tried per item x: this many nearest in cost on x's home rank
+_WORTH = 0.05  # runs only when the plan sends at least this share of the tokens: it saves ~2-3% of what
+# is sent for O(items away) work (4096 x 8, 3.5% sent: 0.1% saved for ~20 ms)
+
+
+def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: int = _ROUNDS) -> int:
+    """Redirect pairs (x away from its home A, now on B; y now on A, from C != A): y -> (B, x's slot),
+    x -> (A, y's slot), when both slots hold their new item, A and B end at or under `ceiling` and
+    the tokens sent fall (by x's tokens, plus y's when B is y's home); only when at least _WORTH of
+    the tokens are away from home. Per round, in vectorised numpy:
+    every x's _NEAR candidates y nearest in cost, each x's best, then a set of pairs that touch every
+    rank at most once, most tokens saved first. Returns the tokens saved.
+
+    Guarantees: no slot goes over the cap; every rank and slot keeps its item count; no rank ends
+    above max(its load now, `ceiling`). Cost per round: O(m log m) for the m items away from home."""
+    cap, M, R = state.cap, state.M, state.load.shape[0]
+    tok, cost = state.tokens, state.costs
+    if cap is None or tok is None or R < 2:
+        return 0
+    away = np.flatnonzero(state.dest != start)
+    if away.size < 2 or float(tok[away].sum()) < _WORTH * float(tok.sum()):
+        return 0
+    # the items away from home grouped by the rank they are on, cheapest first: a key rank + cost x scale
+    scale = 1.0 / (2.0 * float(cost[away].max()) + 2.0)
+    key = state.dest[away] + cost[away] * scale
+    by = np.argsort(key, kind="stable")
+    ys, key = away[by], key[by]
+    bounds = np.searchsorted(state.dest[ys], np.arange(R + 1))
+    home = start[away]
+    at = np.searchsorted(key, home + cost[away] * scale)
+    pos = at[:, None] + np.arange(-(_NEAR // 2), _NEAR - _NEAR // 2)[None, :]
+    ok = (pos >= bounds[home][:, None]) & (pos < bounds[home + 1][:, None])
+    x = np.broadcast_to(away[:, None], pos.shape)[ok]
+    y = ys[pos[ok]]
+    A, B = start[x], state.dest[x]
+    saving = tok[x] + np.where(start[y] == B, tok[y], 0.0)
+    # most tokens saved first (ties: the item indexes); a candidate holds while x and y stay put
+    o = np.argsort(-saving, kind="stable")  # candidates were made in (x, y position) order: ties keep it
+    x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
+    saved_total = 0.0
+    for _ in range(rounds):
+        dc = cost[x] - cost[y]
+        sx, sy = state.micro[x], state.micro[y]
+        good = ((state.dest[x] == B) & (state.dest[y] == A)
+                & (state.load[A] + dc <= np.maximum(ceiling[A], state.load[A]))
+                & (state.load[B] - dc <= np.maximum(ceiling[B], state.load[B]))
+                & (state.slot_tok[B, sx] - tok[x] + tok[y] <= cap)
+                & (state.slot_tok[A, sy] - tok[y] + tok[x] <= cap))
+        g = np.flatnonzero(good)
+        if g.size == 0:
+            break
+        # every rank in at most one pair, the first (most saved) that touches it
+        touched = np.full(R, g.size, dtype=np.int64)
+        np.minimum.at(touched, A[g], np.arange(g.size))
+        np.minimum.at(touched, B[g], np.arange(g.size))
+        win = g[(touched[A[g]] == np.arange(g.size)) & (touched[B[g]] == np.arange(g.size))]
+        _apply(state, np.concatenate((x[win], y[win])), np.concatenate((A[win], B[win])),
+               np.concatenate((sy[win], sx[win])))
+        saved_total += float(saving[win].sum())
+        keep = np.ones(x.size, dtype=bool)
+        keep[win] = False
+        x, y, A, B, saving = x[keep], y[keep], A[keep], B[keep], saving[keep]
+    return saved_total
