@@ -533,6 +533,19 @@ def test_cap_repair_moves_few_items(case):
     assert plan.moved <= 4 * cover + 16, (plan.moved, cover, costs.size, plan.path)
 
 
+def test_a_slot_over_the_cap_is_repaired_inside_its_rank_when_its_other_micro_batch_has_room():
+    # sync="step": a rank's load is the sum of its micro-batches', so moving items between them is free.
+    # Rank 0's first micro-batch is 2 tokens over; its second has room for two 1-token items. Before, the
+    # 4-token item went to rank 2 and an item came back to balance the counts: 2 items changed rank.
+    tokens = np.array([1, 1, 4, 8, 10, 6, 6, 6, 5, 1, 4, 4, 3, 3, 2], float)
+    owners = np.repeat([0, 1, 2], 5)
+    micro = np.array([0, 0, 0, 0, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1])
+    plan = plan_step(np.ones(15), owners, micro, 3, 2, tokens=tokens, max_tokens=12)
+    assert plan.applied and plan.reason.startswith("required") and plan.moved == 0
+    assert np.bincount(plan.dest_rank * 2 + plan.dest_micro_batch, weights=tokens, minlength=6).max() <= 12
+    assert sorted(np.flatnonzero(plan.dest_micro_batch != micro).tolist()) == [0, 1]  # the two 1-token items
+
+
 @pytest.mark.parametrize("sync", ["step", "micro_batch"])
 def test_cap_repair_of_a_large_video_heavy_step_moves_few_items(sync):
     # 32 ranks x 4 micro-batches of a video-heavy mix, two slots a few tokens over;

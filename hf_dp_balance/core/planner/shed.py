@@ -111,26 +111,68 @@ def _shed_tokens(state: _State) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     slot_of = state.dest * state.M + state.micro
     pool = []
+    # room that items shed from earlier slots will fill (best fit): a later slot neither counts on it
+    # nor swaps into it, or two repairs plan with the same room and the placement finds none
+    reserved = np.zeros(state.slot_tok.size)
     for s in over.tolist():
         items = np.flatnonzero(slot_of == s)
         excess = float(state.slot_tok.reshape(-1)[s]) - state.cap
         r = s // state.M
         left = int(state.count[r]) - state.min_count if state.count is not None else items.size
-        room = state.cap - state.slot_tok.reshape(-1)
+        if _repair_within_rank(state, s, items, slot_of, excess, reserved):
+            continue  # the rank's other micro-batches took it: nothing changes rank, no load moves
+        room = state.cap - state.slot_tok.reshape(-1) - reserved
         room[s] = -np.inf
         fits = items[state.tokens[items] <= float(room.max())]  # items some other slot can take
         taken = _cover_excess(fits, state.tokens, excess)
         if float(state.tokens[taken].sum()) < excess:
-            if _token_swap(state, s, slot_of, excess):
+            if _token_swap(state, s, slot_of, excess, reserved):
                 continue  # a swap with a roomier slot repaired it
             taken = _cover_excess(items, state.tokens, excess)
         if len(taken) > left:
             raise _Infeasible(f"slot (rank {r}, micro-batch {s % state.M}) cannot shed tokens and keep "
                               f"{state.min_count} items")
+        for i in sorted(taken, key=lambda i: -float(state.tokens[i])):
+            t = float(state.tokens[i])
+            host = np.flatnonzero(room >= t)
+            if host.size:
+                j = int(host[np.argmin(room[host])])
+                room[j] -= t
+                reserved[j] += t
         pool += taken
     pool = np.asarray(pool, dtype=np.int64)
     _remove(state, pool)
     return pool
+
+
+def _repair_within_rank(state: _State, s: int, items: np.ndarray, slot_of: np.ndarray, excess: float,
+                        reserved: np.ndarray) -> bool:
+    """Repair slot s by moving items to its rank's other micro-batches (their free room, less what is
+    `reserved`); True if done. Its items are taken by the `_cover_excess` rule among those that fit the
+    roomiest of those slots, each placed best fit; nothing is moved unless all of them fit and s keeps
+    an item. A rank's load is the sum of its micro-batches' (`sync="step"`), so this costs nothing."""
+    M = state.M
+    if M < 2:
+        return False
+    r = s // M
+    own = np.arange(r * M, (r + 1) * M)
+    own = own[own != s]
+    room = state.cap - state.slot_tok.reshape(-1)[own] - reserved[own]
+    taken = _cover_excess(items[state.tokens[items] <= float(room.max())], state.tokens, excess)
+    if float(state.tokens[taken].sum()) < excess or len(taken) >= items.size:
+        return False
+    to = []
+    for i in sorted(taken, key=lambda i: -float(state.tokens[i])):
+        host = np.flatnonzero(room >= float(state.tokens[i]))
+        if host.size == 0:
+            return False
+        j = int(host[np.argmin(room[host])])
+        room[j] -= float(state.tokens[i])
+        to.append((i, int(own[j])))
+    for i, s2 in to:
+        state.move(i, r, s2 % M)
+        slot_of[i] = s2
+    return True
 
 
 def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float) -> list:
@@ -151,17 +193,18 @@ def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float) -> list:
 _SWAP_PARTNERS = 16  # slots with the most token room tried by a token swap
 
 
-def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float) -> bool:
+def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reserved: np.ndarray) -> bool:
     """Repair slot s, `excess` tokens over the cap, by a one-for-many swap; True if done.
 
     One item i of s that covers the excess alone (fewest tokens first) goes to a
     slot s2 with room (most room first, among the _SWAP_PARTNERS roomiest), which
     gives s back its largest items that fit, totalling between t_i - room(s2)
     (so s2 holds i) and t_i - excess (so s ends within the cap). Loads are left to
-    the refinement that follows. Moves 1 + a few items. O(items of s x partners).
+    the refinement that follows. Moves 1 + a few items. O(items of s x partners). `reserved`: room
+    that items shed from other slots will fill, not counted as free.
     """
     cap, tok, M = state.cap, state.tokens, state.M
-    free = cap - state.slot_tok.reshape(-1)
+    free = cap - state.slot_tok.reshape(-1) - reserved
     free[s] = -np.inf
     partners = np.lexsort((np.arange(free.size), -free))[:_SWAP_PARTNERS].tolist()
     mine = np.flatnonzero(slot_of == s)
