@@ -17,6 +17,7 @@ _ROUNDS = 24  # trade rounds at most (every round: at most one trade per over-fu
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
 _LARGE = 1.0 / 16.0  # items above this share of the cap are the ones traded
 _PARTNERS = 2  # ranks under budget each over-full rank considers per round
+_SLOTS_FOR_ONE = 8  # with this many micro-batches or more, one partner per round has choice enough
 _WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
 _OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer, larger trades)
 
@@ -83,7 +84,7 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
         under = under[np.argsort(-room_under, kind="stable")]
         P = min(over.size, under.size)
         # every over-full rank looks at _PARTNERS ranks under budget, from its own place in that order
-        K = min(_PARTNERS, under.size)
+        K = min(_PARTNERS if M < _SLOTS_FOR_ONE else 1, under.size)
         idx = np.arange(P)
         h = np.repeat(over[:P], K)
         # the partners shift from round to round: a pair that found no trade meets new ranks
