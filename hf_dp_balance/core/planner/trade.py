@@ -13,19 +13,24 @@ import numpy as np
 from hf_dp_balance.core.planner.state import _State
 from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _PayBack, _ranges, _uint_key
 
-_ROUNDS = 24  # trade rounds at most (every round: at most one trade per over-full rank)
+_ROUNDS = 24  # trade rounds at most with _PARTNERS partners (every round: at most two trades per over-full rank)
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
 _LARGE = 1.0 / 16.0  # items above this share of the cap are the ones traded
 _PARTNERS = 2  # ranks under budget each over-full rank considers per round
+_SLOTS_FOR_ONE = 8  # with this many micro-batches or more, one partner per round has choice enough
+# (and it gets _ROUNDS x _PARTNERS rounds: the pairs scored at most stay the same)
 _WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
 _OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer, larger trades)
 
 
-def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS) -> bool:
+def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int | None = None) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under their
-    budget each (furthest under first; the partners shift every round). A trade sends a large
+    Every round (`rounds`, or _ROUNDS x _PARTNERS / partners) pairs the over-full ranks, most
+    over first, with _PARTNERS ranks under their budget each (furthest under first; the partners
+    shift every round), or one with _SLOTS_FOR_ONE micro-batches or more: a rank's items in 8
+    slots give one pair choice enough, and half the pairs per round halve a round's work (the rounds
+    after trade what is left; the incremental method after them is dearer per rank). A trade sends a large
     item `a` of h (over cap x _LARGE tokens; first only the _WINDOW each side of the cost h should
     shed, twice as many each time h found no trade, up to all of them) to l, into l's roomiest
     slot or in place of a large item `b` of l that comes back; the receiving slot also pays back
@@ -69,7 +74,8 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
     reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
     failed_before = np.zeros(R, dtype=bool)
     R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max())) if R else 0
-    for k in range(rounds):
+    partners = _PARTNERS if M < _SLOTS_FOR_ONE else 1
+    for k in range(_ROUNDS * _PARTNERS // partners if rounds is None else rounds):
         over = np.flatnonzero(state.load > limit)
         if over.size == 0:
             return True
@@ -83,7 +89,7 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _R
         under = under[np.argsort(-room_under, kind="stable")]
         P = min(over.size, under.size)
         # every over-full rank looks at _PARTNERS ranks under budget, from its own place in that order
-        K = min(_PARTNERS, under.size)
+        K = min(partners, under.size)
         idx = np.arange(P)
         h = np.repeat(over[:P], K)
         # the partners shift from round to round: a pair that found no trade meets new ranks
