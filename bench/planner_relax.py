@@ -5,21 +5,22 @@ long-tail mix, plan_step sends ~21% of the step's tokens at 1.0025x the bound wh
 floor (bench/planner_floor.py) says 9.0%. This bench tries the obvious next step:
 
 1. an LP (scipy.optimize.linprog, HiGHS) that decides per rank which long items leave (a fraction
-   y_i per item over --big tokens), how many long items of each length class every rank receives,
-   and how many short tokens (by density class) every rank sends or takes back, minimising the
-   tokens sent, with every rank at or under goal x bound and M x cap tokens (slot caps relaxed to
-   the rank's; received items priced at their class's dearest cost and most tokens, sent short
-   tokens at their class's lowest density, so that a rounded plan tends to stay within the goal);
-2. rounding: a long item leaves when y_i >= 1/2; each class's leaving items go to the ranks with
-   the most of that class still to receive (largest remainder); each lands in the receiving rank's
-   slot with the most room, which pays back its densest short items (not moved before) until the
-   item fits, into the slot the item left;
+   y_i per item over --big tokens), how many long items of each length class (24 geometric) every
+   rank receives, and how many short tokens of each density class (8) every rank sends and takes,
+   minimising the tokens sent, with every rank at or under goal x bound and M x cap tokens (slot caps
+   relaxed to the rank's; a class priced at its mean cost / tokens, so the LP conserves load);
+   `relaxation(..., integer_s=S)` makes the long items whole (HiGHS milp, S seconds at most);
+2. rounding: a long item leaves when y_i >= --threshold; dearest first, each goes to the first of
+   the _TRIES ranks with the most of its class still to receive whose slot (most room first) can
+   make room by paying back its densest short items (never moved before) into the slot the item
+   left; then the LP's short flows, per class: a sender's items up to its amount into the takers'
+   roomiest slots in turn;
 3. repair: the full-cap pieces of core/planner (ladder trades, the incremental method, small-change
    trades, polish, sending home toward the original owners) on what rounding left above the goal.
 
 Beside it, today's plan_step on the same instance: tokens sent, slowest / bound, CPU.
 
-    python bench/planner_relax.py [--sizes 512x4] [--goal 1.0025] [--big 8192]
+    python bench/planner_relax.py [--sizes 512x4] [--goals 1.0025,1.0] [--big 8192] [--threshold 0.5]
 """
 
 from __future__ import annotations
@@ -226,12 +227,12 @@ def repair(state: _State, start, budget, tolerance):
     return state
 
 
-def relax_case(c, L, own, mb, R, M, goal, big, tolerance=0.005, threshold=0.5):
+def relax_case(c, L, own, mb, R, M, goal, big, tolerance=0.005, threshold=0.5, integer_s=0.0):
     lb = lower_bound(c, R)
     budget = np.full(R, lb)
     T = float(L.sum())
     t0 = time.process_time()
-    y, recv, klass, flows, t_lp, status, fun = relaxation(c, L, own, R, M, bench.PACK, goal * lb, big)
+    y, recv, klass, flows, t_lp, status, fun = relaxation(c, L, own, R, M, bench.PACK, goal * lb, big, integer_s=integer_s)
     load0 = np.bincount(own, weights=c, minlength=R)
     state = _State(c, L, float(bench.PACK), np.ones(R), own, mb, M, load0, 0)
     state = round_plan(state, y, recv, klass, flows, threshold)
@@ -253,6 +254,7 @@ def main(argv=None) -> int:
     parser.add_argument("--goals", default="1.0025,1.0")
     parser.add_argument("--big", type=float, default=8192.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--integer-s", type=float, default=0.0, help="long items whole: a MILP of at most this many s")
     parser.add_argument("--threshold", type=float, default=0.5, help="a long item leaves when its LP share is at least this")
     args = parser.parse_args(argv)
     print("| size | LP goal (x bound) | LP tokens sent | LP CPU | rounded: slowest / bound, sent | after repair | "
@@ -267,7 +269,8 @@ def main(argv=None) -> int:
         t = time.process_time() - t
         today = f"{plan.makespan_after / lb:.4f}, {100.0 * L[plan.dest_rank != own].sum() / L.sum():.1f}%, {1e3 * t:.0f} ms"
         for goal in (float(g) for g in args.goals.split(",")):
-            out = relax_case(c, L, own, mb, R, M, goal, args.big, threshold=args.threshold)
+            out = relax_case(c, L, own, mb, R, M, goal, args.big, threshold=args.threshold,
+                             integer_s=args.integer_s)
             lp = "infeasible" if out["lp"] is None else f"{out['lp']:.1f}%"
             print(f"| {size} | {goal} | {lp} | {1e3 * out['lp_s']:.0f} ms | {out['rounded'][0]:.4f}, "
                   f"{out['rounded'][1]:.1f}% | {out['done'][0]:.4f}, {out['done'][1]:.1f}% | "
