@@ -140,19 +140,25 @@ def fitted_models(rng, mix, ranks, steps, truth, prior, noise) -> dict:
     }
 
 
+def scores(rng, mix, ranks, truth, models, evals) -> dict:
+    """name -> (share of the true-cost cut a plan from the model reaches over `evals` steps, single-sample
+    mean |relative error| on 4000 fresh samples), both drawn from `rng` in this order."""
+    cut = cut_sums(rng, mix, ranks, truth, models, evals)
+    singles = truncate(draw_mix(mix, 4000, rng), PACK).tokens
+    singles = singles[singles > 0]
+    true_cost = truth.sample_costs(singles)
+    return {name: (cut[name][0] / cut[name][1] if cut[name][1] > 0 else 1.0,
+                   float(np.mean(np.abs(model.sample_costs(singles) / true_cost - 1))))
+            for name, model in models.items()}
+
 def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed) -> dict:
     """fit name -> {"share": median cut share, "single": median single-sample MAPE} over draws."""
     rows = {name: [] for name in FITS}
     for d in range(draws):
         rng = np.random.default_rng([seed, ranks, steps, d])
         models = fitted_models(rng, mix, ranks, steps, truth, prior, noise)
-        cut = cut_sums(rng, mix, ranks, truth, models, evals)
-        singles = truncate(draw_mix(mix, 4000, rng), PACK).tokens
-        singles = singles[singles > 0]
-        true_cost = truth.sample_costs(singles)
-        for name, model in models.items():
-            rows[name].append((cut[name][0] / cut[name][1] if cut[name][1] > 0 else 1.0,
-                               float(np.mean(np.abs(model.sample_costs(singles) / true_cost - 1)))))
+        for name, measured in scores(rng, mix, ranks, truth, models, evals).items():
+            rows[name].append(measured)
     return {name: {"share": float(np.median([r[0] for r in v])), "single": float(np.median([r[1] for r in v]))}
             for name, v in rows.items()}
 

@@ -40,9 +40,8 @@ from typing import Optional
 import numpy as np
 
 import hf_dp_balance.core.fitting as fitting
-from cost_fit_plans import MIXES, PACK, TRUTHS, cut_sums, plan, step_items, truth_of
+from cost_fit_plans import MIXES, PACK, TRUTHS, plan, scores, step_items, truth_of
 from cost_fit_synthetic import qwen2_7b_prior
-from hf_dp_balance.apps.mixes import draw_mix, truncate
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model
 from hf_dp_balance.core.hedge import extrapolate, probe_hypotheses, probe_plan, worst_excess
@@ -183,14 +182,9 @@ def cell(mix, ranks, steps, truth, prior, draws, variants, evals=3, noise=0.03, 
             rng.bit_generator.state = state  # every warm-up draws the same samples and noise (as the bench's)
             models[v] = fit_cost_model(*warmup(rng, v, probes[v], mix, ranks, steps, prior, noise), mode="step_max",
                                        holdout=0, prior=prior).model
-        cut = cut_sums(rng, mix, ranks, truth, models, evals)
-        singles = truncate(draw_mix(mix, 4000, rng), PACK).tokens
-        singles = singles[singles > 0]
-        true_cost = truth.sample_costs(singles)
-        for v, m in models.items():
-            out[v].append((cut[v][0] / cut[v][1] if cut[v][1] > 0 else 1.0,
-                           float(np.mean(np.abs(m.sample_costs(singles) / true_cost - 1))),
-                           (m.quadratic / m.linear) / (truth.quadratic / truth.linear),
+        for v, (share, single) in scores(rng, mix, ranks, truth, models, evals).items():
+            m = models[v]
+            out[v].append((share, single, (m.quadratic / m.linear) / (truth.quadratic / truth.linear),
                            m.per_sample / truth.per_sample))
     return out, probes
 
