@@ -132,13 +132,9 @@ def _shed_tokens(state: _State) -> np.ndarray:
         if len(taken) > left:
             raise _Infeasible(f"slot (rank {r}, micro-batch {s % state.M}) cannot shed tokens and keep "
                               f"{state.min_count} items")
-        for i in sorted(taken, key=lambda i: -float(state.tokens[i])):
-            t = float(state.tokens[i])
-            host = np.flatnonzero(room >= t)
-            if host.size:
-                j = int(host[np.argmin(room[host])])
-                room[j] -= t
-                reserved[j] += t
+        for i, j in _best_fit(room, taken, state.tokens):
+            if j >= 0:
+                reserved[j] += float(state.tokens[i])
         pool += taken
     pool = np.asarray(pool, dtype=np.int64)
     _remove(state, pool)
@@ -161,18 +157,27 @@ def _repair_within_rank(state: _State, s: int, items: np.ndarray, slot_of: np.nd
     taken = _cover_excess(items[state.tokens[items] <= float(room.max())], state.tokens, excess)
     if float(state.tokens[taken].sum()) < excess or len(taken) >= items.size:
         return False
-    to = []
-    for i in sorted(taken, key=lambda i: -float(state.tokens[i])):
-        host = np.flatnonzero(room >= float(state.tokens[i]))
-        if host.size == 0:
-            return False
-        j = int(host[np.argmin(room[host])])
-        room[j] -= float(state.tokens[i])
-        to.append((i, int(own[j])))
-    for i, s2 in to:
-        state.move(i, r, s2 % M)
-        slot_of[i] = s2
+    to = _best_fit(room, taken, state.tokens)
+    if any(j < 0 for _, j in to):
+        return False
+    for i, j in to:
+        state.move(i, r, int(own[j]) % M)
+        slot_of[i] = own[j]
     return True
+
+
+def _best_fit(room: np.ndarray, items: list, tokens: np.ndarray) -> list:
+    """(item, position in `room`) for `items`, most tokens first, each into the least room that holds it
+    (-1: none does); `room` is decreased by what it takes."""
+    out = []
+    for i in sorted(items, key=lambda i: -float(tokens[i])):
+        t = float(tokens[i])
+        host = np.flatnonzero(room >= t)
+        j = int(host[np.argmin(room[host])]) if host.size else -1
+        if j >= 0:
+            room[j] -= t
+        out.append((i, j))
+    return out
 
 
 def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float) -> list:
