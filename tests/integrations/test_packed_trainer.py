@@ -11,31 +11,14 @@ def _train(rank, world, outdir, family, layout, extra=None):
 
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
-    from hf_dp_balance.integrations.callback import DPBalanceCallback
     from hf_dp_balance.runtime.packed_input import PackedInput
+    from hf_dp_balance.testing.callbacks import StatsKeepingCallback
     from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
     from hf_dp_balance.testing.packed_users import UserCollator
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     data = [to_sample(r) for r in build_synthetic_dataset(family, 24, seed=1, scale=1 / 32)]  # 2 steps
-
-    class PackedInputCallback(DPBalanceCallback):
-        """The stock callback (input="auto" finds the user's packing collator); keeps the stats for the test."""
-
-        def _install_loader(self, train_dataloader, model, args):
-            loader = super()._install_loader(train_dataloader, model, args)
-            assert isinstance(loader.packed_input, PackedInput)  # the user's own collator: its rows are split
-            self.packed_input, self.stats, take = loader.packed_input, [], loader.pop_stats
-
-            def pop_stats():  # the callback pops the stats for its logs; keep a copy for the test
-                out = take()
-                self.stats.extend(out)
-                return out
-
-            loader.pop_stats = pop_stats
-            self.kept = loader
-            return loader
 
     def train(balanced):
         model = make_model(family, seed=0, dtype=torch.float64)
@@ -47,12 +30,13 @@ def _train(rank, world, outdir, family, layout, extra=None):
                                  optim="sgd", learning_rate=1.0, max_grad_norm=0.0, report_to=[], logging_steps=1,
                                  save_strategy="no", remove_unused_columns=False, train_sampling_strategy="sequential",
                                  disable_tqdm=True, seed=0, **(extra or {}))
-        cb = PackedInputCallback(DPBalanceConfig(timeout_s=60, min_gain=0.0, warmup_steps=0, vision=False),
-                                 cost_model=CostModel(quadratic=1.0, linear=20.0))
+        cb = StatsKeepingCallback(DPBalanceConfig(timeout_s=60, min_gain=0.0, warmup_steps=0, vision=False),
+                                  cost_model=CostModel(quadratic=1.0, linear=20.0))
         trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=UserCollator(model.config, family, layout),
                           callbacks=[cb] if balanced else [])
         trainer.train()
         if balanced:
+            assert isinstance(cb.packed_input, PackedInput)  # input="auto" found the user's collator: rows split
             cb.kept.pop_stats()  # the steps the callback did not log
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         return {n: p.detach() - start[n] for n, p in model.named_parameters()}, cb, losses, widths

@@ -73,27 +73,13 @@ def _train(rank, world, outdir, side):
 
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
-    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from hf_dp_balance.testing.callbacks import StatsKeepingCallback
     from hf_dp_balance.testing.data import make_model
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     data = _samples()
     tagged = [dict(s) for s in data]  # the originals, to identify the trained rows and their images
-
-    class KeepStats(DPBalanceCallback):
-        def _install_loader(self, train_dataloader, model, args):
-            loader = super()._install_loader(train_dataloader, model, args)
-            self.packed_input, self.stats, take = loader.packed_input, [], loader.pop_stats
-
-            def pop_stats():
-                out = take()
-                self.stats.extend(out)
-                return out
-
-            loader.pop_stats = pop_stats
-            self.kept = loader
-            return loader
 
     def train(balanced):
         model = make_model("qwen2_vl", seed=0, dtype=torch.float64)
@@ -111,8 +97,8 @@ def _train(rank, world, outdir, side):
                                  max_grad_norm=0.0, report_to=[], logging_steps=1, save_strategy="no",
                                  remove_unused_columns=False, train_sampling_strategy="sequential",
                                  disable_tqdm=True, seed=0)
-        cb = KeepStats(DPBalanceConfig(timeout_s=60, min_gain=0.0, warmup_steps=0, vision=False),
-                       cost_model=CostModel(quadratic=1.0, linear=20.0))
+        cb = StatsKeepingCallback(DPBalanceConfig(timeout_s=60, min_gain=0.0, warmup_steps=0, vision=False),
+                                  cost_model=CostModel(quadratic=1.0, linear=20.0))
         trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
                           callbacks=[cb] if balanced else [])
         trainer.train()
