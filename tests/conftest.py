@@ -22,6 +22,9 @@ pytest_plugins = ["pytester"]  # tests/test_lanes.py runs a throw-away suite und
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The demo's ranks are quiet too (apps/demo._RANK_ENV): with the same environment as this process they fork
+# from the spawner's forkserver (torch already imported) instead of starting afresh.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 def _names(code: types.CodeType):

@@ -76,3 +76,28 @@ def test_a_failure_in_one_group_releases_the_others_and_is_the_one_reported():
         run_groups(_fail_in_one_group, ["a", "b"], 2, timeout=150)
     # released at once, not when the caller's 150 s run out (spawning 4 ranks takes 10-25 s on 2 busy cores)
     assert time.monotonic() - started < 110
+
+
+def _origin(rank, world_size, names):
+    """Which process started this rank, and the variables it sees."""
+    import os
+
+    return os.getppid(), {n: os.environ.get(n) for n in names}
+
+
+def test_ranks_fork_from_the_forkserver_with_the_caller_s_environment_of_now(monkeypatch):
+    import os
+
+    run_ranks(_sum_ranks, 1)  # the forkserver runs from here on, with the environment it started with
+    monkeypatch.setenv("HF_DP_BALANCE_SPAWN_PROBE", "set after the server started")
+    (parent, seen), = run_ranks(_origin, 1, ["HF_DP_BALANCE_SPAWN_PROBE"])
+    assert parent != os.getpid()  # forked by the server, not started by this process
+    assert seen == {"HF_DP_BALANCE_SPAWN_PROBE": "set after the server started"}
+
+
+def test_a_rank_environment_that_differs_starts_a_fresh_interpreter():
+    import os
+
+    # a variable torch may read when it loads must reach a torch not loaded yet: not the server's copy
+    (parent, seen), = run_ranks(_origin, 1, ["TORCH_CPP_LOG_LEVEL"], env={"TORCH_CPP_LOG_LEVEL": "INFO"})
+    assert parent == os.getpid() and seen == {"TORCH_CPP_LOG_LEVEL": "INFO"}
