@@ -19,7 +19,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _ranges
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _ranges, _search_within
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
@@ -235,11 +235,15 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     CT, CC = lad.CT, lad.CC
     room_l = cap - flat_tok[dst]
     other = np.where(has_b, 0.0, cap * M - state.slot_tok[ll].sum(axis=1) - room_l)
-    j_free = np.searchsorted(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), side="left")
-    j_in = np.clip(np.searchsorted(CT, CT[base] + 0.9 * other, side="right") - 1, base, np.minimum(j_free, end))
+    # the searches of the receiving slot's stretch of the ladders, base .. end: an answer past end + 1 (or
+    # below j_in, from j_in on) changes none of the values below, so the searches are clamped there
+    j_free = _search_within(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), base, end + 1, "left", "high")
+    j_in = np.clip(_search_within(CT, CT[base] + 0.9 * other, base, end + 1, "right", "both") - 1, base,
+                   np.minimum(j_free, end))
     room_h = ta - tb + (cap * M - state.slot_tok[hl].sum(axis=1))
-    j_hi = np.minimum(np.searchsorted(CT, CT[j_in] + room_h, side="right") - 1, end)
-    j = np.clip(np.searchsorted(CC, CC[j_in] + ca - cb - want, side="left"), j_free, np.maximum(j_hi, j_free))
+    j_hi = np.minimum(_search_within(CT, CT[j_in] + room_h, j_in, end + 1, "right", "both") - 1, end)
+    j = np.clip(_search_within(CC, CC[j_in] + ca - cb - want, j_in, end + 1, "left", "both"), j_free,
+                np.maximum(j_hi, j_free))
     ok &= (j_free <= j_hi) & (j_free <= end) & (room_h >= 0)
     j = np.minimum(j, end)
     ok &= ~has_b | (lad.rank_of[bs] >= j)  # b is not in the ladder prefix

@@ -20,6 +20,44 @@ def _ranges(lo: np.ndarray, hi: np.ndarray):
     return pos, group
 
 
+def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray, side: str = "left",
+                   clamp: str = "") -> np.ndarray:
+    """np.searchsorted(a, v, side) (`a` sorted) for queries whose answers mostly lie in [lo, hi]:
+    a vectorised binary search of each query's stretch a[lo:hi], log2(longest stretch) steps that
+    touch a cache line or two each, where numpy's search of a long `a` in random order misses the
+    cache at every level (4-10x slower at 550k entries). `clamp`: "both" returns the answer clamped
+    to [lo, hi], "high" clamped to at most hi; an answer outside the range that is not clamped is
+    found by a search of all of `a` (exact)."""
+    lo = np.asarray(lo, dtype=np.int64)
+    hi = np.asarray(hi, dtype=np.int64)
+    if v.size == 0:
+        return lo.copy()
+    left = side == "left"
+    pos = lo.copy()  # a[lo:pos] passes (a < v for "left", a <= v for "right"); the next `width` are open
+    width = hi - lo
+    for _ in range(int(np.max(width)).bit_length()):
+        half = width >> 1
+        probe = pos + half  # < hi wherever width > 0
+        val = a[np.minimum(probe, a.size - 1)]
+        passes = (val < v) if left else (val <= v)
+        passes &= width > 0
+        # a[pos .. probe] pass: go on after probe; else before it
+        pos = np.where(passes, probe + 1, pos)
+        width = np.where(passes, width - half - 1, half)
+    if clamp == "both":
+        return pos
+    # pos is the answer unless a[lo - 1] fails (it lies below lo) or a[hi] passes (above hi)
+    before = a[np.maximum(lo - 1, 0)]
+    outside = (lo > 0) & ((before >= v) if left else (before > v))
+    if clamp != "high":
+        after = a[np.minimum(hi, a.size - 1)]
+        outside |= (hi < a.size) & ((after < v) if left else (after <= v))
+    again = np.flatnonzero(outside | np.isnan(v))  # (numpy sorts NaN last)
+    if again.size:
+        pos[again] = np.minimum(np.searchsorted(a, v[again], side=side), hi[again] if clamp == "high" else a.size)
+    return pos
+
+
 def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
     """`values` (non-negative integers < `below`) as the narrowest unsigned type: numpy's stable sort
     of 8- / 16-bit keys is a radix sort (O(n)), much faster than its merge sort of wider ones."""
