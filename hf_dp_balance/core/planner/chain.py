@@ -60,8 +60,9 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
     `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
     bins, then slots), then per round O(over-full ranks x _PARTNERS x _CHOICES x (_SLOTS + _SWAPS))
-    binary searches and O(items traded) numpy, with a Python loop only over the pay-back items that
-    spill past a's slot and the receiving slot's items that next fit cannot place. A pass ends after
+    binary searches (inside one slot's ladder each) and O(items traded) numpy, with a loop over the
+    items of one trade (all trades at once) only for the pay-back items that spill past a's slot and
+    the receiving slot's items that next fit cannot place. A pass ends after
     _IDLE rounds in a row that trade for at most _FEW of the over-full ranks.
     """
     cap = state.cap
@@ -315,25 +316,30 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     cum -= np.repeat(np.concatenate(([0.0], cum))[first], size)  # within each trade
     spills = np.zeros(h.size, dtype=bool)
     spills[of[cum > room_ma[of]]] = True
-    for t in np.flatnonzero(spills):
-        # the rest goes to h's other slots, roomiest first (few trades: a Python loop over their items)
-        room = cap - state.slot_tok[h[t]].astype(np.float64)
-        room[ma[t]] += ta[t]
-        for p in range(first[t], first[t] + size[t]):
-            tk = state.tokens[back[p]]
-            s = int(ma[t]) if room[ma[t]] >= tk else int(np.argmax(room))
-            if room[s] < tk:
-                ok[t] = False
-                break
-            room[s] -= tk
-            to[p] = s
+    # the rest goes to h's other slots, roomiest first: item by item, all spilling trades at once
+    t = np.flatnonzero(spills)
+    room = cap - state.slot_tok[h[t]]
+    row = np.arange(t.size)
+    room[row, ma[t]] += ta[t]
+    for k in range(int(size[t].max()) if t.size else 0):
+        go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
+        t, row = t[go], row[go]
+        p = first[t] + k
+        tk = state.tokens[back[p]]
+        s = np.where(room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1))
+        fits = room[row, s] >= tk
+        ok[t[~fits]] = False
+        t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
+        room[row, s] -= tk
+        to[p] = s
     return back, to, ok
 
 
 def _place_intra(state, order, lo, hi, l, m):
     """(items, their new slots on l, trade ok): ladder positions lo .. hi of every trade leave (l, m)
     for l's other slots: next fit, roomiest slot first, if that holds them all, else best fit,
-    largest first (a Python loop over these few items); a trade whose items do not fit is not ok."""
+    largest first (a loop over the items of one trade, all such trades at once); a trade whose items
+    do not fit is not ok."""
     cap = state.cap
     size = hi - lo
     first = np.cumsum(size) - size
@@ -357,17 +363,23 @@ def _place_intra(state, order, lo, hi, l, m):
     to = by_room[of, at]
     used = np.bincount(of * Mx + at, weights=t_items, minlength=T * Mx).reshape(T, Mx)
     overfull = (used > rooms).any(axis=1)  # a slot over its room (or no room left): the exact loop
-    for t in np.flatnonzero((size > 0) & overfull):
-        # else best fit, largest first (the ladder runs cheapest per token first: about shortest first)
-        room = cap - state.slot_tok[l[t]].astype(np.float64)
-        room[m[t]] = -np.inf
-        for p in range(first[t] + size[t] - 1, first[t] - 1, -1):
-            tk = state.tokens[items[p]]
-            fit = np.where(room >= tk, room, np.inf)
-            s = int(np.argmin(fit))
-            if not np.isfinite(fit[s]):
-                ok[t] = False
-                break
-            room[s] -= tk
-            to[p] = s
+    # else best fit, largest first (the ladder runs cheapest per token first: about shortest first):
+    # item by item, all such trades at once
+    t = np.flatnonzero((size > 0) & overfull)
+    room = cap - state.slot_tok[l[t]]
+    row = np.arange(t.size)
+    room[row, m[t]] = -np.inf
+    for k in range(int(size[t].max()) if t.size else 0):
+        go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
+        t, row = t[go], row[go]
+        p = first[t] + size[t] - 1 - k
+        tk = state.tokens[items[p]]
+        r = room[row]
+        fit = np.where(r >= tk[:, None], r, np.inf)
+        s = np.argmin(fit, axis=1)
+        fits = np.isfinite(fit[np.arange(row.size), s])
+        ok[t[~fits]] = False
+        t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
+        room[row, s] -= tk
+        to[p] = s
     return items, to, ok
