@@ -80,8 +80,8 @@ class _SlotTokens:
                 self.free = (cap - state.slot_tok[:, 0]).tolist()
             else:
                 self.slot_tok = state.slot_tok.tolist()
-                if cap is not None:
-                    self.free = [cap - min(row) for row in self.slot_tok]
+                if cap is not None:  # (one numpy pass, not R Python min calls: the same values)
+                    self.free = (cap - state.slot_tok.min(axis=1)).tolist()
 
     def add(self, k: int, r: int) -> None:
         """Item k of the pool goes to rank r: its slot with the fewest tokens."""
