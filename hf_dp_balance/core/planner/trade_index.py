@@ -33,17 +33,17 @@ def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     if v.size == 0:
         return lo.copy()
     left = side == "left"
-    pos = lo.copy()  # a[lo:pos] passes (a < v for "left", a <= v for "right"); the next `width` are open
-    width = hi - lo
-    for _ in range(int(np.max(width)).bit_length()):
-        half = width >> 1
-        probe = pos + half  # < hi wherever width > 0
-        val = a[np.minimum(probe, a.size - 1)]
-        passes = (val < v) if left else (val <= v)
-        passes &= width > 0
-        # a[pos .. probe] pass: go on after probe; else before it
-        pos = np.where(passes, probe + 1, pos)
-        width = np.where(passes, width - half - 1, half)
+    # steps of halving powers of two: pos = lo + how many of a[lo:hi] pass (a < v for "left", a <= v
+    # for "right"; they are a prefix of it), the block of `step` after pos tested by its last entry
+    pos = lo.copy()
+    step = 1 << max(int(np.max(hi - lo)).bit_length() - 1, 0)
+    while step:
+        last = pos + (step - 1)
+        ok = last < hi
+        val = a.take(last, mode="clip")
+        ok &= (val < v) if left else (val <= v)
+        pos += ok * step
+        step >>= 1
     if clamp == "both":
         return pos
     # pos is the answer unless a[lo - 1] fails (it lies below lo) or a[hi] passes (above hi)
