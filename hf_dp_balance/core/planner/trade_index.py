@@ -110,9 +110,9 @@ class _PayBack:
         base_t = np.where(first > 0, run_t[np.maximum(first - 1, 0)], 0.0) if items.size else np.zeros(used.size)
         base_c = np.where(first > 0, run_c[np.maximum(first - 1, 0)], 0.0) if items.size else np.zeros(used.size)
         a, b = first[inv], first[inv] + size[inv]
-        # run_t never decreases (tokens >= 0), over all the slots: one search of it, clipped to each slot's
+        # run_t never decreases (tokens >= 0), over all the slots: a search of it, clamped to each slot's
         # stretch, is the first position there that reaches the goal (b if none)
-        p = np.minimum(np.maximum(np.searchsorted(run_t, need[idx] + base_t[inv]), a), b)
+        p = _search_within(run_t, need[idx] + base_t[inv], a, b, clamp="both")
         got = np.flatnonzero(p < b)
         idx, inv, a, p = idx[got], inv[got], a[got], p[got]
         lo[idx], j[idx], feasible[idx] = a, p, True
