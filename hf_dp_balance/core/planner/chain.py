@@ -162,9 +162,13 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     a, pair = a[keep], pair[keep]
     rank_in_pair = np.arange(a.size) - np.searchsorted(pair, pair)
     a, pair = a[rank_in_pair < _CHOICES], pair[rank_in_pair < _CHOICES]
+    excess = state.load - budget
+    # any trade of a scores at most h's excess per token of a (`_evaluate`): an a under min_rate by
+    # that bound has no option that can score (late in a pass, most of them: h's excess is small)
+    worth = np.flatnonzero(excess[h[pair]] / (tok[a] + overhead) >= min_rate)
+    a, pair = a[worth], pair[worth]
     if a.size == 0:
         return 0
-    excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])  # what a trade of pair i should move
     # a into the _SLOTS roomiest slots of l that still give back, no b
     W = min(_SLOTS, M)
