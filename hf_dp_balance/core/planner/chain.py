@@ -73,23 +73,20 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     tok, cost = state.tokens, state.costs
     n = cost.shape[0]
     S = R * M
+    by_density, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
+    if large.size == 0:
+        return False
     slot = state.dest * M + state.micro
-    order = _ladders(cost, tok, slot, S)
+    order = _ladders(by_density, slot, S)
+    slot_items = np.bincount(slot, minlength=S)
     starts = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(np.bincount(slot, minlength=S), out=starts[1:])
+    np.cumsum(slot_items, out=starts[1:])
     # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
     CT = np.concatenate(([0.0], np.cumsum(tok[order])))
     CC = np.concatenate(([0.0], np.cumsum(cost[order])))
     # the large items, grouped by rank: most cost above their tokens at the lowest density first
     # (the ones h sends), and by cost (the ones l gives back in a's place)
-    large = np.flatnonzero(tok > cap * _LARGE)
-    if large.size == 0:
-        return False
-    d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
-    surplus = cost[large] - d_min * tok[large]
-    scale = 1.0 / (float(surplus.max()) * 2.0 + 2.0)
-    lad = SimpleNamespace(order=order, starts=starts, CT=CT, CC=CC,
-                          slot_items=np.bincount(slot, minlength=S).astype(np.int64),
+    lad = SimpleNamespace(order=order, starts=starts, CT=CT, CC=CC, slot_items=slot_items.astype(np.int64),
                           stale=np.zeros(S, dtype=bool),  # slots an original item left: their ladders no longer hold
                           moved=np.zeros(n, dtype=bool))
     lad.rank_of = np.empty(n, dtype=np.int64)
@@ -98,10 +95,9 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     by = np.argsort(key, kind="stable")
     lad.large, lad.surplus_key, lad.surplus_scale, lad.near = large[by], key[by], scale, near
     lad.l_starts = np.searchsorted(state.dest[lad.large], np.arange(R + 1))
-    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(
-        large, state.dest, cost, 1.0 / (float(cost[large].max()) * 2.0 + 2.0), R)
+    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
     overhead = cap * _OVERHEAD
-    min_rate = min_rate * float(cost.sum()) / max(float(tok.sum()), 1e-300)
+    min_rate = min_rate * mean_rate
     idle = 0
     for k in range(rounds):
         over = np.flatnonzero(state.load > limit)
@@ -126,13 +122,34 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     return not np.any(state.load > limit)
 
 
-def _ladders(cost: np.ndarray, tok: np.ndarray, slot: np.ndarray, S: int) -> np.ndarray:
-    """Items grouped by slot, cheapest per token first within a slot (ties: index): two stable
-    radix sorts, on log-spaced density bins and on the slot."""
-    dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
-    lo, hi = float(dens.min()), float(dens.max())
-    bins = ((dens - lo) * ((_DENSITY_BINS - 1) / max(hi - lo, 1e-12))).astype(np.uint16)
-    by_density = np.argsort(bins, kind="stable")
+def _item_keys(state: _State):
+    """What the ladder passes of one planning call read of its items alone (never of their
+    placement), made on the first pass and kept in `state.item_memo` (copies share it): the items
+    by log-spaced density bins (a stable radix sort; ties: index), the large items, their cost above
+    their tokens at the lowest density and its key scale, the scale of the large items' cost key,
+    and the mean cost per token."""
+    got = state.item_memo.get("ladder")
+    if got is None:
+        tok, cost = state.tokens, state.costs
+        dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
+        lo, hi = float(dens.min()), float(dens.max())
+        bins = ((dens - lo) * ((_DENSITY_BINS - 1) / max(hi - lo, 1e-12))).astype(np.uint16)
+        by_density = np.argsort(bins, kind="stable")
+        large = np.flatnonzero(tok > state.cap * _LARGE)
+        if large.size == 0:
+            got = (by_density, large, None, None, None, None)
+        else:
+            d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
+            surplus = cost[large] - d_min * tok[large]
+            got = (by_density, large, surplus, 1.0 / (float(surplus.max()) * 2.0 + 2.0),
+                   1.0 / (float(cost[large].max()) * 2.0 + 2.0), float(cost.sum()) / max(float(tok.sum()), 1e-300))
+        state.item_memo["ladder"] = got
+    return got
+
+
+def _ladders(by_density: np.ndarray, slot: np.ndarray, S: int) -> np.ndarray:
+    """Items grouped by slot, cheapest per token first within a slot (ties: index): `by_density`
+    (the items by density bins, `_item_keys`) sorted again, stably, by slot (a radix sort)."""
     key = slot[by_density]
     key = key.astype(np.uint16) if S <= _DENSITY_BINS else key
     return by_density[np.argsort(key, kind="stable")]

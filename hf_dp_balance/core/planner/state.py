@@ -53,6 +53,8 @@ class _State:
         self.count = None if min_count <= 0 else np.bincount(dest, minlength=R)
         self.min_count = min_count
         self.path = "incremental"  # "repack" once the repack fallback re-placed it (Plan.path)
+        # what is worked out of the items alone (costs, tokens, cap), never of their placement: shared by copies
+        self.item_memo = {}
 
     def move(self, item: int, to: int, slot: int) -> None:
         frm, m = int(self.dest[item]), int(self.micro[item])

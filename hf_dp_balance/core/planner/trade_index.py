@@ -32,6 +32,9 @@ def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     hi = np.asarray(hi, dtype=np.int64)
     if v.size == 0:
         return lo.copy()
+    if a.size == 0:  # numpy's answer is 0 for every query
+        zero = np.zeros(v.size, dtype=np.int64)
+        return np.clip(zero, lo, hi) if clamp == "both" else np.minimum(zero, hi) if clamp == "high" else zero
     left = side == "left"
     # steps of halving powers of two: pos = lo + how many of a[lo:hi] pass (a < v for "left", a <= v
     # for "right"; they are a prefix of it), the block of `step` after pos tested by its last entry
