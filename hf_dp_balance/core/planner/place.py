@@ -64,8 +64,9 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
 
 
 class _SlotTokens:
-    """Tokens per slot while `_place_best_fit` runs (Python lists), and each rank's token room
-    (`free`: cap - tokens of its emptiest slot); written back to the state by `commit`."""
+    """Tokens per slot while `_place_best_fit` runs (Python lists, of the ranks placed on only: a
+    pool is small against R x M slots), and each rank's token room (`free`: cap - tokens of its
+    emptiest slot); written back to the state by `commit`."""
 
     def __init__(self, state: _State, pool: np.ndarray):
         self.state = state
@@ -79,7 +80,7 @@ class _SlotTokens:
             if self.single:
                 self.free = (cap - state.slot_tok[:, 0]).tolist()
             else:
-                self.slot_tok = state.slot_tok.tolist()
+                self.rows = {}  # rank -> its slots' tokens (a Python list), for the ranks placed on only
                 if cap is not None:  # (one numpy pass, not R Python min calls: the same values)
                     self.free = (cap - state.slot_tok.min(axis=1)).tolist()
 
@@ -88,7 +89,9 @@ class _SlotTokens:
         if self.single:
             self.free[r] -= self.item_tok[k]
         elif self.tracked:
-            row = self.slot_tok[r]
+            row = self.rows.get(r)
+            if row is None:
+                row = self.rows[r] = self.state.slot_tok[r].tolist()
             m = row.index(min(row))
             row[m] += self.item_tok[k]
             self.slots[k] = m
@@ -102,7 +105,8 @@ class _SlotTokens:
         if self.single:
             state.slot_tok[:, 0] = state.cap - np.asarray(self.free)
         elif self.tracked:
-            state.slot_tok[:] = self.slot_tok
+            if self.rows:
+                state.slot_tok[list(self.rows)] = list(self.rows.values())
             state.micro[pool] = self.slots
         if state.count is not None:
             state.count += np.bincount(dest_arr, minlength=R)
