@@ -174,9 +174,10 @@ def _scan_token_room(free: list, ranks: list, j: int, t: float, downward: bool):
     """The next position from j (up: larger rooms; or down from the roomiest) whose rank has
     `t` tokens of room, within _SCAN steps; None if none."""
     step = -1 if downward else 1
+    end = len(ranks)
     for _ in range(_SCAN):
         j += step
-        if j < 0 or j >= len(ranks):
+        if j < 0 or j >= end:
             return None
         if free[ranks[j]] >= t:
             return j
