@@ -3,6 +3,8 @@
 `_PayBack`: the small items (index order) of the slots a round searches as running sums of tokens
 and costs, so the fewest that free t tokens are one search of those sums. `_by_rank_and_cost`: items grouped
 by rank, cheapest first, under one sorted key, so the ones nearest a cost are a search away.
+`_search_within`: a search of a long sorted array whose answers lie in known short stretches of it
+(a slot's ladder, a slot's running sums), done inside the stretches.
 """
 
 from __future__ import annotations
