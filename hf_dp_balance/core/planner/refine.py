@@ -95,6 +95,8 @@ def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
     theirs = np.concatenate(groups)
     if not theirs.size:
         return np.inf, -1, -1, -1
+    if cap is not None and not _swap_may_fit(state, mine, theirs, cand):
+        return np.inf, -1, -1, -1
     col_rank = np.repeat(cand, [g.size for g in groups])
     delta = costs[mine][:, None] - costs[theirs][None, :]  # load leaving h
     worst = np.maximum((state.load[h] - delta) / budget[h],
@@ -107,6 +109,26 @@ def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
     k = int(np.argmin(worst))
     a, j = divmod(k, theirs.size)
     return float(worst.flat[k]), int(mine[a]), int(theirs[j]), int(col_rank[j])
+
+
+def _swap_may_fit(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.ndarray) -> bool:
+    """False only if no swap of an item a of h for a cheaper item b of a candidate fits the cap on
+    the candidate's side (t_a - t_b <= the room of b's slot): then no swap lowers h's fullness
+    (c_b >= c_a leaves h no lighter, in floating point too), which is all `_refine` asks of
+    `_best_swap`, and the items x theirs matrices are skipped. At a full cap the slots' rooms are
+    a few tokens and most ranks nothing helps pass this test in O((mine + theirs) log theirs).
+    The test is loose by 1e-6 of the cap (the matrices' float sums are exact to far less)."""
+    ct = state.costs[theirs]
+    by_cost = np.argsort(ct, kind="stable")
+    # for every a: the most tokens of a cheaper b (c_b < c_a)
+    most = np.maximum.accumulate(state.tokens[theirs][by_cost])
+    cheaper = np.searchsorted(ct[by_cost], state.costs[mine], side="left")
+    has = np.flatnonzero(cheaper > 0)
+    if has.size == 0:
+        return False
+    room = state.cap - float(state.slot_tok[cand].min())  # the roomiest slot of the candidates
+    slack = 1e-6 * state.cap
+    return bool(np.any(most[cheaper[has] - 1] >= state.tokens[mine][has] - room - slack))
 
 
 def _fill_short_ranks(state: _State) -> None:
