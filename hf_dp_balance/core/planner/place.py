@@ -158,8 +158,9 @@ class _FullSearch:
                                       f"{self.state.cap:.0f} the roomiest rank has {float(np.max(free)):.0f} "
                                       f"tokens left, its home rank {home} {float(free[home]):.0f}")
                 ok[home] = True  # back where it came from (its tokens left that rank)
-        holds = room_arr >= c if ok is None else ok & (room_arr >= c)
-        if holds.any():  # the smallest room that holds it
+        # (`rooms` ascends: when the largest is under c, no rank holds it, and the mask is not built)
+        holds = None if rooms[-1] < c else room_arr >= c if ok is None else ok & (room_arr >= c)
+        if holds is not None and holds.any():  # the smallest room that holds it
             r0 = int(np.argmin(np.where(holds, room_arr, np.inf)))
         else:
             if self.lpt_host:
