@@ -72,15 +72,18 @@ def _best_move(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
     candidate's emptiest slot within the cap; (inf, ...) when h may not give an item away."""
     if state.count is not None and mine.size <= state.min_count:
         return np.inf, -1, -1, 0
-    ca = state.costs[mine]
-    worst = np.maximum(((state.load[h] - ca) / budget[h])[:, None],
-                       (state.load[cand][None, :] + ca[:, None]) / budget[cand][None, :])  # [a, l]
-    to_slot = None
+    to_slot = room = None
     if state.slot_tok is not None:
         to_slot = np.argmin(state.slot_tok[cand], axis=1)
         if state.cap is not None:
             room = state.cap - state.slot_tok[cand, to_slot]
-            worst = np.where(state.tokens[mine][:, None] <= room[None, :], worst, np.inf)
+            if float(state.tokens[mine].min()) > float(room.max()):  # no item fits: every entry below is inf
+                return np.inf, -1, -1, 0
+    ca = state.costs[mine]
+    worst = np.maximum(((state.load[h] - ca) / budget[h])[:, None],
+                       (state.load[cand][None, :] + ca[:, None]) / budget[cand][None, :])  # [a, l]
+    if room is not None:
+        worst = np.where(state.tokens[mine][:, None] <= room[None, :], worst, np.inf)
     k = int(np.argmin(worst))
     a, j = divmod(k, cand.size)
     slot = int(to_slot[j]) if to_slot is not None else 0
