@@ -60,3 +60,23 @@ def test_trades_leave_a_state_already_within_the_goal_untouched(M):
     budget = np.full(8, state.load.max())
     assert _trade(state, budget, 0.005)
     np.testing.assert_array_equal(state.dest, owners)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0, 8.0]), max_size=40),
+       queries=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40),
+                                  st.sampled_from([-1.0, 0.0, 0.5, 2.0, 2.5, 8.0, 30.0])), max_size=30),
+       side=st.sampled_from(["left", "right"]))
+def test_search_within_a_stretch_answers_as_numpy_searches_all(values, queries, side):
+    """The ladders' local search (trade_index._search_within) is numpy's search of the whole sorted
+    array: exact, or clamped to [lo, hi] when asked, with ties, zero-token runs and empty arrays."""
+    from hf_dp_balance.core.planner.trade_index import _search_within
+
+    a = np.sort(np.asarray(values, dtype=np.float64))
+    lo = np.asarray([min(start, a.size) for start, _, _ in queries], dtype=np.int64)
+    hi = np.minimum(lo + np.asarray([width for _, width, _ in queries], dtype=np.int64), a.size)
+    v = np.asarray([q for _, _, q in queries], dtype=np.float64)
+    want = np.searchsorted(a, v, side=side)
+    assert np.array_equal(_search_within(a, v, lo, hi, side), want)
+    assert np.array_equal(_search_within(a, v, lo, hi, side, "high"), np.minimum(want, hi))
+    assert np.array_equal(_search_within(a, v, lo, hi, side, "both"), np.clip(want, lo, hi))

@@ -19,7 +19,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _ranges
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _ranges, _search_within
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
@@ -60,8 +60,9 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
     `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
     bins, then slots), then per round O(over-full ranks x _PARTNERS x _CHOICES x (_SLOTS + _SWAPS))
-    binary searches and O(items traded) numpy, with a Python loop only over the pay-back items that
-    spill past a's slot and the receiving slot's items that next fit cannot place. A pass ends after
+    binary searches (inside one slot's ladder each) and O(items traded) numpy, with a loop over the
+    items of one trade (all trades at once) only for the pay-back items that spill past a's slot and
+    the receiving slot's items that next fit cannot place. A pass ends after
     _IDLE rounds in a row that trade for at most _FEW of the over-full ranks.
     """
     cap = state.cap
@@ -72,23 +73,20 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     tok, cost = state.tokens, state.costs
     n = cost.shape[0]
     S = R * M
+    by_density, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
+    if large.size == 0:
+        return False
     slot = state.dest * M + state.micro
-    order = _ladders(cost, tok, slot, S)
+    order = _ladders(by_density, slot, S)
+    slot_items = np.bincount(slot, minlength=S)
     starts = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(np.bincount(slot, minlength=S), out=starts[1:])
+    np.cumsum(slot_items, out=starts[1:])
     # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
     CT = np.concatenate(([0.0], np.cumsum(tok[order])))
     CC = np.concatenate(([0.0], np.cumsum(cost[order])))
     # the large items, grouped by rank: most cost above their tokens at the lowest density first
     # (the ones h sends), and by cost (the ones l gives back in a's place)
-    large = np.flatnonzero(tok > cap * _LARGE)
-    if large.size == 0:
-        return False
-    d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
-    surplus = cost[large] - d_min * tok[large]
-    scale = 1.0 / (float(surplus.max()) * 2.0 + 2.0)
-    lad = SimpleNamespace(order=order, starts=starts, CT=CT, CC=CC,
-                          slot_items=np.bincount(slot, minlength=S).astype(np.int64),
+    lad = SimpleNamespace(order=order, starts=starts, CT=CT, CC=CC, slot_items=slot_items.astype(np.int64),
                           stale=np.zeros(S, dtype=bool),  # slots an original item left: their ladders no longer hold
                           moved=np.zeros(n, dtype=bool))
     lad.rank_of = np.empty(n, dtype=np.int64)
@@ -97,10 +95,9 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     by = np.argsort(key, kind="stable")
     lad.large, lad.surplus_key, lad.surplus_scale, lad.near = large[by], key[by], scale, near
     lad.l_starts = np.searchsorted(state.dest[lad.large], np.arange(R + 1))
-    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(
-        large, state.dest, cost, 1.0 / (float(cost[large].max()) * 2.0 + 2.0), R)
+    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
     overhead = cap * _OVERHEAD
-    min_rate = min_rate * float(cost.sum()) / max(float(tok.sum()), 1e-300)
+    min_rate = min_rate * mean_rate
     idle = 0
     for k in range(rounds):
         over = np.flatnonzero(state.load > limit)
@@ -125,13 +122,34 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     return not np.any(state.load > limit)
 
 
-def _ladders(cost: np.ndarray, tok: np.ndarray, slot: np.ndarray, S: int) -> np.ndarray:
-    """Items grouped by slot, cheapest per token first within a slot (ties: index): two stable
-    radix sorts, on log-spaced density bins and on the slot."""
-    dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
-    lo, hi = float(dens.min()), float(dens.max())
-    bins = ((dens - lo) * ((_DENSITY_BINS - 1) / max(hi - lo, 1e-12))).astype(np.uint16)
-    by_density = np.argsort(bins, kind="stable")
+def _item_keys(state: _State):
+    """What the ladder passes of one planning call read of its items alone (never of their
+    placement), made on the first pass and kept in `state.item_memo` (copies share it): the items
+    by log-spaced density bins (a stable radix sort; ties: index), the large items, their cost above
+    their tokens at the lowest density and its key scale, the scale of the large items' cost key,
+    and the mean cost per token."""
+    got = state.item_memo.get("ladder")
+    if got is None:
+        tok, cost = state.tokens, state.costs
+        dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
+        lo, hi = float(dens.min()), float(dens.max())
+        bins = ((dens - lo) * ((_DENSITY_BINS - 1) / max(hi - lo, 1e-12))).astype(np.uint16)
+        by_density = np.argsort(bins, kind="stable")
+        large = np.flatnonzero(tok > state.cap * _LARGE)
+        if large.size == 0:
+            got = (by_density, large, None, None, None, None)
+        else:
+            d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
+            surplus = cost[large] - d_min * tok[large]
+            got = (by_density, large, surplus, 1.0 / (float(surplus.max()) * 2.0 + 2.0),
+                   1.0 / (float(cost[large].max()) * 2.0 + 2.0), float(cost.sum()) / max(float(tok.sum()), 1e-300))
+        state.item_memo["ladder"] = got
+    return got
+
+
+def _ladders(by_density: np.ndarray, slot: np.ndarray, S: int) -> np.ndarray:
+    """Items grouped by slot, cheapest per token first within a slot (ties: index): `by_density`
+    (the items by density bins, `_item_keys`) sorted again, stably, by slot (a radix sort)."""
     key = slot[by_density]
     key = key.astype(np.uint16) if S <= _DENSITY_BINS else key
     return by_density[np.argsort(key, kind="stable")]
@@ -161,9 +179,13 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     a, pair = a[keep], pair[keep]
     rank_in_pair = np.arange(a.size) - np.searchsorted(pair, pair)
     a, pair = a[rank_in_pair < _CHOICES], pair[rank_in_pair < _CHOICES]
+    excess = state.load - budget
+    # any trade of a scores at most h's excess per token of a (`_evaluate`): an a under min_rate by
+    # that bound has no option that can score (late in a pass, most of them: h's excess is small)
+    worth = np.flatnonzero(excess[h[pair]] / (tok[a] + overhead) >= min_rate)
+    a, pair = a[worth], pair[worth]
     if a.size == 0:
         return 0
-    excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])  # what a trade of pair i should move
     # a into the _SLOTS roomiest slots of l that still give back, no b
     W = min(_SLOTS, M)
@@ -235,11 +257,15 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     CT, CC = lad.CT, lad.CC
     room_l = cap - flat_tok[dst]
     other = np.where(has_b, 0.0, cap * M - state.slot_tok[ll].sum(axis=1) - room_l)
-    j_free = np.searchsorted(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), side="left")
-    j_in = np.clip(np.searchsorted(CT, CT[base] + 0.9 * other, side="right") - 1, base, np.minimum(j_free, end))
+    # the searches of the receiving slot's stretch of the ladders, base .. end: an answer past end + 1 (or
+    # below j_in, from j_in on) changes none of the values below, so the searches are clamped there
+    j_free = _search_within(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), base, end + 1, "left", "high")
+    j_in = np.clip(_search_within(CT, CT[base] + 0.9 * other, base, end + 1, "right", "both") - 1, base,
+                   np.minimum(j_free, end))
     room_h = ta - tb + (cap * M - state.slot_tok[hl].sum(axis=1))
-    j_hi = np.minimum(np.searchsorted(CT, CT[j_in] + room_h, side="right") - 1, end)
-    j = np.clip(np.searchsorted(CC, CC[j_in] + ca - cb - want, side="left"), j_free, np.maximum(j_hi, j_free))
+    j_hi = np.minimum(_search_within(CT, CT[j_in] + room_h, j_in, end + 1, "right", "both") - 1, end)
+    j = np.clip(_search_within(CC, CC[j_in] + ca - cb - want, j_in, end + 1, "left", "both"), j_free,
+                np.maximum(j_hi, j_free))
     ok &= (j_free <= j_hi) & (j_free <= end) & (room_h >= 0)
     j = np.minimum(j, end)
     ok &= ~has_b | (lad.rank_of[bs] >= j)  # b is not in the ladder prefix
@@ -311,25 +337,30 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     cum -= np.repeat(np.concatenate(([0.0], cum))[first], size)  # within each trade
     spills = np.zeros(h.size, dtype=bool)
     spills[of[cum > room_ma[of]]] = True
-    for t in np.flatnonzero(spills):
-        # the rest goes to h's other slots, roomiest first (few trades: a Python loop over their items)
-        room = cap - state.slot_tok[h[t]].astype(np.float64)
-        room[ma[t]] += ta[t]
-        for p in range(first[t], first[t] + size[t]):
-            tk = state.tokens[back[p]]
-            s = int(ma[t]) if room[ma[t]] >= tk else int(np.argmax(room))
-            if room[s] < tk:
-                ok[t] = False
-                break
-            room[s] -= tk
-            to[p] = s
+    # the rest goes to h's other slots, roomiest first: item by item, all spilling trades at once
+    t = np.flatnonzero(spills)
+    room = cap - state.slot_tok[h[t]]
+    row = np.arange(t.size)
+    room[row, ma[t]] += ta[t]
+    for k in range(int(size[t].max()) if t.size else 0):
+        go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
+        t, row = t[go], row[go]
+        p = first[t] + k
+        tk = state.tokens[back[p]]
+        s = np.where(room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1))
+        fits = room[row, s] >= tk
+        ok[t[~fits]] = False
+        t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
+        room[row, s] -= tk
+        to[p] = s
     return back, to, ok
 
 
 def _place_intra(state, order, lo, hi, l, m):
     """(items, their new slots on l, trade ok): ladder positions lo .. hi of every trade leave (l, m)
     for l's other slots: next fit, roomiest slot first, if that holds them all, else best fit,
-    largest first (a Python loop over these few items); a trade whose items do not fit is not ok."""
+    largest first (a loop over the items of one trade, all such trades at once); a trade whose items
+    do not fit is not ok."""
     cap = state.cap
     size = hi - lo
     first = np.cumsum(size) - size
@@ -353,17 +384,23 @@ def _place_intra(state, order, lo, hi, l, m):
     to = by_room[of, at]
     used = np.bincount(of * Mx + at, weights=t_items, minlength=T * Mx).reshape(T, Mx)
     overfull = (used > rooms).any(axis=1)  # a slot over its room (or no room left): the exact loop
-    for t in np.flatnonzero((size > 0) & overfull):
-        # else best fit, largest first (the ladder runs cheapest per token first: about shortest first)
-        room = cap - state.slot_tok[l[t]].astype(np.float64)
-        room[m[t]] = -np.inf
-        for p in range(first[t] + size[t] - 1, first[t] - 1, -1):
-            tk = state.tokens[items[p]]
-            fit = np.where(room >= tk, room, np.inf)
-            s = int(np.argmin(fit))
-            if not np.isfinite(fit[s]):
-                ok[t] = False
-                break
-            room[s] -= tk
-            to[p] = s
+    # else best fit, largest first (the ladder runs cheapest per token first: about shortest first):
+    # item by item, all such trades at once
+    t = np.flatnonzero((size > 0) & overfull)
+    room = cap - state.slot_tok[l[t]]
+    row = np.arange(t.size)
+    room[row, m[t]] = -np.inf
+    for k in range(int(size[t].max()) if t.size else 0):
+        go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
+        t, row = t[go], row[go]
+        p = first[t] + size[t] - 1 - k
+        tk = state.tokens[items[p]]
+        r = room[row]
+        fit = np.where(r >= tk[:, None], r, np.inf)
+        s = np.argmin(fit, axis=1)
+        fits = np.isfinite(fit[np.arange(row.size), s])
+        ok[t[~fits]] = False
+        t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
+        room[row, s] -= tk
+        to[p] = s
     return items, to, ok

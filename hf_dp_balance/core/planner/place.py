@@ -64,8 +64,9 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
 
 
 class _SlotTokens:
-    """Tokens per slot while `_place_best_fit` runs (Python lists), and each rank's token room
-    (`free`: cap - tokens of its emptiest slot); written back to the state by `commit`."""
+    """Tokens per slot while `_place_best_fit` runs (Python lists, of the ranks placed on only: a
+    pool is small against R x M slots), and each rank's token room (`free`: cap - tokens of its
+    emptiest slot); written back to the state by `commit`."""
 
     def __init__(self, state: _State, pool: np.ndarray):
         self.state = state
@@ -79,16 +80,18 @@ class _SlotTokens:
             if self.single:
                 self.free = (cap - state.slot_tok[:, 0]).tolist()
             else:
-                self.slot_tok = state.slot_tok.tolist()
-                if cap is not None:
-                    self.free = [cap - min(row) for row in self.slot_tok]
+                self.rows = {}  # rank -> its slots' tokens (a Python list), for the ranks placed on only
+                if cap is not None:  # (one numpy pass, not R Python min calls: the same values)
+                    self.free = (cap - state.slot_tok.min(axis=1)).tolist()
 
     def add(self, k: int, r: int) -> None:
         """Item k of the pool goes to rank r: its slot with the fewest tokens."""
         if self.single:
             self.free[r] -= self.item_tok[k]
         elif self.tracked:
-            row = self.slot_tok[r]
+            row = self.rows.get(r)
+            if row is None:
+                row = self.rows[r] = self.state.slot_tok[r].tolist()
             m = row.index(min(row))
             row[m] += self.item_tok[k]
             self.slots[k] = m
@@ -102,7 +105,8 @@ class _SlotTokens:
         if self.single:
             state.slot_tok[:, 0] = state.cap - np.asarray(self.free)
         elif self.tracked:
-            state.slot_tok[:] = self.slot_tok
+            if self.rows:
+                state.slot_tok[list(self.rows)] = list(self.rows.values())
             state.micro[pool] = self.slots
         if state.count is not None:
             state.count += np.bincount(dest_arr, minlength=R)
@@ -154,8 +158,9 @@ class _FullSearch:
                                       f"{self.state.cap:.0f} the roomiest rank has {float(np.max(free)):.0f} "
                                       f"tokens left, its home rank {home} {float(free[home]):.0f}")
                 ok[home] = True  # back where it came from (its tokens left that rank)
-        holds = room_arr >= c if ok is None else ok & (room_arr >= c)
-        if holds.any():  # the smallest room that holds it
+        # (`rooms` ascends: when the largest is under c, no rank holds it, and the mask is not built)
+        holds = None if rooms[-1] < c else room_arr >= c if ok is None else ok & (room_arr >= c)
+        if holds is not None and holds.any():  # the smallest room that holds it
             r0 = int(np.argmin(np.where(holds, room_arr, np.inf)))
         else:
             if self.lpt_host:
@@ -170,9 +175,10 @@ def _scan_token_room(free: list, ranks: list, j: int, t: float, downward: bool):
     """The next position from j (up: larger rooms; or down from the roomiest) whose rank has
     `t` tokens of room, within _SCAN steps; None if none."""
     step = -1 if downward else 1
+    end = len(ranks)
     for _ in range(_SCAN):
         j += step
-        if j < 0 or j >= len(ranks):
+        if j < 0 or j >= end:
             return None
         if free[ranks[j]] >= t:
             return j

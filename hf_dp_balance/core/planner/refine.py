@@ -17,12 +17,16 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
     fullness of the two ranks within the token cap. A rank nothing helps is skipped
     (the next fullest goes on: the exchanges of `_polish` need the others within
     reach of their budgets); stops when the fullest rank not skipped is at or
-    under `goal`. O(items of h x items of the candidates) per iteration.
+    under `goal`. O(items of h x items of the candidates) per iteration; a rank the screens of
+    `_best_move` / `_best_swap` rule out costs O(its items x log their items), and a run of such
+    ranks is screened together (`_surely_stuck`): the same iterations, one numpy pass.
     """
     budget = np.maximum(budget, np.finfo(np.float64).tiny)  # a zero budget: any load is "very full"
     members = None
     stuck = np.zeros(budget.shape[0], dtype=bool)  # ranks nothing helped (skipped, the next fullest goes on)
-    for _ in range(max_iters):
+    batch = 0  # after a skipped rank, the next ones in line are screened together (`_surely_stuck`)
+    done = 0
+    while done < max_iters:
         full = state.load / budget
         h = int(np.argmax(np.where(stuck, -np.inf, full)))
         fh = float(full[h])
@@ -30,9 +34,20 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
             return
         if members is None:
             members = _Members(state.dest, budget.shape[0])
+        if batch:
+            line = _in_line(full, stuck, goal, min(batch, max_iters - done))
+            k = _surely_stuck(state, full, line, members, candidates)
+            if k:  # each one iteration that would change nothing
+                stuck[line[:k]] = True
+                done += k
+                batch = 2 * batch if k == line.size else 0
+                continue
+            batch = 0
+        done += 1
         mine = members.of(h)
         if mine.size == 0:
             stuck[h] = True
+            batch = _SCREEN
             continue
         cand = _emptiest(full, h, candidates)
         if cand.size == 0:
@@ -41,6 +56,7 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
         swap = _best_swap(state, budget, h, mine, cand, members)
         if not min(move[0], swap[0]) < fh:
             stuck[h] = True
+            batch = _SCREEN
             continue
         if move[0] <= swap[0]:
             _, item, l, slot = move
@@ -53,6 +69,57 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
             state.move(item_a, l, slot_b)
             members.moved(item_b, l, h)
             members.moved(item_a, h, l)
+
+
+_SCREEN = 16  # ranks in line screened together after a skipped one (doubled while all are skipped)
+
+
+def _in_line(full: np.ndarray, stuck: np.ndarray, goal: float, k: int) -> np.ndarray:
+    """The next k ranks `_refine` takes while nothing changes: not skipped, above `goal`, fullest
+    first (ties: lowest index, as np.argmax does)."""
+    live = np.flatnonzero(~stuck & (full > goal))
+    return live[np.lexsort((live, -full[live]))][:k]
+
+
+def _surely_stuck(state: _State, full: np.ndarray, line: np.ndarray, members, candidates: int) -> int:
+    """How many ranks at the head of `line` no move and no swap can help, by the screens of
+    `_best_move` (no item of h fits a candidate's emptiest slot) and `_swap_may_fit` (no cheaper
+    item of a candidate close enough in tokens), for all of them at once: they share the
+    candidates (the emptiest ranks, the state unchanged), unless one of them is among those (the
+    count stops there). 0 when the screens cannot tell (no cap, fullness not finite)."""
+    cap = state.cap
+    if cap is None or state.slot_tok is None or line.size == 0 or not np.isfinite(full).all():
+        return 0
+    R = full.shape[0]
+    emptiest = np.lexsort((np.arange(R), full))[:candidates]  # `_emptiest` of a rank not among them
+    among = np.isin(line, emptiest)
+    if among.any():
+        line = line[:int(np.argmax(among))]
+    cand = emptiest[:min(candidates, R - 1)]
+    if line.size == 0 or cand.size == 0:
+        return 0
+    groups = [members.of(int(h)) for h in line.tolist()]
+    sizes = np.fromiter((g.size for g in groups), dtype=np.int64, count=len(groups))
+    maybe = np.zeros(line.size, dtype=bool)  # a rank with no items: nothing to move, surely stuck
+    has = np.flatnonzero(sizes > 0)
+    if has.size:
+        mine = np.concatenate([groups[i] for i in has.tolist()])
+        starts = np.cumsum(sizes[has]) - sizes[has]
+        t_mine = state.tokens[mine]
+        to_slot = np.argmin(state.slot_tok[cand], axis=1)
+        move_room = float((cap - state.slot_tok[cand, to_slot]).max())
+        maybe[has] = np.minimum.reduceat(t_mine, starts) <= move_room
+        theirs = np.concatenate([members.of(int(l)) for l in cand.tolist()])
+        if theirs.size:  # as `_swap_may_fit`, item by item
+            ct = state.costs[theirs]
+            by_cost = np.argsort(ct, kind="stable")
+            most = np.maximum.accumulate(state.tokens[theirs][by_cost])
+            cheaper = np.searchsorted(ct[by_cost], state.costs[mine], side="left")
+            room = cap - float(state.slot_tok[cand].min())
+            close = (cheaper > 0) & (most[np.maximum(cheaper - 1, 0)] >= t_mine - room - 1e-6 * cap)
+            maybe[has] |= np.add.reduceat(close.astype(np.int64), starts) > 0
+    first = np.flatnonzero(maybe)
+    return int(first[0]) if first.size else int(line.size)
 
 
 def _emptiest(full: np.ndarray, h: int, candidates: int) -> np.ndarray:
@@ -72,15 +139,18 @@ def _best_move(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
     candidate's emptiest slot within the cap; (inf, ...) when h may not give an item away."""
     if state.count is not None and mine.size <= state.min_count:
         return np.inf, -1, -1, 0
-    ca = state.costs[mine]
-    worst = np.maximum(((state.load[h] - ca) / budget[h])[:, None],
-                       (state.load[cand][None, :] + ca[:, None]) / budget[cand][None, :])  # [a, l]
-    to_slot = None
+    to_slot = room = None
     if state.slot_tok is not None:
         to_slot = np.argmin(state.slot_tok[cand], axis=1)
         if state.cap is not None:
             room = state.cap - state.slot_tok[cand, to_slot]
-            worst = np.where(state.tokens[mine][:, None] <= room[None, :], worst, np.inf)
+            if float(state.tokens[mine].min()) > float(room.max()):  # no item fits: every entry below is inf
+                return np.inf, -1, -1, 0
+    ca = state.costs[mine]
+    worst = np.maximum(((state.load[h] - ca) / budget[h])[:, None],
+                       (state.load[cand][None, :] + ca[:, None]) / budget[cand][None, :])  # [a, l]
+    if room is not None:
+        worst = np.where(state.tokens[mine][:, None] <= room[None, :], worst, np.inf)
     k = int(np.argmin(worst))
     a, j = divmod(k, cand.size)
     slot = int(to_slot[j]) if to_slot is not None else 0
@@ -95,6 +165,8 @@ def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
     theirs = np.concatenate(groups)
     if not theirs.size:
         return np.inf, -1, -1, -1
+    if cap is not None and not _swap_may_fit(state, mine, theirs, cand):
+        return np.inf, -1, -1, -1
     col_rank = np.repeat(cand, [g.size for g in groups])
     delta = costs[mine][:, None] - costs[theirs][None, :]  # load leaving h
     worst = np.maximum((state.load[h] - delta) / budget[h],
@@ -107,6 +179,26 @@ def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
     k = int(np.argmin(worst))
     a, j = divmod(k, theirs.size)
     return float(worst.flat[k]), int(mine[a]), int(theirs[j]), int(col_rank[j])
+
+
+def _swap_may_fit(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.ndarray) -> bool:
+    """False only if no swap of an item a of h for a cheaper item b of a candidate fits the cap on
+    the candidate's side (t_a - t_b <= the room of b's slot): then no swap lowers h's fullness
+    (c_b >= c_a leaves h no lighter, in floating point too), which is all `_refine` asks of
+    `_best_swap`, and the items x theirs matrices are skipped. At a full cap the slots' rooms are
+    a few tokens and most ranks nothing helps pass this test in O((mine + theirs) log theirs).
+    The test is loose by 1e-6 of the cap (the matrices' float sums are exact to far less)."""
+    ct = state.costs[theirs]
+    by_cost = np.argsort(ct, kind="stable")
+    # for every a: the most tokens of a cheaper b (c_b < c_a)
+    most = np.maximum.accumulate(state.tokens[theirs][by_cost])
+    cheaper = np.searchsorted(ct[by_cost], state.costs[mine], side="left")
+    has = np.flatnonzero(cheaper > 0)
+    if has.size == 0:
+        return False
+    room = state.cap - float(state.slot_tok[cand].min())  # the roomiest slot of the candidates
+    slack = 1e-6 * state.cap
+    return bool(np.any(most[cheaper[has] - 1] >= state.tokens[mine][has] - room - slack))
 
 
 def _fill_short_ranks(state: _State) -> None:

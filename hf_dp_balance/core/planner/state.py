@@ -10,6 +10,8 @@ import copy
 
 import numpy as np
 
+from hf_dp_balance.core.planner.trade_index import _uint_key
+
 
 class _Infeasible(Exception):
     """No placement found that meets the token cap / item counts; `where` says where it failed."""
@@ -51,6 +53,8 @@ class _State:
         self.count = None if min_count <= 0 else np.bincount(dest, minlength=R)
         self.min_count = min_count
         self.path = "incremental"  # "repack" once the repack fallback re-placed it (Plan.path)
+        # what is worked out of the items alone (costs, tokens, cap), never of their placement: shared by copies
+        self.item_memo = {}
 
     def move(self, item: int, to: int, slot: int) -> None:
         frm, m = int(self.dest[item]), int(self.micro[item])
@@ -105,7 +109,9 @@ class _Members:
     """Items of each rank, built once (stable sort of dest) and patched on every move."""
 
     def __init__(self, dest: np.ndarray, num_ranks: int):
-        self.order = np.argsort(dest, kind="stable")
+        placed = dest.size == 0 or int(dest.min()) >= 0  # (every item on a rank: ranks as a narrow key)
+        # numpy's stable sort of a 16-bit key is a radix sort, 4-5x faster than its merge sort of int64 (same order)
+        self.order = np.argsort(_uint_key(dest, num_ranks) if placed else dest, kind="stable")
         self.bounds = np.searchsorted(dest[self.order], np.arange(num_ranks + 1))
         self.cache = {}
 
