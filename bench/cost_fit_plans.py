@@ -29,6 +29,8 @@ summed over the evaluation steps) and the single-sample cost MAPE over samples o
     python bench/cost_fit_plans.py --full   # 8 and 16 warm-up steps, 8 draws
     python bench/cost_fit_plans.py --ranks 32 128 --truths "prior 2x low" "prior 2x high" --steps 8 16 --draws 8
     python bench/cost_fit_plans.py --sensitivity  # the cut from the true costs with one term perturbed
+    python bench/cost_fit_plans.py --ranks 32 128 --steps 8 16 --draws 6 --micro 2 4 --tail 0.05
+        # FSDP / ZeRO-3 with M micro-batches a step: summed records vs one step-max observation per micro-batch
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import numpy as np
 from cost_fit_synthetic import qwen2_7b_prior, true_model  # bench/ (run as a script: its folder is on sys.path)
 from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
 from hf_dp_balance.core.cost import CostModel, features_of
-from hf_dp_balance.core.fitting import fit_cost_model
+from hf_dp_balance.core.fitting import fit_cost_model, fit_from_micro_batches
 from hf_dp_balance.core.hedge import hedged_plan, probe_plan
 from hf_dp_balance.core.planner.api import plan_step
 from hf_dp_balance.core.steps import token_cap
@@ -51,7 +53,9 @@ MIXES = {"long-tail text": "text-sft", "video, long tail": "qwen2vl-sft", "bound
 TRUTHS = {"prior right": (1.0, 1.0, 1.0), "prior 2x low": (2.0, 1.0, 1.0), "prior 2x high": (0.5, 1.0, 1.0),
           "held out": (1.7, 0.6, 1.3)}  # truth's (quadratic, linear, per sample) over true_model's
 FITS = ("soft-max, no prior", "no prior", "prior, hedged", "prior", "prior, packs")
-MICRO_FITS = ("prior, summed", "prior, per micro-batch")  # with --micro > 1: the runtime's warm-up, two records
+# with --micro > 1, on the runtime's warm-up: the summed records (the library before), and each micro-batch's
+# maximum with the step's tail (`--tail`) in the last one kept, dropped, or estimated and subtracted (the library)
+MICRO_FITS = ("prior, summed", "prior, per micro-batch", "prior, tail dropped", "prior, tail estimated")
 
 
 def truth_of(prior: CostModel, factors) -> CostModel:
@@ -100,13 +104,15 @@ def cut_sums(rng, mix, ranks: int, truth: CostModel, models: dict, evals: int) -
     return cut
 
 
-def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe", micro=1):
+def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe", micro=1, tail=0.0):
     """Features [steps, micro, ranks, 4] and micro-batch step maxima [steps, micro] of warm-up steps placed
     as the runtime places them (`placement` "probe"; "hedged": the previous warm-up; without a prior the packs
     as they come). `micro` micro-batches per optimizer step, synchronised each (FSDP / ZeRO-3: the forward
     all-gathers parameters): a step is ranks x micro packs, planned as that many slots (sync="micro_batch"
     balances the slots as ranks of their own), slot u is rank u % ranks of micro-batch u // ranks, and a
-    micro-batch takes its slowest rank's noisy time. micro=1 draws exactly what it drew before."""
+    micro-batch takes its slowest rank's noisy time. `tail`: the step's last micro-batch also takes this many
+    mean slot costs more (the gradient reduction left exposed, clipping, the optimizer step: common to the
+    ranks, described by no feature). micro=1, tail=0 draws and times exactly what it did before."""
     slots = ranks * micro
     feats, times = [], []
     for step in range(steps):
@@ -124,7 +130,9 @@ def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe", micro
                                1)[0]
         f = np.stack([features_of(lengths[dest == u]) for u in range(slots)])
         feats.append(f.reshape(micro, ranks, 4))
-        times.append((truth.predict(f) * rng.lognormal(0.0, noise, slots)).reshape(micro, ranks).max(axis=1))
+        maxima = (truth.predict(f) * rng.lognormal(0.0, noise, slots)).reshape(micro, ranks).max(axis=1)
+        maxima[-1] += tail * float(truth.predict(f).mean())
+        times.append(maxima)
     return np.stack(feats), np.stack(times)
 
 
@@ -139,17 +147,21 @@ def per_micro_batch(feats, times):
     return feats.reshape(-1, *feats.shape[2:]), times.reshape(-1)
 
 
-def fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro=1) -> dict:
+def fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro=1, tail=0.0) -> dict:
     """fit name -> model; the prior-free fits see the packs as they come, the others the runtime's warm-up
     placement (and the previous, hedged one). With micro > 1 (`MICRO_FITS`): the fit of the step times on
     features summed over the micro-batches (max_r of sums: the library before per-micro-batch records) beside
     the fit of each micro-batch's maximum (the same steps, micro times the observations)."""
     state = rng.bit_generator.state
     if micro > 1:  # the runtime's probe only
-        pfeats, ptimes = warmup(rng, mix, ranks, steps, truth, prior, noise, micro=micro)
+        pfeats, ptimes = warmup(rng, mix, ranks, steps, truth, prior, noise, micro=micro, tail=tail)
+
+        def per_micro(how):
+            return fit_from_micro_batches(pfeats, ptimes, prior, tail=how, drop_first=False).model
+
         return {"prior, summed": fit_cost_model(*summed(pfeats, ptimes), mode="step_max", holdout=0, prior=prior).model,
-                "prior, per micro-batch": fit_cost_model(*per_micro_batch(pfeats, ptimes), mode="step_max", holdout=0,
-                                                         prior=prior).model}
+                "prior, per micro-batch": per_micro("keep"), "prior, tail dropped": per_micro("drop"),
+                "prior, tail estimated": per_micro("estimate")}
     feats, times = summed(*warmup(rng, mix, ranks, steps, truth, None, noise))
     rng.bit_generator.state = state  # the same samples and noise, placed by the hedge
     hfeats, htimes = summed(*warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged"))
@@ -179,14 +191,14 @@ def fits_of(micro: int):
     return FITS if micro == 1 else MICRO_FITS
 
 
-def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro=1) -> dict:
+def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro=1, tail=0.0) -> dict:
     """fit name -> {"share": median cut share, "single": median single-sample MAPE} over draws. The draws
     do not depend on `micro` beyond the warm-up (seeded by ranks, steps, draw), so micro-batch counts compare
     on the same evaluation steps only when the warm-up draws the same number of samples (micro=1 as before)."""
     rows = {name: [] for name in fits_of(micro)}
     for d in range(draws):
         rng = np.random.default_rng([seed, ranks, steps, d])
-        models = fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro)
+        models = fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro, tail)
         for name, measured in scores(rng, mix, ranks, truth, models, evals).items():
             rows[name].append(measured)
     return {name: {"share": float(np.median([r[0] for r in v])), "single": float(np.median([r[1] for r in v]))}
@@ -194,7 +206,7 @@ def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro=1) ->
 
 
 def run(ranks_list=(8, 32, 128), steps_list=(12,), draws=3, evals=4, noise=0.03, seed=0, mixes=None, truths=None,
-        micros=(1,)):
+        micros=(1,), tail=0.0):
     prior = qwen2_7b_prior()
     results = {}
     for label, mix in (mixes or MIXES).items():
@@ -204,7 +216,7 @@ def run(ranks_list=(8, 32, 128), steps_list=(12,), draws=3, evals=4, noise=0.03,
                 for steps in steps_list:
                     for micro in micros:
                         key = (label, truth_name, ranks, steps) + (() if micro == 1 else (micro,))
-                        results[key] = cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro)
+                        results[key] = cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro, tail)
     return results
 
 
@@ -261,6 +273,9 @@ def main(argv=None) -> int:
     parser.add_argument("--micro", type=int, nargs="*", default=[1],
                         help="micro-batches per optimizer step, each synchronised (FSDP / ZeRO-3); > 1: the fit of "
                              "summed records beside the per-micro-batch fit (default 1: the table as before)")
+    parser.add_argument("--tail", type=float, default=0.0,
+                        help="the step's tail in its last micro-batch, in mean slot costs (optimizer, exposed "
+                             "gradient reduction; default 0)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="only: the cut reached with the true costs, one term perturbed (32 ranks, 8 steps)")
     args = parser.parse_args(argv)
@@ -274,7 +289,7 @@ def main(argv=None) -> int:
     truths = {k: TRUTHS[k] for k in args.truths} if args.truths else None
     mixes = {k: MIXES[k] for k in args.mixes} if args.mixes else None
     results = run(tuple(args.ranks), steps, draws, 6 if args.full else 3, seed=args.seed, truths=truths, mixes=mixes,
-                  micros=tuple(args.micro))
+                  micros=tuple(args.micro), tail=args.tail)
     print_results(results)
     print(f"\n  {time.process_time() - start:.0f} s CPU")
     return 0
