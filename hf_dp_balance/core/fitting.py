@@ -438,7 +438,8 @@ def fit_from_micro_batches(features, times, prior: Optional[CostModel] = None, t
     clipping, the optimizer step), which no feature describes. "estimate": fit the other micro-batches, take
     the median excess of the last ones over their predicted time (>= 0), subtract it and refit on all;
     "drop": fit without the last micro-batches (steps of one micro-batch keep theirs); "keep": fit every
-    interval as measured. Guarantee: coefficients >= 0; with one micro-batch per step it is the step-max fit
+    interval as measured (also what the other two do when fewer than 8 micro-batches are left without the
+    last ones). Guarantee: coefficients >= 0; with one micro-batch per step it is the step-max fit
     of `fit_from_records` on the same steps."""
     if tail not in ("estimate", "drop", "keep"):
         raise ValueError(f"tail={tail!r}: must be 'estimate', 'drop' or 'keep'")
@@ -452,6 +453,8 @@ def fit_from_micro_batches(features, times, prior: Optional[CostModel] = None, t
         return fit_cost_model(np.concatenate(feats), np.concatenate(secs), mode="step_max", prior=prior)
     head_f = np.concatenate([f[:-1] if l else f for f, l in zip(feats, last)])
     head_t = np.concatenate([t[:-1] if l else t for t, l in zip(secs, last)])
+    if head_t.size < 2 * N_FEATURES:  # too few to fit without the last micro-batches: keep them as measured
+        return fit_cost_model(np.concatenate(feats), np.concatenate(secs), mode="step_max", prior=prior)
     if tail == "drop":
         return fit_cost_model(head_f, head_t, mode="step_max", prior=prior)
     head = fit_cost_model(head_f, head_t, mode="step_max", prior=prior, holdout=0)

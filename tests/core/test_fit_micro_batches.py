@@ -70,3 +70,13 @@ def test_micro_batch_records_are_checked():
         fit_from_micro_batches([feats], [np.ones((2, 3))], tail="half")
     with pytest.raises(ValueError, match="steps"):
         fit_from_micro_batches([feats], [np.ones((2, 3))] * 2)
+
+
+def test_too_few_micro_batches_before_the_last_ones_keep_every_interval():
+    # 4 steps of 2 micro-batches, the first dropped: 3 before the last ones are too few to fit the tail's
+    # estimate from, so every interval is fitted as measured (6 observations), not a failed fit.
+    prior, _, feats, times = _micro_steps(0, steps=4, micro=2, ranks=8)
+    fit = fit_from_micro_batches(feats, times, prior)
+    assert fit.report.n_observations == 6
+    np.testing.assert_array_equal(fit.model.coefficients,
+                                  fit_from_micro_batches(feats, times, prior, tail="keep").model.coefficients)
