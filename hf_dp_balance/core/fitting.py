@@ -416,7 +416,8 @@ def _stack_micro_batches(features, times) -> Tuple[list, list]:
         f, t = np.asarray(f, dtype=np.float64), np.asarray(t, dtype=np.float64)
         if f.ndim != 3 or f.shape[-1] != N_FEATURES or t.shape[0] != f.shape[0] or t.ndim not in (1, 2) or (
                 t.ndim == 2 and t.shape[1] != f.shape[1]) or (feats and f.shape[1] != feats[0].shape[1]):
-            raise ValueError(f"micro-batch records of step {s}: features {f.shape} must be [micro, ranks, {N_FEATURES}] "
+            raise ValueError(f"micro-batch records of step {s}: features {f.shape} must be "
+                             f"[micro, ranks, {N_FEATURES}] "
                              f"and times {t.shape} [micro, ranks] or [micro], with the ranks of every step")
         feats.append(f)
         secs.append(t if t.ndim == 1 else t.max(axis=1))
@@ -479,5 +480,6 @@ def compute_imbalance(times) -> float:
 
 
 __all__ = ["FREE_TERM_SHARE", "FitReport", "FitResult", "PER_SAMPLE_SIGMA", "PER_SAMPLE_TOKENS", "PRIOR_RATIO_SIGMA",
-           "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model", "fit_from_micro_batches", "fit_from_records",
+           "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model",
+           "fit_from_micro_batches", "fit_from_records",
            "prior_penalty", "shape_prior"]

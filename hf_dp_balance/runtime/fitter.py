@@ -202,13 +202,14 @@ class CostModelFitter:
                micro: Optional[MicroBatches] = None) -> None:
         """One step of this rank: its sample lengths, its seconds, and the vision tower's share of them;
         `micro`: each micro-batch's lengths, seconds and tower seconds (`StepRecorder.micro_batches()`), kept
-        for the step-time fit only (`fit_mode` step_max: under FSDP / ZeRO-3 every micro-batch meets)."""
+        where the fit reads them (`fits_micro_batches`: under FSDP / ZeRO-3 every micro-batch meets)."""
         decoder_s = max(elapsed_s - vision_s, 0.0)
         micro_f = micro_s = None
         if micro is not None and self.fits_micro_batches:
             micro_f = np.stack([features_of(x) for x in micro[0]])
             micro_s = np.maximum(np.asarray(micro[1], dtype=np.float64) - np.asarray(micro[2], dtype=np.float64), 0.0)
-        self.records.append(StepRecord(features_of(lengths), decoder_s, features_of(patches), vision_s, micro_f, micro_s))
+        self.records.append(StepRecord(features_of(lengths), decoder_s, features_of(patches), vision_s,
+                                       micro_f, micro_s))
         self.window.append(elapsed_s)
 
     def fit_due(self, step: int) -> bool:
@@ -334,6 +335,7 @@ class CostModelFitter:
 
 
 # StepClock, StepRecorder and what a micro-batch computes live in runtime.recorder; importable from here.
-__all__ = ["CostModelFitter", "MAX_FIT_REPORTS", "MicroBatches", "micro_table", "MAX_RECORDS", "MAX_WINDOW_STEPS", "SPEED_DEADBAND", "StepClock",
-           "StepRecord", "StepRecorder", "image_patches", "micro_batch_lengths", "priors_from_config", "rank_speeds",
-           "resolve_fit_mode", "resolve_timing", "resolve_warmup_steps", "synchronize", "vision_tower"]
+__all__ = ["CostModelFitter", "MAX_FIT_REPORTS", "MAX_RECORDS", "MAX_WINDOW_STEPS", "MicroBatches", "SPEED_DEADBAND",
+           "StepClock", "StepRecord", "StepRecorder", "image_patches", "micro_batch_lengths", "micro_table",
+           "priors_from_config", "rank_speeds", "resolve_fit_mode", "resolve_timing", "resolve_warmup_steps",
+           "synchronize", "vision_tower"]
