@@ -21,6 +21,14 @@ Fits, side by side on the same warm-up steps:
   prior                the noise-aware fit with the prior as a distribution (`core.fitting.shape_prior`), on
                        the runtime's warm-up placement (`probe_plan`)
   prior, packs         the same fit on warm-up steps left as packs (as the prior-free fits see them)
+With `--micro M` (M > 1 micro-batches per optimizer step, each synchronised as under FSDP / ZeRO-3: the step
+takes the sum over micro-batches of the slowest rank; `--tail F` adds F mean slot costs to each step's last
+micro-batch, for the gradient reduction, clipping and optimizer step), on the runtime's warm-up placement:
+  prior, summed        the step times fitted on each rank's features summed over the micro-batches (the
+                       library before per-micro-batch records: max over ranks of each rank's sum)
+  prior, per micro-batch   each micro-batch's maximum one step-max observation, the tail kept as measured
+  prior, tail dropped      the same without each step's last micro-batch
+  prior, tail estimated    the tail estimated and subtracted (`core.fitting.fit_from_micro_batches`' default)
 Measures on held-out steps of the same mix: the share of the reachable cut (makespan of the packs minus that of
 the plan made from the fitted model, both on the TRUE costs, over the same for the plan made from the true costs;
 summed over the evaluation steps) and the single-sample cost MAPE over samples of the mix; medians of draws.
