@@ -21,6 +21,14 @@ Fits, side by side on the same warm-up steps:
   prior                the noise-aware fit with the prior as a distribution (`core.fitting.shape_prior`), on
                        the runtime's warm-up placement (`probe_plan`)
   prior, packs         the same fit on warm-up steps left as packs (as the prior-free fits see them)
+With `--micro M` (M > 1 micro-batches per optimizer step, each synchronised as under FSDP / ZeRO-3: the step
+takes the sum over micro-batches of the slowest rank; `--tail F` adds F mean slot costs to each step's last
+micro-batch, for the gradient reduction, clipping and optimizer step), on the runtime's warm-up placement:
+  prior, summed        the step times fitted on each rank's features summed over the micro-batches (the
+                       library before per-micro-batch records: max over ranks of each rank's sum)
+  prior, per micro-batch   each micro-batch's maximum one step-max observation, the tail kept as measured
+  prior, tail dropped      the same without each step's last micro-batch
+  prior, tail estimated    the tail estimated and subtracted (`core.fitting.fit_from_micro_batches`' default)
 Measures on held-out steps of the same mix: the share of the reachable cut (makespan of the packs minus that of
 the plan made from the fitted model, both on the TRUE costs, over the same for the plan made from the true costs;
 summed over the evaluation steps) and the single-sample cost MAPE over samples of the mix; medians of draws.
@@ -29,6 +37,8 @@ summed over the evaluation steps) and the single-sample cost MAPE over samples o
     python bench/cost_fit_plans.py --full   # 8 and 16 warm-up steps, 8 draws
     python bench/cost_fit_plans.py --ranks 32 128 --truths "prior 2x low" "prior 2x high" --steps 8 16 --draws 8
     python bench/cost_fit_plans.py --sensitivity  # the cut from the true costs with one term perturbed
+    python bench/cost_fit_plans.py --ranks 32 128 --steps 8 16 --draws 6 --micro 2 4 --tail 0.05
+        # FSDP / ZeRO-3 with M micro-batches a step: summed records vs one step-max observation per micro-batch
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import numpy as np
 from cost_fit_synthetic import qwen2_7b_prior, true_model  # bench/ (run as a script: its folder is on sys.path)
 from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
 from hf_dp_balance.core.cost import CostModel, features_of
-from hf_dp_balance.core.fitting import fit_cost_model
+from hf_dp_balance.core.fitting import fit_cost_model, fit_from_micro_batches
 from hf_dp_balance.core.hedge import hedged_plan, probe_plan
 from hf_dp_balance.core.planner.api import plan_step
 from hf_dp_balance.core.steps import token_cap
@@ -51,6 +61,9 @@ MIXES = {"long-tail text": "text-sft", "video, long tail": "qwen2vl-sft", "bound
 TRUTHS = {"prior right": (1.0, 1.0, 1.0), "prior 2x low": (2.0, 1.0, 1.0), "prior 2x high": (0.5, 1.0, 1.0),
           "held out": (1.7, 0.6, 1.3)}  # truth's (quadratic, linear, per sample) over true_model's
 FITS = ("soft-max, no prior", "no prior", "prior, hedged", "prior", "prior, packs")
+# with --micro > 1, on the runtime's warm-up: the summed records (the library before), and each micro-batch's
+# maximum with the step's tail (`--tail`) in the last one kept, dropped, or estimated and subtracted (the library)
+MICRO_FITS = ("prior, summed", "prior, per micro-batch", "prior, tail dropped", "prior, tail estimated")
 
 
 def truth_of(prior: CostModel, factors) -> CostModel:
@@ -99,38 +112,69 @@ def cut_sums(rng, mix, ranks: int, truth: CostModel, models: dict, evals: int) -
     return cut
 
 
-def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe"):
-    """Features [steps, ranks, 4] and step times of warm-up steps placed as the runtime places them
-    (`placement` "probe"; "hedged": the previous warm-up; without a prior the packs as they come)."""
+def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe", micro=1, tail=0.0):
+    """Features [steps, micro, ranks, 4] and micro-batch step maxima [steps, micro] of warm-up steps placed
+    as the runtime places them (`placement` "probe"; "hedged": the previous warm-up; without a prior the packs
+    as they come). `micro` micro-batches per optimizer step, synchronised each (FSDP / ZeRO-3: the forward
+    all-gathers parameters): a step is ranks x micro packs, planned as that many slots (sync="micro_batch"
+    balances the slots as ranks of their own), slot u is rank u % ranks of micro-batch u // ranks, and a
+    micro-batch takes its slowest rank's noisy time. `tail`: the step's last micro-batch also takes this many
+    mean slot costs more (the gradient reduction left exposed, clipping, the optimizer step: common to the
+    ranks, described by no feature). micro=1, tail=0 draws and times exactly what it did before."""
+    slots = ranks * micro
     feats, times = [], []
     for step in range(steps):
-        lengths, owners = step_items(rng, mix, ranks)
+        lengths, owners = step_items(rng, mix, slots)
         dest = owners
         zeros = np.zeros_like(owners)
 
         def plan_costs(costs):
-            return plan(costs, lengths, owners, ranks), zeros
+            return plan(costs, lengths, owners, slots), zeros
 
         if prior is not None and placement == "probe":
-            dest = probe_plan(plan_costs, prior.sample_costs(lengths), lengths.astype(float), step, ranks, 1)[0]
+            dest = probe_plan(plan_costs, prior.sample_costs(lengths), lengths.astype(float), step, slots, 1)[0]
         elif prior is not None:
-            dest = hedged_plan(plan_costs, prior.sample_costs(lengths), lengths.astype(float), owners, zeros, ranks,
+            dest = hedged_plan(plan_costs, prior.sample_costs(lengths), lengths.astype(float), owners, zeros, slots,
                                1)[0]
-        f = np.stack([features_of(lengths[dest == r]) for r in range(ranks)])
-        feats.append(f)
-        times.append(float((truth.predict(f) * rng.lognormal(0.0, noise, ranks)).max()))
-    return np.stack(feats), np.array(times)
+        f = np.stack([features_of(lengths[dest == u]) for u in range(slots)])
+        feats.append(f.reshape(micro, ranks, 4))
+        maxima = (truth.predict(f) * rng.lognormal(0.0, noise, slots)).reshape(micro, ranks).max(axis=1)
+        maxima[-1] += tail * float(truth.predict(f).mean())
+        times.append(maxima)
+    return np.stack(feats), np.stack(times)
 
 
-def fitted_models(rng, mix, ranks, steps, truth, prior, noise) -> dict:
+def summed(feats, times):
+    """What the recorder kept before per-micro-batch records: each rank's features summed over the step's
+    micro-batches [steps, ranks, 4] and the step time [steps] (the sum of the micro-batches' maxima)."""
+    return feats.sum(axis=1), times.sum(axis=1)
+
+
+def per_micro_batch(feats, times):
+    """Every micro-batch a step-max observation of its own: [steps * micro, ranks, 4], [steps * micro]."""
+    return feats.reshape(-1, *feats.shape[2:]), times.reshape(-1)
+
+
+def fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro=1, tail=0.0) -> dict:
     """fit name -> model; the prior-free fits see the packs as they come, the others the runtime's warm-up
-    placement (and the previous, hedged one)."""
+    placement (and the previous, hedged one). With micro > 1 (`MICRO_FITS`): the fit of the step times on
+    features summed over the micro-batches (max_r of sums: the library before per-micro-batch records) beside
+    the fit of each micro-batch's maximum (the same steps, micro times the observations)."""
     state = rng.bit_generator.state
-    feats, times = warmup(rng, mix, ranks, steps, truth, None, noise)
+    if micro > 1:  # the runtime's probe only
+        pfeats, ptimes = warmup(rng, mix, ranks, steps, truth, prior, noise, micro=micro, tail=tail)
+
+        def per_micro(how):
+            return fit_from_micro_batches(pfeats, ptimes, prior, tail=how, drop_first=False).model
+
+        return {"prior, summed": fit_cost_model(*summed(pfeats, ptimes), mode="step_max", holdout=0, prior=prior).model,
+                "prior, per micro-batch": per_micro("keep"), "prior, tail dropped": per_micro("drop"),
+                "prior, tail estimated": per_micro("estimate")}
+    feats, times = summed(*warmup(rng, mix, ranks, steps, truth, None, noise))
     rng.bit_generator.state = state  # the same samples and noise, placed by the hedge
-    hfeats, htimes = warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged")
+    hfeats, htimes = summed(*warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged"))
     rng.bit_generator.state = state  # and by the runtime's probe
-    pfeats, ptimes = warmup(rng, mix, ranks, steps, truth, prior, noise)
+    pfeats, ptimes = summed(*warmup(rng, mix, ranks, steps, truth, prior, noise))
     return {
         "soft-max, no prior": fit_cost_model(feats, times, mode="step_max", holdout=0, step_noise=False).model,
         "no prior": fit_cost_model(feats, times, mode="step_max", holdout=0).model,
@@ -151,19 +195,26 @@ def scores(rng, mix, ranks, truth, models, evals) -> dict:
                    float(np.mean(np.abs(model.sample_costs(singles) / true_cost - 1))))
             for name, model in models.items()}
 
-def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed) -> dict:
-    """fit name -> {"share": median cut share, "single": median single-sample MAPE} over draws."""
-    rows = {name: [] for name in FITS}
+def fits_of(micro: int):
+    return FITS if micro == 1 else MICRO_FITS
+
+
+def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro=1, tail=0.0) -> dict:
+    """fit name -> {"share": median cut share, "single": median single-sample MAPE} over draws. The draws
+    do not depend on `micro` beyond the warm-up (seeded by ranks, steps, draw), so micro-batch counts compare
+    on the same evaluation steps only when the warm-up draws the same number of samples (micro=1 as before)."""
+    rows = {name: [] for name in fits_of(micro)}
     for d in range(draws):
         rng = np.random.default_rng([seed, ranks, steps, d])
-        models = fitted_models(rng, mix, ranks, steps, truth, prior, noise)
+        models = fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro, tail)
         for name, measured in scores(rng, mix, ranks, truth, models, evals).items():
             rows[name].append(measured)
     return {name: {"share": float(np.median([r[0] for r in v])), "single": float(np.median([r[1] for r in v]))}
             for name, v in rows.items()}
 
 
-def run(ranks_list=(8, 32, 128), steps_list=(12,), draws=3, evals=4, noise=0.03, seed=0, mixes=None, truths=None):
+def run(ranks_list=(8, 32, 128), steps_list=(12,), draws=3, evals=4, noise=0.03, seed=0, mixes=None, truths=None,
+        micros=(1,), tail=0.0):
     prior = qwen2_7b_prior()
     results = {}
     for label, mix in (mixes or MIXES).items():
@@ -171,28 +222,35 @@ def run(ranks_list=(8, 32, 128), steps_list=(12,), draws=3, evals=4, noise=0.03,
             truth = truth_of(prior, factors)
             for ranks in ranks_list:
                 for steps in steps_list:
-                    results[(label, truth_name, ranks, steps)] = cell(mix, ranks, steps, truth, prior, draws, evals,
-                                                                      noise, seed)
+                    for micro in micros:
+                        key = (label, truth_name, ranks, steps) + (() if micro == 1 else (micro,))
+                        results[key] = cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro, tail)
     return results
 
 
 def print_results(results: dict) -> None:
     print(f"\nFrom step times alone: share of the true-cost cut / single-sample MAPE (median of draws; packs of "
           f"{PACK}, 3% rank noise)")
-    print(f"  {'mix':16s} {'truth':14s} {'ranks':>5s} {'steps':>5s} " + " ".join(f"{n:>21s}" for n in FITS))
-    for (mix, truth, ranks, steps), row in results.items():
-        cells = " ".join(f"{100 * row[n]['share']:9.1f}% / {100 * row[n]['single']:5.1f}%" for n in FITS)
-        print(f"  {mix:16s} {truth:14s} {ranks:5d} {steps:5d} {cells}")
-    print("\n  by ranks, over mixes and truths: median [min] share of the cut / median [max] single-sample MAPE")
-    for ranks in sorted({k[2] for k in results}):
-        for truth in dict.fromkeys(k[1] for k in results):
-            keys = [k for k in results if k[2] == ranks and k[1] == truth]
-            parts = []
-            for n in FITS:
-                share = [100 * results[k][n]["share"] for k in keys]
-                single = [100 * results[k][n]["single"] for k in keys]
-                parts.append(f"{np.median(share):5.1f} [{min(share):5.1f}] / {np.median(single):4.1f} [{max(single):4.1f}]")
-            print(f"  {ranks:5d} {truth:14s} " + " | ".join(parts))
+    for micro in sorted({k[4] if len(k) > 4 else 1 for k in results}):
+        part = {k[:4]: v for k, v in results.items() if (k[4] if len(k) > 4 else 1) == micro}
+        fits = fits_of(micro)
+        print(f"\n  {micro} micro-batch(es) per step" + ("" if micro == 1 else
+              " (step time = sum over micro-batches of the slowest rank)"))
+        print(f"  {'mix':16s} {'truth':14s} {'ranks':>5s} {'steps':>5s} " + " ".join(f"{n:>22s}" for n in fits))
+        for (mix, truth, ranks, steps), row in part.items():
+            cells = " ".join(f"{100 * row[n]['share']:10.1f}% / {100 * row[n]['single']:5.1f}%" for n in fits)
+            print(f"  {mix:16s} {truth:14s} {ranks:5d} {steps:5d} {cells}")
+        print("\n  by ranks, over mixes and truths: median [min] share of the cut / median [max] single-sample MAPE")
+        for ranks in sorted({k[2] for k in part}):
+            for truth in dict.fromkeys(k[1] for k in part):
+                keys = [k for k in part if k[2] == ranks and k[1] == truth]
+                parts = []
+                for n in fits:
+                    share = [100 * part[k][n]["share"] for k in keys]
+                    single = [100 * part[k][n]["single"] for k in keys]
+                    parts.append(f"{np.median(share):5.1f} [{min(share):5.1f}] / {np.median(single):4.1f} "
+                                 f"[{max(single):4.1f}]")
+                print(f"  {ranks:5d} {truth:14s} " + " | ".join(parts))
 
 
 def sensitivity(ranks: int = 32, evals: int = 8, seed: int = 1) -> dict:
@@ -219,6 +277,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, nargs="*", default=None, help="warm-up steps (default 12; --full: 8 16)")
     parser.add_argument("--truths", nargs="*", default=None, choices=list(TRUTHS), help="default: all")
+    parser.add_argument("--mixes", nargs="*", default=None, choices=list(MIXES), help="default: all")
+    parser.add_argument("--micro", type=int, nargs="*", default=[1],
+                        help="micro-batches per optimizer step, each synchronised (FSDP / ZeRO-3); > 1: the fit of "
+                             "summed records beside the per-micro-batch fit (default 1: the table as before)")
+    parser.add_argument("--tail", type=float, default=0.0,
+                        help="the step's tail in its last micro-batch, in mean slot costs (optimizer, exposed "
+                             "gradient reduction; default 0)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="only: the cut reached with the true costs, one term perturbed (32 ranks, 8 steps)")
     args = parser.parse_args(argv)
@@ -230,7 +295,9 @@ def main(argv=None) -> int:
     steps = tuple(args.steps) if args.steps else (8, 16) if args.full else (12,)
     draws = args.draws or (8 if args.full else 3)
     truths = {k: TRUTHS[k] for k in args.truths} if args.truths else None
-    results = run(tuple(args.ranks), steps, draws, 6 if args.full else 3, seed=args.seed, truths=truths)
+    mixes = {k: MIXES[k] for k in args.mixes} if args.mixes else None
+    results = run(tuple(args.ranks), steps, draws, 6 if args.full else 3, seed=args.seed, truths=truths, mixes=mixes,
+                  micros=tuple(args.micro), tail=args.tail)
     print_results(results)
     print(f"\n  {time.process_time() - start:.0f} s CPU")
     return 0

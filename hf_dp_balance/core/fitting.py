@@ -407,6 +407,66 @@ def fit_from_records(features, times, mode: str, prior: Optional[CostModel] = No
     return fit_cost_model(features, times, mode="per_rank", prior=prior)
 
 
+def _stack_micro_batches(features, times) -> Tuple[list, list]:
+    """Per step: features [M_s, ranks, 4] and times [M_s, ranks] (or [M_s]) as float64, shapes checked."""
+    if len(features) != len(times):
+        raise ValueError(f"micro-batch records: {len(features)} steps of features but {len(times)} of times")
+    feats, secs = [], []
+    for s, (f, t) in enumerate(zip(features, times)):
+        f, t = np.asarray(f, dtype=np.float64), np.asarray(t, dtype=np.float64)
+        if f.ndim != 3 or f.shape[-1] != N_FEATURES or t.shape[0] != f.shape[0] or t.ndim not in (1, 2) or (
+                t.ndim == 2 and t.shape[1] != f.shape[1]) or (feats and f.shape[1] != feats[0].shape[1]):
+            raise ValueError(f"micro-batch records of step {s}: features {f.shape} must be "
+                             f"[micro, ranks, {N_FEATURES}] "
+                             f"and times {t.shape} [micro, ranks] or [micro], with the ranks of every step")
+        feats.append(f)
+        secs.append(t if t.ndim == 1 else t.max(axis=1))
+    return feats, secs
+
+
+def fit_from_micro_batches(features, times, prior: Optional[CostModel] = None, tail: str = "estimate",
+                           drop_first: bool = True) -> FitResult:
+    """The step-max fit from synchronised micro-batch times (FSDP / ZeRO-3 with gradient accumulation).
+
+    features: per step [M_s, ranks, 4] (each micro-batch's rows); times: per step [M_s, ranks] or [M_s], the
+    wall time of each micro-batch (synchronised at its boundaries; its max over ranks is used). Model: every
+    micro-batch synchronises the ranks (the forward all-gathers parameters), so a step takes
+    sum_m max_r cost(r, m), and each micro-batch's time is one step-max observation of its own: M observations
+    a step instead of one, and the right model (the step's time is not max_r of each rank's sum).
+    The first step is dropped when there are 3 or more (as `fit_from_records`; `drop_first=False` keeps it).
+
+    tail: the last micro-batch's interval also holds the step's tail (the gradient reduction left exposed,
+    clipping, the optimizer step), which no feature describes. "estimate": fit the other micro-batches, take
+    the median excess of the last ones over their predicted time (>= 0), subtract it and refit on all;
+    "drop": fit without the last micro-batches (steps of one micro-batch keep theirs); "keep": fit every
+    interval as measured (also what the other two do when fewer than 8 micro-batches are left without the
+    last ones). Guarantee: coefficients >= 0; with one micro-batch per step it is the step-max fit
+    of `fit_from_records` on the same steps."""
+    if tail not in ("estimate", "drop", "keep"):
+        raise ValueError(f"tail={tail!r}: must be 'estimate', 'drop' or 'keep'")
+    feats, secs = _stack_micro_batches(features, times)
+    if drop_first and len(feats) >= 3:
+        feats, secs = feats[1:], secs[1:]
+    if not feats:
+        raise ValueError("micro-batch records: no steps")
+    last = [len(t) >= 2 for t in secs]  # steps whose last interval holds the tail and something before it
+    if tail == "keep" or not any(last):
+        return fit_cost_model(np.concatenate(feats), np.concatenate(secs), mode="step_max", prior=prior)
+    head_f = np.concatenate([f[:-1] if l else f for f, l in zip(feats, last)])
+    head_t = np.concatenate([t[:-1] if l else t for t, l in zip(secs, last)])
+    if head_t.size < 2 * N_FEATURES:  # too few to fit without the last micro-batches: keep them as measured
+        return fit_cost_model(np.concatenate(feats), np.concatenate(secs), mode="step_max", prior=prior)
+    if tail == "drop":
+        return fit_cost_model(head_f, head_t, mode="step_max", prior=prior)
+    head = fit_cost_model(head_f, head_t, mode="step_max", prior=prior, holdout=0)
+    tail_f = np.stack([f[-1] for f, l in zip(feats, last) if l])
+    tail_t = np.array([t[-1] for t, l in zip(secs, last) if l])
+    excess = max(0.0, float(np.median(tail_t - _predicted_steps(head.model, tail_f, head.report.step_noise))))
+    # a tail above the interval's own time would be read as no work at all: keep at least half of it
+    cut = [np.concatenate([t[:-1], [max(t[-1] - excess, 0.5 * t[-1])]]) if l else t for t, l in zip(secs, last)]
+    return fit_cost_model(np.concatenate(feats), np.concatenate(cut), mode="step_max", prior=prior)
+
+
 def compute_imbalance(times) -> float:
     """Mean over steps of (slowest rank / mean rank - 1) of a [steps, ranks] time table (NaN if empty)."""
     times = np.asarray(times, dtype=np.float64)
@@ -420,5 +480,6 @@ def compute_imbalance(times) -> float:
 
 
 __all__ = ["FREE_TERM_SHARE", "FitReport", "FitResult", "PER_SAMPLE_SIGMA", "PER_SAMPLE_TOKENS", "PRIOR_RATIO_SIGMA",
-           "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model", "fit_from_records",
+           "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model",
+           "fit_from_micro_batches", "fit_from_records",
            "prior_penalty", "shape_prior"]

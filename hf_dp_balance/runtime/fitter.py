@@ -19,7 +19,7 @@ import numpy as np
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
-from hf_dp_balance.core.fitting import compute_imbalance, fit_cost_model, fit_from_records
+from hf_dp_balance.core.fitting import compute_imbalance, fit_cost_model, fit_from_micro_batches, fit_from_records
 from hf_dp_balance.runtime.recorder import (StepClock, StepRecorder, image_patches, micro_batch_lengths,
                                             synchronize, vision_tower)
 from hf_dp_balance.runtime.logs import get_logger
@@ -111,12 +111,34 @@ def rank_speeds(model: CostModel, features: np.ndarray, times: np.ndarray) -> np
 
 
 class StepRecord(NamedTuple):
-    """One rank's optimizer step: decoder feature row and seconds, vision feature row and seconds."""
+    """One rank's optimizer step: decoder feature row and seconds, vision feature row and seconds, and (when
+    each micro-batch was timed) the decoder's feature rows [M, 4] and seconds [M] of every micro-batch."""
 
     features: np.ndarray
     decoder_s: float
     vision_features: np.ndarray
     vision_s: float
+    micro_features: Optional[np.ndarray] = None
+    micro_s: Optional[np.ndarray] = None
+
+
+MicroBatches = Tuple[Sequence[Sequence[int]], Sequence[float], Sequence[float]]
+"""What `StepRecorder.micro_batches()` gives: per micro-batch its sample lengths, seconds and tower seconds."""
+
+
+def micro_table(gathered_micro: list, steps: int):
+    """The per-micro-batch table of the last `steps` steps from every rank's records, or None where it is
+    not complete: features per step [M_s, ranks, 4] and seconds [M_s, ranks]. Complete: every rank timed
+    every one of those steps' micro-batches and the ranks agree on each step's count (one plan for the
+    step's ranks x micro-batches: micro-batch m meets across the ranks)."""
+    feats, secs = [], []
+    for s in range(steps):
+        per_rank = [g[len(g) - steps + s] for g in gathered_micro]
+        if any(r is None for r in per_rank) or len({len(r[1]) for r in per_rank}) != 1 or not len(per_rank[0][1]):
+            return None
+        feats.append(np.stack([r[0] for r in per_rank], axis=1))
+        secs.append(np.stack([r[1] for r in per_rank], axis=1))
+    return feats, secs
 
 
 class CostModelFitter:
@@ -130,15 +152,19 @@ class CostModelFitter:
         decoder, vision, fitted_step: models to start from (a checkpoint, `cost_model_path`).
         prior, vision_prior: FLOP priors (`CostModel.from_config`): planned with until the first fit, and
             fitted around (`config.prior`).
+        sync: the loader's resolved sync (`step` / `micro_batch`; None: `config.sync`): whether the step-time
+            fit reads each micro-batch (`fits_micro_batches`).
     """
 
     def __init__(self, config: DPBalanceConfig, *, rank: int = 0, world: int = 1, group=None,
                  timing: str = "thread_cpu", decoder: Optional[CostModel] = None,
                  vision: Optional[CostModel] = None, fitted_step: int = -1,
-                 prior: Optional[CostModel] = None, vision_prior: Optional[CostModel] = None):
+                 prior: Optional[CostModel] = None, vision_prior: Optional[CostModel] = None,
+                 sync: Optional[str] = None):
         self.config = config
         self.rank, self.world, self.group = rank, world, group
         self.timing = timing
+        self.sync = config.sync if sync is None else sync
         self.fit_mode = resolve_fit_mode(config.fit_mode, timing)
         self.warmup_steps = resolve_warmup_steps(config.warmup_steps, self.fit_mode)
         self.decoder: Optional[CostModel] = decoder
@@ -149,6 +175,14 @@ class CostModelFitter:
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
         self.window: collections.deque = collections.deque(maxlen=MAX_WINDOW_STEPS)  # step seconds since the last log
         self.fit_reports: collections.deque = collections.deque(maxlen=MAX_FIT_REPORTS)
+
+    @property
+    def fits_micro_batches(self) -> bool:
+        """Whether each timed micro-batch is a step-max observation of its own: the step-time fit where every
+        micro-batch meets across the ranks (`sync` micro_batch: FSDP / ZeRO-3). A config's `auto` sync counts
+        as that, since `resolve_timing` picks the wall clock (and so the step-time fit) for `auto` only under
+        FSDP / ZeRO-3 or an unknown strategy; `sync="step"` (DDP: ranks meet once a step) keeps the step's sums."""
+        return self.fit_mode == "step_max" and self.sync != "step"
 
     @property
     def planning_with_prior(self) -> bool:
@@ -164,10 +198,18 @@ class CostModelFitter:
 
     # -- recording ----------------------------------------------------------------------
 
-    def record(self, lengths: Sequence[int], elapsed_s: float, patches: Sequence[int] = (), vision_s: float = 0.0) -> None:
-        """One step of this rank: its sample lengths, its seconds, and the vision tower's share of them."""
+    def record(self, lengths: Sequence[int], elapsed_s: float, patches: Sequence[int] = (), vision_s: float = 0.0,
+               micro: Optional[MicroBatches] = None) -> None:
+        """One step of this rank: its sample lengths, its seconds, and the vision tower's share of them;
+        `micro`: each micro-batch's lengths, seconds and tower seconds (`StepRecorder.micro_batches()`), kept
+        where the fit reads them (`fits_micro_batches`: under FSDP / ZeRO-3 every micro-batch meets)."""
         decoder_s = max(elapsed_s - vision_s, 0.0)
-        self.records.append(StepRecord(features_of(lengths), decoder_s, features_of(patches), vision_s))
+        micro_f = micro_s = None
+        if micro is not None and self.fits_micro_batches:
+            micro_f = np.stack([features_of(x) for x in micro[0]])
+            micro_s = np.maximum(np.asarray(micro[1], dtype=np.float64) - np.asarray(micro[2], dtype=np.float64), 0.0)
+        self.records.append(StepRecord(features_of(lengths), decoder_s, features_of(patches), vision_s,
+                                       micro_f, micro_s))
         self.window.append(elapsed_s)
 
     def fit_due(self, step: int) -> bool:
@@ -177,9 +219,9 @@ class CostModelFitter:
         return first or refit
 
     def end_step(self, step: int, lengths: Sequence[int], elapsed_s: float, patches: Sequence[int] = (),
-                 vision_s: float = 0.0) -> bool:
+                 vision_s: float = 0.0, micro: Optional[MicroBatches] = None) -> bool:
         """Record the step, and fit when due (a collective: every rank ends the same steps). True if it fitted."""
-        self.record(lengths, elapsed_s, patches, vision_s)
+        self.record(lengths, elapsed_s, patches, vision_s, micro)
         if not self.fit_due(step):
             return False
         self.fit(step)
@@ -210,6 +252,8 @@ class CostModelFitter:
         """Gather every rank's records, fit on rank 0, broadcast: every rank holds the same models after."""
         records = list(self.records)
         mine = tuple(np.array([r[i] for r in records]) for i in range(4))
+        if self.fits_micro_batches:
+            mine += ([None if r.micro_s is None else (r.micro_features, r.micro_s) for r in records],)
         gathered = self._gather(mine)
         steps = min(len(g[1]) for g in gathered)
         payload = self._fit_gathered(gathered, steps) if self.rank == 0 else None
@@ -234,8 +278,12 @@ class CostModelFitter:
         """Rank 0: fit the decoder (and the vision tower, when it was timed) from [steps, ranks] tables."""
         feats = np.stack([g[0][-steps:] for g in gathered], axis=1)
         times = np.stack([g[1][-steps:] for g in gathered], axis=1)
+        micro = micro_table([g[4] for g in gathered], steps) if len(gathered[0]) > 4 else None
         try:
-            result = fit_from_records(feats, times, self.fit_mode, prior=self.prior)
+            if micro is not None:  # one step-max observation per micro-batch: the model FSDP / ZeRO-3 runs
+                result = fit_from_micro_batches(*micro, prior=self.prior)
+            else:
+                result = fit_from_records(feats, times, self.fit_mode, prior=self.prior)
             speeds = None
             if self.config.estimate_speeds and self.fit_mode == "per_rank":
                 # Fit on speed-corrected times, so a slow rank does not bend the shared model toward it.
@@ -287,6 +335,7 @@ class CostModelFitter:
 
 
 # StepClock, StepRecorder and what a micro-batch computes live in runtime.recorder; importable from here.
-__all__ = ["CostModelFitter", "MAX_FIT_REPORTS", "MAX_RECORDS", "MAX_WINDOW_STEPS", "SPEED_DEADBAND", "StepClock",
-           "StepRecord", "StepRecorder", "image_patches", "micro_batch_lengths", "priors_from_config", "rank_speeds",
-           "resolve_fit_mode", "resolve_timing", "resolve_warmup_steps", "synchronize", "vision_tower"]
+__all__ = ["CostModelFitter", "MAX_FIT_REPORTS", "MAX_RECORDS", "MAX_WINDOW_STEPS", "MicroBatches", "SPEED_DEADBAND",
+           "StepClock", "StepRecord", "StepRecorder", "image_patches", "micro_batch_lengths", "micro_table",
+           "priors_from_config", "rank_speeds", "resolve_fit_mode", "resolve_timing", "resolve_warmup_steps",
+           "synchronize", "vision_tower"]

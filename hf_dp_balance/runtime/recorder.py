@@ -9,7 +9,7 @@ so their difference is the decoder's time. Fitting these records: `runtime.fitte
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hf_dp_balance.core.choices import TIMING_MODES
 from hf_dp_balance.core.boundaries import segment_lengths
@@ -123,38 +123,72 @@ class StepRecorder:
     With `forward_events` timing the step's time is 3x the model's forward passes (forward + backward),
     measured on device events from the model's forward pre-hook to its forward hook: no collective runs
     inside a DDP forward, so it is this rank's own compute. Otherwise it is the time from `begin` to `end`.
+
+    Micro-batches: every model forward starts one (`micro_lengths`, one list of sample lengths each). With
+    `wall` timing each micro-batch is also timed (`micro_s`, after `end`): from its forward's start to the
+    next one's, the last to the step's end (so it also holds the step's tail: gradient reduction, clipping,
+    the optimizer step). Each boundary reads the synchronised clock, one device synchronisation per
+    micro-batch; under FSDP / ZeRO-3 the ranks already meet in every layer's all-gather, so the host waiting
+    for the device once more per micro-batch costs only the launch-ahead it drains (the fit of these times:
+    `core.fitting.fit_from_micro_batches`).
     """
 
     def __init__(self, clock: StepClock):
         self.clock = clock
         self.lengths: List[int] = []
+        self.micro_lengths: List[List[int]] = []
+        self.micro_s: List[float] = []
         self.patches: List[int] = []
         self.vision_s = 0.0
         self.started: Optional[float] = None
         self._hooks: list = []
         self._forward_spans: list = []  # (start, end) marks of this step's model forwards
-        self._tower_spans: list = []
+        self._tower_spans: list = []  # (start, end, micro-batch index) of this step's tower forwards
+        self._micro_starts: List[float] = []
 
     @property
     def forward_only(self) -> bool:
         return self.clock.timing == "forward_events"
 
+    @property
+    def times_micro_batches(self) -> bool:
+        """Whether each micro-batch is timed: on the synchronised wall clock only (`wall`), where the step's
+        time is the slowest rank's and a micro-batch boundary is a point every rank passes together."""
+        return self.clock.timing == "wall"
+
     def begin(self) -> None:
         self.lengths, self.patches, self.vision_s = [], [], 0.0
+        self.micro_lengths, self.micro_s, self._micro_starts = [], [], []
         self._forward_spans, self._tower_spans = [], []
         self.started = self.clock.now()
 
     def end(self) -> Optional[float]:
-        """Seconds of this step (None when no step was begun); `vision_s` is final after it."""
+        """Seconds of this step (None when no step was begun); `vision_s` and `micro_s` are final after it."""
         if self.started is None:
             return None
-        elapsed = self.clock.now() - self.started
+        stop = self.clock.now()
+        elapsed = stop - self.started
         self.started = None
         # Backward of the tower (and of the model) costs ~2x its forward: 3x forward is its share of the step.
-        self.vision_s = 3.0 * sum(self.clock.span(a, b) for a, b in self._tower_spans)
+        tower = [(3.0 * self.clock.span(a, b), m) for a, b, m in self._tower_spans]
+        self.vision_s = sum(t for t, _ in tower)
         if self.forward_only:
             elapsed = 3.0 * sum(self.clock.span(a, b) for a, b in self._forward_spans)
+        if self.times_micro_batches and self._micro_starts:
+            bounds = self._micro_starts + [stop]
+            self.micro_s = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         return elapsed
+
+    def micro_batches(self) -> Optional[Tuple[List[List[int]], List[float], List[float]]]:
+        """(sample lengths, seconds, vision tower seconds) of each micro-batch of the step just ended, when they
+        were timed (`times_micro_batches`) and every forward's work was read; else None."""
+        if not self.micro_s or len(self.micro_s) != len(self.micro_lengths):
+            return None
+        vision = [0.0] * len(self.micro_s)
+        for a, b, m in self._tower_spans:
+            if 0 <= m < len(vision):
+                vision[m] += 3.0 * self.clock.span(a, b)
+        return [list(x) for x in self.micro_lengths], list(self.micro_s), vision
 
     def install(self, model) -> None:
         """Hooks: the model's forward inputs give the sample lengths (and, without a separate tower, the
@@ -166,7 +200,11 @@ class StepRecorder:
 
         def before_forward(module, args, kwargs):
             inputs = dict(kwargs)
-            self.lengths.extend(micro_batch_lengths(inputs))
+            if self.times_micro_batches and self.started is not None:
+                self._micro_starts.append(self.clock.now())  # synchronised: the previous micro-batch is done
+            lengths = micro_batch_lengths(inputs)
+            self.lengths.extend(lengths)
+            self.micro_lengths.append(lengths)
             if tower is None:
                 self.patches.extend(image_patches(inputs))
             if self.forward_only:
@@ -197,7 +235,7 @@ class StepRecorder:
 
         def tower_end(module, args, output):
             if "t" in marks:
-                self._tower_spans.append((marks.pop("t"), self.clock.mark()))
+                self._tower_spans.append((marks.pop("t"), self.clock.mark(), len(self.micro_lengths) - 1))
 
         self._hooks.append(tower.register_forward_pre_hook(tower_begin, with_kwargs=True))
         self._hooks.append(tower.register_forward_hook(tower_end))

@@ -213,7 +213,7 @@ class BalanceSession:
         if seconds is None:
             return False
         rec = self.recorder
-        if self.fitter.end_step(step, rec.lengths, seconds, rec.patches, rec.vision_s):
+        if self.fitter.end_step(step, rec.lengths, seconds, rec.patches, rec.vision_s, rec.micro_batches()):
             self.publish()
             return True
         return False

@@ -266,3 +266,53 @@ def test_a_step_time_fit_waits_for_more_warm_up_steps_unless_told(timing, fit_mo
     fits = [step for step in range(1, 21) if fitter.end_step(step, *_synthetic_step(rng, 0, step)[:2])]
     assert fitter.warmup_steps == first_fit and fits == [first_fit] and fitter.decoder is not None
     assert resolve_warmup_steps(8, "step_max") == resolve_warmup_steps(8, "per_rank") == 8  # set: kept
+
+
+def _micro_batch_step(rng, micro):
+    """One step of `micro` micro-batches as `StepRecorder.micro_batches()` gives them (DECODER's seconds)."""
+    lengths = [rng.integers(16, 2048, size=rng.integers(1, 8)).tolist() for _ in range(micro)]
+    seconds = [float(DECODER.predict(features_of(x))) for x in lengths]
+    return [n for x in lengths for n in x], sum(seconds), (lengths, seconds, [0.0] * micro)
+
+
+@pytest.mark.parametrize("sync", ["auto", "micro_batch", "step"])
+def test_a_step_time_fit_reads_every_micro_batch_where_each_one_meets(sync):
+    # 4 steps of 4 micro-batches: the first dropped, 3 step times are fewer than the 4 unknowns (the fit of the
+    # summed records fails and keeps no model), 12 micro-batch maxima are not. DDP (`step`) keeps the sums.
+    fitter = CostModelFitter(DPBalanceConfig(warmup_steps=4, refit_every=0, prior=False, sync=sync), timing="wall")
+    assert fitter.fit_mode == "step_max" and fitter.fits_micro_batches == (sync != "step")
+    rng = np.random.default_rng(3)
+    for step in range(1, 5):
+        lengths, seconds, micro = _micro_batch_step(rng, 4)
+        fitter.end_step(step, lengths, seconds, micro=micro)
+    if sync == "step":
+        assert fitter.decoder is None
+        return
+    probe = np.array([64, 512, 2048, 8192])
+    np.testing.assert_allclose(fitter.decoder.sample_costs(probe), DECODER.sample_costs(probe), rtol=0.02)
+
+
+@pytest.mark.parametrize("timing", ["wall", "thread_cpu"])
+def test_the_wall_clock_times_each_micro_batch(timing):
+    import time
+
+    from hf_dp_balance.runtime.recorder import StepRecorder
+    from hf_dp_balance.testing.data import make_model
+
+    model = make_model("text", seed=0)
+    recorder = StepRecorder(StepClock(timing, "cpu"))
+    recorder.install(model)
+    recorder.begin()
+    with torch.no_grad():
+        for width in (8, 5, 3):
+            model(input_ids=torch.zeros(1, width, dtype=torch.long))
+            time.sleep(0.03)  # the micro-batch's backward, outside the forward
+    elapsed = recorder.end()
+    recorder.remove()
+    assert recorder.micro_lengths == [[8], [5], [3]] and recorder.lengths == [8, 5, 3]
+    if timing == "thread_cpu":
+        assert recorder.micro_batches() is None  # per-rank fits read the step's sums
+        return
+    lengths, seconds, vision = recorder.micro_batches()
+    assert lengths == [[8], [5], [3]] and vision == [0.0] * 3
+    assert all(s >= 0.03 for s in seconds) and sum(seconds) <= elapsed
