@@ -118,7 +118,7 @@ class DPBalancer:
         # A model given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
         try:
             self.session.start(model=self._model, model_config=self.model_config, timing=timing,
-                               device_type=device_type, decoder=cost_model, vision=vision_cost_model, fitted_step=-1,
+                               device_type=device_type, sync=self.sync, decoder=cost_model, vision=vision_cost_model, fitted_step=-1,
                                file_step=0)
         except BaseException:
             self.session.close()  # a refused setup leaves no group behind

@@ -151,9 +151,10 @@ class DPBalanceCallback(TrainerCallback):
                       lambda: check_trainer_loss(args, trainer, self.config),
                       lambda: _check_data_parallel_sharding(train_dataloader, data_parallel, self._explicit_group)]
             decoder, vision, fitted_step = self._initial_models
+            sync = self._sync(trainer)
             self.session.start(model=model, model_config=getattr(model, "config", None),
-                               timing=resolve_timing(self.config.timing, device_type, self._sync(trainer)),
-                               device_type=device_type, decoder=decoder, vision=vision, fitted_step=fitted_step,
+                               timing=resolve_timing(self.config.timing, device_type, sync),
+                               device_type=device_type, sync=sync, decoder=decoder, vision=vision, fitted_step=fitted_step,
                                checkpoints=self._checkpoint_files(args, state), file_step=state.global_step,
                                checks=checks)
             self.restored_from = self.session.restored_from

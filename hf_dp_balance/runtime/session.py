@@ -111,7 +111,7 @@ class BalanceSession:
 
     # -- start -----------------------------------------------------------------------------------
     def start(self, *, model=None, model_config=None, timing: str = "thread_cpu", device_type: str = "cpu",
-              decoder: Optional[CostModel] = None, vision: Optional[CostModel] = None, fitted_step: int = -1,
+              sync: Optional[str] = None, decoder: Optional[CostModel] = None, vision: Optional[CostModel] = None, fitted_step: int = -1,
               checkpoints: Sequence[str] = (), file_step: int = 0,
               checks: Iterable[Callable[[], None]] = ()) -> None:
         """Run the train-begin `checks`, agree the models to start from, make the fitter and hook the recorder.
@@ -120,13 +120,15 @@ class BalanceSession:
         `config.cost_model_path` (read on rank 0), else the warm-up fit (with the FLOP prior of
         `model_config` when `config.prior`). A model read from a file counts as fitted at `file_step` (refitted
         every `refit_every` from there); a model given here is never refitted. Every rank gets the same.
+        `sync` is the loader's resolved sync (`step` / `micro_batch`): a step-time fit reads each micro-batch's
+        maximum only where micro-batches meet across ranks (None: `config.sync`).
         """
         for check in checks:  # the user's setup, checked on every rank before training starts
             check()
         decoder, vision, fitted_step = self._agree_start_models(checkpoints, decoder, vision, fitted_step, file_step)
         prior, vision_prior = priors_from_config(model_config) if self.config.prior else (None, None)
         self.fitter = CostModelFitter(self.config, rank=self.rank, world=self.world, group=self.side.fit_group,
-                                      timing=timing, decoder=decoder, vision=vision, fitted_step=fitted_step,
+                                      timing=timing, sync=sync, decoder=decoder, vision=vision, fitted_step=fitted_step,
                                       prior=prior, vision_prior=vision_prior)
         if self.recorder is not None:
             self.recorder.remove()

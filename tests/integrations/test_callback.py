@@ -308,3 +308,13 @@ def test_the_vision_tower_is_timed_on_the_step_clock(tmp_path, timing):
         assert record.vision_s >= 3 * 0.2  # forward + backward share of the wait the tower really took
     else:
         assert record.vision_s < 3 * 0.2 / 2
+
+
+@pytest.mark.parametrize("sync, per_micro_batch", [("auto", False), ("micro_batch", True)])
+def test_a_step_time_fit_reads_micro_batches_only_where_they_meet_across_ranks(tmp_path, sync, per_micro_batch):
+    # The wall clock under DDP (auto sync without FSDP / ZeRO-3 resolves to `step`): ranks meet once a step, so
+    # the step's sums are the model; each micro-batch is an observation of its own only where every one meets.
+    model, _ = _vision_batch()
+    cb = DPBalanceCallback(DPBalanceConfig(timing="wall", sync=sync, warmup_steps=100))
+    _begin(cb, model, tmp_path)
+    assert cb.fitter.fit_mode == "step_max" and cb.fitter.fits_micro_batches is per_micro_batch
