@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hf_dp_balance.core.planner.assign import _long_first
 from hf_dp_balance.core.planner.chain import _ladder_trades
 from hf_dp_balance.core.planner.home import _send_home
 from hf_dp_balance.core.planner.passes import _balance_incremental, _extra_passes, _polish
@@ -116,6 +117,7 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     state = _copy_state(origin) if copy else origin
     try:
         if ladder:
+            _long_first(state, budget, tolerance)
             _ladder_trades(state, budget, tolerance)
             state = _balance_incremental(state, budget, tolerance, relocate)
             for _ in range(_RESIDUE_PASSES):  # the small excess left: trades at any cost per token

@@ -1,0 +1,340 @@
+"""Long items assigned to ranks first at a full cap, then short items as the filler.
+
+At max_tokens = the pack length with a strongly quadratic cost, the imbalance sits in the long
+items, and every rank must end almost exactly at the goal (the ranks' total load room under it is
+~1-2 ranks' worth). Moving a small amount of cost between two full ranks is dear: an item of
+surplus q L^2 >= T must go one way and about as many tokens back, ~2 sqrt(T / q) tokens for a
+transfer T. Moving cost into a rank with free tokens is cheap (~T tokens of short items). So the
+plan is made in the order the cost of it is decided:
+
+1. `_assign_long`: which rank holds each long item, by a local search on a per-rank estimate of
+   what the short items will then send: a rank over the goal sends its excess in short items
+   (`_DENSITY` cost per token), a rank over M x cap tokens sends the tokens, and a rank left short
+   of load without the free tokens to take it in short items ("dead" deficit) is charged
+   `_DEAD` tokens per unit of cost (what a trade between full ranks pays for it).
+2. `_place_long`: the moves made, each long item into its rank's roomiest slot after that slot
+   passed items to the rank's other slots (a new micro-batch on the same rank sends nothing).
+3. `_short_flow`: ranks over M x cap tokens and then ranks over the load limit send short items to
+   the ranks with load and token room, densest to the ranks shortest of tokens.
+
+The incremental method and the full-cap trades then finish what is left (core/planner/repack.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_dp_balance.core.planner.state import _State
+
+_LONG = 0.25  # items over this share of the cap are assigned first (8192 tokens at 32K packs)
+_DENSITY = 1.5  # cost per token at which the estimate has short items carry a rank's excess
+_DEAD = 3.0  # tokens per unit of a deficit that no free tokens can take in short items
+_DEAD_TOKENS = 6.0  # per token a rank over M x cap must send beyond what its load excess carries
+_SWEEPS = 128  # local-search sweeps at most (each applies one move or swap per rank at most)
+_NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
+_SMALL = 0.25  # the short flow sends items of at most this share of the cap
+
+
+def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """Estimated tokens the short items of a rank will send (or cost, for a dead deficit), from its
+    load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap)."""
+    send = np.maximum(np.maximum(x / _DENSITY, 0.0), -room)
+    dead = np.maximum(-x - _DENSITY * np.maximum(room, 0.0), 0.0)
+    # over M x cap: the rank sends -room tokens, shedding at least their cost (>= 1 per token)
+    dead_tok = np.where(room < 0, np.maximum(-room - np.maximum(x, 0.0) / _DENSITY, 0.0), 0.0)
+    return send + _DEAD * dead + _DEAD_TOKENS * dead_tok
+
+
+def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = _SWEEPS):
+    """(long items, their ranks): a local search over moves (a long item to another rank) and swaps
+    (two long items of two ranks), minimising the long items' tokens away from their rank now plus
+    `_rank_charge` summed over the ranks. Each sweep scores, for every long item on a rank with a
+    charge, the _NEAR ranks on either side of its best fit in load room and the _NEAR long items on
+    either side of the cost that would leave its rank at the limit, then applies the improving
+    ones, best first, each rank at most once. The state is not changed. Cost per sweep:
+    O(long items x _NEAR) numpy and a Python loop over the improving candidates."""
+    cap, M = state.cap, state.M
+    R = state.load.shape[0]
+    tok, cost = state.tokens, state.costs
+    limit = budget * (1.0 + tolerance / 2.0)
+    lg = np.flatnonzero(tok > cap * _LONG)
+    if lg.size == 0:
+        return lg, lg
+    home = state.dest[lg].copy()
+    d = home.copy()
+    cl, tl = cost[lg], tok[lg]
+    CL = np.bincount(d, weights=cl, minlength=R)
+    TL = np.bincount(d, weights=tl, minlength=R)
+    base_x = state.load - CL - limit  # the rest's load against the limit
+    base_room = cap * M - state.slot_tok.sum(axis=1) + TL
+    by_cost = np.argsort(cl, kind="stable")
+    cost_sorted = cl[by_cost]
+    ranks = np.arange(R)
+    off = np.arange(-_NEAR, _NEAR)
+    for _ in range(sweeps):
+        fr = _rank_charge(base_x + CL, base_room - TL)
+        act = np.flatnonzero(fr[d] > 0)
+        if act.size == 0:
+            break
+        r = d[act]
+        ca, ta = cl[act], tl[act]
+        away_now = (r != home[act]).astype(np.float64)
+        f_left = _rank_charge(base_x[r] + CL[r] - ca, base_room[r] - TL[r] + ta) - fr[r]
+        # moves: receivers nearest the best fit in load room (x + c_a just under 0)
+        x_all = base_x + CL
+        by_x = np.argsort(x_all, kind="stable")
+        at = np.searchsorted(x_all[by_x], -ca)
+        pos = np.clip(at[:, None] + off[None, :], 0, R - 1)
+        s = by_x[pos]
+        gain_m = (f_left[:, None] + _rank_charge(x_all[s] + ca[:, None], base_room[s] - TL[s] - ta[:, None]) - fr[s]
+                  + ta[:, None] * ((s != home[act][:, None]) - away_now[:, None]))
+        gain_m[s == r[:, None]] = np.inf
+        # swaps: partners nearest the cost that leaves r at its limit
+        want = ca - np.maximum(x_all[r], 0.0)
+        at = np.searchsorted(cost_sorted, want)
+        pb = by_cost[np.clip(at[:, None] + off[None, :], 0, lg.size - 1)]
+        rb = d[pb]
+        dc = ca[:, None] - cl[pb]
+        dt = ta[:, None] - tl[pb]
+        gain_s = (_rank_charge(x_all[r][:, None] - dc, base_room[r][:, None] - TL[r][:, None] + dt) - fr[r][:, None]
+                  + _rank_charge(x_all[rb] + dc, base_room[rb] - TL[rb] - dt) - fr[rb]
+                  + ta[:, None] * ((rb != home[act][:, None]) - away_now[:, None])
+                  + tl[pb] * ((r[:, None] != home[pb]).astype(np.float64) - (rb != home[pb])))
+        gain_s[rb == r[:, None]] = np.inf
+        jm = np.argmin(gain_m, axis=1)
+        js = np.argmin(gain_s, axis=1)
+        gm = gain_m[np.arange(act.size), jm]
+        gs = gain_s[np.arange(act.size), js]
+        g = np.minimum(gm, gs)
+        good = np.flatnonzero(g < -1e-6)
+        if good.size == 0:
+            break
+        good = good[np.argsort(g[good], kind="stable")]
+        used = np.zeros(R, dtype=bool)
+        used_item = np.zeros(lg.size, dtype=bool)
+        made = 0
+        for k in good.tolist():
+            i = int(act[k])
+            a_rank = int(d[i])
+            if gm[k] <= gs[k]:
+                b_rank, j = int(s[k, jm[k]]), -1
+            else:
+                j = int(pb[k, js[k]])
+                b_rank = int(d[j])
+            if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
+                continue
+            used[a_rank] = used[b_rank] = True
+            used_item[i] = True
+            CL[a_rank] -= cl[i]
+            TL[a_rank] -= tl[i]
+            CL[b_rank] += cl[i]
+            TL[b_rank] += tl[i]
+            d[i] = b_rank
+            if j >= 0:
+                used_item[j] = True
+                CL[b_rank] -= cl[j]
+                TL[b_rank] -= tl[j]
+                CL[a_rank] += cl[j]
+                TL[a_rank] += tl[j]
+                d[j] = a_rank
+            made += 1
+        if made == 0:
+            break
+    return lg, d
+
+
+def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
+    """Move `items` to `ranks` (longest first), each into its rank's roomiest slot after that slot
+    passed what it can to the rank's other slots (`_make_room`); a slot may end over the cap, which
+    `_short_flow` and the token repair of the incremental method then mend."""
+    move = np.flatnonzero(state.dest[items] != ranks)
+    items, ranks = items[move], ranks[move]
+    order = np.argsort(-state.tokens[items], kind="stable")
+    for i, r in zip(items[order].tolist(), ranks[order].tolist()):
+        m = int(np.argmax(state.cap - state.slot_tok[r]))
+        _make_room(state, r, m, float(state.tokens[i]))
+        state.move(i, r, m)
+
+
+def _long_first(state: _State, budget: np.ndarray, tolerance: float) -> None:
+    """Steps 1-3 of the module docstring on `state`."""
+    if state.cap is None or state.M < 2 or state.tokens is None:
+        return
+    items, ranks = _assign_long(state, budget, tolerance)
+    if items.size == 0:
+        return
+    _place_long(state, items, ranks)
+    _short_flow(state, budget, tolerance, state.cap * _SMALL)
+
+
+def _make_room(state: _State, r: int, m: int, need: float, keep: int = -1) -> bool:
+    """Free `need` tokens in slot (r, m) by passing its items (largest that fit first) to r's other
+    slots (best fit); nothing moves and False if they cannot."""
+    cap = state.cap
+    room = cap - state.slot_tok[r].astype(np.float64)
+    need = need - room[m]
+    if need <= 0:
+        return True
+    items = np.flatnonzero((state.dest == r) & (state.micro == m))
+    items = items[items != keep]
+    items = items[np.argsort(-state.tokens[items], kind="stable")]
+    other = room.copy()
+    other[m] = -np.inf
+    plan = []
+    freed = 0.0
+    for i in items.tolist():
+        t = float(state.tokens[i])
+        fit = np.where(other >= t, other, np.inf)
+        s = int(np.argmin(fit))
+        if not np.isfinite(fit[s]):
+            continue
+        other[s] -= t
+        plan.append((i, s))
+        freed += t
+        if freed >= need:
+            break
+    if freed < need:
+        return False
+    for i, s in plan:
+        state.move(i, r, s)
+    return True
+
+
+def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: float, rounds: int = 3,
+                over_shoot: float = 0.5) -> int:
+    """Ranks over M x cap tokens, then ranks over their load limit, send items of at most `small`
+    tokens (densest first where the load is over: fewest tokens for the cost shed; else cheapest per
+    token first), each to the rank with load and token room whose load room per token of room is
+    nearest the item's cost per token (dense items to ranks short of tokens), into its best-fitting
+    slot; a rank with a slot over the cap re-places its own items over its slots (`_repack_rank`).
+    Returns the moves."""
+    cap, M = state.cap, state.M
+    limit = budget * (1.0 + tolerance / 2.0)
+    tok, cost = state.tokens, state.costs
+    dens = cost / np.maximum(tok, 1e-300)
+    band = limit * (tolerance / 2.0)
+    moves = 0
+    for _ in range(rounds):
+        made = 0
+        todo = np.flatnonzero(state.load > limit)
+        todo = todo[np.argsort(-(state.load[todo] - limit[todo]), kind="stable")]
+        for h in todo.tolist():
+            made += _send_from(state, h, limit, band, small, dens, over_shoot, tokens_only=False)
+        over_tok = np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M)
+        for h in over_tok.tolist():
+            made += _send_from(state, h, limit, band, small, dens, over_shoot, tokens_only=True)
+        for r in np.flatnonzero((state.slot_tok > cap).any(axis=1)).tolist():
+            _fix_slots(state, r)
+        moves += made
+        if made == 0:
+            break
+    return moves
+
+
+def _send_from(state, h, limit, band, small, dens, over_shoot, tokens_only) -> int:
+    """One rank's part of `_short_flow`: its small items out until its tokens (`tokens_only`) or its
+    load are within bounds; returns the moves."""
+    cap, M = state.cap, state.M
+    tok, cost = state.tokens, state.costs
+    mine = np.flatnonzero((state.dest == h) & (tok <= small))
+    over_load = state.load[h] > limit[h]
+    mine = mine[np.argsort(-dens[mine] if over_load else dens[mine], kind="stable")]
+    made = 0
+    for i in mine.tolist():
+        e = float(state.load[h] - limit[h])
+        t_over = float(state.slot_tok[h].sum() - cap * M)
+        if (t_over <= 0) if tokens_only else (e <= 0):
+            break
+        ci, ti = float(cost[i]), float(tok[i])
+        if not tokens_only and ci > e + over_shoot * band[h] and ci > 2.0 * e:
+            continue
+        if state.count is not None and state.count[h] - 1 < state.min_count:
+            break
+        room_load = limit - state.load
+        slot_room = cap - state.slot_tok
+        fit_slot = slot_room >= ti
+        room_tok = cap * M - state.slot_tok.sum(axis=1)
+        ok = (room_load >= ci) & fit_slot.any(axis=1) & (room_tok >= ti)
+        ok[h] = False
+        if not ok.any():
+            continue
+        room_tok = np.maximum(room_tok, 1.0)
+        miss = np.abs(np.log(np.maximum(room_load, 1e-9) / room_tok / dens[i]))
+        r = int(np.argmin(np.where(ok, miss, np.inf)))
+        s = int(np.argmin(np.where(fit_slot[r], slot_room[r], np.inf)))
+        state.move(i, r, s)
+        made += 1
+    return made
+
+
+def _repack_rank(state: _State, r: int) -> bool:
+    """Re-place rank r's items over its slots (first fit decreasing: largest first into the first slot
+    with room, slots ordered by their current tokens) when that fits every one under the cap and
+    leaves no slot empty; nothing leaves the rank, so it sends nothing. True if done."""
+    cap, M = state.cap, state.M
+    items = np.flatnonzero(state.dest == r)
+    if items.size < M or float(state.tokens[items].sum()) > cap * M:
+        return False
+    items = items[np.argsort(-state.tokens[items], kind="stable")]
+    fill = np.zeros(M)
+    to = np.empty(items.size, dtype=np.int64)
+    for k, i in enumerate(items.tolist()):
+        t = float(state.tokens[i])
+        ok = np.flatnonzero(fill + t <= cap)
+        if ok.size == 0:
+            return False
+        s = int(ok[np.argmin(fill[ok])]) if k < M else int(ok[np.argmax(fill[ok])])
+        fill[s] += t
+        to[k] = s
+    if (np.bincount(to, minlength=M) == 0).any():
+        return False
+    for i, s in zip(items.tolist(), to.tolist()):
+        if state.micro[i] != s:
+            state.move(i, r, s)
+    return True
+
+
+def _fix_slots(state: _State, r: int, steps: int = 64) -> bool:
+    """Mend rank r's slots over the cap by moves and swaps of its items between its own slots (they
+    send nothing): the most over slot o passes the item, or swaps the pair, whose tokens just cover
+    o's excess (else the largest part of it) into a slot with room. True when no slot is over."""
+    cap, M = state.cap, state.M
+    tok = state.tokens
+    items = np.flatnonzero(state.dest == r)
+    for _ in range(steps):
+        fill = state.slot_tok[r]
+        o = int(np.argmax(fill))
+        excess = float(fill[o] - cap)
+        if excess <= 0:
+            return True
+        room = cap - fill
+        mine = items[state.micro[items] == o]
+        others = items[state.micro[items] != o]
+        # a move: item i of o into slot s with room for it
+        ti = tok[mine]
+        fits = room[None, :] >= ti[:, None]
+        fits[:, o] = False
+        # a swap: i of o with j of slot s, o falls by t_i - t_j, s takes that much
+        tj = tok[others]
+        sj = state.micro[others]
+        diff = ti[:, None] - tj[None, :]
+        fits_s = (diff > 0) & (diff <= room[sj][None, :])
+        # score: the overflow left (0 best), then the fewest tokens shifted
+        left_m = np.where(fits, np.maximum(excess - ti[:, None], 0.0) * 1e6 + ti[:, None], np.inf)
+        left_s = np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf)
+        km = int(np.argmin(left_m)) if left_m.size else -1
+        ks = int(np.argmin(left_s)) if left_s.size else -1
+        bm = left_m.reshape(-1)[km] if km >= 0 else np.inf
+        bs = left_s.reshape(-1)[ks] if ks >= 0 else np.inf
+        if not np.isfinite(min(bm, bs)):
+            return False
+        if bm <= bs:
+            i, s = divmod(km, M)
+            state.move(int(mine[i]), r, int(s))
+        else:
+            i, j = divmod(ks, others.size)
+            a, b = int(mine[i]), int(others[j])
+            sb = int(state.micro[b])
+            state.move(a, r, sb)
+            state.move(b, r, o)
+    return not (state.slot_tok[r] > cap).any()
