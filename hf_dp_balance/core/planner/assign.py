@@ -32,6 +32,7 @@ _DEAD = 3.0  # tokens per unit of a deficit that no free tokens can take in shor
 _DEAD_TOKENS = 6.0  # per token a rank over M x cap must send beyond what its load excess carries
 _SWEEPS = 128  # local-search sweeps at most (each applies one move or swap per rank at most)
 _NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
+_MAX_SLOTS = 4  # runs with at most this many micro-batches (with 8 the trades alone send ~9%; not measured there)
 _SMALL = 0.25  # the short flow sends items of at most this share of the cap
 
 
@@ -90,6 +91,7 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
                   + ta[:, None] * ((s != home[act][:, None]) - away_now[:, None]))
         gain_m[s == r[:, None]] = np.inf
         # swaps: partners nearest the cost that leaves r at its limit
+        # partners: long items of ranks under the limit (they take c_a - c_b), by cost
         want = ca - np.maximum(x_all[r], 0.0)
         at = np.searchsorted(cost_sorted, want)
         pb = by_cost[np.clip(at[:, None] + off[None, :], 0, lg.size - 1)]
@@ -158,7 +160,7 @@ def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
 
 def _long_first(state: _State, budget: np.ndarray, tolerance: float) -> None:
     """Steps 1-3 of the module docstring on `state`."""
-    if state.cap is None or state.M < 2 or state.tokens is None:
+    if state.cap is None or not 2 <= state.M <= _MAX_SLOTS or state.tokens is None:
         return
     items, ranks = _assign_long(state, budget, tolerance)
     if items.size == 0:
@@ -202,67 +204,96 @@ def _make_room(state: _State, r: int, m: int, need: float, keep: int = -1) -> bo
 
 def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: float, rounds: int = 3,
                 over_shoot: float = 0.5) -> int:
-    """Ranks over M x cap tokens, then ranks over their load limit, send items of at most `small`
+    """Ranks over their load limit, then ranks over M x cap tokens, send items of at most `small`
     tokens (densest first where the load is over: fewest tokens for the cost shed; else cheapest per
     token first), each to the rank with load and token room whose load room per token of room is
     nearest the item's cost per token (dense items to ranks short of tokens), into its best-fitting
-    slot; a rank with a slot over the cap re-places its own items over its slots (`_repack_rank`).
-    Returns the moves."""
+    slot; then a rank with a slot over the cap mends it inside the rank (`_fix_slots`). Returns the
+    moves. Cost: O(R) numpy per item tried (at most _TRIES failures in a row per rank)."""
     cap, M = state.cap, state.M
     limit = budget * (1.0 + tolerance / 2.0)
     tok, cost = state.tokens, state.costs
     dens = cost / np.maximum(tok, 1e-300)
     band = limit * (tolerance / 2.0)
+    view = _Rooms(state, limit)
     moves = 0
     for _ in range(rounds):
         made = 0
+        order = np.argsort(state.dest, kind="stable")
+        bounds = np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
         todo = np.flatnonzero(state.load > limit)
         todo = todo[np.argsort(-(state.load[todo] - limit[todo]), kind="stable")]
         for h in todo.tolist():
-            made += _send_from(state, h, limit, band, small, dens, over_shoot, tokens_only=False)
-        over_tok = np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M)
-        for h in over_tok.tolist():
-            made += _send_from(state, h, limit, band, small, dens, over_shoot, tokens_only=True)
+            made += _send_from(state, view, order[bounds[h]:bounds[h + 1]], h, limit, band, small, dens,
+                               over_shoot, tokens_only=False)
+        for h in np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M).tolist():
+            made += _send_from(state, view, order[bounds[h]:bounds[h + 1]], h, limit, band, small, dens,
+                               over_shoot, tokens_only=True)
         for r in np.flatnonzero((state.slot_tok > cap).any(axis=1)).tolist():
             _fix_slots(state, r)
+            view.update(state, r)
         moves += made
         if made == 0:
             break
     return moves
 
 
-def _send_from(state, h, limit, band, small, dens, over_shoot, tokens_only) -> int:
-    """One rank's part of `_short_flow`: its small items out until its tokens (`tokens_only`) or its
-    load are within bounds; returns the moves."""
+_TRIES = 32  # items in a row that find no receiver end a rank's turn in the short flow
+
+
+class _Rooms:
+    """Per rank: load room under the limit, free tokens, the roomiest slot's room, and the log of
+    load room per free token (what a receiver needs per token); updated per rank on every move."""
+
+    def __init__(self, state: _State, limit: np.ndarray):
+        self.limit = limit
+        R = state.load.shape[0]
+        self.load = np.empty(R)
+        self.tok = np.empty(R)
+        self.slot = np.empty(R)
+        self.ratio = np.empty(R)
+        self.update(state, np.arange(R))
+
+    def update(self, state: _State, r) -> None:
+        cap, M = state.cap, state.M
+        self.load[r] = self.limit[r] - state.load[r]
+        self.tok[r] = cap * M - state.slot_tok[r].sum(axis=-1)
+        self.slot[r] = (cap - state.slot_tok[r]).max(axis=-1)
+        self.ratio[r] = np.log(np.maximum(self.load[r], 1e-9) / np.maximum(self.tok[r], 1.0))
+
+
+def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only) -> int:
+    """One rank's part of `_short_flow`: its small items `mine` (those still on h) out until its
+    tokens (`tokens_only`) or its load are within bounds; returns the moves."""
     cap, M = state.cap, state.M
     tok, cost = state.tokens, state.costs
-    mine = np.flatnonzero((state.dest == h) & (tok <= small))
+    mine = mine[(state.dest[mine] == h) & (tok[mine] <= small)]
     over_load = state.load[h] > limit[h]
     mine = mine[np.argsort(-dens[mine] if over_load else dens[mine], kind="stable")]
     made = 0
-    for i in mine.tolist():
+    misses = 0
+    log_dens = np.log(np.maximum(dens[mine], 1e-300))
+    for k, i in enumerate(mine.tolist()):
         e = float(state.load[h] - limit[h])
         t_over = float(state.slot_tok[h].sum() - cap * M)
-        if (t_over <= 0) if tokens_only else (e <= 0):
+        if ((t_over <= 0) if tokens_only else (e <= 0)) or misses >= _TRIES:
             break
         ci, ti = float(cost[i]), float(tok[i])
         if not tokens_only and ci > e + over_shoot * band[h] and ci > 2.0 * e:
             continue
         if state.count is not None and state.count[h] - 1 < state.min_count:
             break
-        room_load = limit - state.load
-        slot_room = cap - state.slot_tok
-        fit_slot = slot_room >= ti
-        room_tok = cap * M - state.slot_tok.sum(axis=1)
-        ok = (room_load >= ci) & fit_slot.any(axis=1) & (room_tok >= ti)
+        ok = (view.load >= ci) & (view.slot >= ti) & (view.tok >= ti)
         ok[h] = False
         if not ok.any():
+            misses += 1
             continue
-        room_tok = np.maximum(room_tok, 1.0)
-        miss = np.abs(np.log(np.maximum(room_load, 1e-9) / room_tok / dens[i]))
-        r = int(np.argmin(np.where(ok, miss, np.inf)))
-        s = int(np.argmin(np.where(fit_slot[r], slot_room[r], np.inf)))
+        misses = 0
+        r = int(np.argmin(np.where(ok, np.abs(view.ratio - log_dens[k]), np.inf)))
+        slot_room = cap - state.slot_tok[r]
+        s = int(np.argmin(np.where(slot_room >= ti, slot_room, np.inf)))
         state.move(i, r, s)
+        view.update(state, np.array([h, r]))
         made += 1
     return made
 
