@@ -268,8 +268,14 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
     cap, M = state.cap, state.M
     tok, cost = state.tokens, state.costs
     mine = mine[(state.dest[mine] == h) & (tok[mine] <= small)]
-    over_load = state.load[h] > limit[h]
-    mine = mine[np.argsort(-dens[mine] if over_load else dens[mine], kind="stable")]
+    over_load = float(state.load[h] - limit[h])
+    over_tok = float(state.slot_tok[h].sum() - cap * M)
+    if over_load > 0 and over_tok > 0:
+        # over in both: items near the density that brings both under together (load excess per token over)
+        key = np.abs(np.log(dens[mine]) - np.log(over_load / over_tok))
+    else:
+        key = -dens[mine] if over_load > 0 else dens[mine]
+    mine = mine[np.argsort(key, kind="stable")]
     made = 0
     misses = 0
     log_dens = np.log(np.maximum(dens[mine], 1e-300))
@@ -296,33 +302,6 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
         view.update(state, np.array([h, r]))
         made += 1
     return made
-
-
-def _repack_rank(state: _State, r: int) -> bool:
-    """Re-place rank r's items over its slots (first fit decreasing: largest first into the first slot
-    with room, slots ordered by their current tokens) when that fits every one under the cap and
-    leaves no slot empty; nothing leaves the rank, so it sends nothing. True if done."""
-    cap, M = state.cap, state.M
-    items = np.flatnonzero(state.dest == r)
-    if items.size < M or float(state.tokens[items].sum()) > cap * M:
-        return False
-    items = items[np.argsort(-state.tokens[items], kind="stable")]
-    fill = np.zeros(M)
-    to = np.empty(items.size, dtype=np.int64)
-    for k, i in enumerate(items.tolist()):
-        t = float(state.tokens[i])
-        ok = np.flatnonzero(fill + t <= cap)
-        if ok.size == 0:
-            return False
-        s = int(ok[np.argmin(fill[ok])]) if k < M else int(ok[np.argmax(fill[ok])])
-        fill[s] += t
-        to[k] = s
-    if (np.bincount(to, minlength=M) == 0).any():
-        return False
-    for i, s in zip(items.tolist(), to.tolist()):
-        if state.micro[i] != s:
-            state.move(i, r, s)
-    return True
 
 
 def _fix_slots(state: _State, r: int, steps: int = 64) -> bool:
