@@ -11,11 +11,13 @@ plan is made in the order the cost of it is decided:
    what the short items will then send: a rank over the goal sends its excess in short items
    (`_DENSITY` cost per token), a rank over M x cap tokens sends the tokens, and a rank left short
    of load without the free tokens to take it in short items ("dead" deficit) is charged
-   `_DEAD` tokens per unit of cost (what a trade between full ranks pays for it).
+   `_DEAD` tokens per unit of cost (what a trade between full ranks pays for it), and a rank over
+   M x cap by more tokens than its load excess carries `_DEAD_TOKENS` per token.
 2. `_place_long`: the moves made, each long item into its rank's roomiest slot after that slot
    passed items to the rank's other slots (a new micro-batch on the same rank sends nothing).
-3. `_short_flow`: ranks over M x cap tokens and then ranks over the load limit send short items to
-   the ranks with load and token room, densest to the ranks shortest of tokens.
+3. `_short_flow`: ranks over the load limit and then ranks over M x cap tokens send short items to
+   the ranks with load and token room, densest to the ranks shortest of tokens; slots over the cap
+   are mended inside their rank (`_fix_slots`).
 
 The incremental method and the full-cap trades then finish what is left (core/planner/repack.py).
 """
@@ -70,7 +72,6 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     base_room = cap * M - state.slot_tok.sum(axis=1) + TL
     by_cost = np.argsort(cl, kind="stable")
     cost_sorted = cl[by_cost]
-    ranks = np.arange(R)
     off = np.arange(-_NEAR, _NEAR)
     for _ in range(sweeps):
         fr = _rank_charge(base_x + CL, base_room - TL)
@@ -148,11 +149,14 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
 def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
     """Move `items` to `ranks` (longest first), each into its rank's roomiest slot after that slot
     passed what it can to the rank's other slots (`_make_room`); a slot may end over the cap, which
-    `_short_flow` and the token repair of the incremental method then mend."""
+    `_short_flow` and the token repair of the incremental method then mend. A move that would leave
+    its rank with fewer than `state.min_count` items is not made."""
     move = np.flatnonzero(state.dest[items] != ranks)
     items, ranks = items[move], ranks[move]
     order = np.argsort(-state.tokens[items], kind="stable")
     for i, r in zip(items[order].tolist(), ranks[order].tolist()):
+        if state.count is not None and state.count[state.dest[i]] - 1 < state.min_count:
+            continue  # the rank keeps its item count (one per micro-batch)
         m = int(np.argmax(state.cap - state.slot_tok[r]))
         _make_room(state, r, m, float(state.tokens[i]))
         state.move(i, r, m)
@@ -169,7 +173,7 @@ def _long_first(state: _State, budget: np.ndarray, tolerance: float) -> None:
     _short_flow(state, budget, tolerance, state.cap * _SMALL)
 
 
-def _make_room(state: _State, r: int, m: int, need: float, keep: int = -1) -> bool:
+def _make_room(state: _State, r: int, m: int, need: float) -> bool:
     """Free `need` tokens in slot (r, m) by passing its items (largest that fit first) to r's other
     slots (best fit); nothing moves and False if they cannot."""
     cap = state.cap
@@ -178,7 +182,6 @@ def _make_room(state: _State, r: int, m: int, need: float, keep: int = -1) -> bo
     if need <= 0:
         return True
     items = np.flatnonzero((state.dest == r) & (state.micro == m))
-    items = items[items != keep]
     items = items[np.argsort(-state.tokens[items], kind="stable")]
     other = room.copy()
     other[m] = -np.inf
