@@ -33,6 +33,8 @@ _DENSITY = 1.5  # cost per token at which the estimate has short items carry a r
 _DEAD = 3.0  # tokens per unit of a deficit that no free tokens can take in short items
 _DEAD_TOKENS = 6.0  # per token a rank over M x cap must send beyond what its load excess carries
 _SWEEPS = 128  # local-search sweeps at most (each applies one move or swap per rank at most)
+_FULL_EVERY = 8  # every this many sweeps, all long items of ranks with a charge are scored
+_STOP = 1e-4  # the search stops when a full sweep gains less than this share of the step's tokens
 _NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
 _MAX_SLOTS = 4  # runs with at most this many micro-batches (with 8 the trades alone send ~9%; not measured there)
 _SMALL = 0.25  # the short flow sends items of at most this share of the cap
@@ -73,11 +75,25 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     by_cost = np.argsort(cl, kind="stable")
     cost_sorted = cl[by_cost]
     off = np.arange(-_NEAR, _NEAR)
+    # after a full sweep, only the long items of ranks that changed and those whose improving option
+    # lost to another one are scored, with a full sweep every _FULL_EVERY (and whenever that finds none)
+    watch = np.ones(lg.size, dtype=bool)
+    dirty = np.zeros(R, dtype=bool)
+    full = True
+    since_full = 0
+    stop = _STOP * float(tok.sum())
+    gained = 0.0
     for _ in range(sweeps):
         fr = _rank_charge(base_x + CL, base_room - TL)
-        act = np.flatnonzero(fr[d] > 0)
+        pick = fr[d] > 0
+        if not full:
+            pick &= watch | dirty[d]
+        act = np.flatnonzero(pick)
         if act.size == 0:
-            break
+            if full:
+                break
+            full = True
+            continue
         r = d[act]
         ca, ta = cl[act], tl[act]
         away_now = (r != home[act]).astype(np.float64)
@@ -111,11 +127,16 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
         g = np.minimum(gm, gs)
         good = np.flatnonzero(g < -1e-6)
         if good.size == 0:
-            break
+            if full:
+                break
+            full = True
+            continue
         good = good[np.argsort(g[good], kind="stable")]
         used = np.zeros(R, dtype=bool)
         used_item = np.zeros(lg.size, dtype=bool)
         made = 0
+        if full:
+            gained = 0.0
         for k in good.tolist():
             i = int(act[k])
             a_rank = int(d[i])
@@ -141,8 +162,15 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
                 TL[a_rank] += tl[j]
                 d[j] = a_rank
             made += 1
-        if made == 0:
-            break
+            gained -= float(g[k])
+        watch[:] = False
+        watch[act[good]] = True
+        watch[used_item] = False  # applied: their ranks are dirty anyway
+        dirty = used
+        since_full = 0 if full else since_full + 1
+        if full and gained < stop and _ > 0:
+            break  # a full sweep gained too little to go on
+        full = since_full + 1 >= _FULL_EVERY
     return lg, d
 
 
@@ -154,11 +182,13 @@ def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
     move = np.flatnonzero(state.dest[items] != ranks)
     items, ranks = items[move], ranks[move]
     order = np.argsort(-state.tokens[items], kind="stable")
+    by_rank = np.argsort(state.dest, kind="stable")  # the items of each rank before the moves
+    bounds = np.searchsorted(state.dest[by_rank], np.arange(state.load.shape[0] + 1))
     for i, r in zip(items[order].tolist(), ranks[order].tolist()):
         if state.count is not None and state.count[state.dest[i]] - 1 < state.min_count:
             continue  # the rank keeps its item count (one per micro-batch)
         m = int(np.argmax(state.cap - state.slot_tok[r]))
-        _make_room(state, r, m, float(state.tokens[i]))
+        _make_room(state, r, m, float(state.tokens[i]), by_rank[bounds[r]:bounds[r + 1]])
         state.move(i, r, m)
 
 
@@ -173,15 +203,17 @@ def _long_first(state: _State, budget: np.ndarray, tolerance: float) -> None:
     _short_flow(state, budget, tolerance, state.cap * _SMALL)
 
 
-def _make_room(state: _State, r: int, m: int, need: float) -> bool:
+def _make_room(state: _State, r: int, m: int, need: float, members=None) -> bool:
     """Free `need` tokens in slot (r, m) by passing its items (largest that fit first) to r's other
-    slots (best fit); nothing moves and False if they cannot."""
+    slots (best fit); nothing moves and False if they cannot. `members`: indexes that hold r's
+    items (others may be among them: filtered)."""
     cap = state.cap
     room = cap - state.slot_tok[r].astype(np.float64)
     need = need - room[m]
     if need <= 0:
         return True
-    items = np.flatnonzero((state.dest == r) & (state.micro == m))
+    items = np.flatnonzero(state.dest == r) if members is None else members
+    items = items[(state.dest[items] == r) & (state.micro[items] == m)]
     items = items[np.argsort(-state.tokens[items], kind="stable")]
     other = room.copy()
     other[m] = -np.inf
@@ -232,9 +264,13 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
         for h in np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M).tolist():
             made += _send_from(state, view, order[bounds[h]:bounds[h + 1]], h, limit, band, small, dens,
                                over_shoot, tokens_only=True)
-        for r in np.flatnonzero((state.slot_tok > cap).any(axis=1)).tolist():
-            _fix_slots(state, r)
-            view.update(state, r)
+        bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
+        if bad.size:
+            order = np.argsort(state.dest, kind="stable")
+            bounds = np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
+            for r in bad.tolist():
+                _fix_slots(state, r, members=order[bounds[r]:bounds[r + 1]])
+                view.update(state, r)
         moves += made
         if made == 0:
             break
@@ -307,13 +343,13 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
     return made
 
 
-def _fix_slots(state: _State, r: int, steps: int = 64) -> bool:
+def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
     """Mend rank r's slots over the cap by moves and swaps of its items between its own slots (they
     send nothing): the most over slot o passes the item, or swaps the pair, whose tokens just cover
     o's excess (else the largest part of it) into a slot with room. True when no slot is over."""
     cap, M = state.cap, state.M
     tok = state.tokens
-    items = np.flatnonzero(state.dest == r)
+    items = np.flatnonzero(state.dest == r) if members is None else members[state.dest[members] == r]
     for _ in range(steps):
         fill = state.slot_tok[r]
         o = int(np.argmax(fill))
