@@ -110,14 +110,41 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     left above the goal up to _RESIDUE_PASSES ladder trades at any cost per token (items whose surplus
     just covers the excess) each with the incremental method. Without: small-change trades (`_trade`)
     and the incremental method (what a milder cost needs first: fewer tokens sent). Then `_trade`
-    again and polish. With `copy` False it works on `origin` itself (spoilt when it returns None)."""
+    again and polish. With `ladder` the long items are assigned first (core/planner/assign.py) and,
+    where that plan ends above the trades' limit, the trades run alone as well: the better plan wins
+    (the lower fullest rank; both within the limit, fewer tokens sent). With `copy` False it works on
+    `origin` itself (spoilt when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
+    if not ladder:
+        return _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=False)
+    # long items first (core/planner/assign.py); where that ends above the trades' limit, the
+    # trades alone too, and the better plan is kept (the lower fullest rank; within the limit, fewer tokens)
+    start = origin.dest.copy()
+    spare = _copy_state(origin)
+    first = _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=True)
+    limit = (1.0 + tolerance / 2.0) * (1.0 + 1e-9)
+    if first is not None and _fullest(first, budget) <= limit:
+        return first
+    second = _full_cap_pass(spare, budget, tolerance, relocate, False, ladder, long_first=False)
+    plans = [p for p in (first, second) if p is not None]
+    if not plans:
+        return None
+    within = [p for p in plans if _fullest(p, budget) <= limit]
+    if within:
+        return min(within, key=lambda p: _sent(p, start))
+    return min(plans, key=lambda p: _fullest(p, budget))
+
+
+def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool,
+                   ladder: bool, long_first: bool):
+    """One attempt of `_full_cap_trades` (its docstring), with `long_first` the long items assigned first."""
     start = origin.dest.copy()
     state = _copy_state(origin) if copy else origin
     try:
         if ladder:
-            _long_first(state, budget, tolerance)
+            if long_first:
+                _long_first(state, budget, tolerance)
             _ladder_trades(state, budget, tolerance)
             state = _balance_incremental(state, budget, tolerance, relocate)
             for _ in range(_RESIDUE_PASSES):  # the small excess left: trades at any cost per token
