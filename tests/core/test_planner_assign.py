@@ -1,7 +1,7 @@
 """Long items first at a full cap (core/planner/assign.py): assign the long items, then short ones as filler."""
 
 import numpy as np
-import pytest
+from hypothesis import given, settings, strategies as st
 
 from hf_dp_balance.core.planner import plan_step, repack
 from hf_dp_balance.core.planner.assign import _fix_slots
@@ -58,3 +58,20 @@ def test_fix_slots_says_so_when_the_rank_cannot_hold_its_tokens():
     state = _State(tokens.copy(), tokens, 32.0, np.ones(1), owners, micro, 2, np.array([70.0]), 0)
     assert not _fix_slots(state, 0)
     assert np.array_equal(state.dest, owners)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), R=st.integers(2, 24), M=st.integers(2, 4), q=st.sampled_from([1.4e-4, 1e-3]))
+def test_full_cap_plans_with_long_items_first_keep_the_cap_the_slots_and_never_slow_the_step(seed, R, M, q):
+    # the path that runs _long_first: full 32K packs with long tails and a strongly quadratic cost
+    pack = 32768
+    tokens, owners, mbs = _long_tail(seed, R, M, pack)
+    costs = q * tokens ** 2 + tokens + 64.0
+    plan = plan_step(costs, owners, mbs, R, M, tokens=tokens, max_tokens=pack, min_gain=0.0)
+    slot = plan.dest_rank * M + plan.dest_micro_batch
+    assert np.all((plan.dest_rank >= 0) & (plan.dest_rank < R))
+    assert np.bincount(slot, weights=tokens, minlength=R * M).max() <= pack
+    assert np.all(np.bincount(slot, minlength=R * M) > 0)
+    np.testing.assert_allclose(np.bincount(plan.dest_rank, weights=costs, minlength=R), plan.loads_after.sum(axis=1),
+                               rtol=1e-9)
+    assert plan.makespan_after <= plan.makespan_before * (1 + 1e-12)
