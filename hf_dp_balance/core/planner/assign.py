@@ -264,6 +264,9 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
         for h in np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M).tolist():
             made += _send_from(state, view, order[bounds[h]:bounds[h + 1]], h, limit, band, small, dens,
                                over_shoot, tokens_only=True)
+        over_tok = np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M)
+        if over_tok.size:
+            made += _denser_back(state, view, over_tok, order, bounds, small, dens)
         bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
         if bad.size:
             order = np.argsort(state.dest, kind="stable")
@@ -274,7 +277,123 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
         moves += made
         if made == 0:
             break
+    moves += _spill(state, limit)
     return moves
+
+
+def _spill(state: _State, limit: np.ndarray) -> int:
+    """What is still over the cap at the end: a slot over it sends its smallest items, each to the
+    slot with room for it on the rank (other than its own) that ends least full against its limit;
+    the loads that this raises are left to the trades. Returns the moves."""
+    cap, M = state.cap, state.M
+    tok = state.tokens
+    bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
+    made = 0
+    for h in bad.tolist():
+        items = np.flatnonzero(state.dest == h)
+        for m in np.flatnonzero(state.slot_tok[h] > cap).tolist():
+            mine = items[(state.micro[items] == m) & (state.dest[items] == h)]
+            mine = mine[np.argsort(tok[mine], kind="stable")]
+            for i in mine[:-1].tolist():  # the slot keeps one item
+                if state.slot_tok[h, m] <= cap:
+                    break
+                if state.count is not None and state.count[h] - 1 < state.min_count:
+                    break
+                t = float(tok[i])
+                room = cap - state.slot_tok
+                fits = room >= t
+                fits[h] = False
+                ok = fits.any(axis=1)
+                if not ok.any():
+                    break
+                after = (state.load + state.costs[i]) / limit
+                r = int(np.argmin(np.where(ok, after, np.inf)))
+                s = int(np.argmin(np.where(fits[r], room[r], np.inf)))
+                state.move(i, r, s)
+                made += 1
+    return made
+
+
+_WORST = 5.0  # tokens sent per token freed that a one-for-many exchange may cost at most
+_HOSTS = 256  # ranks with the most free tokens whose items a one-for-many exchange tries
+_FREE = 1024.0  # free tokens a rank needs to take part in one (fewer free no exchange worth its sends)
+
+
+def _denser_back(state, view, over, order, bounds, small, dens) -> int:
+    """Ranks over M x cap tokens whose items no rank can take for its load: one-for-many exchanges.
+    Rank h sends its cheapest-per-token short items S (a prefix, by cost about c_j) to a rank r
+    with free tokens and takes back one denser item j of r of about that cost, so both loads stay
+    within their limits (h's load room, r's load room) while t_S - t_j tokens leave h. Per exchange:
+    the fewest tokens sent per token freed among all j, if at most _WORST. Returns the exchanges.
+    Cost: one sort of the candidate j, then per exchange O(candidates) numpy."""
+    cap, M = state.cap, state.M
+    tok, cost = state.tokens, state.costs
+    made = 0
+    taken = np.zeros(tok.shape[0], dtype=bool)
+    for h in over.tolist():
+        for _ in range(8):  # exchanges per rank at most
+            need = float(state.slot_tok[h].sum() - cap * M)
+            if need <= 0:
+                break
+            mine = order[bounds[h]:bounds[h + 1]]
+            mine = mine[(state.dest[mine] == h) & (tok[mine] <= small) & ~taken[mine]]
+            if mine.size < 2:
+                break
+            mine = mine[np.argsort(dens[mine], kind="stable")]
+            if state.count is not None:
+                mine = mine[:max(int(state.count[h]) - state.min_count, 0) + 1]
+            ct = np.concatenate(([0.0], np.cumsum(cost[mine])))
+            tt = np.concatenate(([0.0], np.cumsum(tok[mine])))
+            # candidates j: the dense short items of the _HOSTS ranks with the most free tokens
+            hosts = np.flatnonzero(view.tok >= _FREE)
+            if hosts.size > _HOSTS:
+                hosts = hosts[np.argpartition(-view.tok[hosts], _HOSTS)[:_HOSTS]]
+            hosts = hosts[hosts != h]
+            if hosts.size == 0:
+                break
+            j = np.concatenate([order[bounds[x]:bounds[x + 1]] for x in hosts.tolist()])
+            r = state.dest[j]
+            keep = np.isin(r, hosts) & (tok[j] <= small) & (dens[j] > 1.2) & ~taken[j]
+            j, r = j[keep], r[keep]
+            if j.size == 0:
+                break
+            # the longest prefix S that r can take for the load j leaves: c_S <= c_j + r's load room
+            k = np.searchsorted(ct, cost[j] + np.maximum(view.load[r], 0.0), side="right") - 1
+            c_s, t_s = ct[k], tt[k]
+            freed = t_s - tok[j]
+            ok = ((k >= 1) & (cost[j] - c_s <= view.load[h]) & (freed > 0) & (view.tok[r] >= freed)
+                  & (view.slot[r] >= tok[mine[0]]))
+            if not ok.any():
+                break
+            score = np.where(ok, (t_s + tok[j]) / np.minimum(np.maximum(freed, 1e-9), need), np.inf)
+            b = int(np.argmin(score))
+            if not score[b] <= _WORST:
+                break
+            jb, rb, kb = int(j[b]), int(r[b]), int(k[b])
+            # S into r's slots (best fit, largest first); j into the slot of h that S leaves most room in
+            room = cap - state.slot_tok[rb].astype(np.float64)
+            room[state.micro[jb]] += tok[jb]
+            plan = []
+            for i in sorted(mine[:kb].tolist(), key=lambda i: -tok[i]):
+                fit = np.where(room >= tok[i], room, np.inf)
+                s = int(np.argmin(fit))
+                if not np.isfinite(fit[s]):
+                    plan = None
+                    break
+                room[s] -= tok[i]
+                plan.append((i, s))
+            if plan is None:
+                taken[jb] = True  # its rank's slots cannot hold S: not this one again
+                continue
+            to_h = int(state.micro[mine[0]])
+            for i, s in plan:
+                state.move(i, rb, s)
+            state.move(jb, h, to_h)
+            taken[mine[:kb]] = True
+            taken[jb] = True
+            view.update(state, np.array([h, rb]))
+            made += 1
+    return made
 
 
 _TRIES = 32  # items in a row that find no receiver end a rank's turn in the short flow
