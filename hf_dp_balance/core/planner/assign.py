@@ -192,9 +192,14 @@ def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
         state.move(i, r, m)
 
 
+def _long_first_applies(state: _State) -> bool:
+    """A token cap, tokens, and 2 to _MAX_SLOTS micro-batches."""
+    return state.cap is not None and state.tokens is not None and 2 <= state.M <= _MAX_SLOTS
+
+
 def _long_first(state: _State, budget: np.ndarray, tolerance: float) -> None:
-    """Steps 1-3 of the module docstring on `state`."""
-    if state.cap is None or not 2 <= state.M <= _MAX_SLOTS or state.tokens is None:
+    """Steps 1-3 of the module docstring on `state` (where `_long_first_applies`)."""
+    if not _long_first_applies(state):
         return
     items, ranks = _assign_long(state, budget, tolerance)
     if items.size == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.assign import _long_first
+from hf_dp_balance.core.planner.assign import _long_first, _long_first_applies
 from hf_dp_balance.core.planner.chain import _ladder_trades
 from hf_dp_balance.core.planner.home import _send_home
 from hf_dp_balance.core.planner.passes import _balance_incremental, _extra_passes, _polish
@@ -116,7 +116,7 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     `origin` itself (spoilt when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
-    if not ladder:
+    if not ladder or not _long_first_applies(origin):
         return _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=False)
     # long items first (core/planner/assign.py); where that ends above the trades' limit, the
     # trades alone too, and the better plan is kept (the lower fullest rank; within the limit, fewer tokens)
