@@ -51,21 +51,24 @@ def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
     return send + _DEAD * dead + _DEAD_TOKENS * dead_tok
 
 
-def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = _SWEEPS):
-    """(long items, their ranks): a local search over moves (a long item to another rank) and swaps
+def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = _SWEEPS,
+                 give_up: float = np.inf):
+    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a long item to another rank) and swaps
     (two long items of two ranks), minimising the long items' tokens away from their rank now plus
     `_rank_charge` summed over the ranks. Each sweep scores, for every long item on a rank with a
     charge, the _NEAR ranks on either side of its best fit in load room and the _NEAR long items on
     either side of the cost that would leave its rank at the limit, then applies the improving
-    ones, best first, each rank at most once. The state is not changed. Cost per sweep:
-    O(long items x _NEAR) numpy and a Python loop over the improving candidates."""
+    ones, best first, each rank at most once. Where the estimate at the start exceeds `give_up`
+    tokens, no search: the items stay (repack.py then trusts the trades). The state is not
+    changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop over the improving
+    candidates; O(n) before the first."""
     cap, M = state.cap, state.M
     R = state.load.shape[0]
     tok, cost = state.tokens, state.costs
     limit = budget * (1.0 + tolerance / 2.0)
     lg = np.flatnonzero(tok > cap * _LONG)
     if lg.size == 0:
-        return lg, lg
+        return lg, lg, 0.0
     home = state.dest[lg].copy()
     d = home.copy()
     cl, tl = cost[lg], tok[lg]
@@ -84,6 +87,9 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     since_full = 0
     stop = _STOP * float(tok.sum())
     gained = 0.0
+    at_start = float(_rank_charge(base_x + CL, base_room - TL).sum())
+    if at_start > give_up:
+        return lg, d, at_start
     for _ in range(sweeps):
         fr = _rank_charge(base_x + CL, base_room - TL)
         pick = fr[d] > 0
@@ -172,7 +178,8 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
         if full and gained < stop and _ > 0:
             break  # a full sweep gained too little to go on
         full = since_full + 1 >= _FULL_EVERY
-    return lg, d
+    estimate = float(tl[d != home].sum() + _rank_charge(base_x + CL, base_room - TL).sum())
+    return lg, d, estimate
 
 
 def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
@@ -198,11 +205,12 @@ def _long_first_applies(state: _State) -> bool:
     return state.cap is not None and state.tokens is not None and 2 <= state.M <= _MAX_SLOTS
 
 
-def _long_first(state: _State, budget: np.ndarray, tolerance: float) -> None:
-    """Steps 1-3 of the module docstring on `state` (where `_long_first_applies`)."""
+def _long_first(state: _State, budget: np.ndarray, tolerance: float, assigned=None) -> None:
+    """Steps 1-3 of the module docstring on `state` (where `_long_first_applies`); `assigned`: what
+    `_assign_long` returned for this state (else it runs here)."""
     if not _long_first_applies(state):
         return
-    items, ranks = _assign_long(state, budget, tolerance)
+    items, ranks, _ = _assign_long(state, budget, tolerance) if assigned is None else assigned
     if items.size == 0:
         return
     _place_long(state, items, ranks)
