@@ -44,11 +44,24 @@ _SMALL = 0.25  # the short flow sends items of at most this share of the cap
 def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
     """Estimated tokens the short items of a rank will send (or cost, for a dead deficit), from its
     load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap)."""
-    send = np.maximum(np.maximum(x / _DENSITY, 0.0), -room)
-    dead = np.maximum(-x - _DENSITY * np.maximum(room, 0.0), 0.0)
-    # over M x cap: the rank sends -room tokens, shedding at least their cost (>= 1 per token)
-    dead_tok = np.where(room < 0, np.maximum(-room - np.maximum(x, 0.0) / _DENSITY, 0.0), 0.0)
-    return send + _DEAD * dead + _DEAD_TOKENS * dead_tok
+    carried = np.maximum(x, 0.0) / _DENSITY  # tokens that carry the load excess out
+    over = np.negative(room)
+    charge = np.maximum(carried, over)  # sent: the load excess, or the tokens over M x cap
+    # dead: a deficit that the free tokens cannot take at _DENSITY
+    dead = np.maximum(room, 0.0)
+    dead *= _DENSITY
+    dead += x
+    np.negative(dead, out=dead)
+    np.maximum(dead, 0.0, out=dead)
+    dead *= _DEAD
+    charge += dead
+    # over M x cap: the rank sends -room tokens, shedding at least their cost (>= 1 per token); where
+    # room >= 0 this is <= 0 and adds nothing
+    over -= carried
+    np.maximum(over, 0.0, out=over)
+    over *= _DEAD_TOKENS
+    charge += over
+    return charge
 
 
 def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = _SWEEPS,
@@ -107,11 +120,12 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
         f_left = _rank_charge(base_x[r] + CL[r] - ca, base_room[r] - TL[r] + ta) - fr[r]
         # moves: receivers nearest the best fit in load room (x + c_a just under 0)
         x_all = base_x + CL
+        room_all = base_room - TL
         by_x = np.argsort(x_all, kind="stable")
         at = np.searchsorted(x_all[by_x], -ca)
         pos = np.clip(at[:, None] + off[None, :], 0, R - 1)
         s = by_x[pos]
-        gain_m = (f_left[:, None] + _rank_charge(x_all[s] + ca[:, None], base_room[s] - TL[s] - ta[:, None]) - fr[s]
+        gain_m = (f_left[:, None] + _rank_charge(x_all[s] + ca[:, None], room_all[s] - ta[:, None]) - fr[s]
                   + ta[:, None] * ((s != home[act][:, None]) - away_now[:, None]))
         gain_m[s == r[:, None]] = np.inf
         # swaps: partners nearest the cost that leaves r at its limit
@@ -122,8 +136,8 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
         rb = d[pb]
         dc = ca[:, None] - cl[pb]
         dt = ta[:, None] - tl[pb]
-        gain_s = (_rank_charge(x_all[r][:, None] - dc, base_room[r][:, None] - TL[r][:, None] + dt) - fr[r][:, None]
-                  + _rank_charge(x_all[rb] + dc, base_room[rb] - TL[rb] - dt) - fr[rb]
+        gain_s = (_rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt) - fr[r][:, None]
+                  + _rank_charge(x_all[rb] + dc, room_all[rb] - dt) - fr[rb]
                   + ta[:, None] * ((rb != home[act][:, None]) - away_now[:, None])
                   + tl[pb] * ((r[:, None] != home[pb]).astype(np.float64) - (rb != home[pb])))
         gain_s[rb == r[:, None]] = np.inf
@@ -339,11 +353,13 @@ def _denser_back(state, view, over, order, bounds, small, dens) -> int:
     with free tokens and takes back one denser item j of r of about that cost, so both loads stay
     within their limits (h's load room, r's load room) while t_S - t_j tokens leave h. Per exchange:
     the fewest tokens sent per token freed among all j, if at most _WORST. Returns the exchanges.
-    Cost: one sort of the candidate j, then per exchange O(candidates) numpy."""
+    Cost: O(dense short items) numpy per exchange tried."""
     cap, M = state.cap, state.M
     tok, cost = state.tokens, state.costs
     made = 0
     taken = np.zeros(tok.shape[0], dtype=bool)
+    pool = np.flatnonzero((tok <= small) & (dens > 1.2))  # what may come back: dense short items
+    is_host = np.zeros(state.load.shape[0], dtype=bool)
     for h in over.tolist():
         for _ in range(8):  # exchanges per rank at most
             need = float(state.slot_tok[h].sum() - cap * M)
@@ -365,10 +381,11 @@ def _denser_back(state, view, over, order, bounds, small, dens) -> int:
             hosts = hosts[hosts != h]
             if hosts.size == 0:
                 break
-            j = np.concatenate([order[bounds[x]:bounds[x + 1]] for x in hosts.tolist()])
-            r = state.dest[j]
-            keep = np.isin(r, hosts) & (tok[j] <= small) & (dens[j] > 1.2) & ~taken[j]
-            j, r = j[keep], r[keep]
+            is_host[:] = False
+            is_host[hosts] = True
+            r = state.dest[pool]
+            keep = is_host[r] & ~taken[pool]
+            j, r = pool[keep], r[keep]
             if j.size == 0:
                 break
             # the longest prefix S that r can take for the load j leaves: c_S <= c_j + r's load room
@@ -424,6 +441,7 @@ class _Rooms:
         self.tok = np.empty(R)
         self.slot = np.empty(R)
         self.ratio = np.empty(R)
+        self.fit = np.empty(R)  # the largest item a rank can take for its tokens: min(slot, tok)
         self.update(state, np.arange(R))
 
     def update(self, state: _State, r) -> None:
@@ -432,6 +450,7 @@ class _Rooms:
         self.tok[r] = cap * M - state.slot_tok[r].sum(axis=-1)
         self.slot[r] = (cap - state.slot_tok[r]).max(axis=-1)
         self.ratio[r] = np.log(np.maximum(self.load[r], 1e-9) / np.maximum(self.tok[r], 1.0))
+        self.fit[r] = np.minimum(self.slot[r], self.tok[r])
 
 
 def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only) -> int:
@@ -461,13 +480,14 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
             continue
         if state.count is not None and state.count[h] - 1 < state.min_count:
             break
-        ok = (view.load >= ci) & (view.slot >= ti) & (view.tok >= ti)
+        ok = (view.load >= ci) & (view.fit >= ti)
         ok[h] = False
-        if not ok.any():
+        near = np.where(ok, np.abs(view.ratio - log_dens[k]), np.inf)
+        r = int(np.argmin(near))
+        if not near[r] < np.inf:  # no rank with room for it
             misses += 1
             continue
         misses = 0
-        r = int(np.argmin(np.where(ok, np.abs(view.ratio - log_dens[k]), np.inf)))
         slot_room = cap - state.slot_tok[r]
         s = int(np.argmin(np.where(slot_room >= ti, slot_room, np.inf)))
         state.move(i, r, s)
