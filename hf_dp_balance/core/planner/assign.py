@@ -469,23 +469,29 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
     mine = mine[np.argsort(key, kind="stable")]
     made = 0
     misses = 0
-    log_dens = np.log(np.maximum(dens[mine], 1e-300))
+    log_dens = np.log(np.maximum(dens[mine], 1e-300)).tolist()
+    costs, tokens = cost[mine].tolist(), tok[mine].tolist()
+    slack = over_shoot * float(band[h])
+    e, t_over = over_load, over_tok  # h's excesses change only when it sends an item
+    no_taker = None  # per item of `mine`: no rank can take it (while the view is unchanged)
     for k, i in enumerate(mine.tolist()):
-        e = float(state.load[h] - limit[h])
-        t_over = float(state.slot_tok[h].sum() - cap * M)
         if ((t_over <= 0) if tokens_only else (e <= 0)) or misses >= _TRIES:
             break
-        ci, ti = float(cost[i]), float(tok[i])
-        if not tokens_only and ci > e + over_shoot * band[h] and ci > 2.0 * e:
+        ci, ti = costs[k], tokens[k]
+        if not tokens_only and ci > e + slack and ci > 2.0 * e:
             continue
         if state.count is not None and state.count[h] - 1 < state.min_count:
             break
+        if no_taker is not None and no_taker[k]:
+            misses += 1
+            continue
         ok = (view.load >= ci) & (view.fit >= ti)
         ok[h] = False
         near = np.where(ok, np.abs(view.ratio - log_dens[k]), np.inf)
         r = int(np.argmin(near))
-        if not near[r] < np.inf:  # no rank with room for it
+        if not near[r] < np.inf:  # no rank with room for it: nor for the items after it that no rank can take
             misses += 1
+            no_taker = _no_taker(view, h, cost[mine], tok[mine])
             continue
         misses = 0
         slot_room = cap - state.slot_tok[r]
@@ -493,7 +499,22 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
         state.move(i, r, s)
         view.update(state, np.array([h, r]))
         made += 1
+        e = float(state.load[h] - limit[h])
+        t_over = float(state.slot_tok[h].sum() - cap * M)
+        no_taker = None
     return made
+
+
+def _no_taker(view, h: int, costs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Per item (cost, tokens): True where no rank but h has the load room and a slot's room for it
+    (`view.load >= cost` and `view.fit >= tokens`), as the short flow tests it one item at a time.
+    O(R log R + items log R): the ranks by load room, the most token room among those with more."""
+    load = view.load.copy()
+    load[h] = -np.inf
+    order = np.argsort(-load, kind="stable")
+    most_fit = np.maximum.accumulate(view.fit[order])
+    n = np.searchsorted(-load[order], -costs, side="right")  # ranks with load room >= the cost
+    return ~((n > 0) & (most_fit[np.maximum(n - 1, 0)] >= tokens))
 
 
 def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
