@@ -41,12 +41,12 @@ _MAX_SLOTS = 4  # runs with at most this many micro-batches (at 4096 x 8 the tra
 _SMALL = 0.25  # the short flow sends items of at most this share of the cap
 
 
-def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
+def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.ndarray:
     """Estimated tokens the short items of a rank will send (or cost, for a dead deficit), from its
-    load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap)."""
-    carried = np.maximum(x, 0.0) / _DENSITY  # tokens that carry the load excess out
-    over = np.negative(room)
-    charge = np.maximum(carried, over)  # sent: the load excess, or the tokens over M x cap
+    load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap).
+    With `scratch` the two arrays (fresh float64 ones) are overwritten: fewer temporaries."""
+    if not scratch:
+        x, room = np.array(x, dtype=np.float64), np.array(room, dtype=np.float64)
     # dead: a deficit that the free tokens cannot take at _DENSITY
     dead = np.maximum(room, 0.0)
     dead *= _DENSITY
@@ -54,6 +54,10 @@ def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
     np.negative(dead, out=dead)
     np.maximum(dead, 0.0, out=dead)
     dead *= _DEAD
+    carried = np.maximum(x, 0.0, out=x)
+    carried /= _DENSITY  # tokens that carry the load excess out
+    over = np.negative(room, out=room)
+    charge = np.maximum(carried, over)  # sent: the load excess, or the tokens over M x cap
     charge += dead
     # over M x cap: the rank sends -room tokens, shedding at least their cost (>= 1 per token); where
     # room >= 0 this is <= 0 and adds nothing
@@ -125,8 +129,15 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
         at = np.searchsorted(x_all[by_x], -ca)
         pos = np.clip(at[:, None] + off[None, :], 0, R - 1)
         s = by_x[pos]
-        gain_m = (f_left[:, None] + _rank_charge(x_all[s] + ca[:, None], room_all[s] - ta[:, None]) - fr[s]
-                  + ta[:, None] * ((s != home[act][:, None]) - away_now[:, None]))
+        # in place, in the order f_left + charge - fr + ta (away after - away now)
+        home_a = home[act][:, None]
+        gain_m = _rank_charge(x_all[s] + ca[:, None], room_all[s] - ta[:, None], scratch=True)
+        np.add(f_left[:, None], gain_m, out=gain_m)
+        gain_m -= fr[s]
+        away = np.not_equal(s, home_a).astype(np.float64)
+        away -= away_now[:, None]
+        away *= ta[:, None]
+        gain_m += away
         gain_m[s == r[:, None]] = np.inf
         # swaps: partners nearest the cost that leaves r at its limit
         # partners: long items of ranks under the limit (they take c_a - c_b), by cost
@@ -136,10 +147,20 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
         rb = d[pb]
         dc = ca[:, None] - cl[pb]
         dt = ta[:, None] - tl[pb]
-        gain_s = (_rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt) - fr[r][:, None]
-                  + _rank_charge(x_all[rb] + dc, room_all[rb] - dt) - fr[rb]
-                  + ta[:, None] * ((rb != home[act][:, None]) - away_now[:, None])
-                  + tl[pb] * ((r[:, None] != home[pb]).astype(np.float64) - (rb != home[pb])))
+        # in place, in the order: charge at r - fr[r] + charge at rb - fr[rb] + a's away + b's away
+        gain_s = _rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt, scratch=True)
+        gain_s -= fr[r][:, None]
+        gain_s += _rank_charge(x_all[rb] + dc, room_all[rb] - dt, scratch=True)
+        gain_s -= fr[rb]
+        away = np.not_equal(rb, home_a).astype(np.float64)
+        away -= away_now[:, None]
+        away *= ta[:, None]
+        gain_s += away
+        home_b = home[pb]
+        away = np.not_equal(r[:, None], home_b).astype(np.float64)
+        np.subtract(away, rb != home_b, out=away)
+        away *= tl[pb]
+        gain_s += away
         gain_s[rb == r[:, None]] = np.inf
         jm = np.argmin(gain_m, axis=1)
         js = np.argmin(gain_s, axis=1)
