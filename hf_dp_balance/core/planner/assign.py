@@ -379,7 +379,9 @@ def _denser_back(state, view, over, order, bounds, small, dens) -> int:
     tok, cost = state.tokens, state.costs
     made = 0
     taken = np.zeros(tok.shape[0], dtype=bool)
-    pool = np.flatnonzero((tok <= small) & (dens > 1.2))  # what may come back: dense short items
+    dense = (tok <= small) & (dens > 1.2)  # what may come back: dense short items
+    # of ranks that may host (free tokens >= _FREE: that set only loses ranks, but for an h after its exchange)
+    pool = np.flatnonzero(dense & (view.tok >= _FREE)[state.dest])
     is_host = np.zeros(state.load.shape[0], dtype=bool)
     for h in over.tolist():
         for _ in range(8):  # exchanges per rank at most
@@ -445,6 +447,8 @@ def _denser_back(state, view, over, order, bounds, small, dens) -> int:
             taken[jb] = True
             view.update(state, np.array([h, rb]))
             made += 1
+            if view.tok[h] >= _FREE:  # h may host now
+                pool = np.flatnonzero(dense & (view.tok >= _FREE)[state.dest])
     return made
 
 
@@ -532,7 +536,7 @@ def _no_taker(view, h: int, costs: np.ndarray, tokens: np.ndarray) -> np.ndarray
     O(R log R + items log R): the ranks by load room, the most token room among those with more."""
     load = view.load.copy()
     load[h] = -np.inf
-    order = np.argsort(-load, kind="stable")
+    order = np.argsort(-load)  # ties in load room count alike: any order
     most_fit = np.maximum.accumulate(view.fit[order])
     n = np.searchsorted(-load[order], -costs, side="right")  # ranks with load room >= the cost
     return ~((n > 0) & (most_fit[np.maximum(n - 1, 0)] >= tokens))
