@@ -383,6 +383,7 @@ def _denser_back(state, view, over, order, bounds, small, dens) -> int:
     # of ranks that may host (free tokens >= _FREE: that set only loses ranks, but for an h after its exchange)
     pool = np.flatnonzero(dense & (view.tok >= _FREE)[state.dest])
     is_host = np.zeros(state.load.shape[0], dtype=bool)
+    cached = None  # (hosts, their dense short items not taken, those items' ranks) while nothing changed
     for h in over.tolist():
         for _ in range(8):  # exchanges per rank at most
             need = float(state.slot_tok[h].sum() - cap * M)
@@ -398,17 +399,20 @@ def _denser_back(state, view, over, order, bounds, small, dens) -> int:
             ct = np.concatenate(([0.0], np.cumsum(cost[mine])))
             tt = np.concatenate(([0.0], np.cumsum(tok[mine])))
             # candidates j: the dense short items of the _HOSTS ranks with the most free tokens
-            hosts = np.flatnonzero(view.tok >= _FREE)
-            if hosts.size > _HOSTS:
-                hosts = hosts[np.argpartition(-view.tok[hosts], _HOSTS)[:_HOSTS]]
-            hosts = hosts[hosts != h]
-            if hosts.size == 0:
+            if cached is None:  # the view or `taken` changed: the hosts and their items again
+                hosts = np.flatnonzero(view.tok >= _FREE)
+                if hosts.size > _HOSTS:
+                    hosts = hosts[np.argpartition(-view.tok[hosts], _HOSTS)[:_HOSTS]]
+                is_host[:] = False
+                is_host[hosts] = True
+                r = state.dest[pool]
+                keep = is_host[r] & ~taken[pool]
+                cached = hosts, pool[keep], r[keep]
+            hosts, j, r = cached
+            if not (hosts != h).any():
                 break
-            is_host[:] = False
-            is_host[hosts] = True
-            r = state.dest[pool]
-            keep = is_host[r] & ~taken[pool]
-            j, r = pool[keep], r[keep]
+            keep = r != h
+            j, r = j[keep], r[keep]
             if j.size == 0:
                 break
             # the longest prefix S that r can take for the load j leaves: c_S <= c_j + r's load room
@@ -438,6 +442,7 @@ def _denser_back(state, view, over, order, bounds, small, dens) -> int:
                 plan.append((i, s))
             if plan is None:
                 taken[jb] = True  # its rank's slots cannot hold S: not this one again
+                cached = None
                 continue
             to_h = int(state.micro[mine[0]])
             for i, s in plan:
@@ -447,6 +452,7 @@ def _denser_back(state, view, over, order, bounds, small, dens) -> int:
             taken[jb] = True
             view.update(state, np.array([h, rb]))
             made += 1
+            cached = None
             if view.tok[h] >= _FREE:  # h may host now
                 pool = np.flatnonzero(dense & (view.tok >= _FREE)[state.dest])
     return made
