@@ -75,3 +75,32 @@ def test_full_cap_plans_with_long_items_first_keep_the_cap_the_slots_and_never_s
     np.testing.assert_allclose(np.bincount(plan.dest_rank, weights=costs, minlength=R), plan.loads_after.sum(axis=1),
                                rtol=1e-9)
     assert plan.makespan_after <= plan.makespan_before * (1 + 1e-12)
+
+
+def test_the_search_estimate_decides_which_pass_runs_first_and_alone(monkeypatch):
+    # 64 x 4 full 32K packs (136 long items > _FEW_LONG): at q/l 1.4e-4 the search's estimate is ~15% of the
+    # tokens (trusted), so long items first run alone; at q/l 1e-3 the start's estimate is ~700% (> 4 x _TRUST),
+    # so no search is made and the trades run alone (both plans end within the trades' limit)
+    R, M, pack = 64, 4, 32768
+    tokens, owners, mbs = _long_tail(0, R, M, pack)
+    for q, want_long_first, want_search in ((1.4e-4, True, True), (1e-3, False, False)):
+        passes, searched = [], []
+        real_pass, real_assign = repack._full_cap_pass, repack._assign_long
+
+        def spy_pass(*a, **k):
+            passes.append(k["long_first"] is not None)
+            return real_pass(*a, **k)
+
+        def spy_assign(state, *a, **k):
+            items, ranks, estimate = real_assign(state, *a, **k)
+            searched.append(bool(np.any(ranks != state.dest[items])))
+            return items, ranks, estimate
+
+        with monkeypatch.context() as m:
+            m.setattr(repack, "_full_cap_pass", spy_pass)
+            m.setattr(repack, "_assign_long", spy_assign)
+            costs = q * tokens ** 2 + tokens + 64.0
+            plan = plan_step(costs, owners, mbs, R, M, tokens=tokens, max_tokens=pack, min_gain=0.0)
+        assert plan.makespan_after <= 1.0025 * plan.lower_bound * (1 + 1e-9)
+        assert passes == [want_long_first], (q, passes)
+        assert searched == [want_search], (q, searched)
