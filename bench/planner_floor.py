@@ -105,7 +105,7 @@ def trajectory(c, L, own, mb, R, M):
     lb = lower_bound(c, R)
     stages = []
     wrapped = {}
-    for name in ("_ladder_trades", "_balance_incremental", "_trade", "_polish", "_send_home"):
+    for name in ("_long_first", "_ladder_trades", "_balance_incremental", "_trade", "_polish", "_send_home"):
         fn = getattr(_repack, name)
         wrapped[name] = fn
 

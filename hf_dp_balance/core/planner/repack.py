@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hf_dp_balance.core.planner.assign import _LONG, _assign_long, _long_first, _long_first_applies
 from hf_dp_balance.core.planner.chain import _ladder_trades
 from hf_dp_balance.core.planner.home import _send_home
 from hf_dp_balance.core.planner.passes import _balance_incremental, _extra_passes, _polish
@@ -12,6 +13,15 @@ from hf_dp_balance.core.planner.state import _Infeasible, _State, _copy_state, _
 from hf_dp_balance.core.planner.trade import _LARGE, _trade
 
 _REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first partial repack
+_TRUST = 0.5  # long items first go first where the search's estimate is at most this share of the tokens
+# (36 instances, long-tail, 64-1024 ranks, M = 2-4, q/l 1.4e-4 / 1e-3, seeds 0-2: where long items first sent
+# fewer tokens, M = 3-4 at q/l 1.4e-4, the estimate was 13-41%; where they sent more, M = 2 or q/l 1e-3, 250-3400%)
+_NO_SEARCH = 4.0  # x _TRUST: an estimate at the start above this gets no search (at 64-2048 ranks it cut
+# 660-760% to 250-400% at q/l 1e-3: not trusted, and the search costs 1.5-2.5 x the trades there)
+_FEW_LONG = 128  # at most this many long items: the search always, and long items first also where the
+# trades send more than _RETRY (32 x 4 and 48 x 4, q/l 1e-3: long items first sent 0.7-6.5% fewer tokens
+# where the estimate was not trusted; from 64 x 4 on they sent more)
+_RETRY = 0.10
 _RESIDUE_PASSES = 2  # ladder trades at any cost per token, each followed by the incremental method
 
 
@@ -109,13 +119,52 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     left above the goal up to _RESIDUE_PASSES ladder trades at any cost per token (items whose surplus
     just covers the excess) each with the incremental method. Without: small-change trades (`_trade`)
     and the incremental method (what a milder cost needs first: fewer tokens sent). Then `_trade`
-    again and polish. With `copy` False it works on `origin` itself (spoilt when it returns None)."""
+    again and polish. With `ladder` at M <= 4 the long items are assigned first too
+    (core/planner/assign.py) where the search's estimate of the tokens sent is at most _TRUST of the
+    step's: then that pass goes first and the trades alone run only where it ends above the trades'
+    limit; elsewhere the trades alone go first and long items first run only where they end above
+    it (or, with at most _FEW_LONG long items, send more than _RETRY of the tokens). Where both run the better plan wins (the lower fullest rank; both within the limit, fewer
+    tokens sent). With `copy` False it works on `origin` itself (spoilt when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
+    if not ladder or not _long_first_applies(origin):
+        return _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=None)
+    start = origin.dest.copy()
+    spare = _copy_state(origin)
+    trust = _TRUST * float(origin.tokens.sum())
+    few = np.count_nonzero(origin.tokens > origin.cap * _LONG) <= _FEW_LONG
+    give_up = np.inf if few else _NO_SEARCH * trust
+    assigned = _assign_long(origin, budget, tolerance, give_up=give_up)
+    trusted = assigned[2] <= trust
+    first = _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder,
+                           long_first=assigned if trusted else None)
+    limit = (1.0 + tolerance / 2.0) * (1.0 + 1e-9)
+    if (first is not None and _fullest(first, budget) <= limit
+            and (trusted or not few or _sent(first, start) <= _RETRY * float(origin.tokens.sum()))):
+        return first
+    if not trusted and assigned[2] > give_up:  # no search was made: make it now (`spare` is the start)
+        assigned = _assign_long(spare, budget, tolerance)
+    second = _full_cap_pass(spare, budget, tolerance, relocate, False, ladder,
+                            long_first=None if trusted else assigned)
+    plans = [p for p in (first, second) if p is not None]
+    if not plans:
+        return None
+    within = [p for p in plans if _fullest(p, budget) <= limit]
+    if within:
+        return min(within, key=lambda p: _sent(p, start))
+    return min(plans, key=lambda p: _fullest(p, budget))
+
+
+def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool,
+                   ladder: bool, long_first):
+    """One attempt of `_full_cap_trades` (its docstring); `long_first`: None, or what `_assign_long`
+    returned for `origin` (the long items assigned first, as it says)."""
     start = origin.dest.copy()
     state = _copy_state(origin) if copy else origin
     try:
         if ladder:
+            if long_first is not None:
+                _long_first(state, budget, tolerance, long_first)
             _ladder_trades(state, budget, tolerance)
             state = _balance_incremental(state, budget, tolerance, relocate)
             for _ in range(_RESIDUE_PASSES):  # the small excess left: trades at any cost per token

@@ -1,0 +1,594 @@
+"""Long items assigned to ranks first at a full cap, then short items as the filler.
+
+At max_tokens = the pack length with a strongly quadratic cost, the imbalance sits in the long
+items, and every rank must end almost exactly at the goal (the ranks' total load room under it is
+~1-2 ranks' worth). Moving a small amount of cost between two full ranks is dear: an item of
+surplus q L^2 >= T must go one way and about as many tokens back, ~2 sqrt(T / q) tokens for a
+transfer T. Moving cost into a rank with free tokens is cheap (~T tokens of short items). So the
+plan is made in the order the cost of it is decided:
+
+1. `_assign_long`: which rank holds each long item, by a local search on a per-rank estimate of
+   what the short items will then send: a rank over the goal sends its excess in short items
+   (`_DENSITY` cost per token), a rank over M x cap tokens sends the tokens, and a rank left short
+   of load without the free tokens to take it in short items ("dead" deficit) is charged
+   `_DEAD` tokens per unit of cost (what a trade between full ranks pays for it), and a rank over
+   M x cap by more tokens than its load excess carries `_DEAD_TOKENS` per token.
+2. `_place_long`: the moves made, each long item into its rank's roomiest slot after that slot
+   passed items to the rank's other slots (a new micro-batch on the same rank sends nothing).
+3. `_short_flow`: ranks over the load limit and then ranks over M x cap tokens send short items to
+   the ranks with load and token room, densest to the ranks shortest of tokens; slots over the cap
+   are mended inside their rank (`_fix_slots`).
+
+The incremental method and the full-cap trades then finish what is left. core/planner/repack.py
+runs this only where the trades alone send more than 10% of the tokens, and keeps the better plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_dp_balance.core.planner.state import _State
+
+_LONG = 0.25  # items over this share of the cap are assigned first (8192 tokens at 32K packs)
+_DENSITY = 1.5  # cost per token at which the estimate has short items carry a rank's excess
+_DEAD = 3.0  # tokens per unit of a deficit that no free tokens can take in short items
+_DEAD_TOKENS = 6.0  # per token a rank over M x cap must send beyond what its load excess carries
+_SWEEPS = 128  # local-search sweeps at most (each applies one move or swap per rank at most)
+_FULL_EVERY = 8  # every this many sweeps, all long items of ranks with a charge are scored
+_STOP = 1e-4  # the search stops when a full sweep gains less than this share of the step's tokens
+_NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
+_MAX_SLOTS = 4  # runs with at most this many micro-batches (at 4096 x 8 the trades alone send 9%; not measured there)
+_SMALL = 0.25  # the short flow sends items of at most this share of the cap
+
+
+def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.ndarray:
+    """Estimated tokens the short items of a rank will send (or cost, for a dead deficit), from its
+    load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap).
+    With `scratch` the two arrays (fresh float64 ones) are overwritten: fewer temporaries."""
+    if not scratch:
+        x, room = np.array(x, dtype=np.float64), np.array(room, dtype=np.float64)
+    # dead: a deficit that the free tokens cannot take at _DENSITY
+    dead = np.maximum(room, 0.0)
+    dead *= _DENSITY
+    dead += x
+    np.negative(dead, out=dead)
+    np.maximum(dead, 0.0, out=dead)
+    dead *= _DEAD
+    carried = np.maximum(x, 0.0, out=x)
+    carried /= _DENSITY  # tokens that carry the load excess out
+    over = np.negative(room, out=room)
+    charge = np.maximum(carried, over)  # sent: the load excess, or the tokens over M x cap
+    charge += dead
+    # over M x cap: the rank sends -room tokens, shedding at least their cost (>= 1 per token); where
+    # room >= 0 this is <= 0 and adds nothing
+    over -= carried
+    np.maximum(over, 0.0, out=over)
+    over *= _DEAD_TOKENS
+    charge += over
+    return charge
+
+
+def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = _SWEEPS,
+                 give_up: float = np.inf):
+    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a long item to another rank) and swaps
+    (two long items of two ranks), minimising the long items' tokens away from their rank now plus
+    `_rank_charge` summed over the ranks. Each sweep scores, for every long item on a rank with a
+    charge, the _NEAR ranks on either side of its best fit in load room and the _NEAR long items on
+    either side of the cost that would leave its rank at the limit, then applies the improving
+    ones, best first, each rank at most once. Where the estimate at the start exceeds `give_up`
+    tokens, no search: the items stay (repack.py then trusts the trades). The state is not
+    changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop over the improving
+    candidates; O(n) before the first."""
+    cap, M = state.cap, state.M
+    R = state.load.shape[0]
+    tok, cost = state.tokens, state.costs
+    limit = budget * (1.0 + tolerance / 2.0)
+    lg = np.flatnonzero(tok > cap * _LONG)
+    if lg.size == 0:
+        return lg, lg, 0.0
+    home = state.dest[lg].copy()
+    d = home.copy()
+    cl, tl = cost[lg], tok[lg]
+    CL = np.bincount(d, weights=cl, minlength=R)
+    TL = np.bincount(d, weights=tl, minlength=R)
+    base_x = state.load - CL - limit  # the rest's load against the limit
+    base_room = cap * M - state.slot_tok.sum(axis=1) + TL
+    by_cost = np.argsort(cl, kind="stable")
+    cost_sorted = cl[by_cost]
+    off = np.arange(-_NEAR, _NEAR)
+    # after a full sweep, only the long items of ranks that changed and those whose improving option
+    # lost to another one are scored, with a full sweep every _FULL_EVERY (and whenever that finds none)
+    watch = np.ones(lg.size, dtype=bool)
+    dirty = np.zeros(R, dtype=bool)
+    full = True
+    since_full = 0
+    stop = _STOP * float(tok.sum())
+    gained = 0.0
+    at_start = float(_rank_charge(base_x + CL, base_room - TL).sum())
+    if at_start > give_up:
+        return lg, d, at_start
+    for _ in range(sweeps):
+        fr = _rank_charge(base_x + CL, base_room - TL)
+        pick = fr[d] > 0
+        if not full:
+            pick &= watch | dirty[d]
+        act = np.flatnonzero(pick)
+        if act.size == 0:
+            if full:
+                break
+            full = True
+            continue
+        r = d[act]
+        ca, ta = cl[act], tl[act]
+        away_now = (r != home[act]).astype(np.float64)
+        f_left = _rank_charge(base_x[r] + CL[r] - ca, base_room[r] - TL[r] + ta) - fr[r]
+        # moves: receivers nearest the best fit in load room (x + c_a just under 0)
+        x_all = base_x + CL
+        room_all = base_room - TL
+        by_x = np.argsort(x_all, kind="stable")
+        at = np.searchsorted(x_all[by_x], -ca)
+        pos = np.clip(at[:, None] + off[None, :], 0, R - 1)
+        s = by_x[pos]
+        # in place, in the order f_left + charge - fr + ta (away after - away now)
+        home_a = home[act][:, None]
+        gain_m = _rank_charge(x_all[s] + ca[:, None], room_all[s] - ta[:, None], scratch=True)
+        np.add(f_left[:, None], gain_m, out=gain_m)
+        gain_m -= fr[s]
+        away = np.not_equal(s, home_a).astype(np.float64)
+        away -= away_now[:, None]
+        away *= ta[:, None]
+        gain_m += away
+        gain_m[s == r[:, None]] = np.inf
+        # swaps: partners nearest the cost that leaves r at its limit
+        # partners: long items of ranks under the limit (they take c_a - c_b), by cost
+        want = ca - np.maximum(x_all[r], 0.0)
+        at = np.searchsorted(cost_sorted, want)
+        pb = by_cost[np.clip(at[:, None] + off[None, :], 0, lg.size - 1)]
+        rb = d[pb]
+        dc = ca[:, None] - cl[pb]
+        dt = ta[:, None] - tl[pb]
+        # in place, in the order: charge at r - fr[r] + charge at rb - fr[rb] + a's away + b's away
+        gain_s = _rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt, scratch=True)
+        gain_s -= fr[r][:, None]
+        gain_s += _rank_charge(x_all[rb] + dc, room_all[rb] - dt, scratch=True)
+        gain_s -= fr[rb]
+        away = np.not_equal(rb, home_a).astype(np.float64)
+        away -= away_now[:, None]
+        away *= ta[:, None]
+        gain_s += away
+        home_b = home[pb]
+        away = np.not_equal(r[:, None], home_b).astype(np.float64)
+        np.subtract(away, rb != home_b, out=away)
+        away *= tl[pb]
+        gain_s += away
+        gain_s[rb == r[:, None]] = np.inf
+        jm = np.argmin(gain_m, axis=1)
+        js = np.argmin(gain_s, axis=1)
+        gm = gain_m[np.arange(act.size), jm]
+        gs = gain_s[np.arange(act.size), js]
+        g = np.minimum(gm, gs)
+        good = np.flatnonzero(g < -1e-6)
+        if good.size == 0:
+            if full:
+                break
+            full = True
+            continue
+        good = good[np.argsort(g[good], kind="stable")]
+        used = np.zeros(R, dtype=bool)
+        used_item = np.zeros(lg.size, dtype=bool)
+        made = 0
+        if full:
+            gained = 0.0
+        for k in good.tolist():
+            i = int(act[k])
+            a_rank = int(d[i])
+            if gm[k] <= gs[k]:
+                b_rank, j = int(s[k, jm[k]]), -1
+            else:
+                j = int(pb[k, js[k]])
+                b_rank = int(d[j])
+            if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
+                continue
+            used[a_rank] = used[b_rank] = True
+            used_item[i] = True
+            CL[a_rank] -= cl[i]
+            TL[a_rank] -= tl[i]
+            CL[b_rank] += cl[i]
+            TL[b_rank] += tl[i]
+            d[i] = b_rank
+            if j >= 0:
+                used_item[j] = True
+                CL[b_rank] -= cl[j]
+                TL[b_rank] -= tl[j]
+                CL[a_rank] += cl[j]
+                TL[a_rank] += tl[j]
+                d[j] = a_rank
+            made += 1
+            gained -= float(g[k])
+        watch[:] = False
+        watch[act[good]] = True
+        watch[used_item] = False  # applied: their ranks are dirty anyway
+        dirty = used
+        since_full = 0 if full else since_full + 1
+        if full and gained < stop and _ > 0:
+            break  # a full sweep gained too little to go on
+        full = since_full + 1 >= _FULL_EVERY
+    estimate = float(tl[d != home].sum() + _rank_charge(base_x + CL, base_room - TL).sum())
+    return lg, d, estimate
+
+
+def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
+    """Move `items` to `ranks` (longest first), each into its rank's roomiest slot after that slot
+    passed what it can to the rank's other slots (`_make_room`); a slot may end over the cap, which
+    `_short_flow` and the token repair of the incremental method then mend. A move that would leave
+    its rank with fewer than `state.min_count` items is not made."""
+    move = np.flatnonzero(state.dest[items] != ranks)
+    items, ranks = items[move], ranks[move]
+    order = np.argsort(-state.tokens[items], kind="stable")
+    by_rank = np.argsort(state.dest, kind="stable")  # the items of each rank before the moves
+    bounds = np.searchsorted(state.dest[by_rank], np.arange(state.load.shape[0] + 1))
+    for i, r in zip(items[order].tolist(), ranks[order].tolist()):
+        if state.count is not None and state.count[state.dest[i]] - 1 < state.min_count:
+            continue  # the rank keeps its item count (one per micro-batch)
+        m = int(np.argmax(state.cap - state.slot_tok[r]))
+        _make_room(state, r, m, float(state.tokens[i]), by_rank[bounds[r]:bounds[r + 1]])
+        state.move(i, r, m)
+
+
+def _long_first_applies(state: _State) -> bool:
+    """A token cap, tokens, and 2 to _MAX_SLOTS micro-batches."""
+    return state.cap is not None and state.tokens is not None and 2 <= state.M <= _MAX_SLOTS
+
+
+def _long_first(state: _State, budget: np.ndarray, tolerance: float, assigned=None) -> None:
+    """Steps 1-3 of the module docstring on `state` (where `_long_first_applies`); `assigned`: what
+    `_assign_long` returned for this state (else it runs here)."""
+    if not _long_first_applies(state):
+        return
+    items, ranks, _ = _assign_long(state, budget, tolerance) if assigned is None else assigned
+    if items.size == 0:
+        return
+    _place_long(state, items, ranks)
+    _short_flow(state, budget, tolerance, state.cap * _SMALL)
+
+
+def _make_room(state: _State, r: int, m: int, need: float, members=None) -> bool:
+    """Free `need` tokens in slot (r, m) by passing its items (largest that fit first) to r's other
+    slots (best fit); nothing moves and False if they cannot. `members`: indexes that hold r's
+    items (others may be among them: filtered)."""
+    cap = state.cap
+    room = cap - state.slot_tok[r].astype(np.float64)
+    need = need - room[m]
+    if need <= 0:
+        return True
+    items = np.flatnonzero(state.dest == r) if members is None else members
+    items = items[(state.dest[items] == r) & (state.micro[items] == m)]
+    items = items[np.argsort(-state.tokens[items], kind="stable")]
+    other = room.copy()
+    other[m] = -np.inf
+    plan = []
+    freed = 0.0
+    for i in items.tolist():
+        t = float(state.tokens[i])
+        fit = np.where(other >= t, other, np.inf)
+        s = int(np.argmin(fit))
+        if not np.isfinite(fit[s]):
+            continue
+        other[s] -= t
+        plan.append((i, s))
+        freed += t
+        if freed >= need:
+            break
+    if freed < need:
+        return False
+    for i, s in plan:
+        state.move(i, r, s)
+    return True
+
+
+def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: float, rounds: int = 3,
+                over_shoot: float = 0.5) -> int:
+    """Ranks over their load limit, then ranks over M x cap tokens, send items of at most `small`
+    tokens (densest first where the load is over: fewest tokens for the cost shed; else cheapest per
+    token first), each to the rank with load and token room whose load room per token of room is
+    nearest the item's cost per token (dense items to ranks short of tokens), into its best-fitting
+    slot; then a rank with a slot over the cap mends it inside the rank (`_fix_slots`). Returns the
+    moves. Cost: O(R) numpy per item tried (at most _TRIES failures in a row per rank)."""
+    cap, M = state.cap, state.M
+    limit = budget * (1.0 + tolerance / 2.0)
+    tok, cost = state.tokens, state.costs
+    dens = cost / np.maximum(tok, 1e-300)
+    band = limit * (tolerance / 2.0)
+    view = _Rooms(state, limit)
+    moves = 0
+    for _ in range(rounds):
+        made = 0
+        order = np.argsort(state.dest, kind="stable")
+        bounds = np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
+        todo = np.flatnonzero(state.load > limit)
+        todo = todo[np.argsort(-(state.load[todo] - limit[todo]), kind="stable")]
+        for h in todo.tolist():
+            made += _send_from(state, view, order[bounds[h]:bounds[h + 1]], h, limit, band, small, dens,
+                               over_shoot, tokens_only=False)
+        for h in np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M).tolist():
+            made += _send_from(state, view, order[bounds[h]:bounds[h + 1]], h, limit, band, small, dens,
+                               over_shoot, tokens_only=True)
+        over_tok = np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M)
+        if over_tok.size:
+            made += _denser_back(state, view, over_tok, order, bounds, small, dens)
+        bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
+        if bad.size:
+            order = np.argsort(state.dest, kind="stable")
+            bounds = np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
+            for r in bad.tolist():
+                _fix_slots(state, r, members=order[bounds[r]:bounds[r + 1]])
+                view.update(state, r)
+        moves += made
+        if made == 0:
+            break
+    moves += _spill(state, limit)
+    return moves
+
+
+def _spill(state: _State, limit: np.ndarray) -> int:
+    """What is still over the cap at the end: a slot over it sends its smallest items, each to the
+    slot with room for it on the rank (other than its own) that ends least full against its limit;
+    the loads that this raises are left to the trades. Returns the moves."""
+    cap, M = state.cap, state.M
+    tok = state.tokens
+    bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
+    made = 0
+    for h in bad.tolist():
+        items = np.flatnonzero(state.dest == h)
+        for m in np.flatnonzero(state.slot_tok[h] > cap).tolist():
+            mine = items[(state.micro[items] == m) & (state.dest[items] == h)]
+            mine = mine[np.argsort(tok[mine], kind="stable")]
+            for i in mine[:-1].tolist():  # the slot keeps one item
+                if state.slot_tok[h, m] <= cap:
+                    break
+                if state.count is not None and state.count[h] - 1 < state.min_count:
+                    break
+                t = float(tok[i])
+                room = cap - state.slot_tok
+                fits = room >= t
+                fits[h] = False
+                ok = fits.any(axis=1)
+                if not ok.any():
+                    break
+                after = (state.load + state.costs[i]) / limit
+                r = int(np.argmin(np.where(ok, after, np.inf)))
+                s = int(np.argmin(np.where(fits[r], room[r], np.inf)))
+                state.move(i, r, s)
+                made += 1
+    return made
+
+
+_WORST = 5.0  # tokens sent per token freed that a one-for-many exchange may cost at most
+_HOSTS = 256  # ranks with the most free tokens whose items a one-for-many exchange tries
+_FREE = 1024.0  # free tokens a rank needs to take part in one (fewer free no exchange worth its sends)
+
+
+def _denser_back(state, view, over, order, bounds, small, dens) -> int:
+    """Ranks over M x cap tokens whose items no rank can take for its load: one-for-many exchanges.
+    Rank h sends its cheapest-per-token short items S (a prefix, by cost about c_j) to a rank r
+    with free tokens and takes back one denser item j of r of about that cost, so both loads stay
+    within their limits (h's load room, r's load room) while t_S - t_j tokens leave h. Per exchange:
+    the fewest tokens sent per token freed among all j, if at most _WORST. Returns the exchanges.
+    Cost: O(dense short items) numpy per exchange tried."""
+    cap, M = state.cap, state.M
+    tok, cost = state.tokens, state.costs
+    made = 0
+    taken = np.zeros(tok.shape[0], dtype=bool)
+    dense = (tok <= small) & (dens > 1.2)  # what may come back: dense short items
+    # of ranks that may host (free tokens >= _FREE: that set only loses ranks, but for an h after its exchange)
+    pool = np.flatnonzero(dense & (view.tok >= _FREE)[state.dest])
+    is_host = np.zeros(state.load.shape[0], dtype=bool)
+    cached = None  # (hosts, their dense short items not taken, those items' ranks) while nothing changed
+    for h in over.tolist():
+        for _ in range(8):  # exchanges per rank at most
+            need = float(state.slot_tok[h].sum() - cap * M)
+            if need <= 0:
+                break
+            mine = order[bounds[h]:bounds[h + 1]]
+            mine = mine[(state.dest[mine] == h) & (tok[mine] <= small) & ~taken[mine]]
+            if mine.size < 2:
+                break
+            mine = mine[np.argsort(dens[mine], kind="stable")]
+            if state.count is not None:
+                mine = mine[:max(int(state.count[h]) - state.min_count, 0) + 1]
+            ct = np.concatenate(([0.0], np.cumsum(cost[mine])))
+            tt = np.concatenate(([0.0], np.cumsum(tok[mine])))
+            # candidates j: the dense short items of the _HOSTS ranks with the most free tokens
+            if cached is None:  # the view or `taken` changed: the hosts and their items again
+                hosts = np.flatnonzero(view.tok >= _FREE)
+                if hosts.size > _HOSTS:
+                    hosts = hosts[np.argpartition(-view.tok[hosts], _HOSTS)[:_HOSTS]]
+                is_host[:] = False
+                is_host[hosts] = True
+                r = state.dest[pool]
+                keep = is_host[r] & ~taken[pool]
+                cached = hosts, pool[keep], r[keep]
+            hosts, j, r = cached
+            if not (hosts != h).any():
+                break
+            keep = r != h
+            j, r = j[keep], r[keep]
+            if j.size == 0:
+                break
+            # the longest prefix S that r can take for the load j leaves: c_S <= c_j + r's load room
+            k = np.searchsorted(ct, cost[j] + np.maximum(view.load[r], 0.0), side="right") - 1
+            c_s, t_s = ct[k], tt[k]
+            freed = t_s - tok[j]
+            ok = ((k >= 1) & (cost[j] - c_s <= view.load[h]) & (freed > 0) & (view.tok[r] >= freed)
+                  & (view.slot[r] >= tok[mine[0]]))
+            if not ok.any():
+                break
+            score = np.where(ok, (t_s + tok[j]) / np.minimum(np.maximum(freed, 1e-9), need), np.inf)
+            b = int(np.argmin(score))
+            if not score[b] <= _WORST:
+                break
+            jb, rb, kb = int(j[b]), int(r[b]), int(k[b])
+            # S into r's slots (best fit, largest first); j into the slot of h that S leaves most room in
+            room = cap - state.slot_tok[rb].astype(np.float64)
+            room[state.micro[jb]] += tok[jb]
+            plan = []
+            for i in sorted(mine[:kb].tolist(), key=lambda i: -tok[i]):
+                fit = np.where(room >= tok[i], room, np.inf)
+                s = int(np.argmin(fit))
+                if not np.isfinite(fit[s]):
+                    plan = None
+                    break
+                room[s] -= tok[i]
+                plan.append((i, s))
+            if plan is None:
+                taken[jb] = True  # its rank's slots cannot hold S: not this one again
+                cached = None
+                continue
+            to_h = int(state.micro[mine[0]])
+            for i, s in plan:
+                state.move(i, rb, s)
+            state.move(jb, h, to_h)
+            taken[mine[:kb]] = True
+            taken[jb] = True
+            view.update(state, np.array([h, rb]))
+            made += 1
+            cached = None
+            if view.tok[h] >= _FREE:  # h may host now
+                pool = np.flatnonzero(dense & (view.tok >= _FREE)[state.dest])
+    return made
+
+
+_TRIES = 32  # items in a row that find no receiver end a rank's turn in the short flow
+
+
+class _Rooms:
+    """Per rank: load room under the limit, free tokens, the roomiest slot's room, and the log of
+    load room per free token (what a receiver needs per token); updated per rank on every move."""
+
+    def __init__(self, state: _State, limit: np.ndarray):
+        self.limit = limit
+        R = state.load.shape[0]
+        self.load = np.empty(R)
+        self.tok = np.empty(R)
+        self.slot = np.empty(R)
+        self.ratio = np.empty(R)
+        self.fit = np.empty(R)  # the largest item a rank can take for its tokens: min(slot, tok)
+        self.update(state, np.arange(R))
+
+    def update(self, state: _State, r) -> None:
+        cap, M = state.cap, state.M
+        self.load[r] = self.limit[r] - state.load[r]
+        self.tok[r] = cap * M - state.slot_tok[r].sum(axis=-1)
+        self.slot[r] = (cap - state.slot_tok[r]).max(axis=-1)
+        self.ratio[r] = np.log(np.maximum(self.load[r], 1e-9) / np.maximum(self.tok[r], 1.0))
+        self.fit[r] = np.minimum(self.slot[r], self.tok[r])
+
+
+def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only) -> int:
+    """One rank's part of `_short_flow`: its small items `mine` (those still on h) out until its
+    tokens (`tokens_only`) or its load are within bounds; returns the moves."""
+    cap, M = state.cap, state.M
+    tok, cost = state.tokens, state.costs
+    mine = mine[(state.dest[mine] == h) & (tok[mine] <= small)]
+    over_load = float(state.load[h] - limit[h])
+    over_tok = float(state.slot_tok[h].sum() - cap * M)
+    if over_load > 0 and over_tok > 0:
+        # over in both: items near the density that brings both under together (load excess per token over)
+        key = np.abs(np.log(dens[mine]) - np.log(over_load / over_tok))
+    else:
+        key = -dens[mine] if over_load > 0 else dens[mine]
+    mine = mine[np.argsort(key, kind="stable")]
+    made = 0
+    misses = 0
+    log_dens = np.log(np.maximum(dens[mine], 1e-300)).tolist()
+    costs, tokens = cost[mine].tolist(), tok[mine].tolist()
+    slack = over_shoot * float(band[h])
+    e, t_over = over_load, over_tok  # h's excesses change only when it sends an item
+    no_taker = None  # per item of `mine`: no rank can take it (while the view is unchanged)
+    for k, i in enumerate(mine.tolist()):
+        if ((t_over <= 0) if tokens_only else (e <= 0)) or misses >= _TRIES:
+            break
+        ci, ti = costs[k], tokens[k]
+        if not tokens_only and ci > e + slack and ci > 2.0 * e:
+            continue
+        if state.count is not None and state.count[h] - 1 < state.min_count:
+            break
+        if no_taker is not None and no_taker[k]:
+            misses += 1
+            continue
+        ok = (view.load >= ci) & (view.fit >= ti)
+        ok[h] = False
+        near = np.where(ok, np.abs(view.ratio - log_dens[k]), np.inf)
+        r = int(np.argmin(near))
+        if not near[r] < np.inf:  # no rank with room for it: nor for the items after it that no rank can take
+            misses += 1
+            no_taker = _no_taker(view, h, cost[mine], tok[mine])
+            continue
+        misses = 0
+        slot_room = cap - state.slot_tok[r]
+        s = int(np.argmin(np.where(slot_room >= ti, slot_room, np.inf)))
+        state.move(i, r, s)
+        view.update(state, np.array([h, r]))
+        made += 1
+        e = float(state.load[h] - limit[h])
+        t_over = float(state.slot_tok[h].sum() - cap * M)
+        no_taker = None
+    return made
+
+
+def _no_taker(view, h: int, costs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Per item (cost, tokens): True where no rank but h has the load room and a slot's room for it
+    (`view.load >= cost` and `view.fit >= tokens`), as the short flow tests it one item at a time.
+    O(R log R + items log R): the ranks by load room, the most token room among those with more."""
+    load = view.load.copy()
+    load[h] = -np.inf
+    order = np.argsort(-load)  # ties in load room count alike: any order
+    most_fit = np.maximum.accumulate(view.fit[order])
+    n = np.searchsorted(-load[order], -costs, side="right")  # ranks with load room >= the cost
+    return ~((n > 0) & (most_fit[np.maximum(n - 1, 0)] >= tokens))
+
+
+def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
+    """Mend rank r's slots over the cap by moves and swaps of its items between its own slots (they
+    send nothing): the most over slot o passes the item, or swaps the pair, whose tokens just cover
+    o's excess (else the largest part of it) into a slot with room. True when no slot is over."""
+    cap, M = state.cap, state.M
+    tok = state.tokens
+    items = np.flatnonzero(state.dest == r) if members is None else members[state.dest[members] == r]
+    for _ in range(steps):
+        fill = state.slot_tok[r]
+        o = int(np.argmax(fill))
+        excess = float(fill[o] - cap)
+        if excess <= 0:
+            return True
+        room = cap - fill
+        mine = items[state.micro[items] == o]
+        others = items[state.micro[items] != o]
+        # a move: item i of o into slot s with room for it
+        ti = tok[mine]
+        fits = room[None, :] >= ti[:, None]
+        fits[:, o] = False
+        # a swap: i of o with j of slot s, o falls by t_i - t_j, s takes that much
+        tj = tok[others]
+        sj = state.micro[others]
+        diff = ti[:, None] - tj[None, :]
+        fits_s = (diff > 0) & (diff <= room[sj][None, :])
+        # score: the overflow left (0 best), then the fewest tokens shifted
+        left_m = np.where(fits, np.maximum(excess - ti[:, None], 0.0) * 1e6 + ti[:, None], np.inf)
+        left_s = np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf)
+        km = int(np.argmin(left_m)) if left_m.size else -1
+        ks = int(np.argmin(left_s)) if left_s.size else -1
+        bm = left_m.reshape(-1)[km] if km >= 0 else np.inf
+        bs = left_s.reshape(-1)[ks] if ks >= 0 else np.inf
+        if not np.isfinite(min(bm, bs)):
+            return False
+        if bm <= bs:
+            i, s = divmod(km, M)
+            state.move(int(mine[i]), r, int(s))
+        else:
+            i, j = divmod(ks, others.size)
+            a, b = int(mine[i]), int(others[j])
+            sb = int(state.micro[b])
+            state.move(a, r, sb)
+            state.move(b, r, o)
+    return not (state.slot_tok[r] > cap).any()
