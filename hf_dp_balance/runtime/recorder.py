@@ -133,8 +133,9 @@ class StepRecorder:
     `core.fitting.fit_from_micro_batches`).
     """
 
-    def __init__(self, clock: StepClock):
+    def __init__(self, clock: StepClock, micro_batches: bool = True):
         self.clock = clock
+        self._time_micro_batches = micro_batches  # False: the fit reads the step's sums (no extra syncs)
         self.lengths: List[int] = []
         self.micro_lengths: List[List[int]] = []
         self.micro_s: List[float] = []
@@ -153,8 +154,9 @@ class StepRecorder:
     @property
     def times_micro_batches(self) -> bool:
         """Whether each micro-batch is timed: on the synchronised wall clock only (`wall`), where the step's
-        time is the slowest rank's and a micro-batch boundary is a point every rank passes together."""
-        return self.clock.timing == "wall"
+        time is the slowest rank's and a micro-batch boundary is a point every rank passes together, and only
+        where the fit reads them (`micro_batches`)."""
+        return self._time_micro_batches and self.clock.timing == "wall"
 
     def begin(self) -> None:
         self.lengths, self.patches, self.vision_s = [], [], 0.0

@@ -111,7 +111,8 @@ class BalanceSession:
 
     # -- start -----------------------------------------------------------------------------------
     def start(self, *, model=None, model_config=None, timing: str = "thread_cpu", device_type: str = "cpu",
-              sync: Optional[str] = None, decoder: Optional[CostModel] = None, vision: Optional[CostModel] = None, fitted_step: int = -1,
+              sync: Optional[str] = None, decoder: Optional[CostModel] = None, vision: Optional[CostModel] = None,
+              fitted_step: int = -1,
               checkpoints: Sequence[str] = (), file_step: int = 0,
               checks: Iterable[Callable[[], None]] = ()) -> None:
         """Run the train-begin `checks`, agree the models to start from, make the fitter and hook the recorder.
@@ -132,7 +133,7 @@ class BalanceSession:
                                       prior=prior, vision_prior=vision_prior)
         if self.recorder is not None:
             self.recorder.remove()
-        self.recorder = StepRecorder(StepClock(timing, device_type))
+        self.recorder = StepRecorder(StepClock(timing, device_type), micro_batches=self.fitter.fits_micro_batches)
         if model is not None:
             self.recorder.install(model)
 

@@ -318,3 +318,4 @@ def test_a_step_time_fit_reads_micro_batches_only_where_they_meet_across_ranks(t
     cb = DPBalanceCallback(DPBalanceConfig(timing="wall", sync=sync, warmup_steps=100))
     _begin(cb, model, tmp_path)
     assert cb.fitter.fit_mode == "step_max" and cb.fitter.fits_micro_batches is per_micro_batch
+    assert cb.recorder.times_micro_batches is per_micro_batch  # no device sync per micro-batch it would not read
