@@ -639,42 +639,50 @@ def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
     item_tok, item_slot = tok[items], state.micro[items].copy()
     for _ in range(steps):
         fill = state.slot_tok[r]
-        o = int(np.argmax(fill))
-        excess = float(fill[o] - cap)
+        fill_list = fill.tolist()
+        o = fill_list.index(max(fill_list))  # np.argmax: the first largest
+        excess = fill_list[o] - cap
         if excess <= 0:
             return True
         room = cap - fill
+        room_list = room.tolist()
         in_o = item_slot == o
-        at_o, at_other = np.flatnonzero(in_o), np.flatnonzero(~in_o)
-        mine, others = items[at_o], items[at_other]
-        # a move: item i of o into slot s with room for it
-        ti = item_tok[at_o]
-        fits = room[None, :] >= ti[:, None]
-        fits[:, o] = False
+        out_o = ~in_o
+        # a move: item i of o into slot s with room for it. Its score depends on i alone, so the
+        # first best (i, s) in row order is the first best i that fits the roomiest other slot,
+        # into its first slot with room (what argmin over the (i, s) matrix picks)
+        ti = item_tok[in_o]
+        most = max([v for s, v in enumerate(room_list) if s != o], default=-np.inf)
+        left_m = np.maximum(excess - ti, 0.0)
+        left_m *= 1e6
+        left_m += ti
+        left_m[ti > most] = np.inf
         # a swap: i of o with j of slot s, o falls by t_i - t_j, s takes that much
-        tj = item_tok[at_other]
-        sj = item_slot[at_other]
+        tj = item_tok[out_o]
+        sj = item_slot[out_o]
         diff = ti[:, None] - tj[None, :]
         fits_s = (diff > 0) & (diff <= room[sj][None, :])
         # score: the overflow left (0 best), then the fewest tokens shifted
-        left_m = np.where(fits, (np.maximum(excess - ti, 0.0) * 1e6 + ti)[:, None], np.inf)
         left_s = np.maximum(excess - diff, 0.0)
         left_s *= 1e6
         left_s += diff
         left_s[~fits_s] = np.inf
         km = int(np.argmin(left_m)) if left_m.size else -1
         ks = int(np.argmin(left_s)) if left_s.size else -1
-        bm = left_m.reshape(-1)[km] if km >= 0 else np.inf
+        bm = left_m[km] if km >= 0 else np.inf
         bs = left_s.reshape(-1)[ks] if ks >= 0 else np.inf
         if not np.isfinite(min(bm, bs)):
             return False
+        at_o = np.flatnonzero(in_o)
         if bm <= bs:
-            i, s = divmod(km, M)
-            state.move(int(mine[i]), r, int(s))
-            item_slot[at_o[i]] = s
+            t = float(ti[km])
+            s = next(s for s, v in enumerate(room_list) if s != o and v >= t)
+            state.move(int(items[at_o[km]]), r, s)
+            item_slot[at_o[km]] = s
         else:
-            i, j = divmod(ks, others.size)
-            a, b = int(mine[i]), int(others[j])
+            at_other = np.flatnonzero(out_o)
+            i, j = divmod(ks, at_other.size)
+            a, b = int(items[at_o[i]]), int(items[at_other[j]])
             sb = int(state.micro[b])
             state.move(a, r, sb)
             state.move(b, r, o)
