@@ -207,3 +207,19 @@ def test_fix_slots_makes_the_moves_of_the_matrix_version():
         a, b = _State(*args), _State(*args)
         assert _fix_slots(a, 0) == _fix_slots_matrix(b, 0)
         assert np.array_equal(a.micro, b.micro)
+
+
+def test_no_taker_is_the_one_rank_at_a_time_test():
+    # `_no_taker` (only the ranks that could take the cheapest, smallest item, sorted) against the test
+    # the short flow makes per item: some rank but h with load room >= the cost and a slot's room >= the tokens
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        R, n = int(rng.integers(2, 9)), int(rng.integers(1, 9))
+        view = type("View", (), {})()
+        view.load = rng.integers(-3, 6, R).astype(np.float64)
+        view.fit = rng.integers(-2, 6, R).astype(np.float64)
+        h = int(rng.integers(R))
+        costs, tokens = rng.integers(0, 6, n).astype(np.float64), rng.integers(0, 6, n).astype(np.float64)
+        others = np.arange(R) != h
+        want = np.array([not np.any(others & (view.load >= c) & (view.fit >= t)) for c, t in zip(costs, tokens)])
+        assert np.array_equal(assign._no_taker(view, h, costs, tokens), want)

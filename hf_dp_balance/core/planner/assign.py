@@ -619,11 +619,16 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
 def _no_taker(view, h: int, costs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """Per item (cost, tokens): True where no rank but h has the load room and a slot's room for it
     (`view.load >= cost` and `view.fit >= tokens`), as the short flow tests it one item at a time.
-    O(R log R + items log R): the ranks by load room, the most token room among those with more."""
-    load = view.load.copy()
-    load[h] = -np.inf
+    O(R + K log K + items log K) for the K ranks that could take the cheapest and smallest item (at
+    a full cap few have token room): those ranks by load room, the most token room among those with more."""
+    may = (view.load >= costs.min()) & (view.fit >= tokens.min())  # the others take no item
+    may[h] = False
+    ranks = np.flatnonzero(may)
+    if ranks.size == 0:
+        return np.ones(costs.shape[0], dtype=bool)
+    load = view.load[ranks]
     order = np.argsort(-load)  # ties in load room count alike: any order
-    most_fit = np.maximum.accumulate(view.fit[order])
+    most_fit = np.maximum.accumulate(view.fit[ranks][order])
     n = np.searchsorted(-load[order], -costs, side="right")  # ranks with load room >= the cost
     return ~((n > 0) & (most_fit[np.maximum(n - 1, 0)] >= tokens))
 
