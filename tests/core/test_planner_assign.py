@@ -3,7 +3,7 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from hf_dp_balance.core.planner import plan_step, repack
+from hf_dp_balance.core.planner import assign, plan_step, repack
 from hf_dp_balance.core.planner.assign import _fix_slots
 from hf_dp_balance.core.planner.state import _State
 from test_planner_chain import _long_tail
@@ -104,3 +104,122 @@ def test_the_search_estimate_decides_which_pass_runs_first_and_alone(monkeypatch
         assert plan.makespan_after <= 1.0025 * plan.lower_bound * (1 + 1e-9)
         assert passes == [want_long_first], (q, passes)
         assert searched == [want_search], (q, searched)
+
+
+def test_best_fit_picks_what_argmin_over_the_fitting_rooms_picks():
+    # the Python best fit of the short flow (M slots) against the numpy expression it replaced, ties and
+    # -inf (a slot that must not take the item) included
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        room = rng.integers(-3, 6, size=int(rng.integers(1, 6))).astype(np.float64)
+        if rng.random() < 0.3:
+            room[rng.integers(room.size)] = -np.inf
+        t = float(rng.integers(0, 5))
+        fit = np.where(room >= t, room, np.inf)
+        want = int(np.argmin(fit)) if np.isfinite(fit.min()) else -1
+        assert assign._best_fit(room.tolist(), t) == want
+
+
+def test_rooms_update_pair_is_update_of_the_two_ranks():
+    # fractional tokens: the row sums must be numpy's, bit for bit
+    rng = np.random.default_rng(1)
+    R, M, n = 6, 4, 60
+    tokens = rng.uniform(1.0, 9.0, n)
+    costs = tokens ** 2 * rng.uniform(0.5, 2.0, n)
+    dest, micro = rng.integers(0, R, n), rng.integers(0, M, n)
+    state = _State(costs, tokens, 30.0, np.ones(R), dest, micro, M, np.bincount(dest, weights=costs, minlength=R), 0)
+    limit = rng.uniform(0.5, 1.5, R) * state.load.mean()
+    pair, both = assign._Rooms(state, limit), assign._Rooms(state, limit)
+    for _ in range(40):
+        i, r = int(rng.integers(n)), int(rng.integers(R))
+        h = int(state.dest[i])
+        if r == h:
+            continue
+        state.move(i, r, int(rng.integers(M)))
+        pair.update_pair(state, h, r)
+        both.update(state, np.array([h, r]))
+        for name in ("load", "tok", "slot", "ratio", "fit"):
+            assert getattr(pair, name).tobytes() == getattr(both, name).tobytes(), name
+
+
+def test_the_long_item_search_is_the_same_in_any_block_of_candidates(monkeypatch):
+    # `_score_block` scores row blocks for speed (arrays in cache): the block size must not change the search
+    R, M, pack = 32, 4, 32768
+    tokens, owners, mbs = _long_tail(0, R, M, pack)
+    costs = 1.4e-4 * tokens ** 2 + tokens
+    state = _State(costs, tokens, float(pack), np.ones(R), owners, mbs, M,
+                   np.bincount(owners, weights=costs, minlength=R), 0)
+    budget = np.full(R, costs.sum() / R)
+    items, ranks, estimate = assign._assign_long(state, budget, 0.005)
+    assert np.count_nonzero(ranks != state.dest[items]) > 0  # the search moved some: the blocks were used
+    monkeypatch.setattr(assign, "_BLOCK", 3)
+    items3, ranks3, estimate3 = assign._assign_long(state, budget, 0.005)
+    assert np.array_equal(items, items3) and np.array_equal(ranks, ranks3) and estimate == estimate3
+
+
+def _fix_slots_matrix(state, r, steps=64):
+    """The (item, slot) matrix version of `_fix_slots` that it replaced (the reference)."""
+    cap, M, tok = state.cap, state.M, state.tokens
+    items = np.flatnonzero(state.dest == r)
+    for _ in range(steps):
+        fill = state.slot_tok[r]
+        o = int(np.argmax(fill))
+        excess = float(fill[o] - cap)
+        if excess <= 0:
+            return True
+        room = cap - fill
+        mine, others = items[state.micro[items] == o], items[state.micro[items] != o]
+        ti, tj, sj = tok[mine], tok[others], state.micro[others]
+        fits = room[None, :] >= ti[:, None]
+        fits[:, o] = False
+        diff = ti[:, None] - tj[None, :]
+        fits_s = (diff > 0) & (diff <= room[sj][None, :])
+        left_m = np.where(fits, np.maximum(excess - ti[:, None], 0.0) * 1e6 + ti[:, None], np.inf)
+        left_s = np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf)
+        km = int(np.argmin(left_m)) if left_m.size else -1
+        ks = int(np.argmin(left_s)) if left_s.size else -1
+        bm = left_m.reshape(-1)[km] if km >= 0 else np.inf
+        bs = left_s.reshape(-1)[ks] if ks >= 0 else np.inf
+        if not np.isfinite(min(bm, bs)):
+            return False
+        if bm <= bs:
+            i, s = divmod(km, M)
+            state.move(int(mine[i]), r, int(s))
+        else:
+            i, j = divmod(ks, others.size)
+            a, b = int(mine[i]), int(others[j])
+            sb = int(state.micro[b])
+            state.move(a, r, sb)
+            state.move(b, r, o)
+    return not (state.slot_tok[r] > cap).any()
+
+
+def test_fix_slots_makes_the_moves_of_the_matrix_version():
+    # one rank, slots over the cap, integer tokens with many ties: the same moves, the same answer
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        M, n = int(rng.integers(2, 5)), int(rng.integers(2, 14))
+        tokens = rng.integers(1, 12, n).astype(np.float64)
+        micro = rng.integers(0, M, n)
+        cap = float(max(np.ceil(tokens.sum() / M) + rng.integers(-2, 6), tokens.max()))
+        args = (tokens.copy(), tokens, cap, np.ones(1), np.zeros(n, dtype=np.int64), micro, M,
+                np.array([tokens.sum()]), 0)
+        a, b = _State(*args), _State(*args)
+        assert _fix_slots(a, 0) == _fix_slots_matrix(b, 0)
+        assert np.array_equal(a.micro, b.micro)
+
+
+def test_no_taker_is_the_one_rank_at_a_time_test():
+    # `_no_taker` (only the ranks that could take the cheapest, smallest item, sorted) against the test
+    # the short flow makes per item: some rank but h with load room >= the cost and a slot's room >= the tokens
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        R, n = int(rng.integers(2, 9)), int(rng.integers(1, 9))
+        view = type("View", (), {})()
+        view.load = rng.integers(-3, 6, R).astype(np.float64)
+        view.fit = rng.integers(-2, 6, R).astype(np.float64)
+        h = int(rng.integers(R))
+        costs, tokens = rng.integers(0, 6, n).astype(np.float64), rng.integers(0, 6, n).astype(np.float64)
+        others = np.arange(R) != h
+        want = np.array([not np.any(others & (view.load >= c) & (view.fit >= t)) for c, t in zip(costs, tokens)])
+        assert np.array_equal(assign._no_taker(view, h, costs, tokens), want)

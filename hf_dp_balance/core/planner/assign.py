@@ -41,6 +41,16 @@ _MAX_SLOTS = 4  # runs with at most this many micro-batches (at 4096 x 8 the tra
 _SMALL = 0.25  # the short flow sends items of at most this share of the cap
 
 
+def _best_fit(room: list, t: float) -> int:
+    """Index of the smallest room >= t (the first of equal ones), -1 if none: what
+    `argmin(where(room >= t, room, inf))` picks, on a Python list (M slots: no numpy call per item)."""
+    best, at = np.inf, -1
+    for k, v in enumerate(room):
+        if t <= v < best:
+            best, at = v, k
+    return at
+
+
 def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.ndarray:
     """Estimated tokens the short items of a rank will send (or cost, for a dead deficit), from its
     load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap).
@@ -95,6 +105,8 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     base_room = cap * M - state.slot_tok.sum(axis=1) + TL
     by_cost = np.argsort(cl, kind="stable")
     cost_sorted = cl[by_cost]
+    tok_sorted, home_sorted = tl[by_cost], home[by_cost]  # the partners' arrays in cost order (one gather)
+    cl_list, tl_list = cl.tolist(), tl.tolist()
     off = np.arange(-_NEAR, _NEAR)
     # after a full sweep, only the long items of ranks that changed and those whose improving option
     # lost to another one are scored, with a full sweep every _FULL_EVERY (and whenever that finds none)
@@ -126,46 +138,21 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
         x_all = base_x + CL
         room_all = base_room - TL
         by_x = np.argsort(x_all, kind="stable")
-        at = np.searchsorted(x_all[by_x], -ca)
-        pos = np.clip(at[:, None] + off[None, :], 0, R - 1)
-        s = by_x[pos]
-        # in place, in the order f_left + charge - fr + ta (away after - away now)
-        home_a = home[act][:, None]
-        gain_m = _rank_charge(x_all[s] + ca[:, None], room_all[s] - ta[:, None], scratch=True)
-        np.add(f_left[:, None], gain_m, out=gain_m)
-        gain_m -= fr[s]
-        away = np.not_equal(s, home_a).astype(np.float64)
-        away -= away_now[:, None]
-        away *= ta[:, None]
-        gain_m += away
-        gain_m[s == r[:, None]] = np.inf
+        x_sorted = x_all[by_x]
+        at_m = np.searchsorted(x_sorted, -ca)
         # swaps: partners nearest the cost that leaves r at its limit
         # partners: long items of ranks under the limit (they take c_a - c_b), by cost
         want = ca - np.maximum(x_all[r], 0.0)
-        at = np.searchsorted(cost_sorted, want)
-        pb = by_cost[np.clip(at[:, None] + off[None, :], 0, lg.size - 1)]
-        rb = d[pb]
-        dc = ca[:, None] - cl[pb]
-        dt = ta[:, None] - tl[pb]
-        # in place, in the order: charge at r - fr[r] + charge at rb - fr[rb] + a's away + b's away
-        gain_s = _rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt, scratch=True)
-        gain_s -= fr[r][:, None]
-        gain_s += _rank_charge(x_all[rb] + dc, room_all[rb] - dt, scratch=True)
-        gain_s -= fr[rb]
-        away = np.not_equal(rb, home_a).astype(np.float64)
-        away -= away_now[:, None]
-        away *= ta[:, None]
-        gain_s += away
-        home_b = home[pb]
-        away = np.not_equal(r[:, None], home_b).astype(np.float64)
-        np.subtract(away, rb != home_b, out=away)
-        away *= tl[pb]
-        gain_s += away
-        gain_s[rb == r[:, None]] = np.inf
-        jm = np.argmin(gain_m, axis=1)
-        js = np.argmin(gain_s, axis=1)
-        gm = gain_m[np.arange(act.size), jm]
-        gs = gain_s[np.arange(act.size), js]
+        at_s = np.searchsorted(cost_sorted, want)
+        gm, gs = np.empty(act.size), np.empty(act.size)
+        move_to = np.empty(act.size, dtype=np.int64)  # per candidate: its best move's receiver
+        partner_at = np.empty(act.size, dtype=np.int64)  # its best swap's partner, as a place in cost order
+        sorted_ = (x_sorted, room_all[by_x], fr[by_x], by_x, d[by_cost])
+        for lo in range(0, act.size, _BLOCK):  # in row blocks that stay in cache (same values per row)
+            b = slice(lo, lo + _BLOCK)
+            _score_block(sorted_, (x_all, room_all, fr), (cost_sorted, tok_sorted, home_sorted), off,
+                         (r[b], ca[b], ta[b], away_now[b], f_left[b], home[act[b]], at_m[b], at_s[b]),
+                         (gm[b], gs[b], move_to[b], partner_at[b]))
         g = np.minimum(gm, gs)
         good = np.flatnonzero(g < -1e-6)
         if good.size == 0:
@@ -174,47 +161,117 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
             full = True
             continue
         good = good[np.argsort(g[good], kind="stable")]
-        used = np.zeros(R, dtype=bool)
-        used_item = np.zeros(lg.size, dtype=bool)
+        # each candidate's items and ranks read before any is applied: an item applied earlier
+        # (whose rank has changed) marks its later candidates used, so the stale ranks never count
+        is_move = gm[good] <= gs[good]
+        partner = by_cost[partner_at[good]]
+        item_a = act[good]
+        rank_a = d[item_a]
+        rank_b = np.where(is_move, move_to[good], d[partner])
+        partner = np.where(is_move, -1, partner)
+        used = bytearray(R)
+        used_item = bytearray(lg.size)
         made = 0
         if full:
             gained = 0.0
-        for k in good.tolist():
-            i = int(act[k])
-            a_rank = int(d[i])
-            if gm[k] <= gs[k]:
-                b_rank, j = int(s[k, jm[k]]), -1
-            else:
-                j = int(pb[k, js[k]])
-                b_rank = int(d[j])
+        for i, j, a_rank, b_rank, gk in zip(item_a.tolist(), partner.tolist(), rank_a.tolist(), rank_b.tolist(),
+                                            g[good].tolist()):
             if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
                 continue
             used[a_rank] = used[b_rank] = True
             used_item[i] = True
-            CL[a_rank] -= cl[i]
-            TL[a_rank] -= tl[i]
-            CL[b_rank] += cl[i]
-            TL[b_rank] += tl[i]
+            ci, ti = cl_list[i], tl_list[i]
+            CL[a_rank] -= ci
+            TL[a_rank] -= ti
+            CL[b_rank] += ci
+            TL[b_rank] += ti
             d[i] = b_rank
             if j >= 0:
                 used_item[j] = True
-                CL[b_rank] -= cl[j]
-                TL[b_rank] -= tl[j]
-                CL[a_rank] += cl[j]
-                TL[a_rank] += tl[j]
+                cj, tj = cl_list[j], tl_list[j]
+                CL[b_rank] -= cj
+                TL[b_rank] -= tj
+                CL[a_rank] += cj
+                TL[a_rank] += tj
                 d[j] = a_rank
             made += 1
-            gained -= float(g[k])
+            gained -= gk
+        used_item = np.frombuffer(used_item, dtype=bool)
         watch[:] = False
         watch[act[good]] = True
         watch[used_item] = False  # applied: their ranks are dirty anyway
-        dirty = used
+        dirty = np.frombuffer(used, dtype=bool)
         since_full = 0 if full else since_full + 1
         if full and gained < stop and _ > 0:
             break  # a full sweep gained too little to go on
         full = since_full + 1 >= _FULL_EVERY
     estimate = float(tl[d != home].sum() + _rank_charge(base_x + CL, base_room - TL).sum())
     return lg, d, estimate
+
+
+_BLOCK = 256  # candidates scored per block (x 2 _NEAR each: arrays of 128 KiB, in cache: ~4x faster than one block)
+
+
+def _score_block(by_x_arrays, rank_arrays, by_cost_arrays, off, rows, out) -> None:
+    """`_assign_long`'s scores for a block of its candidates (long items a on ranks r): into `out`
+    = (best move's gain, best swap's gain, the move's receiver, the swap partner's place in cost
+    order). The receivers: the 2 _NEAR ranks around a's best fit in load room, the gain f_left +
+    charge at s - charge now at s + a's tokens away after - before; partners: the 2 _NEAR long
+    items around the cost that leaves r at its limit, the gain of both ranks' charges and both
+    items' tokens away (a rank with itself: no option)."""
+    x_sorted, room_by_x, fr_by_x, by_x, d_by_cost = by_x_arrays
+    x_all, room_all, fr = rank_arrays
+    cost_sorted, tok_sorted, home_sorted = by_cost_arrays
+    r, ca, ta, away_now, f_left, home_a, at_m, at_s = rows
+    gm, gs, move_to, partner_at = out
+    R = x_all.shape[0]
+    ca_c, ta_c, r_c, home_c, away_now_c = ca[:, None], ta[:, None], r[:, None], home_a[:, None], away_now[:, None]
+    pos = _window(at_m, off, R - 1)
+    s = by_x[pos]
+    # in place, in the order f_left + charge - fr + ta (away after - away now)
+    gain_m = _rank_charge(np.add(x_sorted[pos], ca_c), np.subtract(room_by_x[pos], ta_c), scratch=True)
+    np.add(f_left[:, None], gain_m, out=gain_m)
+    gain_m -= fr_by_x[pos]
+    away = np.not_equal(s, home_c).astype(np.float64)
+    away -= away_now_c
+    away *= ta_c
+    gain_m += away
+    gain_m[s == r_c] = np.inf
+    q = _window(at_s, off, cost_sorted.shape[0] - 1)  # the partners' places in cost order
+    rb = d_by_cost[q]
+    dc = np.subtract(ca_c, cost_sorted[q])
+    t_b = tok_sorted[q]
+    dt = np.subtract(ta_c, t_b)
+    # in place, in the order: charge at r - fr[r] + charge at rb - fr[rb] + a's away + b's away
+    gain_s = _rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt, scratch=True)
+    gain_s -= fr[r][:, None]
+    gain_s += _rank_charge(x_all[rb] + dc, room_all[rb] - dt, scratch=True)
+    gain_s -= fr[rb]
+    away = np.not_equal(rb, home_c).astype(np.float64)
+    away -= away_now_c
+    away *= ta_c
+    gain_s += away
+    home_b = home_sorted[q]
+    away = np.not_equal(r_c, home_b).astype(np.float64)
+    np.subtract(away, rb != home_b, out=away)
+    away *= t_b
+    gain_s += away
+    gain_s[rb == r_c] = np.inf
+    jm = np.argmin(gain_m, axis=1)
+    js = np.argmin(gain_s, axis=1)
+    rows_at = np.arange(r.shape[0])
+    gm[:] = gain_m[rows_at, jm]
+    gs[:] = gain_s[rows_at, js]
+    move_to[:] = s[rows_at, jm]
+    partner_at[:] = q[rows_at, js]
+
+
+def _window(at: np.ndarray, off: np.ndarray, last: int) -> np.ndarray:
+    """`clip(at[:, None] + off[None, :], 0, last)` in place (np.clip's own overhead is most of its time)."""
+    pos = np.add(at[:, None], off[None, :])
+    np.maximum(pos, 0, out=pos)
+    np.minimum(pos, last, out=pos)
+    return pos
 
 
 def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
@@ -264,15 +321,13 @@ def _make_room(state: _State, r: int, m: int, need: float, members=None) -> bool
     items = np.flatnonzero(state.dest == r) if members is None else members
     items = items[(state.dest[items] == r) & (state.micro[items] == m)]
     items = items[np.argsort(-state.tokens[items], kind="stable")]
-    other = room.copy()
+    other = room.tolist()
     other[m] = -np.inf
     plan = []
     freed = 0.0
-    for i in items.tolist():
-        t = float(state.tokens[i])
-        fit = np.where(other >= t, other, np.inf)
-        s = int(np.argmin(fit))
-        if not np.isfinite(fit[s]):
+    for i, t in zip(items.tolist(), state.tokens[items].tolist()):
+        s = _best_fit(other, t)
+        if s < 0:
             continue
         other[s] -= t
         plan.append((i, s))
@@ -352,7 +407,9 @@ def _spill(state: _State, limit: np.ndarray) -> int:
                 room = cap - state.slot_tok
                 fits = room >= t
                 fits[h] = False
-                ok = fits.any(axis=1)
+                ok = fits[:, 0].copy()  # fits.any(axis=1), by columns (M small: faster)
+                for col in range(1, M):
+                    ok |= fits[:, col]
                 if not ok.any():
                     break
                 after = (state.load + state.costs[i]) / limit
@@ -407,38 +464,46 @@ def _denser_back(state, view, over, order, bounds, small, dens) -> int:
                 is_host[hosts] = True
                 r = state.dest[pool]
                 keep = is_host[r] & ~taken[pool]
-                cached = hosts, pool[keep], r[keep]
-            hosts, j, r = cached
+                j, r = pool[keep], r[keep]
+                # what the tests below read of j and r (fixed while the cache lives: the view changes
+                # only with an exchange), and the cost that bounds S: c_j + r's load room
+                c_j, t_j = cost[j], tok[j]
+                cached = hosts, j, r, c_j, t_j, c_j + np.maximum(view.load[r], 0.0), view.tok[r], view.slot[r]
+            hosts, j, r, c_j, t_j, bound, tok_r, slot_r = cached
             if not (hosts != h).any():
                 break
-            keep = r != h
-            j, r = j[keep], r[keep]
-            if j.size == 0:
+            # only candidates that may pass the tests (necessary conditions: the others score inf, and
+            # the first of the lowest scores stays first): another rank, a slot for h's first item,
+            # a prefix S of at least one item (k >= 1) with more tokens than j
+            may = (r != h) & (slot_r >= tok[mine[0]]) & (bound >= ct[1]) & (t_j < tt[-1])
+            at = np.flatnonzero(may)
+            if at.size == 0:
                 break
+            c_at, t_at, tok_at = c_j[at], t_j[at], tok_r[at]
             # the longest prefix S that r can take for the load j leaves: c_S <= c_j + r's load room
-            k = np.searchsorted(ct, cost[j] + np.maximum(view.load[r], 0.0), side="right") - 1
+            k = np.searchsorted(ct, bound[at], side="right") - 1
             c_s, t_s = ct[k], tt[k]
-            freed = t_s - tok[j]
-            ok = ((k >= 1) & (cost[j] - c_s <= view.load[h]) & (freed > 0) & (view.tok[r] >= freed)
-                  & (view.slot[r] >= tok[mine[0]]))
+            freed = t_s - t_at
+            ok = ((k >= 1) & (c_at - c_s <= view.load[h]) & (freed > 0) & (tok_at >= freed))
             if not ok.any():
                 break
-            score = np.where(ok, (t_s + tok[j]) / np.minimum(np.maximum(freed, 1e-9), need), np.inf)
+            score = np.where(ok, (t_s + t_at) / np.minimum(np.maximum(freed, 1e-9), need), np.inf)
             b = int(np.argmin(score))
             if not score[b] <= _WORST:
                 break
-            jb, rb, kb = int(j[b]), int(r[b]), int(k[b])
+            jb, rb, kb = int(j[at[b]]), int(r[at[b]]), int(k[b])
             # S into r's slots (best fit, largest first); j into the slot of h that S leaves most room in
             room = cap - state.slot_tok[rb].astype(np.float64)
             room[state.micro[jb]] += tok[jb]
+            room = room.tolist()
             plan = []
             for i in sorted(mine[:kb].tolist(), key=lambda i: -tok[i]):
-                fit = np.where(room >= tok[i], room, np.inf)
-                s = int(np.argmin(fit))
-                if not np.isfinite(fit[s]):
+                t = float(tok[i])
+                s = _best_fit(room, t)
+                if s < 0:
                     plan = None
                     break
-                room[s] -= tok[i]
+                room[s] -= t
                 plan.append((i, s))
             if plan is None:
                 taken[jb] = True  # its rank's slots cannot hold S: not this one again
@@ -483,6 +548,22 @@ class _Rooms:
         self.ratio[r] = np.log(np.maximum(self.load[r], 1e-9) / np.maximum(self.tok[r], 1.0))
         self.fit[r] = np.minimum(self.slot[r], self.tok[r])
 
+    def update_pair(self, state: _State, h: int, r: int) -> None:
+        """`update(state, [h, r])` with the same arithmetic (numpy's row sums and log, the rest on
+        Python floats: the same IEEE operations), in a few numpy calls instead of ~20."""
+        cap, M = state.cap, state.M
+        rows = state.slot_tok[[h, r]]
+        t_h, t_r = (cap * M - rows.sum(axis=-1)).tolist()
+        s_h, s_r = (cap - rows.min(axis=-1)).tolist()  # max(cap - row) = cap - min(row): rounding is monotone
+        l_h = float(self.limit[h]) - float(state.load[h])
+        l_r = float(self.limit[r]) - float(state.load[r])
+        ratio_h, ratio_r = np.log(np.array([max(l_h, 1e-9) / max(t_h, 1.0), max(l_r, 1e-9) / max(t_r, 1.0)])).tolist()
+        self.load[h], self.load[r] = l_h, l_r
+        self.tok[h], self.tok[r] = t_h, t_r
+        self.slot[h], self.slot[r] = s_h, s_r
+        self.ratio[h], self.ratio[r] = ratio_h, ratio_r
+        self.fit[h], self.fit[r] = min(s_h, t_h), min(s_r, t_r)
+
 
 def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only) -> int:
     """One rank's part of `_short_flow`: its small items `mine` (those still on h) out until its
@@ -525,10 +606,9 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
             no_taker = _no_taker(view, h, cost[mine], tok[mine])
             continue
         misses = 0
-        slot_room = cap - state.slot_tok[r]
-        s = int(np.argmin(np.where(slot_room >= ti, slot_room, np.inf)))
+        s = max(_best_fit((cap - state.slot_tok[r]).tolist(), ti), 0)
         state.move(i, r, s)
-        view.update(state, np.array([h, r]))
+        view.update_pair(state, h, r)
         made += 1
         e = float(state.load[h] - limit[h])
         t_over = float(state.slot_tok[h].sum() - cap * M)
@@ -539,11 +619,16 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
 def _no_taker(view, h: int, costs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """Per item (cost, tokens): True where no rank but h has the load room and a slot's room for it
     (`view.load >= cost` and `view.fit >= tokens`), as the short flow tests it one item at a time.
-    O(R log R + items log R): the ranks by load room, the most token room among those with more."""
-    load = view.load.copy()
-    load[h] = -np.inf
+    O(R + K log K + items log K) for the K ranks that could take the cheapest and smallest item (at
+    a full cap few have token room): those ranks by load room, the most token room among those with more."""
+    may = (view.load >= costs.min()) & (view.fit >= tokens.min())  # the others take no item
+    may[h] = False
+    ranks = np.flatnonzero(may)
+    if ranks.size == 0:
+        return np.ones(costs.shape[0], dtype=bool)
+    load = view.load[ranks]
     order = np.argsort(-load)  # ties in load room count alike: any order
-    most_fit = np.maximum.accumulate(view.fit[order])
+    most_fit = np.maximum.accumulate(view.fit[ranks][order])
     n = np.searchsorted(-load[order], -costs, side="right")  # ranks with load room >= the cost
     return ~((n > 0) & (most_fit[np.maximum(n - 1, 0)] >= tokens))
 
@@ -555,40 +640,56 @@ def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
     cap, M = state.cap, state.M
     tok = state.tokens
     items = np.flatnonzero(state.dest == r) if members is None else members[state.dest[members] == r]
+    # the rank's items' tokens and slots, kept here (the moves below stay inside r)
+    item_tok, item_slot = tok[items], state.micro[items].copy()
     for _ in range(steps):
         fill = state.slot_tok[r]
-        o = int(np.argmax(fill))
-        excess = float(fill[o] - cap)
+        fill_list = fill.tolist()
+        o = fill_list.index(max(fill_list))  # np.argmax: the first largest
+        excess = fill_list[o] - cap
         if excess <= 0:
             return True
         room = cap - fill
-        mine = items[state.micro[items] == o]
-        others = items[state.micro[items] != o]
-        # a move: item i of o into slot s with room for it
-        ti = tok[mine]
-        fits = room[None, :] >= ti[:, None]
-        fits[:, o] = False
+        room_list = room.tolist()
+        in_o = item_slot == o
+        out_o = ~in_o
+        # a move: item i of o into slot s with room for it. Its score depends on i alone, so the
+        # first best (i, s) in row order is the first best i that fits the roomiest other slot,
+        # into its first slot with room (what argmin over the (i, s) matrix picks)
+        ti = item_tok[in_o]
+        most = max([v for s, v in enumerate(room_list) if s != o], default=-np.inf)
+        left_m = np.maximum(excess - ti, 0.0)
+        left_m *= 1e6
+        left_m += ti
+        left_m[ti > most] = np.inf
         # a swap: i of o with j of slot s, o falls by t_i - t_j, s takes that much
-        tj = tok[others]
-        sj = state.micro[others]
+        tj = item_tok[out_o]
+        sj = item_slot[out_o]
         diff = ti[:, None] - tj[None, :]
         fits_s = (diff > 0) & (diff <= room[sj][None, :])
         # score: the overflow left (0 best), then the fewest tokens shifted
-        left_m = np.where(fits, np.maximum(excess - ti[:, None], 0.0) * 1e6 + ti[:, None], np.inf)
-        left_s = np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf)
+        left_s = np.maximum(excess - diff, 0.0)
+        left_s *= 1e6
+        left_s += diff
+        left_s[~fits_s] = np.inf
         km = int(np.argmin(left_m)) if left_m.size else -1
         ks = int(np.argmin(left_s)) if left_s.size else -1
-        bm = left_m.reshape(-1)[km] if km >= 0 else np.inf
+        bm = left_m[km] if km >= 0 else np.inf
         bs = left_s.reshape(-1)[ks] if ks >= 0 else np.inf
         if not np.isfinite(min(bm, bs)):
             return False
+        at_o = np.flatnonzero(in_o)
         if bm <= bs:
-            i, s = divmod(km, M)
-            state.move(int(mine[i]), r, int(s))
+            t = float(ti[km])
+            s = next(s for s, v in enumerate(room_list) if s != o and v >= t)
+            state.move(int(items[at_o[km]]), r, s)
+            item_slot[at_o[km]] = s
         else:
-            i, j = divmod(ks, others.size)
-            a, b = int(mine[i]), int(others[j])
+            at_other = np.flatnonzero(out_o)
+            i, j = divmod(ks, at_other.size)
+            a, b = int(items[at_o[i]]), int(items[at_other[j]])
             sb = int(state.micro[b])
             state.move(a, r, sb)
             state.move(b, r, o)
+            item_slot[at_o[i]], item_slot[at_other[j]] = sb, o
     return not (state.slot_tok[r] > cap).any()
