@@ -59,14 +59,20 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     tried = []
     first = _trades_first(origin)
     traded = None
+    lumpy = False
     if first:
         # on `state` itself (no copy of the step's arrays): the incremental method below starts
         # from a fresh copy of `origin` instead when the trades find no plan
-        traded = _full_cap_trades(state, budget, tolerance, relocate, copy=False, ladder=_lumpy(origin))
+        lumpy = _lumpy(origin)
+        traded = _full_cap_trades(state, budget, tolerance, relocate, copy=False, ladder=lumpy)
         if traded is None:
             state = _copy_state(origin)
     if traded is not None and _fullest(traded, budget) <= goal:
         return traded
+    # ladder trades first that ended above the goal: a capped LPT repack that does not beat them stops
+    # the doubling (M = 3, long-tail, q/l 1.4e-4, 256-1024 ranks: every repack ended 0.1-1% above
+    # the trades' plan, sending 53-81% of the tokens, and took ~80% of the call's time)
+    stop_at = _fullest(traded, budget) if traded is not None and lumpy else np.inf
     if traded is not None:
         tried.append(traded)  # they ran steps 1-4 already: the repacks start from them
     else:
@@ -99,11 +105,15 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
         ranks = np.sort(np.lexsort((np.arange(R), -full))[:over].tolist() +
                         [r for r in np.lexsort((np.arange(R), full)).tolist()
                          if full[r] <= goal][:max(k - over, 0)])
+        repacked = None
         try:
-            tried.append(_repack(_copy_state(base if k < R else origin), budget, tolerance, ranks, start))
+            repacked = _repack(_copy_state(base if k < R else origin), budget, tolerance, ranks, start)
+            tried.append(repacked)
         except _Infeasible as exc:
             failure = exc
         if (len(tried) and _fullest(tried[-1], budget) <= goal) or k >= R:
+            break
+        if repacked is not None and _fullest(repacked, budget) >= stop_at:
             break
         k *= 2
     if not tried:
