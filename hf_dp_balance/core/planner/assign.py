@@ -20,7 +20,8 @@ plan is made in the order the cost of it is decided:
    are mended inside their rank (`_fix_slots`).
 
 The incremental method and the full-cap trades then finish what is left. core/planner/repack.py
-runs this only where the trades alone send more than 10% of the tokens, and keeps the better plan.
+(`_full_cap_trades`) runs this first where the search's estimate is at most _TRUST of the step's
+tokens, else only where the trades alone end above their limit, and keeps the better plan.
 """
 
 from __future__ import annotations
