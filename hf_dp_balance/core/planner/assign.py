@@ -52,6 +52,17 @@ def _best_fit(room: list, t: float) -> int:
     return at
 
 
+def _move_long(item: int, src: int, dst: int, cost: list, tokens: list, CL, TL, dest, used_item) -> None:
+    """The search's bookkeeping of one long item moving from rank `src` to `dst` (Python lists: per move,
+    scalar updates cost less than numpy calls)."""
+    used_item[item] = True
+    CL[src] -= cost[item]
+    TL[src] -= tokens[item]
+    CL[dst] += cost[item]
+    TL[dst] += tokens[item]
+    dest[item] = dst
+
+
 def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.ndarray:
     """Estimated tokens the short items of a rank will send (or cost, for a dead deficit), from its
     load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap).
@@ -180,21 +191,9 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
             if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
                 continue
             used[a_rank] = used[b_rank] = True
-            used_item[i] = True
-            ci, ti = cl_list[i], tl_list[i]
-            CL[a_rank] -= ci
-            TL[a_rank] -= ti
-            CL[b_rank] += ci
-            TL[b_rank] += ti
-            d[i] = b_rank
-            if j >= 0:
-                used_item[j] = True
-                cj, tj = cl_list[j], tl_list[j]
-                CL[b_rank] -= cj
-                TL[b_rank] -= tj
-                CL[a_rank] += cj
-                TL[a_rank] += tj
-                d[j] = a_rank
+            _move_long(i, a_rank, b_rank, cl_list, tl_list, CL, TL, d, used_item)
+            if j >= 0:  # a swap: the partner goes the other way
+                _move_long(j, b_rank, a_rank, cl_list, tl_list, CL, TL, d, used_item)
             made += 1
             gained -= gk
         used_item = np.frombuffer(used_item, dtype=bool)
