@@ -146,6 +146,7 @@ class StepRecorder:
         self._forward_spans: list = []  # (start, end) marks of this step's model forwards
         self._tower_spans: list = []  # (start, end, micro-batch index) of this step's tower forwards
         self._micro_starts: List[float] = []
+        self._micro_vision_s: List[float] = []  # tower seconds of each micro-batch, set by `end` with micro_s
 
     @property
     def forward_only(self) -> bool:
@@ -160,7 +161,7 @@ class StepRecorder:
 
     def begin(self) -> None:
         self.lengths, self.patches, self.vision_s = [], [], 0.0
-        self.micro_lengths, self.micro_s, self._micro_starts = [], [], []
+        self.micro_lengths, self.micro_s, self._micro_starts, self._micro_vision_s = [], [], [], []
         self._forward_spans, self._tower_spans = [], []
         self.started = self.clock.now()
 
@@ -179,6 +180,10 @@ class StepRecorder:
         if self.times_micro_batches and self._micro_starts:
             bounds = self._micro_starts + [stop]
             self.micro_s = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+            self._micro_vision_s = [0.0] * len(self.micro_s)
+            for t, m in tower:
+                if 0 <= m < len(self._micro_vision_s):
+                    self._micro_vision_s[m] += t
         return elapsed
 
     def micro_batches(self) -> Optional[Tuple[List[List[int]], List[float], List[float]]]:
@@ -186,11 +191,7 @@ class StepRecorder:
         were timed (`times_micro_batches`) and every forward's work was read; else None."""
         if not self.micro_s or len(self.micro_s) != len(self.micro_lengths):
             return None
-        vision = [0.0] * len(self.micro_s)
-        for a, b, m in self._tower_spans:
-            if 0 <= m < len(vision):
-                vision[m] += 3.0 * self.clock.span(a, b)
-        return [list(x) for x in self.micro_lengths], list(self.micro_s), vision
+        return [list(x) for x in self.micro_lengths], list(self.micro_s), list(self._micro_vision_s)
 
     def install(self, model) -> None:
         """Hooks: the model's forward inputs give the sample lengths (and, without a separate tower, the

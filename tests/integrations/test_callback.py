@@ -319,3 +319,27 @@ def test_a_step_time_fit_reads_micro_batches_only_where_they_meet_across_ranks(t
     _begin(cb, model, tmp_path)
     assert cb.fitter.fit_mode == "step_max" and cb.fitter.fits_micro_batches is per_micro_batch
     assert cb.recorder.times_micro_batches is per_micro_batch  # no device sync per micro-batch it would not read
+
+
+def test_the_wall_clock_gives_each_micro_batch_its_own_tower_seconds():
+    # Two micro-batches of one step; the tower waits 0.1 s in the second one only. Each micro-batch's tower
+    # share is its own (the decoder's time of a micro-batch is its interval less that share).
+    import time
+
+    from hf_dp_balance.runtime.recorder import StepClock, StepRecorder
+
+    model, batch = _vision_batch()
+    recorder = StepRecorder(StepClock("wall"))
+    recorder.install(model)
+    calls = []
+    model.model.visual.register_forward_pre_hook(lambda module, args: calls.append(1) or (
+        time.sleep(0.1) if len(calls) == 2 else None))
+    recorder.begin()
+    with torch.no_grad():
+        model(**batch)
+        model(**batch)
+    recorder.end()
+    recorder.remove()
+    lengths, seconds, vision = recorder.micro_batches()
+    assert len(lengths) == len(seconds) == len(vision) == 2
+    assert vision[1] >= 3 * 0.1 > vision[0] and abs(sum(vision) - recorder.vision_s) < 1e-9
