@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from hf_dp_balance.core.planner import assign, plan_step, repack
 from hf_dp_balance.core.planner.assign import _fix_slots
-from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.state import _State, _smallest_room
 from test_planner_chain import _long_tail
 
 
@@ -107,7 +107,7 @@ def test_the_search_estimate_decides_which_pass_runs_first_and_alone(monkeypatch
 
 
 def test_best_fit_picks_what_argmin_over_the_fitting_rooms_picks():
-    # the Python best fit of the short flow (M slots) against the numpy expression it replaced, ties and
+    # the Python best fit (the short flow's slots, the cap repair's rooms) against the numpy expression it replaced, ties and
     # -inf (a slot that must not take the item) included
     rng = np.random.default_rng(0)
     for _ in range(500):
@@ -117,7 +117,7 @@ def test_best_fit_picks_what_argmin_over_the_fitting_rooms_picks():
         t = float(rng.integers(0, 5))
         fit = np.where(room >= t, room, np.inf)
         want = int(np.argmin(fit)) if np.isfinite(fit.min()) else -1
-        assert assign._best_fit(room.tolist(), t) == want
+        assert _smallest_room(room.tolist(), t) == want
 
 
 def test_rooms_update_pair_is_update_of_the_two_ranks():

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.state import _State, _smallest_room
 
 _LONG = 0.25  # items over this share of the cap are assigned first (8192 tokens at 32K packs)
 _DENSITY = 1.5  # cost per token at which the estimate has short items carry a rank's excess
@@ -40,16 +40,6 @@ _STOP = 1e-4  # the search stops when a full sweep gains less than this share of
 _NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
 _MAX_SLOTS = 4  # runs with at most this many micro-batches (at 4096 x 8 the trades alone send 9%; not measured there)
 _SMALL = 0.25  # the short flow sends items of at most this share of the cap
-
-
-def _best_fit(room: list, t: float) -> int:
-    """Index of the smallest room >= t (the first of equal ones), -1 if none: what
-    `argmin(where(room >= t, room, inf))` picks, on a Python list (M slots: no numpy call per item)."""
-    best, at = np.inf, -1
-    for k, v in enumerate(room):
-        if t <= v < best:
-            best, at = v, k
-    return at
 
 
 def _move_long(item: int, src: int, dst: int, cost: list, tokens: list, CL, TL, dest, used_item) -> None:
@@ -326,7 +316,7 @@ def _make_room(state: _State, r: int, m: int, need: float, members=None) -> bool
     plan = []
     freed = 0.0
     for i, t in zip(items.tolist(), state.tokens[items].tolist()):
-        s = _best_fit(other, t)
+        s = _smallest_room(other, t)
         if s < 0:
             continue
         other[s] -= t
@@ -499,7 +489,7 @@ def _denser_back(state, view, over, order, bounds, small, dens) -> int:
             plan = []
             for i in sorted(mine[:kb].tolist(), key=lambda i: -tok[i]):
                 t = float(tok[i])
-                s = _best_fit(room, t)
+                s = _smallest_room(room, t)
                 if s < 0:
                     plan = None
                     break
@@ -606,7 +596,7 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
             no_taker = _no_taker(view, h, cost[mine], tok[mine])
             continue
         misses = 0
-        s = max(_best_fit((cap - state.slot_tok[r]).tolist(), ti), 0)
+        s = max(_smallest_room((cap - state.slot_tok[r]).tolist(), ti), 0)
         state.move(i, r, s)
         view.update_pair(state, h, r)
         made += 1

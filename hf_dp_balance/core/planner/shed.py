@@ -6,7 +6,7 @@ from bisect import bisect_left
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _Infeasible, _State, _group_starts, _remove
+from hf_dp_balance.core.planner.state import _Infeasible, _State, _group_starts, _remove, _smallest_room
 
 
 def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_rounds: int = 64,
@@ -169,12 +169,12 @@ def _repair_within_rank(state: _State, s: int, items: np.ndarray, slot_of: np.nd
 def _best_fit(room: np.ndarray, items: list, tokens: np.ndarray) -> list:
     """(item, position in `room`) for `items`, most tokens first, each into the least room that holds it
     (-1: none does); `room` is decreased by what it takes."""
-    out = []
+    out, rooms = [], room.tolist()
     for i in sorted(items, key=lambda i: -float(tokens[i])):
         t = float(tokens[i])
-        host = np.flatnonzero(room >= t)
-        j = int(host[np.argmin(room[host])]) if host.size else -1
+        j = _smallest_room(rooms, t)
         if j >= 0:
+            rooms[j] -= t
             room[j] -= t
         out.append((i, j))
     return out

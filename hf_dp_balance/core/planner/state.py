@@ -94,6 +94,16 @@ def _copy_state(state: _State) -> _State:
     return twin
 
 
+def _smallest_room(room: list, t: float) -> int:
+    """Index of the smallest room >= t (the first of equal ones), -1 if none: best fit, what
+    `argmin(where(room >= t, room, inf))` picks, on a Python list (a few slots: no numpy call per item)."""
+    best, at = np.inf, -1
+    for k, v in enumerate(room):
+        if t <= v < best:
+            best, at = v, k
+    return at
+
+
 def _fullest(state: _State, budget: np.ndarray) -> float:
     return float(np.max(state.load / np.maximum(budget, np.finfo(np.float64).tiny)))
 
