@@ -105,18 +105,12 @@ def _surely_stuck(state: _State, full: np.ndarray, line: np.ndarray, members, ca
     if has.size:
         mine = np.concatenate([groups[i] for i in has.tolist()])
         starts = np.cumsum(sizes[has]) - sizes[has]
-        t_mine = state.tokens[mine]
         to_slot = np.argmin(state.slot_tok[cand], axis=1)
         move_room = float((cap - state.slot_tok[cand, to_slot]).max())
-        maybe[has] = np.minimum.reduceat(t_mine, starts) <= move_room
+        maybe[has] = np.minimum.reduceat(state.tokens[mine], starts) <= move_room
         theirs = np.concatenate([members.of(int(l)) for l in cand.tolist()])
-        if theirs.size:  # as `_swap_may_fit`, item by item
-            ct = state.costs[theirs]
-            by_cost = np.argsort(ct, kind="stable")
-            most = np.maximum.accumulate(state.tokens[theirs][by_cost])
-            cheaper = np.searchsorted(ct[by_cost], state.costs[mine], side="left")
-            room = cap - float(state.slot_tok[cand].min())
-            close = (cheaper > 0) & (most[np.maximum(cheaper - 1, 0)] >= t_mine - room - 1e-6 * cap)
+        if theirs.size:  # the screen of `_swap_may_fit`, for every rank of the line at once
+            close = _cheaper_close(state, mine, theirs, cand)
             maybe[has] |= np.add.reduceat(close.astype(np.int64), starts) > 0
     first = np.flatnonzero(maybe)
     return int(first[0]) if first.size else int(line.size)
@@ -188,17 +182,20 @@ def _swap_may_fit(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.
     `_best_swap`, and the items x theirs matrices are skipped. At a full cap the slots' rooms are
     a few tokens and most ranks nothing helps pass this test in O((mine + theirs) log theirs).
     The test is loose by 1e-6 of the cap (the matrices' float sums are exact to far less)."""
+    return bool(_cheaper_close(state, mine, theirs, cand).any())
+
+
+def _cheaper_close(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Per item a of `mine`: whether some item b of `theirs` (not empty) costs less and has tokens
+    close enough that the swap fits the roomiest slot of the candidates (t_a - t_b <= its room, loose
+    by 1e-6 of the cap): the screen of `_swap_may_fit`."""
     ct = state.costs[theirs]
     by_cost = np.argsort(ct, kind="stable")
     # for every a: the most tokens of a cheaper b (c_b < c_a)
     most = np.maximum.accumulate(state.tokens[theirs][by_cost])
     cheaper = np.searchsorted(ct[by_cost], state.costs[mine], side="left")
-    has = np.flatnonzero(cheaper > 0)
-    if has.size == 0:
-        return False
     room = state.cap - float(state.slot_tok[cand].min())  # the roomiest slot of the candidates
-    slack = 1e-6 * state.cap
-    return bool(np.any(most[cheaper[has] - 1] >= state.tokens[mine][has] - room - slack))
+    return (cheaper > 0) & (most[np.maximum(cheaper - 1, 0)] >= state.tokens[mine] - room - 1e-6 * state.cap)
 
 
 def _fill_short_ranks(state: _State) -> None:
