@@ -6,7 +6,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.place import _place_best_fit
 from hf_dp_balance.core.planner.state import _State, _group_starts, _remove
-from hf_dp_balance.core.planner.trade_index import _uint_key
+from hf_dp_balance.core.planner.trade_index import _stable_order
 
 
 def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> bool:
@@ -46,9 +46,7 @@ def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> 
     pool = np.flatnonzero((state.dest != h) & (state.micro == recv_slot[state.dest]))
     # by rank, heaviest first (ties: index; `pool` ascends): two stable sorts, the ranks' a radix sort
     pool = pool[np.argsort(-costs[pool], kind="stable")]
-    pool_rank = state.dest[pool]
-    narrow = pool.size == 0 or int(pool_rank.min()) >= 0  # (an unplaced item, -1, sorts first as before)
-    pool = pool[np.argsort(_uint_key(pool_rank, R) if narrow else pool_rank, kind="stable")]
+    pool = pool[_stable_order(state.dest[pool], R)]
     best = None
     for a in cands:
         ca = float(costs[a])

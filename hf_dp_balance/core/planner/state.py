@@ -10,7 +10,7 @@ import copy
 
 import numpy as np
 
-from hf_dp_balance.core.planner.trade_index import _uint_key
+from hf_dp_balance.core.planner.trade_index import _stable_order
 
 
 class _Infeasible(Exception):
@@ -119,9 +119,8 @@ class _Members:
     """Items of each rank, built once (stable sort of dest) and patched on every move."""
 
     def __init__(self, dest: np.ndarray, num_ranks: int):
-        placed = dest.size == 0 or int(dest.min()) >= 0  # (every item on a rank: ranks as a narrow key)
         # numpy's stable sort of a 16-bit key is a radix sort, 4-5x faster than its merge sort of int64 (same order)
-        self.order = np.argsort(_uint_key(dest, num_ranks) if placed else dest, kind="stable")
+        self.order = _stable_order(dest, num_ranks)
         self.bounds = np.searchsorted(dest[self.order], np.arange(num_ranks + 1))
         self.cache = {}
 

@@ -71,6 +71,13 @@ def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
     return values.astype(np.int64)
 
 
+def _stable_order(values: np.ndarray, below: int) -> np.ndarray:
+    """np.argsort(values, kind="stable") of integers < `below`, by the narrow key of `_uint_key` where
+    none is negative (the same order; a -1, an item not placed yet, keeps the plain sort, first)."""
+    narrow = values.size == 0 or int(values.min()) >= 0
+    return np.argsort(_uint_key(values, below) if narrow else values, kind="stable")
+
+
 class _PayBack:
     """The small items of the slots a round searches, in index order, as running sums of tokens /
     costs: only items that never moved count (a moved item left its slot; arrivals moved too).
