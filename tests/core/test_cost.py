@@ -203,6 +203,42 @@ def test_fit_cli_reads_lengths_and_writes_a_loadable_model(tmp_path, capsys):
     assert "needs 'features'" in capsys.readouterr().err
 
 
+def test_fit_cli_fits_micro_batch_records_one_maximum_per_micro_batch(tmp_path, capsys):
+    # FSDP / ZeRO-3 with gradient accumulation: each micro-batch's synchronised time is one step-max
+    # observation. The CLI must fit those (fit_from_micro_batches), not the summed step.
+    from hf_dp_balance.apps.cli import main
+    from hf_dp_balance.core.fitting import fit_from_micro_batches
+    from hf_dp_balance.testing.cost_steps import fixed_length_steps
+
+    _, truth, feats, times = fixed_length_steps(3, steps=12 * 4, ranks=16)
+    feats, times = feats.reshape(12, 4, 16, 4), times.reshape(12, 4, 16)
+    record = tmp_path / "micro.json"
+    record.write_text(json.dumps({"micro_features": feats.tolist(), "micro_times": times.tolist()}))
+    out = tmp_path / "model.json"
+    assert main(["fit", str(record), "-o", str(out), "--tail", "keep"]) == 0
+    assert "mode=step_max" in capsys.readouterr().out
+    model = CostModel.load(out)
+    direct = fit_from_micro_batches(list(feats), list(times), tail="keep").model
+    assert np.isclose(model.quadratic, direct.quadratic) and np.isclose(model.linear, direct.linear)
+    # the 12 x 4 maxima (first step dropped: 44) pin the model: within 10% of the truth on a whole pack
+    assert np.max(np.abs(model.predict(feats[0]) / truth.predict(feats[0]) - 1)) < 0.10
+    assert json.loads(out.read_text())["report"]["n_observations"] == 44
+
+    # lengths instead of features give the same rows
+    lengths = [[[[16] * 3, [40, 8]], [[100], [7, 7, 7]]], [[[5], [9, 9]], [[64, 1], [3]]]]
+    record.write_text(json.dumps({"micro_lengths": lengths, "micro_times": [[1.0, 2.0], [0.5, 0.7]]}))
+    read_feats, read_times = load_timings(str(record))
+    assert np.allclose(read_feats[1][1], features_of_ranks([[64, 1], [3]])) and np.allclose(read_times[0], [1.0, 2.0])
+
+    # synchronised micro-batch times carry no per-rank compute: per_rank is refused by name
+    record.write_text(json.dumps({"micro_features": feats.tolist(), "micro_times": times.tolist()}))
+    assert main(["fit", str(record), "--mode", "per_rank"]) == 2
+    assert "per_rank" in capsys.readouterr().err
+    record.write_text(json.dumps({"micro_times": times.tolist()}))
+    assert main(["fit", str(record)]) == 2
+    assert "micro_lengths" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- fitting from training records
 
 
