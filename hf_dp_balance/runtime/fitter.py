@@ -21,7 +21,7 @@ from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import compute_imbalance, fit_cost_model, fit_from_micro_batches, fit_from_records
 from hf_dp_balance.runtime.recorder import (StepClock, StepRecorder, image_patches, micro_batch_lengths,
-                                            synchronize, vision_tower)
+                                            sharded_units, synchronize, vision_tower)
 from hf_dp_balance.runtime.logs import get_logger
 
 logger = get_logger(__name__)
@@ -39,21 +39,27 @@ _MIN_VISION_OBSERVATIONS = 8
 # --------------------------------------------------------------------------- clock
 
 
-def resolve_timing(timing: str, device_type: str, sync: Optional[str] = None) -> str:
+def resolve_timing(timing: str, device_type: str, sync: Optional[str] = None, model=None) -> str:
     """`auto` -> `thread_cpu` on a CPU device; on an accelerator `forward_events` under DDP (`sync="step"`:
-    its forward has no collective), `wall` where the forward meets other ranks (`micro_batch`: FSDP /
-    ZeRO-3) or the strategy is unknown (None). Explicit choices stay."""
+    its forward has no collective), `unit_events` under FSDP (`micro_batch` and FSDP units in `model`,
+    `runtime.recorder.sharded_units`: the spans of its units exclude the all-gather waits), `wall` where
+    the forward meets other ranks and no such unit is found (ZeRO-3, a model not yet sharded, no model) or
+    the strategy is unknown (None). Explicit choices stay."""
     if timing != "auto":
         return timing
     if device_type == "cpu":
         return "thread_cpu"
-    return "forward_events" if sync == "step" else "wall"
+    if sync == "step":
+        return "forward_events"
+    if sync == "micro_batch" and model is not None and sharded_units(model):
+        return "unit_events"
+    return "wall"
 
 
 def resolve_fit_mode(fit_mode: str, timing: str) -> str:
     """`auto` -> `per_rank` with thread CPU time (clean per-rank compute: a rank blocked in a collective
-    burns no CPU) or forward events (no collective in a DDP forward); `step_max` with wall time (ranks
-    meet in the gradient all-reduce)."""
+    burns no CPU), forward events (no collective in a DDP forward) or unit events (FSDP units' spans start
+    after their all-gather's wait); `step_max` with wall time (ranks meet in the gradient all-reduce)."""
     if fit_mode != "auto":
         return fit_mode
     return "step_max" if timing == "wall" else "per_rank"
@@ -148,7 +154,8 @@ class CostModelFitter:
         config: `warmup_steps` (first fit; None: by the fit mode, `resolve_warmup_steps`), `refit_every`, `fit_mode`, `verbose` are read.
         rank, world, group: this process in the data-parallel group and the side (gloo) group that
             carries records and coefficients (None with world 1).
-        timing: the resolved clock (`thread_cpu` / `wall`); `fit_mode="auto"` follows it.
+        timing: the resolved clock (`thread_cpu`, `wall`, `forward_events`, `unit_events`); `fit_mode="auto"`
+            follows it.
         decoder, vision, fitted_step: models to start from (a checkpoint, `cost_model_path`).
         prior, vision_prior: FLOP priors (`CostModel.from_config`): planned with until the first fit, and
             fitted around (`config.prior`).

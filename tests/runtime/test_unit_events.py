@@ -1,0 +1,121 @@
+"""Under FSDP the forward spans of the sharded units are each rank's own compute, without the all-gather waits.
+
+Real FSDP2 (`fully_shard` per decoder layer, then the root) on 2 gloo processes with a tiny random-weight Qwen2:
+rank 1's input is 16x rank 0's, so rank 0 waits for rank 1 at every layer's all-gather. On rank 0 the recorder's
+`unit_events` spans (`timed_parts`: the layers, and the root's embeddings, final norm, rotary and lm_head) stay
+close to its own compute (the thread CPU time of the same forward without FSDP) and far below its wall-clock
+forward; a span around
+the whole model (`forward_events`, the DDP timing) is not, so the test tells the two apart. The hooks are gone
+after `remove`, and `timing="auto"` picks `unit_events` for this model on an accelerator with micro-batch sync.
+"""
+
+import pytest
+
+from hf_dp_balance.testing.spawn import run_ranks
+
+SHORT, LONG = 128, 2048  # tokens of rank 0 and rank 1
+STEPS = 4
+
+
+def _hook_counts(model) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def _sharded_decoder(rank, world):
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_dp_balance.testing.models import make_model
+
+    model = make_model("text", seed=0, text_config=dict(num_hidden_layers=4, hidden_size=128, intermediate_size=384,
+                                                        num_attention_heads=4, num_key_value_heads=2))
+    plain = copy.deepcopy(model)  # the same model without FSDP: this rank's own compute
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    tokens = SHORT if rank == 0 else LONG
+    gen = torch.Generator().manual_seed(rank)
+    ids = torch.randint(3, 500, (1, tokens), generator=gen)
+    return model, plain, {"input_ids": ids, "labels": ids.clone()}
+
+
+def _spans_under_fsdp(rank, world):
+    import time
+
+    from hf_dp_balance.runtime.fitter import resolve_timing
+    from hf_dp_balance.runtime.recorder import StepClock, StepRecorder
+
+    model, plain, batch = _sharded_decoder(rank, world)
+    own = []
+    for _ in range(STEPS):  # thread CPU time of the forward without FSDP (no collective, no hook)
+        cpu = time.thread_time()
+        plain(**batch)
+        own.append(time.thread_time() - cpu)
+    names = {id(m): n for n, m in model.named_modules()}
+    before = _hook_counts(model)
+    out = {"auto": resolve_timing("auto", "cuda", "micro_batch", model),
+           "auto_ddp": resolve_timing("auto", "cuda", "step", model)}
+    rows = []
+    for timing in ("unit_events", "forward_events"):
+        recorder = StepRecorder(StepClock(timing, "cpu"), micro_batches=False)
+        recorder.install(model)
+        if timing == "unit_events":
+            out["parts"] = [names[id(m)] for m in recorder.parts]
+            out["installed"] = _hook_counts(model) - before
+        for _ in range(STEPS):
+            recorder.begin()
+            wall, cpu = time.perf_counter(), time.thread_time()
+            loss = model(**batch).loss
+            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+            loss.backward()  # the backward's all-gathers run no forward hook: nothing is counted there
+            rows.append({"timing": timing, "span": recorder.end() / 3.0, "wall": wall, "cpu": cpu})
+            model.zero_grad()
+        recorder.remove()
+    out["left"] = _hook_counts(model) - before
+    out["own"] = min(own)
+    out["rows"] = rows
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_unit_spans_exclude_the_all_gather_waits_of_fsdp2():
+    results = run_ranks(_spans_under_fsdp, 2, timeout=200)
+    fast, slow = results
+    assert fast["auto"] == "unit_events" and fast["auto_ddp"] == "forward_events"
+    assert fast["parts"] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2",
+                             "model.layers.3", "model.norm", "model.rotary_emb", "lm_head"]
+    assert fast["installed"] > 0 and fast["left"] == 0 and slow["left"] == 0  # every hook removed
+
+    def stat(result, timing, key):  # the least preempted of the steps (2 cores shared with other work)
+        return min(r[key] for r in result["rows"] if r["timing"] == timing)
+
+    span, wall, cpu = (stat(fast, "unit_events", k) for k in ("span", "wall", "cpu"))
+    own = fast["own"]
+    detail = (f"rank 0: unit spans {span:.4f} s, forward wall {wall:.4f} s, forward thread CPU {cpu:.4f} s, "
+              f"thread CPU without FSDP {own:.4f} s")
+    assert wall > 3.0 * cpu, detail  # the setup: rank 0's forward waits for rank 1 at every layer
+    assert span < 0.4 * wall, detail  # the spans exclude those waits ...
+    assert 0.6 * own <= span <= 2.0 * own, detail  # ... and cover rank 0's own compute
+    whole = stat(fast, "forward_events", "span")
+    assert whole > 0.8 * stat(fast, "forward_events", "wall"), f"a span around the model holds the waits: {whole:.4f}"
+    # The spans see the ranks' real difference in compute (16x the tokens on rank 1).
+    assert stat(slow, "unit_events", "span") > 4.0 * span, (detail, stat(slow, "unit_events", "span"))
+
+
+def test_unit_events_refuses_a_model_without_fsdp_units():
+    from hf_dp_balance.runtime.fitter import resolve_timing
+    from hf_dp_balance.runtime.recorder import StepClock, StepRecorder, sharded_units
+    from hf_dp_balance.testing.models import make_model
+
+    model = make_model("text", seed=0)
+    assert sharded_units(model) == []
+    assert resolve_timing("auto", "cuda", "micro_batch", model) == "wall"  # ZeRO-3 / not sharded: step times
+    assert resolve_timing("auto", "cuda", "micro_batch") == "wall"
+    recorder = StepRecorder(StepClock("unit_events", "cpu"))
+    with pytest.raises(ValueError, match="unit_events"):
+        recorder.install(model)
+    assert _hook_counts(model) == 0
