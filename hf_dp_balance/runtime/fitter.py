@@ -113,6 +113,21 @@ def rank_speeds(model: CostModel, features: np.ndarray, times: np.ndarray) -> np
     return np.where(np.abs(speeds - 1.0) <= SPEED_DEADBAND, 1.0, speeds)
 
 
+def fit_ranks(features: np.ndarray, times: np.ndarray, fit_mode: str, prior: Optional[CostModel] = None,
+              estimate_speeds: bool = False, shape_prior: bool = False):
+    """(FitResult, speeds or None) of gathered records [steps, ranks, 4] / [steps, ranks] (`fit_from_records`).
+    With `estimate_speeds` and the per-rank fit: each rank's speed from the residuals, and the fit redone on
+    speed-corrected times, so a slow rank does not bend the shared model toward it."""
+    result = fit_from_records(features, times, fit_mode, prior=prior, shape_prior=shape_prior)
+    speeds = None
+    if estimate_speeds and fit_mode == "per_rank":
+        speeds = rank_speeds(result.model, features, times)
+        if np.any(speeds != 1.0):
+            result = fit_from_records(features, times * speeds, fit_mode, prior=prior, shape_prior=shape_prior)
+            speeds = rank_speeds(result.model, features, times)
+    return result, speeds
+
+
 # --------------------------------------------------------------------------- fitting across ranks
 
 
@@ -190,6 +205,14 @@ class CostModelFitter:
         as that, since `resolve_timing` picks the wall clock (and so the step-time fit) for `auto` only under
         FSDP / ZeRO-3 or an unknown strategy; `sync="step"` (DDP: ranks meet once a step) keeps the step's sums."""
         return self.fit_mode == "step_max" and self.sync != "step"
+
+    @property
+    def shape_prior(self) -> bool:
+        """Whether the per-rank fit reads every rank's time with the prior as a distribution
+        (`core.fitting.fit_each_rank`): for `unit_events` timing (FSDP), whose fixed-length packs leave
+        attention a few percent of a rank's time, where the penalty rows kept most of a prior's 2x error. The
+        other per-rank timings (CPU, DDP) keep the penalty-row fit they were measured with."""
+        return self.timing == "unit_events" and self.fit_mode == "per_rank"
 
     @property
     def planning_with_prior(self) -> bool:
@@ -288,16 +311,10 @@ class CostModelFitter:
         micro = micro_table([g[4] for g in gathered], steps) if len(gathered[0]) > 4 else None
         try:
             if micro is not None:  # one step-max observation per micro-batch: the model FSDP / ZeRO-3 runs
-                result = fit_from_micro_batches(*micro, prior=self.prior)
+                result, speeds = fit_from_micro_batches(*micro, prior=self.prior), None
             else:
-                result = fit_from_records(feats, times, self.fit_mode, prior=self.prior)
-            speeds = None
-            if self.config.estimate_speeds and self.fit_mode == "per_rank":
-                # Fit on speed-corrected times, so a slow rank does not bend the shared model toward it.
-                speeds = rank_speeds(result.model, feats, times)
-                if np.any(speeds != 1.0):
-                    result = fit_from_records(feats, times * speeds, self.fit_mode, prior=self.prior)
-                    speeds = rank_speeds(result.model, feats, times)
+                result, speeds = fit_ranks(feats, times, self.fit_mode, self.prior, self.config.estimate_speeds,
+                                           shape_prior=self.shape_prior)
         except (ValueError, RuntimeError, FloatingPointError) as exc:
             return {"error": str(exc)}
         payload = {"decoder": result.model.to_dict(), "report": result.report.to_dict(),
@@ -343,6 +360,6 @@ class CostModelFitter:
 
 # StepClock, StepRecorder and what a micro-batch computes live in runtime.recorder; importable from here.
 __all__ = ["CostModelFitter", "MAX_FIT_REPORTS", "MAX_RECORDS", "MAX_WINDOW_STEPS", "MicroBatches", "SPEED_DEADBAND",
-           "StepClock", "StepRecord", "StepRecorder", "image_patches", "micro_batch_lengths", "micro_table",
+           "StepClock", "StepRecord", "StepRecorder", "fit_ranks", "image_patches", "micro_batch_lengths", "micro_table",
            "priors_from_config", "rank_speeds", "resolve_fit_mode", "resolve_timing", "resolve_warmup_steps",
            "synchronize", "vision_tower"]
