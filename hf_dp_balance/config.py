@@ -36,8 +36,8 @@ class DPBalanceConfig:
 
     warmup_steps: Optional[int] = None
     """Optimizer steps timed before the cost model is fitted. None (default): 5 where each rank's compute is
-    timed (`fit_mode="per_rank"`: CPU, DDP, ZeRO-1/2), 16 where only step times are (`step_max`: FSDP / ZeRO-3
-    on accelerators), because from fewer step maxima the cost's shape is mostly the prior's (from 5: 6 of 12
+    timed (`fit_mode="per_rank"`: CPU, DDP, ZeRO-1/2, FSDP with `unit_events`), 16 where only step times are
+    (`step_max`: ZeRO-3, and FSDP without visible units, on accelerators), because from fewer step maxima the cost's shape is mostly the prior's (from 5: 6 of 12
     measured cells reach 95% of the cut; from 16: 11 of 12, docs/benchmarks/cost_fit.md runs 9-11). A new
     model plans from the first step the loader thread cannot have prepared when it lands, a step every
     process agrees on: with `prior` (the default: the steps before are planned with the model's FLOP prior)

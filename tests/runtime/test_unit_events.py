@@ -181,3 +181,14 @@ def test_unit_events_is_a_setting_the_per_rank_fit_follows():
     assert fitter.timing == "unit_events" and fitter.fit_mode == "per_rank" and not fitter.fits_micro_batches
     assert fitter.warmup_steps == 5  # every rank's compute is seen: the per-rank warm-up
     assert resolve_timing("auto", "cpu", "micro_batch") == "thread_cpu"  # on CPU the thread clock stays
+
+
+def test_only_unit_events_fits_with_the_prior_as_a_distribution():
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.runtime.fitter import CostModelFitter
+
+    config = DPBalanceConfig()
+    assert CostModelFitter(config, timing="unit_events").shape_prior
+    assert not CostModelFitter(config, timing="forward_events").shape_prior  # DDP keeps its measured fit
+    assert not CostModelFitter(config, timing="thread_cpu").shape_prior
+    assert not CostModelFitter(config.replace(fit_mode="step_max"), timing="unit_events").shape_prior
