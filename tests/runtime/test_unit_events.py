@@ -1,6 +1,7 @@
 """Under FSDP the forward spans of the sharded units are each rank's own compute, without the all-gather waits.
 
-Real FSDP2 (`fully_shard` per decoder layer, then the root) on 2 gloo processes with a tiny random-weight Qwen2:
+Real FSDP2 (`fully_shard` per decoder layer, then the root) and FSDP1 (`FullyShardedDataParallel`, the decoder
+layer class as its wrap policy) on 2 gloo processes with a tiny random-weight Qwen2:
 rank 1's input is 16x rank 0's, so rank 0 waits for rank 1 at every layer's all-gather. On rank 0 the recorder's
 `unit_events` spans (`timed_parts`: the layers, and the root's embeddings, final norm, rotary and lm_head) stay
 close to its own compute (the thread CPU time of the same forward without FSDP) and far below its wall-clock
@@ -21,41 +22,49 @@ def _hook_counts(model) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
 
-def _sharded_decoder(rank, world):
+def _sharded_decoder(rank, world, flavour="fsdp2"):
+    """(sharded model, the same model unsharded, this rank's batch); `flavour` fsdp2 (`fully_shard` per layer,
+    then the root) or fsdp1 (`FullyShardedDataParallel` with a wrap policy on the decoder layer class)."""
     import copy
 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from hf_dp_balance.testing.models import make_model
 
     model = make_model("text", seed=0, text_config=dict(num_hidden_layers=4, hidden_size=128, intermediate_size=384,
                                                         num_attention_heads=4, num_key_value_heads=2))
     plain = copy.deepcopy(model)  # the same model without FSDP: this rank's own compute
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if flavour == "fsdp1":
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}),
+                                         device_id=torch.device("cpu"), use_orig_params=True)
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     tokens = SHORT if rank == 0 else LONG
     gen = torch.Generator().manual_seed(rank)
     ids = torch.randint(3, 500, (1, tokens), generator=gen)
     return model, plain, {"input_ids": ids, "labels": ids.clone()}
 
 
-def _spans_under_fsdp(rank, world):
+def _spans_under_fsdp(rank, world, flavour="fsdp2"):
     import time
 
     from hf_dp_balance.runtime.fitter import resolve_timing
     from hf_dp_balance.runtime.recorder import StepClock, StepRecorder
 
-    model, plain, batch = _sharded_decoder(rank, world)
+    model, plain, batch = _sharded_decoder(rank, world, flavour)
     own = []
     for _ in range(STEPS):  # thread CPU time of the forward without FSDP (no collective, no hook)
         cpu = time.thread_time()
         plain(**batch)
         own.append(time.thread_time() - cpu)
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): n.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")
+             for n, m in model.named_modules()}
     before = _hook_counts(model)
     out = {"auto": resolve_timing("auto", "cuda", "micro_batch", model),
            "auto_ddp": resolve_timing("auto", "cuda", "step", model)}
@@ -82,8 +91,9 @@ def _spans_under_fsdp(rank, world):
 
 
 @pytest.mark.timeout(240)
-def test_unit_spans_exclude_the_all_gather_waits_of_fsdp2():
-    results = run_ranks(_spans_under_fsdp, 2, timeout=200)
+@pytest.mark.parametrize("flavour", ["fsdp2", "fsdp1"])
+def test_unit_spans_exclude_the_all_gather_waits_of_fsdp(flavour):
+    results = run_ranks(_spans_under_fsdp, 2, flavour, timeout=200)
     fast, slow = results
     assert fast["auto"] == "unit_events" and fast["auto_ddp"] == "forward_events"
     assert fast["parts"] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2",
