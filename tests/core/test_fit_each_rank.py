@@ -2,13 +2,14 @@
 `unit_events` timing) move a prior 2x off in its quadratic/linear ratio back to the data, where the penalty-row
 per-rank fit keeps most of the error.
 
-Fixed-length packs of 16384 tokens from long-tailed samples, a 7B-like cost (attention a few percent of a
+Fixed-length packs of 16384 tokens of the long-tail text mix, a 7B-like cost (attention a few percent of a
 rank's time), 3% rank noise, 16 ranks x 8 steps: the regime of bench/cost_fit_plans.py's "unit events" column.
 """
 
 import numpy as np
 import pytest
 
+from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import MAX_RANK_OBSERVATIONS, fit_cost_model, fit_each_rank, fit_from_records
 
@@ -17,15 +18,11 @@ TRUTH = CostModel(quadratic=1.9e-9, linear=1e-4, per_sample=1.6e-3, constant=0.0
 
 
 def _packs(rng, count):
-    packs = []
-    for _ in range(count):
-        lengths, left = [], PACK
-        while left > 0:
-            n = int(min(left, max(16, rng.lognormal(np.log(600), 1.2))))
-            lengths.append(n)
-            left -= n
-        packs.append(lengths)
-    return packs
+    """`count` fixed-length packs of the long-tail text mix (`apps.mixes`), in arrival order."""
+    lengths = truncate(draw_mix("text-sft", 64 * count, rng), PACK).tokens
+    lengths = lengths[lengths > 0]
+    pack = pack_fixed_length(lengths, PACK)
+    return [lengths[pack == k] for k in range(count)]
 
 
 def _records(seed, steps=8, ranks=16, noise=0.03):
