@@ -201,7 +201,8 @@ def per_micro_batch(feats, times):
     return feats.reshape(-1, *feats.shape[2:]), times.reshape(-1)
 
 
-def fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro=1, tail=0.0) -> dict:
+def fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro=1, tail=0.0, spans=(ATTENTION_BACKWARD,
+                  MISSED_LINEAR)) -> dict:
     """fit name -> model; the prior-free fits see the packs as they come, the others the runtime's warm-up
     placement (and the previous, hedged one). With micro > 1 (`MICRO_FITS`): the fit of the step times on
     features summed over the micro-batches (max_r of sums: the library before per-micro-batch records) beside
@@ -220,7 +221,7 @@ def fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro=1, tail=0.0
     rng.bit_generator.state = state  # the same samples and noise, placed by the hedge
     hfeats, htimes = summed(*warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged"))
     rng.bit_generator.state = state  # every rank's time as its unit spans see it, on the hedged placement
-    ufeats, utimes = warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged", seen=span_view(truth))
+    ufeats, utimes = warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged", seen=span_view(truth, *spans))
     rng.bit_generator.state = state
     _, exact_times = warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged", seen=span_view(truth, 2.0, 0.0))
     rng.bit_generator.state = state  # and by the runtime's probe
@@ -252,14 +253,15 @@ def fits_of(micro: int):
     return FITS if micro == 1 else MICRO_FITS
 
 
-def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro=1, tail=0.0) -> dict:
+def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro=1, tail=0.0,
+         spans=(ATTENTION_BACKWARD, MISSED_LINEAR)) -> dict:
     """fit name -> {"share": median cut share, "single": median single-sample MAPE} over draws. The draws
     do not depend on `micro` beyond the warm-up (seeded by ranks, steps, draw), so micro-batch counts compare
     on the same evaluation steps only when the warm-up draws the same number of samples (micro=1 as before)."""
     rows = {name: [] for name in fits_of(micro)}
     for d in range(draws):
         rng = np.random.default_rng([seed, ranks, steps, d])
-        models = fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro, tail)
+        models = fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro, tail, spans)
         for name, measured in scores(rng, mix, ranks, truth, models, evals).items():
             rows[name].append(measured)
     return {name: {"share": float(np.median([r[0] for r in v])), "single": float(np.median([r[1] for r in v]))}
@@ -267,7 +269,7 @@ def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro=1, ta
 
 
 def run(ranks_list=(8, 32, 128), steps_list=(12,), draws=3, evals=4, noise=0.03, seed=0, mixes=None, truths=None,
-        micros=(1,), tail=0.0):
+        micros=(1,), tail=0.0, spans=(ATTENTION_BACKWARD, MISSED_LINEAR)):
     prior = qwen2_7b_prior()
     results = {}
     for label, mix in (mixes or MIXES).items():
@@ -277,7 +279,8 @@ def run(ranks_list=(8, 32, 128), steps_list=(12,), draws=3, evals=4, noise=0.03,
                 for steps in steps_list:
                     for micro in micros:
                         key = (label, truth_name, ranks, steps) + (() if micro == 1 else (micro,))
-                        results[key] = cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro, tail)
+                        results[key] = cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro, tail,
+                                            spans)
     return results
 
 
@@ -337,6 +340,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tail", type=float, default=0.0,
                         help="the step's tail in its last micro-batch, in mean slot costs (optimizer, exposed "
                              "gradient reduction; default 0)")
+    parser.add_argument("--attention-backward", type=float, default=ATTENTION_BACKWARD,
+                        help="the attention's backward over its forward in what unit spans see (default 2.5)")
+    parser.add_argument("--missed-linear", type=float, default=MISSED_LINEAR,
+                        help="share of the linear term outside every timed part (default 0.04)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="only: the cut reached with the true costs, one term perturbed (32 ranks, 8 steps)")
     args = parser.parse_args(argv)
@@ -350,6 +357,7 @@ def main(argv=None) -> int:
     truths = {k: TRUTHS[k] for k in args.truths} if args.truths else None
     mixes = {k: MIXES[k] for k in args.mixes} if args.mixes else None
     results = run(tuple(args.ranks), steps, draws, 6 if args.full else 3, seed=args.seed, truths=truths, mixes=mixes,
+                  spans=(args.attention_backward, args.missed_linear),
                   micros=tuple(args.micro), tail=args.tail)
     print_results(results)
     print(f"\n  {time.process_time() - start:.0f} s CPU")
