@@ -202,3 +202,34 @@ def test_only_unit_events_fits_with_the_prior_as_a_distribution():
     assert not CostModelFitter(config, timing="forward_events").shape_prior  # DDP keeps its measured fit
     assert not CostModelFitter(config, timing="thread_cpu").shape_prior
     assert not CostModelFitter(config.replace(fit_mode="step_max"), timing="unit_events").shape_prior
+
+
+def test_the_fitter_fits_unit_events_with_the_prior_as_a_distribution():
+    """CostModelFitter under unit_events lands on `fit_ranks(..., shape_prior=True)`'s model, bit for bit, and
+    not on the penalty-row fit's."""
+    import numpy as np
+
+    from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel, features_of
+    from hf_dp_balance.runtime.fitter import CostModelFitter, fit_ranks
+
+    rng = np.random.default_rng(3)
+    lengths = truncate(draw_mix("text-sft", 2000, rng), 4096).tokens
+    lengths = lengths[lengths > 0]
+    pack = pack_fixed_length(lengths, 4096)
+    packs = [lengths[pack == k].tolist() for k in range(10)]
+    truth = CostModel(2e-9, 1e-4, 1e-3, 0.0)
+    times = [truth.step_cost(p) * f for p, f in zip(packs, rng.lognormal(0.0, 0.03, len(packs)))]
+    prior = CostModel(4e-9, 1e-4, 0.0, 0.0)
+    fitter = CostModelFitter(DPBalanceConfig(warmup_steps=len(packs), refit_every=0), timing="unit_events",
+                             prior=prior)
+    for step, (p, t) in enumerate(zip(packs, times), start=1):
+        fitter.end_step(step, p, t)
+    feats = np.stack([features_of(p) for p in packs])[:, None, :]
+    secs = np.asarray(times)[:, None]
+    shaped = fit_ranks(feats, secs, "per_rank", prior, estimate_speeds=True, shape_prior=True)[0].model
+    penalty = fit_ranks(feats, secs, "per_rank", prior, estimate_speeds=True)[0].model
+    assert fitter.decoder is not None
+    assert np.array_equal(fitter.decoder.coefficients, shaped.coefficients)
+    assert not np.array_equal(shaped.coefficients, penalty.coefficients)
