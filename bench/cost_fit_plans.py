@@ -21,6 +21,19 @@ Fits, side by side on the same warm-up steps:
   prior                the noise-aware fit with the prior as a distribution (`core.fitting.shape_prior`), on
                        the runtime's warm-up placement (`probe_plan`)
   prior, packs         the same fit on warm-up steps left as packs (as the prior-free fits see them)
+  unit events          FSDP with `timing="unit_events"`: every rank's own time, fitted as the runtime fits it
+                       (`runtime.fitter.fit_ranks`: each rank's time an observation of the noise-aware fit with
+                       the prior as a distribution, then `rank_speeds` and the refit), on the hedged warm-up placement the runtime uses for
+                       per-rank fits, the same samples and the same 3% rank noise as the columns before. What a
+                       rank's spans see is not its true step (`span_view`): 3x the forward of the units, where
+                       the attention's backward takes ATTENTION_BACKWARD x its forward (FlashAttention ~2.5,
+                       against 2 for the dense layers: the quadratic term is seen x3/3.5), MISSED_LINEAR of the
+                       linear term lies outside every unit (the loss over the vocabulary, the root's own code),
+                       and the per-step constant (optimizer, exposed reductions) is in no span
+  unit events, exact   the same with spans that see the truth's rank costs exactly (backward 2x every forward,
+                       nothing missed): what the approximations above cost
+  unit events, penalty the "unit events" data fitted with the per-rank fit CPU and DDP use (the prior's penalty
+                       rows, strength 0.03) instead of the prior as a distribution (`core.fitting.fit_each_rank`)
 With `--micro M` (M > 1 micro-batches per optimizer step, each synchronised as under FSDP / ZeRO-3: the step
 takes the sum over micro-batches of the slowest rank; `--tail F` adds F mean slot costs to each step's last
 micro-batch, for the gradient reduction, clipping and optimizer step), on the runtime's warm-up placement:
@@ -39,6 +52,8 @@ summed over the evaluation steps) and the single-sample cost MAPE over samples o
     python bench/cost_fit_plans.py --sensitivity  # the cut from the true costs with one term perturbed
     python bench/cost_fit_plans.py --ranks 32 128 --steps 8 16 --draws 6 --micro 2 4 --tail 0.05
         # FSDP / ZeRO-3 with M micro-batches a step: summed records vs one step-max observation per micro-batch
+    python bench/cost_fit_plans.py --ranks 32 128 --truths "prior 2x low" "prior 2x high" --steps 8 16 --draws 6
+        # the "unit events" columns beside "prior" (step times): the FSDP timing that sees every rank
 """
 
 from __future__ import annotations
@@ -55,12 +70,19 @@ from hf_dp_balance.core.fitting import fit_cost_model, fit_from_micro_batches
 from hf_dp_balance.core.hedge import hedged_plan, probe_plan
 from hf_dp_balance.core.planner.api import plan_step
 from hf_dp_balance.core.steps import token_cap
+from hf_dp_balance.runtime.fitter import fit_ranks
 
 PACK = 16384
 MIXES = {"long-tail text": "text-sft", "video, long tail": "qwen2vl-sft", "bounded images": "qwen2vl-sft-bounded"}
 TRUTHS = {"prior right": (1.0, 1.0, 1.0), "prior 2x low": (2.0, 1.0, 1.0), "prior 2x high": (0.5, 1.0, 1.0),
           "held out": (1.7, 0.6, 1.3)}  # truth's (quadratic, linear, per sample) over true_model's
-FITS = ("soft-max, no prior", "no prior", "prior, hedged", "prior", "prior, packs")
+FITS = ("soft-max, no prior", "no prior", "prior, hedged", "prior", "prior, packs", "unit events",
+        "unit events, exact", "unit events, penalty")
+# What FSDP unit spans see of a rank's step (`span_view`): the attention's backward over its forward
+# (FlashAttention-2 ~2.5x; the 3x rule assumes 2x, as for the dense layers), and the share of the linear term
+# outside every timed part (the loss over the vocabulary and the root module's own code between its children).
+ATTENTION_BACKWARD = 2.5
+MISSED_LINEAR = 0.04
 # with --micro > 1, on the runtime's warm-up: the summed records (the library before), and each micro-batch's
 # maximum with the step's tail (`--tail`) in the last one kept, dropped, or estimated and subtracted (the library)
 MICRO_FITS = ("prior, summed", "prior, per micro-batch", "prior, tail dropped", "prior, tail estimated")
@@ -70,6 +92,24 @@ def truth_of(prior: CostModel, factors) -> CostModel:
     base = true_model(prior, 0.0, PACK)
     q, lin, ps = factors
     return CostModel(base.quadratic * q, base.linear * lin, base.per_sample * ps, base.constant)
+
+
+def span_view(truth: CostModel, attention_backward: float = ATTENTION_BACKWARD,
+              missed_linear: float = MISSED_LINEAR) -> CostModel:
+    """What 3x the forward spans of a rank's FSDP units measure of the truth (`timing="unit_events"`): the
+    quadratic term's forward is 1 / (1 + attention_backward) of it, so 3x that sees 3 / (1 + backward) of it;
+    the linear and per-sample terms (dense layers: backward 2x forward) are seen whole, less the linear share
+    outside every unit; the per-step constant is in no span."""
+    return CostModel(truth.quadratic * 3.0 / (1.0 + attention_backward), truth.linear * (1.0 - missed_linear),
+                     truth.per_sample, 0.0)
+
+
+def unit_events_fit(feats, times, prior: CostModel, shape_prior: bool = True) -> CostModel:
+    """The runtime's fit of every rank's time under `unit_events` (`runtime.fitter.fit_ranks` as
+    `CostModelFitter` calls it: the per-rank fit around the prior as a distribution, each rank's speed from
+    its residuals and the refit on speed-corrected times); `shape_prior=False`: the penalty-row per-rank fit
+    that CPU and DDP keep."""
+    return fit_ranks(feats, times, "per_rank", prior, estimate_speeds=True, shape_prior=shape_prior)[0].model
 
 
 def step_items(rng, mix: str, ranks: int):
@@ -112,7 +152,7 @@ def cut_sums(rng, mix, ranks: int, truth: CostModel, models: dict, evals: int) -
     return cut
 
 
-def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe", micro=1, tail=0.0):
+def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe", micro=1, tail=0.0, seen=None):
     """Features [steps, micro, ranks, 4] and micro-batch step maxima [steps, micro] of warm-up steps placed
     as the runtime places them (`placement` "probe"; "hedged": the previous warm-up; without a prior the packs
     as they come). `micro` micro-batches per optimizer step, synchronised each (FSDP / ZeRO-3: the forward
@@ -120,7 +160,9 @@ def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe", micro
     balances the slots as ranks of their own), slot u is rank u % ranks of micro-batch u // ranks, and a
     micro-batch takes its slowest rank's noisy time. `tail`: the step's last micro-batch also takes this many
     mean slot costs more (the gradient reduction left exposed, clipping, the optimizer step: common to the
-    ranks, described by no feature). micro=1, tail=0 draws and times exactly what it did before."""
+    ranks, described by no feature). micro=1, tail=0 draws and times exactly what it did before.
+    `seen` (micro=1): every rank's time instead of the maxima, [steps, ranks]: what the spans see of the truth
+    (`span_view`) under the same rank noise (the same draws: the columns compare on the same data)."""
     slots = ranks * micro
     feats, times = [], []
     for step in range(steps):
@@ -138,7 +180,11 @@ def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe", micro
                                1)[0]
         f = np.stack([features_of(lengths[dest == u]) for u in range(slots)])
         feats.append(f.reshape(micro, ranks, 4))
-        maxima = (truth.predict(f) * rng.lognormal(0.0, noise, slots)).reshape(micro, ranks).max(axis=1)
+        rank_noise = rng.lognormal(0.0, noise, slots)
+        if seen is not None:
+            times.append(seen.predict(f) * rank_noise)
+            continue
+        maxima = (truth.predict(f) * rank_noise).reshape(micro, ranks).max(axis=1)
         maxima[-1] += tail * float(truth.predict(f).mean())
         times.append(maxima)
     return np.stack(feats), np.stack(times)
@@ -155,7 +201,8 @@ def per_micro_batch(feats, times):
     return feats.reshape(-1, *feats.shape[2:]), times.reshape(-1)
 
 
-def fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro=1, tail=0.0) -> dict:
+def fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro=1, tail=0.0, spans=(ATTENTION_BACKWARD,
+                  MISSED_LINEAR)) -> dict:
     """fit name -> model; the prior-free fits see the packs as they come, the others the runtime's warm-up
     placement (and the previous, hedged one). With micro > 1 (`MICRO_FITS`): the fit of the step times on
     features summed over the micro-batches (max_r of sums: the library before per-micro-batch records) beside
@@ -173,9 +220,16 @@ def fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro=1, tail=0.0
     feats, times = summed(*warmup(rng, mix, ranks, steps, truth, None, noise))
     rng.bit_generator.state = state  # the same samples and noise, placed by the hedge
     hfeats, htimes = summed(*warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged"))
+    rng.bit_generator.state = state  # every rank's time as its unit spans see it, on the hedged placement
+    ufeats, utimes = warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged", seen=span_view(truth, *spans))
+    rng.bit_generator.state = state
+    _, exact_times = warmup(rng, mix, ranks, steps, truth, prior, noise, "hedged", seen=span_view(truth, 2.0, 0.0))
     rng.bit_generator.state = state  # and by the runtime's probe
     pfeats, ptimes = summed(*warmup(rng, mix, ranks, steps, truth, prior, noise))
     return {
+        "unit events": unit_events_fit(ufeats[:, 0], utimes, prior),
+        "unit events, exact": unit_events_fit(ufeats[:, 0], exact_times, prior),
+        "unit events, penalty": unit_events_fit(ufeats[:, 0], utimes, prior, shape_prior=False),
         "soft-max, no prior": fit_cost_model(feats, times, mode="step_max", holdout=0, step_noise=False).model,
         "no prior": fit_cost_model(feats, times, mode="step_max", holdout=0).model,
         "prior, hedged": fit_cost_model(hfeats, htimes, mode="step_max", holdout=0, prior=prior).model,
@@ -199,14 +253,15 @@ def fits_of(micro: int):
     return FITS if micro == 1 else MICRO_FITS
 
 
-def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro=1, tail=0.0) -> dict:
+def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro=1, tail=0.0,
+         spans=(ATTENTION_BACKWARD, MISSED_LINEAR)) -> dict:
     """fit name -> {"share": median cut share, "single": median single-sample MAPE} over draws. The draws
     do not depend on `micro` beyond the warm-up (seeded by ranks, steps, draw), so micro-batch counts compare
     on the same evaluation steps only when the warm-up draws the same number of samples (micro=1 as before)."""
     rows = {name: [] for name in fits_of(micro)}
     for d in range(draws):
         rng = np.random.default_rng([seed, ranks, steps, d])
-        models = fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro, tail)
+        models = fitted_models(rng, mix, ranks, steps, truth, prior, noise, micro, tail, spans)
         for name, measured in scores(rng, mix, ranks, truth, models, evals).items():
             rows[name].append(measured)
     return {name: {"share": float(np.median([r[0] for r in v])), "single": float(np.median([r[1] for r in v]))}
@@ -214,7 +269,7 @@ def cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro=1, ta
 
 
 def run(ranks_list=(8, 32, 128), steps_list=(12,), draws=3, evals=4, noise=0.03, seed=0, mixes=None, truths=None,
-        micros=(1,), tail=0.0):
+        micros=(1,), tail=0.0, spans=(ATTENTION_BACKWARD, MISSED_LINEAR)):
     prior = qwen2_7b_prior()
     results = {}
     for label, mix in (mixes or MIXES).items():
@@ -224,7 +279,8 @@ def run(ranks_list=(8, 32, 128), steps_list=(12,), draws=3, evals=4, noise=0.03,
                 for steps in steps_list:
                     for micro in micros:
                         key = (label, truth_name, ranks, steps) + (() if micro == 1 else (micro,))
-                        results[key] = cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro, tail)
+                        results[key] = cell(mix, ranks, steps, truth, prior, draws, evals, noise, seed, micro, tail,
+                                            spans)
     return results
 
 
@@ -284,6 +340,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tail", type=float, default=0.0,
                         help="the step's tail in its last micro-batch, in mean slot costs (optimizer, exposed "
                              "gradient reduction; default 0)")
+    parser.add_argument("--attention-backward", type=float, default=ATTENTION_BACKWARD,
+                        help="the attention's backward over its forward in what unit spans see (default 2.5)")
+    parser.add_argument("--missed-linear", type=float, default=MISSED_LINEAR,
+                        help="share of the linear term outside every timed part (default 0.04)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="only: the cut reached with the true costs, one term perturbed (32 ranks, 8 steps)")
     args = parser.parse_args(argv)
@@ -297,6 +357,7 @@ def main(argv=None) -> int:
     truths = {k: TRUTHS[k] for k in args.truths} if args.truths else None
     mixes = {k: MIXES[k] for k in args.mixes} if args.mixes else None
     results = run(tuple(args.ranks), steps, draws, 6 if args.full else 3, seed=args.seed, truths=truths, mixes=mixes,
+                  spans=(args.attention_backward, args.missed_linear),
                   micros=tuple(args.micro), tail=args.tail)
     print_results(results)
     print(f"\n  {time.process_time() - start:.0f} s CPU")

@@ -36,8 +36,8 @@ class DPBalanceConfig:
 
     warmup_steps: Optional[int] = None
     """Optimizer steps timed before the cost model is fitted. None (default): 5 where each rank's compute is
-    timed (`fit_mode="per_rank"`: CPU, DDP, ZeRO-1/2), 16 where only step times are (`step_max`: FSDP / ZeRO-3
-    on accelerators), because from fewer step maxima the cost's shape is mostly the prior's (from 5: 6 of 12
+    timed (`fit_mode="per_rank"`: CPU, DDP, ZeRO-1/2, FSDP with `unit_events`), 16 where only step times are
+    (`step_max`: ZeRO-3, and FSDP without visible units, on accelerators), because from fewer step maxima the cost's shape is mostly the prior's (from 5: 6 of 12
     measured cells reach 95% of the cut; from 16: 11 of 12, docs/benchmarks/cost_fit.md runs 9-11). A new
     model plans from the first step the loader thread cannot have prepared when it lands, a step every
     process agrees on: with `prior` (the default: the steps before are planned with the model's FLOP prior)
@@ -71,9 +71,13 @@ class DPBalanceConfig:
     """Clock of each rank's step and of the vision tower inside it: `thread_cpu` (the main thread's CPU time:
     clean per-rank compute on CPU), `wall` (synchronised wall time of the step: accelerators, whose kernels
     run asynchronously), `forward_events` (the model's forward passes only, on device events (CUDA) or
-    synchronised wall clock, x3 for forward + backward: no collective inside under DDP), or `auto`
-    (thread_cpu on a CPU device; on accelerators forward_events under DDP, wall under FSDP / ZeRO-3).
-    `auto` fit mode follows it: per_rank for thread_cpu and forward_events, step_max for wall."""
+    synchronised wall clock, x3 for forward + backward: no collective inside under DDP), `unit_events`
+    (under FSDP: the forward spans of the sharded units that hold no other unit and of the modules outside
+    every unit, each starting after FSDP's pre-hook has waited for the unit's all-gather, x3; a model
+    without FSDP units is refused), or `auto` (thread_cpu on a CPU device; on accelerators forward_events
+    under DDP, unit_events under FSDP when its units are found in the model, wall under ZeRO-3 and wherever
+    they are not). `auto` fit mode follows it: per_rank for thread_cpu, forward_events and unit_events,
+    step_max for wall."""
 
     prior: bool = True
     """Plan from the first step with the FLOP prior of the model's config (`CostModel.from_config`) until the

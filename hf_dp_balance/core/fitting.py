@@ -391,12 +391,34 @@ def fit_cost_model(
 # --------------------------------------------------------------------------- fitting from training records
 
 
-def fit_from_records(features, times, mode: str, prior: Optional[CostModel] = None) -> FitResult:
+# The per-rank fit with the prior as a distribution reads at most this many (step, rank) observations (a seeded
+# choice): 2048 single-rank times pin four coefficients many times over, and rank 0 fits while every rank waits.
+MAX_RANK_OBSERVATIONS = 2048
+
+
+def fit_each_rank(features, times, prior: Optional[CostModel] = None, seed: int = 0) -> FitResult:
+    """Per-rank times [steps, ranks] of work `features` [steps, ranks, 4], each (step, rank) one observation of
+    the noise-aware fit (`fit_step_max_noisy` with one rank: its log-normal noise) around the prior as a
+    distribution (`shape_prior`: the prior's quadratic/linear ratio log-normal, sigma 0.5, a per-sample cost it
+    does not zero, a half-normal constant). Why not the penalty rows of `fit_cost_model(mode="per_rank")`: at
+    strength 0.03 they kept 1.4-1.7x of a prior 2x too high in the quadratic term (0.66-0.79x of 2x too low) on
+    FSDP's fixed-length packs, where attention is a few percent of a rank's time (bench/cost_fit_plans.py,
+    "unit events"); this fit lands within 8% of the truth there. At most `MAX_RANK_OBSERVATIONS` are read."""
+    features = np.asarray(features, dtype=np.float64).reshape(-1, 1, N_FEATURES)
+    times = np.asarray(times, dtype=np.float64).reshape(-1)
+    if times.size > MAX_RANK_OBSERVATIONS:
+        pick = np.sort(np.random.default_rng(seed).choice(times.size, MAX_RANK_OBSERVATIONS, replace=False))
+        features, times = features[pick], times[pick]
+    return fit_cost_model(features, times, mode="step_max", holdout=0, prior=prior)
+
+
+def fit_from_records(features, times, mode: str, prior: Optional[CostModel] = None,
+                     shape_prior: bool = False) -> FitResult:
     """Fit the decoder cost model from gathered records: features [steps, ranks, 4], times [steps, ranks].
 
     The first recorded step is dropped when there are at least 3 (allocator warm-up,
     lazy initialisation); `step_max` fits the slowest rank of each step only; `prior` as in
-    `fit_cost_model`.
+    `fit_cost_model`; `shape_prior` (per_rank only): every rank's time an observation of `fit_each_rank`.
     """
     features = np.asarray(features, dtype=np.float64)
     times = np.asarray(times, dtype=np.float64)
@@ -404,6 +426,8 @@ def fit_from_records(features, times, mode: str, prior: Optional[CostModel] = No
         features, times = features[1:], times[1:]
     if mode == "step_max":
         return fit_cost_model(features, times.max(axis=1), mode="step_max", prior=prior)
+    if shape_prior:
+        return fit_each_rank(features, times, prior)
     return fit_cost_model(features, times, mode="per_rank", prior=prior)
 
 
@@ -479,7 +503,7 @@ def compute_imbalance(times) -> float:
     return float((times.max(axis=1)[ok] / mean[ok] - 1.0).mean())
 
 
-__all__ = ["FREE_TERM_SHARE", "FitReport", "FitResult", "PER_SAMPLE_SIGMA", "PER_SAMPLE_TOKENS", "PRIOR_RATIO_SIGMA",
-           "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance", "fit_cost_model",
-           "fit_from_micro_batches", "fit_from_records",
+__all__ = ["FREE_TERM_SHARE", "FitReport", "FitResult", "MAX_RANK_OBSERVATIONS", "PER_SAMPLE_SIGMA",
+           "PER_SAMPLE_TOKENS", "PRIOR_RATIO_SIGMA", "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance",
+           "fit_cost_model", "fit_each_rank", "fit_from_micro_batches", "fit_from_records",
            "prior_penalty", "shape_prior"]

@@ -112,9 +112,9 @@ class DPBalancer:
         self.session = BalanceSession(self.config, self.data_parallel)
         self.session.vision_source = lambda: getattr(self._model, "_dp_balance_vision", None)
         device_type = getattr(device, "type", "cpu")
-        # DDP (`step`): the forward has no collective, its device time is this rank's own compute.
-        timing = resolve_timing(self.config.timing, device_type, self.sync)
+        # DDP (`step`): forward events; FSDP with its units in the model: unit events; else wall (`resolve_timing`).
         self._model = getattr(model, "module", model)  # DDP / DeepSpeed wrappers: hooks on the inner model
+        timing = resolve_timing(self.config.timing, device_type, self.sync, self._model)
         # A model given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
         try:
             self.session.start(model=self._model, model_config=self.model_config, timing=timing,

@@ -75,8 +75,10 @@ class DPBalanceArguments:
         "or auto (follows the timing clock)", "fit_mode", FIT_MODES))
     dp_balance_timing: str = field(default="auto", metadata=_help(
         "Clock of each rank's step and its vision tower: thread_cpu (CPU time of the main thread), wall "
-        "(synchronised wall time, accelerators), forward_events (forward passes on device events, x3), or auto "
-        "(thread_cpu on CPU; forward_events under DDP, wall under FSDP / ZeRO-3 on accelerators)", "timing",
+        "(synchronised wall time, accelerators), forward_events (forward passes on device events, x3), "
+        "unit_events (under FSDP: the forward spans of its sharded units, after their all-gathers, x3), or auto "
+        "(thread_cpu on CPU; on accelerators forward_events under DDP, unit_events under FSDP, wall under "
+        "ZeRO-3)", "timing",
         TIMING_CHOICES))
     dp_balance_prior: bool = field(default=True, metadata=_help(
         "Plan from step 1 with the model config's FLOP prior until the fit lands, and fit around it", "prior"))

@@ -153,7 +153,7 @@ class DPBalanceCallback(TrainerCallback):
             decoder, vision, fitted_step = self._initial_models
             sync = self._sync(trainer)
             self.session.start(model=model, model_config=getattr(model, "config", None),
-                               timing=resolve_timing(self.config.timing, device_type, sync),
+                               timing=resolve_timing(self.config.timing, device_type, sync, model),
                                device_type=device_type, sync=sync, decoder=decoder, vision=vision, fitted_step=fitted_step,
                                checkpoints=self._checkpoint_files(args, state), file_step=state.global_step,
                                checks=checks)

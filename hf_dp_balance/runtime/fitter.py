@@ -21,7 +21,7 @@ from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import compute_imbalance, fit_cost_model, fit_from_micro_batches, fit_from_records
 from hf_dp_balance.runtime.recorder import (StepClock, StepRecorder, image_patches, micro_batch_lengths,
-                                            synchronize, vision_tower)
+                                            sharded_units, synchronize, vision_tower)
 from hf_dp_balance.runtime.logs import get_logger
 
 logger = get_logger(__name__)
@@ -39,21 +39,27 @@ _MIN_VISION_OBSERVATIONS = 8
 # --------------------------------------------------------------------------- clock
 
 
-def resolve_timing(timing: str, device_type: str, sync: Optional[str] = None) -> str:
+def resolve_timing(timing: str, device_type: str, sync: Optional[str] = None, model=None) -> str:
     """`auto` -> `thread_cpu` on a CPU device; on an accelerator `forward_events` under DDP (`sync="step"`:
-    its forward has no collective), `wall` where the forward meets other ranks (`micro_batch`: FSDP /
-    ZeRO-3) or the strategy is unknown (None). Explicit choices stay."""
+    its forward has no collective), `unit_events` under FSDP (`micro_batch` and FSDP units in `model`,
+    `runtime.recorder.sharded_units`: the spans of its units exclude the all-gather waits), `wall` where
+    the forward meets other ranks and no such unit is found (ZeRO-3, a model not yet sharded, no model) or
+    the strategy is unknown (None). Explicit choices stay."""
     if timing != "auto":
         return timing
     if device_type == "cpu":
         return "thread_cpu"
-    return "forward_events" if sync == "step" else "wall"
+    if sync == "step":
+        return "forward_events"
+    if sync == "micro_batch" and model is not None and sharded_units(model):
+        return "unit_events"
+    return "wall"
 
 
 def resolve_fit_mode(fit_mode: str, timing: str) -> str:
     """`auto` -> `per_rank` with thread CPU time (clean per-rank compute: a rank blocked in a collective
-    burns no CPU) or forward events (no collective in a DDP forward); `step_max` with wall time (ranks
-    meet in the gradient all-reduce)."""
+    burns no CPU), forward events (no collective in a DDP forward) or unit events (FSDP units' spans start
+    after their all-gather's wait); `step_max` with wall time (ranks meet in the gradient all-reduce)."""
     if fit_mode != "auto":
         return fit_mode
     return "step_max" if timing == "wall" else "per_rank"
@@ -107,6 +113,21 @@ def rank_speeds(model: CostModel, features: np.ndarray, times: np.ndarray) -> np
     return np.where(np.abs(speeds - 1.0) <= SPEED_DEADBAND, 1.0, speeds)
 
 
+def fit_ranks(features: np.ndarray, times: np.ndarray, fit_mode: str, prior: Optional[CostModel] = None,
+              estimate_speeds: bool = False, shape_prior: bool = False):
+    """(FitResult, speeds or None) of gathered records [steps, ranks, 4] / [steps, ranks] (`fit_from_records`).
+    With `estimate_speeds` and the per-rank fit: each rank's speed from the residuals, and the fit redone on
+    speed-corrected times, so a slow rank does not bend the shared model toward it."""
+    result = fit_from_records(features, times, fit_mode, prior=prior, shape_prior=shape_prior)
+    speeds = None
+    if estimate_speeds and fit_mode == "per_rank":
+        speeds = rank_speeds(result.model, features, times)
+        if np.any(speeds != 1.0):
+            result = fit_from_records(features, times * speeds, fit_mode, prior=prior, shape_prior=shape_prior)
+            speeds = rank_speeds(result.model, features, times)
+    return result, speeds
+
+
 # --------------------------------------------------------------------------- fitting across ranks
 
 
@@ -148,7 +169,8 @@ class CostModelFitter:
         config: `warmup_steps` (first fit; None: by the fit mode, `resolve_warmup_steps`), `refit_every`, `fit_mode`, `verbose` are read.
         rank, world, group: this process in the data-parallel group and the side (gloo) group that
             carries records and coefficients (None with world 1).
-        timing: the resolved clock (`thread_cpu` / `wall`); `fit_mode="auto"` follows it.
+        timing: the resolved clock (`thread_cpu`, `wall`, `forward_events`, `unit_events`); `fit_mode="auto"`
+            follows it.
         decoder, vision, fitted_step: models to start from (a checkpoint, `cost_model_path`).
         prior, vision_prior: FLOP priors (`CostModel.from_config`): planned with until the first fit, and
             fitted around (`config.prior`).
@@ -183,6 +205,14 @@ class CostModelFitter:
         as that, since `resolve_timing` picks the wall clock (and so the step-time fit) for `auto` only under
         FSDP / ZeRO-3 or an unknown strategy; `sync="step"` (DDP: ranks meet once a step) keeps the step's sums."""
         return self.fit_mode == "step_max" and self.sync != "step"
+
+    @property
+    def shape_prior(self) -> bool:
+        """Whether the per-rank fit reads every rank's time with the prior as a distribution
+        (`core.fitting.fit_each_rank`): for `unit_events` timing (FSDP), whose fixed-length packs leave
+        attention a few percent of a rank's time, where the penalty rows kept most of a prior's 2x error. The
+        other per-rank timings (CPU, DDP) keep the penalty-row fit they were measured with."""
+        return self.timing == "unit_events" and self.fit_mode == "per_rank"
 
     @property
     def planning_with_prior(self) -> bool:
@@ -281,16 +311,10 @@ class CostModelFitter:
         micro = micro_table([g[4] for g in gathered], steps) if len(gathered[0]) > 4 else None
         try:
             if micro is not None:  # one step-max observation per micro-batch: the model FSDP / ZeRO-3 runs
-                result = fit_from_micro_batches(*micro, prior=self.prior)
+                result, speeds = fit_from_micro_batches(*micro, prior=self.prior), None
             else:
-                result = fit_from_records(feats, times, self.fit_mode, prior=self.prior)
-            speeds = None
-            if self.config.estimate_speeds and self.fit_mode == "per_rank":
-                # Fit on speed-corrected times, so a slow rank does not bend the shared model toward it.
-                speeds = rank_speeds(result.model, feats, times)
-                if np.any(speeds != 1.0):
-                    result = fit_from_records(feats, times * speeds, self.fit_mode, prior=self.prior)
-                    speeds = rank_speeds(result.model, feats, times)
+                result, speeds = fit_ranks(feats, times, self.fit_mode, self.prior, self.config.estimate_speeds,
+                                           shape_prior=self.shape_prior)
         except (ValueError, RuntimeError, FloatingPointError) as exc:
             return {"error": str(exc)}
         payload = {"decoder": result.model.to_dict(), "report": result.report.to_dict(),
@@ -336,6 +360,6 @@ class CostModelFitter:
 
 # StepClock, StepRecorder and what a micro-batch computes live in runtime.recorder; importable from here.
 __all__ = ["CostModelFitter", "MAX_FIT_REPORTS", "MAX_RECORDS", "MAX_WINDOW_STEPS", "MicroBatches", "SPEED_DEADBAND",
-           "StepClock", "StepRecord", "StepRecorder", "image_patches", "micro_batch_lengths", "micro_table",
+           "StepClock", "StepRecord", "StepRecorder", "fit_ranks", "image_patches", "micro_batch_lengths", "micro_table",
            "priors_from_config", "rank_speeds", "resolve_fit_mode", "resolve_timing", "resolve_warmup_steps",
            "synchronize", "vision_tower"]

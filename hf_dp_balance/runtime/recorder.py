@@ -1,6 +1,7 @@
 """What one rank computes in an optimizer step and how long it takes, on one clock (torch only).
 
-`StepClock`: thread CPU time, synchronised wall time, or the forward passes on device events.
+`StepClock`: thread CPU time, synchronised wall time, or forward spans on device events (the model's
+forward, or its FSDP units' forwards: `sharded_units`, `timed_parts`).
 `StepRecorder`: forward pre-hooks give the per-sample token lengths (and image patches), hooks on the
 vision tower its images and time. Guarantee: the step and the tower inside it are read on the same clock,
 so their difference is the decoder's time. Fitting these records: `runtime.fitter`.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from hf_dp_balance.core.choices import TIMING_MODES
+from hf_dp_balance.core.choices import SPAN_TIMINGS, TIMING_MODES
 from hf_dp_balance.core.boundaries import segment_lengths
 
 
@@ -24,8 +25,8 @@ def synchronize() -> None:
 
 
 class StepClock:
-    """The one clock of a run: `thread_cpu` (`time.thread_time`), `wall` (synchronised `perf_counter`) or
-    `forward_events` (CUDA events where CUDA runs, else synchronised `perf_counter`).
+    """The one clock of a run: `thread_cpu` (`time.thread_time`), `wall` (synchronised `perf_counter`),
+    `forward_events` or `unit_events` (CUDA events where CUDA runs, else synchronised `perf_counter`).
 
     The step and the vision tower inside it read the same clock, so their difference is the decoder's time.
     `mark()` / `span(a, b)`: an interval on this clock (device events are read once, at the step's end).
@@ -35,7 +36,7 @@ class StepClock:
         if timing not in TIMING_MODES:
             raise ValueError(f"StepClock: timing={timing!r} must be one of {TIMING_MODES} (resolve 'auto' first)")
         self.timing = timing
-        self.events = timing == "forward_events" and device_type == "cuda"
+        self.events = timing in SPAN_TIMINGS and device_type == "cuda"
 
     def now(self) -> float:
         if self.timing == "thread_cpu":
@@ -117,12 +118,87 @@ def vision_tower(model):
     return None
 
 
+# --------------------------------------------------------------------------- FSDP units
+
+
+def sharded_units(model) -> list:
+    """The modules FSDP gathers parameters for as one unit: every FSDP2 `fully_shard` module (`FSDPModule`)
+    and the inner module of every FSDP1 wrapper (`FullyShardedDataParallel._fsdp_wrapped_module`); [] for a
+    model without FSDP (DDP, DeepSpeed, a plain module), or a torch without these classes.
+
+    Why a span inside a unit is this rank's compute: FSDP2 registers its forward pre-hook with
+    `prepend=True`, and in it the unit's parameters are all-gathered and the compute stream waits for them
+    (`wait_for_unshard`: a stream `wait_event` on CUDA, the host blocked on gloo); FSDP1's wrapper unshards
+    and waits before it calls the inner module. A pre-hook of ours therefore starts after the wait, and no
+    other collective runs in the unit's forward until its forward hook."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # older torch: no FSDP2
+        FSDPModule = ()
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        FullyShardedDataParallel = ()
+    units, seen = [], set()
+    for module in model.modules():
+        unit = None
+        if FSDPModule and isinstance(module, FSDPModule):
+            unit = module
+        elif FullyShardedDataParallel and isinstance(module, FullyShardedDataParallel):
+            unit = module._fsdp_wrapped_module
+        if unit is not None and id(unit) not in seen:
+            seen.add(id(unit))
+            units.append(unit)
+    return units
+
+
+def timed_parts(model, units) -> list:
+    """The modules whose forward spans hold no collective, disjoint, covering what they can of the forward:
+    each unit that holds no other unit (a decoder layer, a vision block), whole; and each largest subtree
+    that holds no unit (the root unit's embeddings, final norm, lm_head; a tower inside the root unit): its
+    parameters, if any, belong to a unit already gathered by the time it runs (the root's all-gather waits in
+    the root's pre-hook, before every other), or are not sharded at all. What no part covers: the code of a
+    unit that holds other units, outside its children (the root's mask building, the loss), and every unit's
+    backward (3x forward stands for it, as under DDP)."""
+    unit_ids = {id(u) for u in units}
+    holds_unit: Dict[int, bool] = {}
+
+    def holds(module) -> bool:
+        if id(module) not in holds_unit:
+            below = [holds(c) for c in module.children()]  # every child visited: each one's answer is cached
+            holds_unit[id(module)] = id(module) in unit_ids or any(below)
+        return holds_unit[id(module)]
+
+    def holds_below(module) -> bool:
+        return any(holds(c) for c in module.children())
+
+    parts: list = []
+
+    def visit(module) -> None:
+        if not holds(module) or (id(module) in unit_ids and not holds_below(module)):
+            parts.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return parts
+
+
 class StepRecorder:
     """What this rank computed in the current optimizer step, and how long it took (on `clock`).
 
     With `forward_events` timing the step's time is 3x the model's forward passes (forward + backward),
     measured on device events from the model's forward pre-hook to its forward hook: no collective runs
-    inside a DDP forward, so it is this rank's own compute. Otherwise it is the time from `begin` to `end`.
+    inside a DDP forward, so it is this rank's own compute. With `unit_events` (FSDP) it is 3x the sum of
+    the forward spans of `timed_parts` (the units holding no other unit, and what lies outside every unit),
+    taken only inside the model's forward (a unit recomputed by activation checkpointing in the backward
+    is not counted twice); the vision tower's seconds are the parts inside it. Otherwise it is the time
+    from `begin` to `end`.
 
     Micro-batches: every model forward starts one (`micro_lengths`, one list of sample lengths each). With
     `wall` timing each micro-batch is also timed (`micro_s`, after `end`): from its forward's start to the
@@ -147,10 +223,17 @@ class StepRecorder:
         self._tower_spans: list = []  # (start, end, micro-batch index) of this step's tower forwards
         self._micro_starts: List[float] = []
         self._micro_vision_s: List[float] = []  # tower seconds of each micro-batch, set by `end` with micro_s
+        self._part_spans: list = []  # (start, end, inside the tower) of this step's `timed_parts` forwards
+        self._in_forward = False  # inside the model's forward (unit spans outside it: a backward's recompute)
+        self.parts: list = []  # the modules timed with `unit_events` (set by `install`)
 
     @property
     def forward_only(self) -> bool:
         return self.clock.timing == "forward_events"
+
+    @property
+    def unit_spans(self) -> bool:
+        return self.clock.timing == "unit_events"
 
     @property
     def times_micro_batches(self) -> bool:
@@ -162,7 +245,8 @@ class StepRecorder:
     def begin(self) -> None:
         self.lengths, self.patches, self.vision_s = [], [], 0.0
         self.micro_lengths, self.micro_s, self._micro_starts, self._micro_vision_s = [], [], [], []
-        self._forward_spans, self._tower_spans = [], []
+        self._forward_spans, self._tower_spans, self._part_spans = [], [], []
+        self._in_forward = False
         self.started = self.clock.now()
 
     def end(self) -> Optional[float]:
@@ -177,6 +261,10 @@ class StepRecorder:
         self.vision_s = sum(t for t, _ in tower)
         if self.forward_only:
             elapsed = 3.0 * sum(self.clock.span(a, b) for a, b in self._forward_spans)
+        if self.unit_spans:
+            parts = [(3.0 * self.clock.span(a, b), in_tower) for a, b, in_tower in self._part_spans]
+            elapsed = sum(t for t, _ in parts)
+            self.vision_s = sum(t for t, in_tower in parts if in_tower)
         if self.times_micro_batches and self._micro_starts:
             bounds = self._micro_starts + [stop]
             self.micro_s = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
@@ -196,12 +284,22 @@ class StepRecorder:
     def install(self, model) -> None:
         """Hooks: the model's forward inputs give the sample lengths (and, without a separate tower, the
         image patches); the vision tower's forward gives the images it really computes and its time.
+        With `unit_events`, hooks on every module of `timed_parts` too; a model without FSDP units is refused
+        (ValueError: no span of it is known to exclude the all-gather waits).
         Installing again first removes this recorder's previous hooks (no forward is recorded twice)."""
         self.remove()
         tower = vision_tower(model)
         marks = {}
+        if self.unit_spans:
+            units = sharded_units(model)
+            if not units:
+                raise ValueError("hf_dp_balance: timing='unit_events' times the forwards of FSDP units, and this "
+                                 "model has none (no FSDP2 fully_shard module, no FSDP1 wrapper): use timing='wall' "
+                                 "(or 'auto'), or install the recorder after the model is sharded")
+            self._install_parts(timed_parts(model, units), tower)
 
         def before_forward(module, args, kwargs):
+            self._in_forward = True
             inputs = dict(kwargs)
             if self.times_micro_batches and self.started is not None:
                 self._micro_starts.append(self.clock.now())  # synchronised: the previous micro-batch is done
@@ -215,14 +313,35 @@ class StepRecorder:
             return None
 
         def after_forward(module, args, output):
+            self._in_forward = False
             if "forward" in marks:
                 self._forward_spans.append((marks.pop("forward"), self.clock.mark()))
 
         self._hooks.append(model.register_forward_pre_hook(before_forward, with_kwargs=True))
-        if self.forward_only:
-            self._hooks.append(model.register_forward_hook(after_forward))
+        if self.forward_only or self.unit_spans:
+            self._hooks.append(model.register_forward_hook(after_forward, always_call=True))
         if tower is not None:
             self._install_tower(tower)
+
+    def _install_parts(self, parts: list, tower) -> None:
+        """Span hooks on every module of `timed_parts`, registered after FSDP's (whose pre-hook is prepended
+        and waits for the unit's all-gather): each span starts once this rank has its parameters."""
+        in_tower = {id(m) for m in tower.modules()} if tower is not None else set()
+        marks: Dict[int, Any] = {}
+
+        def part_begin(module, args):
+            if self._in_forward and self.started is not None:
+                marks[id(module)] = self.clock.mark()
+
+        def part_end(module, args, output):
+            start = marks.pop(id(module), None)
+            if start is not None:
+                self._part_spans.append((start, self.clock.mark(), id(module) in in_tower))
+
+        for module in parts:
+            self._hooks.append(module.register_forward_pre_hook(part_begin))
+            self._hooks.append(module.register_forward_hook(part_end))
+        self.parts = list(parts)
 
     def _install_tower(self, tower) -> None:
         marks = {}
@@ -234,7 +353,8 @@ class StepRecorder:
                 self.patches.extend(image_patches({"image_grid_thw": grid}))
             elif args and hasattr(args[0], "dim") and args[0].dim() == 4:  # InternVL tiles
                 self.patches.extend(image_patches({"pixel_values": args[0]}))
-            marks["t"] = self.clock.mark()
+            if not self.unit_spans:  # with unit spans the tower's seconds are its parts' (it may hold units)
+                marks["t"] = self.clock.mark()
 
         def tower_end(module, args, output):
             if "t" in marks:
@@ -247,6 +367,8 @@ class StepRecorder:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.parts = []
 
 
-__all__ = ["StepClock", "StepRecorder", "image_patches", "micro_batch_lengths", "synchronize", "vision_tower"]
+__all__ = ["StepClock", "StepRecorder", "image_patches", "micro_batch_lengths", "sharded_units", "synchronize",
+           "timed_parts", "vision_tower"]
