@@ -29,8 +29,9 @@ def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int 
     by_cost = np.argsort(cost, kind="stable")
     cost_sorted = cost[by_cost]
     made = 0
+    scale = np.maximum(limit, np.finfo(np.float64).tiny)
     for _ in range(rounds):
-        h = int(np.argmax(state.load / limit))
+        h = int(np.argmax(state.load / scale))
         excess = float(state.load[h] - limit[h])
         if excess <= 0:
             break
