@@ -87,7 +87,8 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     (two long items of two ranks), minimising the long items' tokens away from their rank now plus
     `_rank_charge` summed over the ranks. Each sweep scores, for every long item on a rank with a
     charge, the _NEAR ranks on either side of its best fit in load room and the _NEAR long items on
-    either side of the cost that would leave its rank at the limit, then applies the improving
+    either side of the cost that would leave its rank at the limit (every (R // _SPAN_RANKS)-th above
+    _SPAN_RANKS ranks: `_offsets`), then applies the improving
     ones, best first, each rank at most once. Where the estimate at the start exceeds `give_up`
     tokens, no search: the items stay (repack.py then trusts the trades). The state is not
     changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop over the improving
