@@ -21,6 +21,11 @@ moves short items fractionally and ignores slot caps). Then plan_step on the sam
 instance, with the share of tokens sent and slowest / bound after each of its full-cap stages.
 
     python bench/planner_floor.py [--sizes 512x4] [--goals 1.01,1.0025] [--time-limit 300]
+
+`--given-long`: instead, plan_step's long items (over --big tokens) fixed where it put them and the short
+items fractional as above (an LP, seconds): the floor on what the short items must send for that long
+assignment, beside what plan_step's short items send, so that a plan's excess over the floor is split
+between its long assignment and its short flow.
 """
 
 from __future__ import annotations
@@ -99,6 +104,41 @@ def milp_floor(c, L, own, R, M, cap, goal_load, big, time_limit, big_classes=48,
     return floor, incumbent, t, res.message
 
 
+def short_floor_given_long(c, L, own, dest, R, M, cap, goal_load, big, small_classes=100):
+    """(tokens the long items send at `dest`, floor on what the short items must send then): the items over
+    `big` tokens fixed at their rank in a plan (`dest`), every shorter item fractional as in `milp_floor`
+    (received per density class at the class's lowest density, slot caps relaxed to M x cap): an LP. What the
+    plan's short items send above it is what its short flow and trades lose for that long assignment."""
+    n = c.size
+    long_ = L > big
+    at = np.where(long_, dest, own)  # the long items where the plan put them, the short ones at home
+    dens = c / L
+    ks = _classes(dens, dens[~long_].min(), dens[~long_].max(), small_classes)
+    Ks = small_classes
+    d = np.full(Ks, np.inf)
+    np.minimum.at(d, ks[~long_], dens[~long_])
+    ds = np.where(np.isfinite(d), d, 0.0)
+    nzs = R * Ks
+    N = n + nzs
+    items, zs = np.arange(n), n + np.arange(nzs)
+    r_s, k_s = np.repeat(np.arange(R), Ks), np.tile(np.arange(Ks), R)
+    rows, cols = np.concatenate((at, r_s)), np.concatenate((items, zs))
+    load = sparse.csr_matrix((np.concatenate((c, ds[k_s])), (rows, cols)), shape=(R, N))
+    toks = sparse.csr_matrix((np.concatenate((L, np.ones(nzs))), (rows, cols)), shape=(R, N))
+    sm = ~long_
+    eq = sparse.csr_matrix((np.concatenate((L[sm], np.ones(nzs))), (np.concatenate((ks[sm], k_s)),
+                                                                      np.concatenate((items[sm], zs)))), shape=(Ks, N))
+    moved = np.bincount(ks[sm], weights=L[sm], minlength=Ks)
+    lower = np.concatenate((long_.astype(np.float64), np.zeros(nzs)))  # long items stay where the plan put them
+    upper = np.concatenate((np.ones(n), np.full(nzs, np.inf)))
+    res = milp(np.concatenate((-L, np.zeros(nzs))), bounds=Bounds(lower, upper),
+               constraints=[LinearConstraint(load, -np.inf, goal_load), LinearConstraint(toks, -np.inf, M * cap),
+                            LinearConstraint(eq, moved, moved)])
+    if res.x is None:
+        return float(L[long_ & (dest != own)].sum()), None
+    return float(L[long_ & (dest != own)].sum()), float((L * (1.0 - res.x[:n]))[sm].sum())
+
+
 def trajectory(c, L, own, mb, R, M):
     """plan_step at a full cap, with (stage, slowest / bound, % tokens sent) after each full-cap stage
     (the stage functions of core/planner/repack.py wrapped to record, their results unchanged)."""
@@ -134,6 +174,8 @@ def main(argv=None) -> int:
     parser.add_argument("--big", type=float, default=8192.0, help="items over this many tokens are whole (integer)")
     parser.add_argument("--time-limit", type=float, default=300.0, help="HiGHS seconds per goal")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--given-long", action="store_true",
+                        help="instead of the MILP: the LP floor of the short items with plan_step's long items fixed")
     args = parser.parse_args(argv)
     for size in args.sizes.split(","):
         R, M = (int(x) for x in size.split("x"))
@@ -144,9 +186,20 @@ def main(argv=None) -> int:
         plan, stages = trajectory(c, L, own, mb, R, M)
         print(f"## {args.mix} {R} x {M}, {args.cost}: {L.size} items, {int((L > args.big).sum())} over {args.big:.0f} "
               f"tokens; before / bound {plan.makespan_before / lb:.4f}\n")
+        sent = 100.0 * L[plan.dest_rank != own].sum() / T
+        if args.given_long:
+            short = 100.0 * L[(L <= args.big) & (plan.dest_rank != own)].sum() / T
+            print("| goal (x bound) | long items sent (plan_step) | short items: LP floor given them | "
+                  "short items sent (plan_step) | plan_step |\n|---|---|---|---|---|")
+            for goal in (float(g) for g in args.goals.split(",")):
+                long_sent, floor = short_floor_given_long(c, L, own, plan.dest_rank, R, M, bench.PACK, goal * lb,
+                                                          args.big)
+                shown = "infeasible" if floor is None else f"{100.0 * floor / T:.2f}%"
+                print(f"| {goal} | {100.0 * long_sent / T:.2f}% | {shown} | {short:.2f}% | "
+                      f"{sent:.2f}% at {plan.makespan_after / lb:.4f} |", flush=True)
+            continue
         print("| goal (x bound) | sent_floor | MILP floor | best point of the relaxation found | HiGHS | plan_step |\n"
               "|---|---|---|---|---|---|")
-        sent = 100.0 * L[plan.dest_rank != own].sum() / T
         for goal in (float(g) for g in args.goals.split(",")):
             floor, best, secs, msg = milp_floor(c, L, own, R, M, bench.PACK, goal * lb, args.big, args.time_limit)
             loose = 100.0 * bench.sent_floor(c, L, own, R, goal * lb) / T

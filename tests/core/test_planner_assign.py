@@ -258,3 +258,14 @@ def test_repacks_after_ladder_trades_stop_once_one_does_not_beat_them(monkeypatc
     assert len(made) == 1
     assert plan.path == "trades"
     assert max(plan.loads_after.sum(axis=1)) < max(st.load.max() for st in made)
+
+
+def test_the_search_windows_span_the_same_share_of_the_ranks_at_any_size():
+    # up to 1023 ranks the 32 nearest on either side (the plans of before); above, as many candidates,
+    # spread so that the window covers the same share of the ranks as at 512
+    for R in (8, 64, 512, 1023):
+        assert np.array_equal(assign._offsets(R), np.arange(-32, 32))
+    for R in (1024, 2048, 4096, 8192):
+        off = assign._offsets(R)
+        assert off.size == 64 and off[0] == -32 * (R // 512) and np.all(np.diff(off) == R // 512)
+        assert (off[-1] - off[0] + R // 512) / R == 64 / 512  # an eighth of the ranks, as at 512

@@ -6,6 +6,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.assign import _LONG, _assign_long, _long_first, _long_first_applies
 from hf_dp_balance.core.planner.chain import _ladder_trades
+from hf_dp_balance.core.planner.finish import _swap_down
 from hf_dp_balance.core.planner.home import _send_home
 from hf_dp_balance.core.planner.passes import _balance_incremental, _extra_passes, _polish
 from hf_dp_balance.core.planner.place import _place_lpt
@@ -152,6 +153,9 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     first = _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder,
                            long_first=assigned if trusted else None)
     limit = (1.0 + tolerance / 2.0) * (1.0 + 1e-9)
+    if trusted and first is not None and limit < _fullest(first, budget) <= 1.0 + tolerance:
+        # within the goal but just over the limit: swaps of single items first (core/planner/finish.py)
+        _swap_down(first, budget * (1.0 + tolerance / 2.0), start)
     if (first is not None and _fullest(first, budget) <= limit
             and (trusted or not few or _sent(first, start) <= _RETRY * float(origin.tokens.sum()))):
         return first
