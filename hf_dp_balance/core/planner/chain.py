@@ -19,7 +19,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _ranges, _search_within
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _patched_order, _ranges, _search_within
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
@@ -73,11 +73,11 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     tok, cost = state.tokens, state.costs
     n = cost.shape[0]
     S = R * M
-    by_density, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
+    bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
         return False
     slot = state.dest * M + state.micro
-    order = _ladders(by_density, slot, S)
+    order = _ladders(bins, slot, state.order_memo)
     slot_items = np.bincount(slot, minlength=S)
     starts = np.zeros(S + 1, dtype=np.int64)
     np.cumsum(slot_items, out=starts[1:])
@@ -124,35 +124,47 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
 
 def _item_keys(state: _State):
     """What the ladder passes of one planning call read of its items alone (never of their
-    placement), made on the first pass and kept in `state.item_memo` (copies share it): the items
-    by log-spaced density bins (a stable radix sort; ties: index), the large items, their cost above
-    their tokens at the lowest density and its key scale, the scale of the large items' cost key,
-    and the mean cost per token."""
+    placement), made on the first pass and kept in `state.item_memo` (copies share it): the items'
+    log-spaced density bins (uint16), the large items, their cost above their tokens at the lowest
+    density and its key scale, the scale of the large items' cost key, and the mean cost per token."""
     got = state.item_memo.get("ladder")
     if got is None:
         tok, cost = state.tokens, state.costs
         dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
         lo, hi = float(dens.min()), float(dens.max())
         bins = ((dens - lo) * ((_DENSITY_BINS - 1) / max(hi - lo, 1e-12))).astype(np.uint16)
-        by_density = np.argsort(bins, kind="stable")
         large = np.flatnonzero(tok > state.cap * _LARGE)
         if large.size == 0:
-            got = (by_density, large, None, None, None, None)
+            got = (bins, large, None, None, None, None)
         else:
             d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
             surplus = cost[large] - d_min * tok[large]
-            got = (by_density, large, surplus, 1.0 / (float(surplus.max()) * 2.0 + 2.0),
+            got = (bins, large, surplus, 1.0 / (float(surplus.max()) * 2.0 + 2.0),
                    1.0 / (float(cost[large].max()) * 2.0 + 2.0), float(cost.sum()) / max(float(tok.sum()), 1e-300))
         state.item_memo["ladder"] = got
     return got
 
 
-def _ladders(by_density: np.ndarray, slot: np.ndarray, S: int) -> np.ndarray:
-    """Items grouped by slot, cheapest per token first within a slot (ties: index): `by_density`
-    (the items by density bins, `_item_keys`) sorted again, stably, by slot (a radix sort)."""
-    key = slot[by_density]
-    key = key.astype(np.uint16) if S <= _DENSITY_BINS else key
-    return by_density[np.argsort(key, kind="stable")]
+_REBASE = 16  # the ladders are sorted afresh once more than 1 / _REBASE of the items changed slot
+
+
+def _ladders(bins: np.ndarray, slot: np.ndarray, memo: dict) -> np.ndarray:
+    """Items grouped by slot, cheapest per token first within a slot (density `bins`, `_item_keys`;
+    ties: index): a stable sort of slot x 2^16 + bin. The keys and the order are kept in `memo`
+    (`_State.order_memo`): a later pass where few items changed slot since patches that order
+    (`_patched_order`: the same order, without the sort)."""
+    wide = slot.size and int(slot.max()) >= _DENSITY_BINS
+    key = (slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _DENSITY_BINS + bins
+    base = memo.get("ladders")
+    order = None
+    if base is not None and base[0].shape == key.shape:
+        changed = np.flatnonzero(key != base[0])
+        if changed.size * _REBASE <= key.size:
+            order = _patched_order(base[1], key, changed)
+    if order is None:
+        order = np.argsort(key, kind="stable")  # nearly grouped by slot already: timsort's runs
+    memo["ladders"] = (key, order)
+    return order
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:

@@ -78,6 +78,24 @@ def _stable_order(values: np.ndarray, below: int) -> np.ndarray:
     return np.argsort(_uint_key(values, below) if narrow else values, kind="stable")
 
 
+def _patched_order(order: np.ndarray, keys: np.ndarray, changed: np.ndarray) -> np.ndarray:
+    """np.argsort(keys, kind="stable") (non-negative integer keys) from `order`, the stable order of
+    keys that equal `keys` except at the items `changed` (ascending): the other items keep their order,
+    the changed ones, sorted, are merged in by (key, index). O(n) passes, no sort of the n keys; a sort
+    where key x n could overflow int64."""
+    n = keys.size
+    if changed.size == 0:
+        return order
+    if n == 0 or (float(keys.max()) + 1.0) * n >= 2.0 ** 62:
+        return np.argsort(keys, kind="stable")
+    gone = np.zeros(n, dtype=bool)
+    gone[changed] = True
+    kept = order[~gone[order]]
+    moved = changed[np.argsort(keys[changed], kind="stable")]
+    at = np.searchsorted(keys[kept].astype(np.int64) * n + kept, keys[moved].astype(np.int64) * n + moved)
+    return np.insert(kept, at, moved)
+
+
 class _PayBack:
     """The small items of the slots a round searches, in index order, as running sums of tokens /
     costs: only items that never moved count (a moved item left its slot; arrivals moved too).

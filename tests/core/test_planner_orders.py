@@ -1,0 +1,79 @@
+"""Sorted orders kept between passes and patched where few keys changed (core/planner/state.py `_Members`,
+core/planner/chain.py `_ladders`, core/planner/trade_index.py `_patched_order`): the same arrays as a fresh sort."""
+
+import numpy as np
+
+from hf_dp_balance.core.planner.chain import _ladder_trades, _ladders
+from hf_dp_balance.core.planner.state import _Members, _copy_state
+from hf_dp_balance.core.planner.trade_index import _patched_order
+from test_planner_chain import _long_tail, _state
+
+
+def test_a_patched_order_is_the_stable_sort_of_the_new_keys():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(0, 60))
+        span = int(rng.integers(1, 8))  # few distinct keys: many ties, broken by index
+        old = rng.integers(0, span, n).astype(np.int64)
+        new = old.copy()
+        changed = np.flatnonzero(rng.random(n) < rng.choice([0.0, 0.05, 0.3, 1.0]))
+        new[changed] = rng.integers(0, span + 2, changed.size)
+        changed = np.flatnonzero(new != old)
+        got = _patched_order(np.argsort(old, kind="stable"), new, changed)
+        np.testing.assert_array_equal(got, np.argsort(new, kind="stable"), err_msg=str(trial))
+
+
+def test_patched_orders_of_a_big_key_fall_back_to_a_sort():
+    keys = np.array([2 ** 61, 5, 2 ** 61, 0], dtype=np.int64)
+    old = np.array([0, 5, 1, 0], dtype=np.int64)
+    got = _patched_order(np.argsort(old, kind="stable"), keys, np.flatnonzero(keys != old))
+    np.testing.assert_array_equal(got, [3, 1, 0, 2])
+
+
+def _groups(members, R):
+    return [members.of(r).tolist() for r in range(R)]
+
+
+def test_members_from_a_shared_base_equal_a_fresh_build_after_moves():
+    rng = np.random.default_rng(1)
+    for seed in range(8):
+        R, M = 5 + seed, (1, 2, 4, 8)[seed % 4]
+        tokens, owners, mbs = _long_tail(seed, R, M, 32768)
+        state, _ = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
+        first = _Members(state.dest, R, state.order_memo)
+        assert first.touched is None and "members" in state.order_memo  # the base: a fresh sort
+        n = state.dest.size
+        for step in range(3):
+            twin = _copy_state(state)  # copies share the memo; each build diffs against the same base
+            for item in rng.choice(n, size=max(1, n // 100), replace=False).tolist():
+                twin.move(item, int(rng.integers(0, R)), int(rng.integers(0, M)))
+            patched = _Members(twin.dest, R, twin.order_memo)
+            assert patched.touched is not None  # the patched path ran (few items moved)
+            assert _groups(patched, R) == _groups(_Members(twin.dest, R), R), (seed, step)
+            # and later moves patch it as they patch a fresh one
+            fresh = _Members(twin.dest, R)
+            for item in rng.choice(n, size=5, replace=False).tolist():
+                frm, to = int(twin.dest[item]), int(rng.integers(0, R))
+                twin.move(item, to, 0)
+                patched.moved(item, frm, to)
+                fresh.moved(item, frm, to)
+            assert _groups(patched, R) == _groups(fresh, R), (seed, step)
+
+
+def test_ladders_patched_between_passes_equal_a_fresh_sort():
+    for seed in range(6):
+        R, M = 8 + seed, (2, 4, 8)[seed % 3]
+        tokens, owners, mbs = _long_tail(seed, R, M, 32768)
+        state, budget = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
+        _ladder_trades(state, budget, 0.005)  # the first pass: a fresh sort, kept in the memo
+        base = state.order_memo["ladders"]
+        bins = state.item_memo["ladder"][0]
+        slot = state.dest * M + state.micro
+        fresh = np.argsort(slot.astype(np.int64) * 65536 + bins, kind="stable")
+        np.testing.assert_array_equal(_ladders(bins, slot, {}), fresh)
+        memo = {"ladders": base}
+        np.testing.assert_array_equal(_ladders(bins, slot, memo), fresh)
+        assert memo["ladders"][1] is not base[1] or np.array_equal(base[0], memo["ladders"][0])
+        # the order is (slot, density bin, index)
+        key = slot[fresh] * 65536 + bins[fresh]
+        assert np.all(np.diff(key) >= 0)
