@@ -5,7 +5,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.chain import _ladder_trades, _ladders
 from hf_dp_balance.core.planner.state import _Members, _copy_state
-from hf_dp_balance.core.planner.trade_index import _patched_order
+from hf_dp_balance.core.planner.trade_index import _memo_order, _patched_order
 from test_planner_chain import _long_tail, _state
 
 
@@ -23,11 +23,19 @@ def test_a_patched_order_is_the_stable_sort_of_the_new_keys():
         np.testing.assert_array_equal(got, np.argsort(new, kind="stable"), err_msg=str(trial))
 
 
-def test_patched_orders_of_a_big_key_fall_back_to_a_sort():
-    keys = np.array([2 ** 61, 5, 2 ** 61, 0], dtype=np.int64)
-    old = np.array([0, 5, 1, 0], dtype=np.int64)
-    got = _patched_order(np.argsort(old, kind="stable"), keys, np.flatnonzero(keys != old))
-    np.testing.assert_array_equal(got, [3, 1, 0, 2])
+def test_a_patched_order_of_float_keys_breaks_ties_by_index_and_a_memo_rebases():
+    rng = np.random.default_rng(2)
+    for trial in range(200):
+        n = int(rng.integers(1, 80))
+        old = rng.choice([0.0, 0.5, 1.25, 3.0, 1e300], n)  # ties everywhere
+        new = old.copy()
+        changed = np.flatnonzero(rng.random(n) < 0.1)
+        new[changed] = rng.choice([0.0, 0.5, 2.0, 1e300], changed.size)
+        memo = {}
+        _memo_order(memo, "k", old)
+        got = _memo_order(memo, "k", new)
+        np.testing.assert_array_equal(got, np.argsort(new, kind="stable"), err_msg=str(trial))
+        assert memo["k"][0] is new and memo["k"][1] is got  # the new keys are the base of the next call
 
 
 def _groups(members, R):

@@ -19,7 +19,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _patched_order, _ranges, _search_within
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _memo_order, _ranges, _search_within
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
@@ -82,8 +82,9 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     starts = np.zeros(S + 1, dtype=np.int64)
     np.cumsum(slot_items, out=starts[1:])
     # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
-    CT = np.concatenate(([0.0], np.cumsum(tok[order])))
-    CC = np.concatenate(([0.0], np.cumsum(cost[order])))
+    CT, CC = np.zeros(n + 1), np.zeros(n + 1)
+    np.cumsum(tok[order], out=CT[1:])
+    np.cumsum(cost[order], out=CC[1:])
     # the large items, grouped by rank: most cost above their tokens at the lowest density first
     # (the ones h sends), and by cost (the ones l gives back in a's place)
     lad = SimpleNamespace(order=order, starts=starts, CT=CT, CC=CC, slot_items=slot_items.astype(np.int64),
@@ -92,10 +93,11 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     lad.rank_of = np.empty(n, dtype=np.int64)
     lad.rank_of[order] = np.arange(n)  # ladder position of every item
     key = state.dest[large] + (1.0 - (surplus + 1.0) * scale)
-    by = np.argsort(key, kind="stable")
+    by = _memo_order(state.order_memo, "ladder_large", key)
     lad.large, lad.surplus_key, lad.surplus_scale, lad.near = large[by], key[by], scale, near
     lad.l_starts = np.searchsorted(state.dest[lad.large], np.arange(R + 1))
-    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
+    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(large, state.dest, cost, cost_scale, R,
+                                                                     state.order_memo)
     overhead = cap * _OVERHEAD
     min_rate = min_rate * mean_rate
     idle = 0
@@ -145,26 +147,13 @@ def _item_keys(state: _State):
     return got
 
 
-_REBASE = 16  # the ladders are sorted afresh once more than 1 / _REBASE of the items changed slot
-
-
 def _ladders(bins: np.ndarray, slot: np.ndarray, memo: dict) -> np.ndarray:
     """Items grouped by slot, cheapest per token first within a slot (density `bins`, `_item_keys`;
-    ties: index): a stable sort of slot x 2^16 + bin. The keys and the order are kept in `memo`
-    (`_State.order_memo`): a later pass where few items changed slot since patches that order
-    (`_patched_order`: the same order, without the sort)."""
+    ties: index): a stable sort of slot x 2^16 + bin, patched from an earlier pass's where few items
+    changed slot since (`_memo_order`, `memo` = `_State.order_memo`: the same order, without the sort)."""
     wide = slot.size and int(slot.max()) >= _DENSITY_BINS
     key = (slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _DENSITY_BINS + bins
-    base = memo.get("ladders")
-    order = None
-    if base is not None and base[0].shape == key.shape:
-        changed = np.flatnonzero(key != base[0])
-        if changed.size * _REBASE <= key.size:
-            order = _patched_order(base[1], key, changed)
-    if order is None:
-        order = np.argsort(key, kind="stable")  # nearly grouped by slot already: timsort's runs
-    memo["ladders"] = (key, order)
-    return order
+    return _memo_order(memo, "ladders", key)  # a fresh sort: nearly grouped by slot already (timsort's runs)
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
