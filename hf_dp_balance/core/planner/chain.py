@@ -231,7 +231,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     return _carry_out(state, lad, {k: v[chosen] for k, v in opt.items()})
 
 
-def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate):
+def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=True):
     """Every option's ladder cut and score (cost taken off h per token sent); None if none is feasible.
 
     (l, m) frees the tokens a needs there (beyond b's, if any) with a prefix of its ladder: its first
@@ -251,8 +251,19 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     ta, ca = tok[a], cost[a]
     flat_tok = state.slot_tok.reshape(-1)
     ok = ~lad.stale[dst] & (tb <= ta + cap - flat_tok[src])  # b fits a's slot
-    if not ok.any():
+    # a score is at most h's excess per token of a and b (gain <= excess, tokens sent >= ta + tb, in floating
+    # point too): an option under min_rate by that bound scores -inf below, so it is not searched (`prune`)
+    if prune:
+        ok &= (state.load[hl] - budget[hl]) / (ta + tb + overhead) >= min_rate
+    live = np.flatnonzero(ok)
+    if live.size == 0:
         return None
+    N = a.size
+    given = {"a": a, "b": b, "h": hl, "l": ll, "m": m, "ma": ma}  # every option's, as asked
+    if live.size < N:
+        a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca = (
+            x[live] for x in (a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca))
+        ok = ok[live]
     base = lad.starts[dst]
     end = lad.starts[dst + 1]
     CT, CC = lad.CT, lad.CC
@@ -285,8 +296,12 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     score[score < min_rate] = -np.inf
     if not np.isfinite(score).any():
         return None
-    return {"score": score, "a": a, "b": b, "h": hl, "l": ll, "m": m, "ma": ma, "base": base, "j_in": j_in,
-            "j": j}
+    found = {"score": score, "base": base, "j_in": j_in, "j": j}
+    if live.size < N:  # back in every option's place (those not searched: score -inf)
+        for key, value in found.items():
+            found[key] = np.full(N, -np.inf) if key == "score" else np.zeros(N, dtype=value.dtype)
+            found[key][live] = value
+    return {**found, **given}
 
 
 def _carry_out(state, lad, t) -> int:
