@@ -85,3 +85,41 @@ def test_ladders_patched_between_passes_equal_a_fresh_sort():
         # the order is (slot, density bin, index)
         key = slot[fresh] * 65536 + bins[fresh]
         assert np.all(np.diff(key) >= 0)
+
+
+def test_an_exchange_reading_the_pool_of_its_twin_moves_as_one_made_afresh():
+    """`_polish` tries both variants of `_eject` on copies of one state: the second reads the pool the
+    first kept (`eject._pool`); it must move exactly as `_eject` on a state with no memo, and a state
+    that changed since must not read it."""
+    from hf_dp_balance.core.planner.eject import _eject, _pool
+    from hf_dp_balance.core.planner.state import _State
+
+    def fresh(st):  # the same placement, nothing kept
+        return _State(st.costs, st.tokens, st.cap, st.speeds, st.dest, st.micro, st.M, st.load, st.min_count,
+                      slot_tok=st.slot_tok)
+
+    checked = 0
+    for seed in range(8):
+        R, M = 6 + seed, (2, 4, 8)[seed % 3]
+        tokens, owners, mbs = _long_tail(seed, R, M, 32768)
+        state, budget = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
+        limit = budget * 1.0025
+        for wide in (False, True):
+            twin, alone = _copy_state(state), fresh(state)
+            assert _eject(twin, budget, limit, wide) == _eject(alone, budget, limit, wide)
+            np.testing.assert_array_equal(twin.dest, alone.dest)
+            np.testing.assert_array_equal(twin.micro, alone.micro)
+            checked += int(not np.array_equal(twin.dest, state.dest))
+        # a changed placement (an item of the pool moved within its rank): the kept pool is stale for it
+        moved = _copy_state(state)
+        h = int(np.argmax(moved.load / budget))
+        recv = np.argmin(moved.slot_tok, axis=1)
+        _pool(moved, h, recv)
+        item = int(np.flatnonzero((moved.dest != h) & (moved.micro == recv[moved.dest]))[0])
+        moved.micro[item] = (moved.micro[item] + 1) % M
+        for st in (moved, _copy_state(state)):  # stale, then the same placement again
+            got = _pool(st, h, recv)
+            want = np.flatnonzero((st.dest != h) & (st.micro == recv[st.dest]))
+            want = want[np.lexsort((want, -st.costs[want], st.dest[want]))]
+            np.testing.assert_array_equal(got, want)
+    assert checked > 0  # some exchanges did move items
