@@ -5,7 +5,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.chain import _ladder_trades, _ladders
 from hf_dp_balance.core.planner.state import _Members, _copy_state
-from hf_dp_balance.core.planner.trade_index import _memo_order, _patched_order
+from hf_dp_balance.core.planner.trade_index import _memo_order, _patched_order, _stable_argsort
 from test_planner_chain import _long_tail, _state
 
 
@@ -123,3 +123,15 @@ def test_an_exchange_reading_the_pool_of_its_twin_moves_as_one_made_afresh():
             want = want[np.lexsort((want, -st.costs[want], st.dest[want]))]
             np.testing.assert_array_equal(got, want)
     assert checked > 0  # some exchanges did move items
+
+
+def test_the_packed_sort_of_integer_keys_is_the_stable_argsort():
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        n = int(rng.integers(0, 300))
+        dtype = rng.choice([np.uint16, np.uint32, np.int64, np.float64])
+        keys = rng.integers(0, rng.choice([2, 7, 1000]), n).astype(dtype)
+        np.testing.assert_array_equal(_stable_argsort(keys), np.argsort(keys, kind="stable"), err_msg=str(trial))
+    big = np.array([1 << 61, 3, 1 << 61, 0, -1], dtype=np.int64)  # no room for the index / negative: a plain sort
+    np.testing.assert_array_equal(_stable_argsort(big), [4, 3, 1, 0, 2])
+    np.testing.assert_array_equal(_stable_argsort(big[:4]), [3, 1, 0, 2])

@@ -153,7 +153,7 @@ def _ladders(bins: np.ndarray, slot: np.ndarray, memo: dict) -> np.ndarray:
     changed slot since (`_memo_order`, `memo` = `_State.order_memo`: the same order, without the sort)."""
     wide = slot.size and int(slot.max()) >= _DENSITY_BINS
     key = (slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _DENSITY_BINS + bins
-    return _memo_order(memo, "ladders", key)  # a fresh sort: nearly grouped by slot already (timsort's runs)
+    return _memo_order(memo, "ladders", key)
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:

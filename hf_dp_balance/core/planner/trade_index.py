@@ -78,6 +78,21 @@ def _stable_order(values: np.ndarray, below: int) -> np.ndarray:
     return np.argsort(_uint_key(values, below) if narrow else values, kind="stable")
 
 
+def _stable_argsort(keys: np.ndarray) -> np.ndarray:
+    """np.argsort(keys, kind="stable"). Non-negative integer keys with room for the index in 63 bits are
+    sorted as the values key x 2^k + index, all distinct, so numpy's (faster, unstable) sort of int64
+    values gives the stable order, read off the low k bits (550k ladder keys: ~10 ms against ~13 ms)."""
+    n = keys.size
+    if n > 1 and keys.dtype.kind in "ui":
+        k = int(n - 1).bit_length()
+        if int(keys.min()) >= 0 and int(keys.max()) < 1 << (63 - k):
+            packed = (keys.astype(np.int64) << k) | np.arange(n, dtype=np.int64)
+            packed.sort()
+            packed &= (1 << k) - 1
+            return packed
+    return np.argsort(keys, kind="stable")
+
+
 def _patched_order(order: np.ndarray, keys: np.ndarray, changed: np.ndarray) -> np.ndarray:
     """np.argsort(keys, kind="stable") (keys never NaN) from `order`, the stable order of keys that
     equal `keys` except at the positions `changed` (ascending): the others keep their order, the
@@ -88,7 +103,7 @@ def _patched_order(order: np.ndarray, keys: np.ndarray, changed: np.ndarray) -> 
     gone = np.zeros(keys.size, dtype=bool)
     gone[changed] = True
     kept = order[~gone[order]]
-    moved = changed[np.argsort(keys[changed], kind="stable")]
+    moved = changed[_stable_argsort(keys[changed])]
     kept_keys, moved_keys = keys[kept], keys[moved]
     lo = np.searchsorted(kept_keys, moved_keys, side="left")
     hi = np.searchsorted(kept_keys, moved_keys, side="right")
@@ -112,7 +127,7 @@ def _memo_order(memo: dict, name: str, keys: np.ndarray) -> np.ndarray:
         if changed.size * _REBASE <= keys.size:
             order = _patched_order(base[1], keys, changed)
     if order is None:
-        order = np.argsort(keys, kind="stable")
+        order = _stable_argsort(keys)
     memo[name] = (keys, order)
     return order
 
