@@ -196,8 +196,10 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     p1 = np.repeat(pair, W)
     m1 = slots[p1, np.tile(np.arange(W), a.size)]
     # a in place of l's large items b nearest in cost to c_a - want
-    near = np.searchsorted(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale)
     lo, hi = lad.l_starts[l[pair]], lad.l_starts[l[pair] + 1]
+    # (np.searchsorted's answer, searched in l's stretch of the keys first: random queries of the whole
+    # array miss the cache at every level)
+    near = _search_within(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
     pb = near[:, None] + np.arange(-(_SWAPS // 2), _SWAPS - _SWAPS // 2)[None, :]
     ok = (pb >= lo[:, None]) & (pb < hi[:, None])
     a2 = np.broadcast_to(a[:, None], pb.shape)[ok]
