@@ -1,41 +1,13 @@
-"""Sorted orders kept between passes and patched where few keys changed (core/planner/state.py `_Members`,
-core/planner/chain.py `_ladders`, core/planner/trade_index.py `_patched_order`): the same arrays as a fresh sort."""
+"""Orders read from an earlier placement's (core/planner/state.py `_Members`, core/planner/eject.py `_pool`) and
+sorted as packed integers (core/planner/trade_index.py `_stable_argsort`, the ladders of chain.py): the same
+arrays as the plain stable sorts they replace."""
 
 import numpy as np
 
 from hf_dp_balance.core.planner.chain import _ladder_trades, _ladders
 from hf_dp_balance.core.planner.state import _Members, _copy_state
-from hf_dp_balance.core.planner.trade_index import _memo_order, _patched_order, _stable_argsort
+from hf_dp_balance.core.planner.trade_index import _stable_argsort
 from test_planner_chain import _long_tail, _state
-
-
-def test_a_patched_order_is_the_stable_sort_of_the_new_keys():
-    rng = np.random.default_rng(0)
-    for trial in range(300):
-        n = int(rng.integers(0, 60))
-        span = int(rng.integers(1, 8))  # few distinct keys: many ties, broken by index
-        old = rng.integers(0, span, n).astype(np.int64)
-        new = old.copy()
-        changed = np.flatnonzero(rng.random(n) < rng.choice([0.0, 0.05, 0.3, 1.0]))
-        new[changed] = rng.integers(0, span + 2, changed.size)
-        changed = np.flatnonzero(new != old)
-        got = _patched_order(np.argsort(old, kind="stable"), new, changed)
-        np.testing.assert_array_equal(got, np.argsort(new, kind="stable"), err_msg=str(trial))
-
-
-def test_a_patched_order_of_float_keys_breaks_ties_by_index_and_a_memo_rebases():
-    rng = np.random.default_rng(2)
-    for trial in range(200):
-        n = int(rng.integers(1, 80))
-        old = rng.choice([0.0, 0.5, 1.25, 3.0, 1e300], n)  # ties everywhere
-        new = old.copy()
-        changed = np.flatnonzero(rng.random(n) < 0.1)
-        new[changed] = rng.choice([0.0, 0.5, 2.0, 1e300], changed.size)
-        memo = {}
-        _memo_order(memo, "k", old)
-        got = _memo_order(memo, "k", new)
-        np.testing.assert_array_equal(got, np.argsort(new, kind="stable"), err_msg=str(trial))
-        assert memo["k"][0] is new and memo["k"][1] is got  # the new keys are the base of the next call
 
 
 def _groups(members, R):
@@ -68,23 +40,19 @@ def test_members_from_a_shared_base_equal_a_fresh_build_after_moves():
             assert _groups(patched, R) == _groups(fresh, R), (seed, step)
 
 
-def test_ladders_patched_between_passes_equal_a_fresh_sort():
+def test_the_ladders_are_the_items_by_slot_then_density_bin_then_index():
     for seed in range(6):
         R, M = 8 + seed, (2, 4, 8)[seed % 3]
         tokens, owners, mbs = _long_tail(seed, R, M, 32768)
         state, budget = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
-        _ladder_trades(state, budget, 0.005)  # the first pass: a fresh sort, kept in the memo
-        base = state.order_memo["ladders"]
+        _ladder_trades(state, budget, 0.005)  # a placement the trades changed
         bins = state.item_memo["ladder"][0]
         slot = state.dest * M + state.micro
-        fresh = np.argsort(slot.astype(np.int64) * 65536 + bins, kind="stable")
-        np.testing.assert_array_equal(_ladders(bins, slot, {}), fresh)
-        memo = {"ladders": base}
-        np.testing.assert_array_equal(_ladders(bins, slot, memo), fresh)
-        assert memo["ladders"][1] is not base[1] or np.array_equal(base[0], memo["ladders"][0])
-        # the order is (slot, density bin, index)
-        key = slot[fresh] * 65536 + bins[fresh]
-        assert np.all(np.diff(key) >= 0)
+        got = _ladders(bins, slot)
+        np.testing.assert_array_equal(got, np.lexsort((np.arange(slot.size), bins, slot)))
+        # and as main made them: the density order, then a stable sort by slot
+        by_density = np.argsort(bins, kind="stable")
+        np.testing.assert_array_equal(got, by_density[np.argsort(slot[by_density], kind="stable")])
 
 
 def test_an_exchange_reading_the_pool_of_its_twin_moves_as_one_made_afresh():

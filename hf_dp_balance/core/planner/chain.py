@@ -19,7 +19,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _memo_order, _ranges, _search_within
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _ranges, _search_within, _stable_argsort
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
@@ -77,7 +77,7 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     if large.size == 0:
         return False
     slot = state.dest * M + state.micro
-    order = _ladders(bins, slot, state.order_memo)
+    order = _ladders(bins, slot)
     slot_items = np.bincount(slot, minlength=S)
     starts = np.zeros(S + 1, dtype=np.int64)
     np.cumsum(slot_items, out=starts[1:])
@@ -93,11 +93,10 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     lad.rank_of = np.empty(n, dtype=np.int64)
     lad.rank_of[order] = np.arange(n)  # ladder position of every item
     key = state.dest[large] + (1.0 - (surplus + 1.0) * scale)
-    by = _memo_order(state.order_memo, "ladder_large", key)
+    by = np.argsort(key, kind="stable")
     lad.large, lad.surplus_key, lad.surplus_scale, lad.near = large[by], key[by], scale, near
     lad.l_starts = np.searchsorted(state.dest[lad.large], np.arange(R + 1))
-    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(large, state.dest, cost, cost_scale, R,
-                                                                     state.order_memo)
+    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
     overhead = cap * _OVERHEAD
     min_rate = min_rate * mean_rate
     idle = 0
@@ -147,13 +146,11 @@ def _item_keys(state: _State):
     return got
 
 
-def _ladders(bins: np.ndarray, slot: np.ndarray, memo: dict) -> np.ndarray:
+def _ladders(bins: np.ndarray, slot: np.ndarray) -> np.ndarray:
     """Items grouped by slot, cheapest per token first within a slot (density `bins`, `_item_keys`;
-    ties: index): a stable sort of slot x 2^16 + bin, patched from an earlier pass's where few items
-    changed slot since (`_memo_order`, `memo` = `_State.order_memo`: the same order, without the sort)."""
+    ties: index): one sort of slot x 2^16 + bin (`_stable_argsort`)."""
     wide = slot.size and int(slot.max()) >= _DENSITY_BINS
-    key = (slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _DENSITY_BINS + bins
-    return _memo_order(memo, "ladders", key)
+    return _stable_argsort((slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _DENSITY_BINS + bins)
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:

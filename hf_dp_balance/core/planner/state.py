@@ -55,8 +55,8 @@ class _State:
         self.path = "incremental"  # "repack" once the repack fallback re-placed it (Plan.path)
         # what is worked out of the items alone (costs, tokens, cap), never of their placement: shared by copies
         self.item_memo = {}
-        # sorted orders of an earlier placement, patched where few items moved since (`_Members`, the
-        # ladders of core/planner/chain.py): shared by copies; each entry holds the keys it was made of
+        # orders of an earlier placement, read where few items or none moved since (`_Members`, the pool of
+        # core/planner/eject.py): shared by copies; each entry holds the placement it was made of
         self.order_memo = {}
 
     def move(self, item: int, to: int, slot: int) -> None:

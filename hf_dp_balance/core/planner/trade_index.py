@@ -93,45 +93,6 @@ def _stable_argsort(keys: np.ndarray) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
-def _patched_order(order: np.ndarray, keys: np.ndarray, changed: np.ndarray) -> np.ndarray:
-    """np.argsort(keys, kind="stable") (keys never NaN) from `order`, the stable order of keys that
-    equal `keys` except at the positions `changed` (ascending): the others keep their order, the
-    changed ones, sorted, are merged in by (key, index): a search of the kept keys, then among the
-    kept of an equal key (index order there) a search of the index. O(n) passes, no sort of n keys."""
-    if changed.size == 0:
-        return order
-    gone = np.zeros(keys.size, dtype=bool)
-    gone[changed] = True
-    kept = order[~gone[order]]
-    moved = changed[_stable_argsort(keys[changed])]
-    kept_keys, moved_keys = keys[kept], keys[moved]
-    lo = np.searchsorted(kept_keys, moved_keys, side="left")
-    hi = np.searchsorted(kept_keys, moved_keys, side="right")
-    tie = np.flatnonzero(hi > lo)
-    if tie.size:
-        lo[tie] = _search_within(kept, moved[tie], lo[tie], hi[tie], "left", "both")
-    return np.insert(kept, lo, moved)
-
-
-_REBASE = 16  # `_memo_order` sorts afresh once more than 1 / _REBASE of the keys changed since its last sort
-
-
-def _memo_order(memo: dict, name: str, keys: np.ndarray) -> np.ndarray:
-    """np.argsort(keys, kind="stable"), patched (`_patched_order`) from memo[name], the keys and order of an
-    earlier call, where few keys changed since (`_State.order_memo`: shared by the copies of one call's
-    state; an entry holds the keys it was made of, so any state may read it); keeps (keys, order) there."""
-    base = memo.get(name)
-    order = None
-    if base is not None and base[0].shape == keys.shape and base[0].dtype == keys.dtype:
-        changed = np.flatnonzero(keys != base[0])
-        if changed.size * _REBASE <= keys.size:
-            order = _patched_order(base[1], keys, changed)
-    if order is None:
-        order = _stable_argsort(keys)
-    memo[name] = (keys, order)
-    return order
-
-
 class _PayBack:
     """The small items of the slots a round searches, in index order, as running sums of tokens /
     costs: only items that never moved count (a moved item left its slot; arrivals moved too).
@@ -194,17 +155,14 @@ class _PayBack:
         return self.items[pos], grp
 
 
-def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int,
-                      memo: dict | None = None):
+def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
     """(items, starts, key, scale): `items` (grouped by rank) sorted by rank, then cost (ties: their
     order), starts[r] where rank r's begin; key = rank + cost x scale (scale < 1 / (2 max cost)), sorted;
-    a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them.
-    With `memo` (`_memo_order`), the order of an earlier call with the same `items` is patched."""
+    a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them."""
     key = rank_of[items] + cost[items] * scale
     # grouped by rank already: timsort only orders each rank's stretch. The keys are >= +0.0 and never
     # NaN, so their bit patterns as int64 sort as they do (the same order, ties too), and faster
-    bits = key.view(np.int64)
-    o = np.argsort(bits, kind="stable") if memo is None else _memo_order(memo, "by_rank_and_cost", bits)
+    o = np.argsort(key.view(np.int64), kind="stable")
     items, key = items[o], key[o]
     starts = np.searchsorted(key, np.arange(num_ranks + 1))  # cost x scale < 1/2: rank r starts at key r
     return items, starts, key, scale
