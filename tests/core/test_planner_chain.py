@@ -95,3 +95,37 @@ def test_full_cap_long_tails_strongly_quadratic_plan_within_the_bound_sending_a_
     assert np.all(np.bincount(slot, minlength=R * M) > 0)
     assert plan.makespan_after <= 1.01 * plan.lower_bound
     assert tokens[plan.dest_rank != owners].sum() <= most_sent * tokens.sum()
+
+
+def test_options_pruned_by_their_score_bound_are_exactly_those_that_cannot_score(monkeypatch):
+    """`_evaluate` skips the searches of options whose score bound (h's excess per token of a and b) is
+    under min_rate: every option's score, and the ladder cut of every option that scores, equal the
+    unpruned evaluation's, on the options the ladder passes really build."""
+    import hf_dp_balance.core.planner.chain as chain
+
+    unpruned = chain._evaluate
+    seen = {"options": 0, "pruned": 0, "scored": 0}
+
+    def both(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate):
+        full = unpruned(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=False)
+        got = unpruned(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate)
+        bound = (state.load[hl] - budget[hl]) / (state.tokens[a] + np.where(b >= 0, state.tokens[b], 0.0) + overhead)
+        seen["options"] += a.size
+        seen["pruned"] += int(np.count_nonzero(bound < min_rate))
+        assert (full is None) == (got is None)
+        if full is not None:
+            np.testing.assert_array_equal(got["score"], full["score"])
+            scores = np.isfinite(full["score"])
+            seen["scored"] += int(np.count_nonzero(scores))
+            for key in full:
+                np.testing.assert_array_equal(got[key][scores], full[key][scores], err_msg=key)
+        return got
+
+    monkeypatch.setattr(chain, "_evaluate", both)
+    for seed in range(6):
+        R, M = 24 + 8 * seed, (2, 4, 8)[seed % 3]
+        tokens, owners, mbs = _long_tail(seed, R, M, 32768)
+        state, budget = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
+        _ladder_trades(state, budget, 0.005)
+        _ladder_trades(state, budget, 0.005, min_rate=0.0, near=True)
+    assert seen["pruned"] > 0 and seen["scored"] > 0, seen  # both kinds of option were met

@@ -19,7 +19,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _ranges, _search_within
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _ranges, _search_within, _stable_argsort
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
@@ -73,17 +73,18 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     tok, cost = state.tokens, state.costs
     n = cost.shape[0]
     S = R * M
-    by_density, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
+    bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
         return False
     slot = state.dest * M + state.micro
-    order = _ladders(by_density, slot, S)
+    order = _ladders(bins, slot)
     slot_items = np.bincount(slot, minlength=S)
     starts = np.zeros(S + 1, dtype=np.int64)
     np.cumsum(slot_items, out=starts[1:])
     # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
-    CT = np.concatenate(([0.0], np.cumsum(tok[order])))
-    CC = np.concatenate(([0.0], np.cumsum(cost[order])))
+    CT, CC = np.zeros(n + 1), np.zeros(n + 1)
+    np.cumsum(tok[order], out=CT[1:])
+    np.cumsum(cost[order], out=CC[1:])
     # the large items, grouped by rank: most cost above their tokens at the lowest density first
     # (the ones h sends), and by cost (the ones l gives back in a's place)
     lad = SimpleNamespace(order=order, starts=starts, CT=CT, CC=CC, slot_items=slot_items.astype(np.int64),
@@ -124,35 +125,32 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
 
 def _item_keys(state: _State):
     """What the ladder passes of one planning call read of its items alone (never of their
-    placement), made on the first pass and kept in `state.item_memo` (copies share it): the items
-    by log-spaced density bins (a stable radix sort; ties: index), the large items, their cost above
-    their tokens at the lowest density and its key scale, the scale of the large items' cost key,
-    and the mean cost per token."""
+    placement), made on the first pass and kept in `state.item_memo` (copies share it): the items'
+    log-spaced density bins (uint16), the large items, their cost above their tokens at the lowest
+    density and its key scale, the scale of the large items' cost key, and the mean cost per token."""
     got = state.item_memo.get("ladder")
     if got is None:
         tok, cost = state.tokens, state.costs
         dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
         lo, hi = float(dens.min()), float(dens.max())
         bins = ((dens - lo) * ((_DENSITY_BINS - 1) / max(hi - lo, 1e-12))).astype(np.uint16)
-        by_density = np.argsort(bins, kind="stable")
         large = np.flatnonzero(tok > state.cap * _LARGE)
         if large.size == 0:
-            got = (by_density, large, None, None, None, None)
+            got = (bins, large, None, None, None, None)
         else:
             d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
             surplus = cost[large] - d_min * tok[large]
-            got = (by_density, large, surplus, 1.0 / (float(surplus.max()) * 2.0 + 2.0),
+            got = (bins, large, surplus, 1.0 / (float(surplus.max()) * 2.0 + 2.0),
                    1.0 / (float(cost[large].max()) * 2.0 + 2.0), float(cost.sum()) / max(float(tok.sum()), 1e-300))
         state.item_memo["ladder"] = got
     return got
 
 
-def _ladders(by_density: np.ndarray, slot: np.ndarray, S: int) -> np.ndarray:
-    """Items grouped by slot, cheapest per token first within a slot (ties: index): `by_density`
-    (the items by density bins, `_item_keys`) sorted again, stably, by slot (a radix sort)."""
-    key = slot[by_density]
-    key = key.astype(np.uint16) if S <= _DENSITY_BINS else key
-    return by_density[np.argsort(key, kind="stable")]
+def _ladders(bins: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    """Items grouped by slot, cheapest per token first within a slot (density `bins`, `_item_keys`;
+    ties: index): one sort of slot x 2^16 + bin (`_stable_argsort`)."""
+    wide = slot.size and int(slot.max()) >= _DENSITY_BINS
+    return _stable_argsort((slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _DENSITY_BINS + bins)
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
@@ -195,8 +193,10 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     p1 = np.repeat(pair, W)
     m1 = slots[p1, np.tile(np.arange(W), a.size)]
     # a in place of l's large items b nearest in cost to c_a - want
-    near = np.searchsorted(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale)
     lo, hi = lad.l_starts[l[pair]], lad.l_starts[l[pair] + 1]
+    # (np.searchsorted's answer, searched in l's stretch of the keys first: random queries of the whole
+    # array miss the cache at every level)
+    near = _search_within(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
     pb = near[:, None] + np.arange(-(_SWAPS // 2), _SWAPS - _SWAPS // 2)[None, :]
     ok = (pb >= lo[:, None]) & (pb < hi[:, None])
     a2 = np.broadcast_to(a[:, None], pb.shape)[ok]
@@ -230,7 +230,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     return _carry_out(state, lad, {k: v[chosen] for k, v in opt.items()})
 
 
-def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate):
+def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=True):
     """Every option's ladder cut and score (cost taken off h per token sent); None if none is feasible.
 
     (l, m) frees the tokens a needs there (beyond b's, if any) with a prefix of its ladder: its first
@@ -250,8 +250,19 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     ta, ca = tok[a], cost[a]
     flat_tok = state.slot_tok.reshape(-1)
     ok = ~lad.stale[dst] & (tb <= ta + cap - flat_tok[src])  # b fits a's slot
-    if not ok.any():
+    # a score is at most h's excess per token of a and b (gain <= excess, tokens sent >= ta + tb, in floating
+    # point too): an option under min_rate by that bound scores -inf below, so it is not searched (`prune`)
+    if prune:
+        ok &= (state.load[hl] - budget[hl]) / (ta + tb + overhead) >= min_rate
+    live = np.flatnonzero(ok)
+    if live.size == 0:
         return None
+    N = a.size
+    given = {"a": a, "b": b, "h": hl, "l": ll, "m": m, "ma": ma}  # every option's, as asked
+    if live.size < N:
+        a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca = (
+            x[live] for x in (a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca))
+        ok = ok[live]
     base = lad.starts[dst]
     end = lad.starts[dst + 1]
     CT, CC = lad.CT, lad.CC
@@ -284,8 +295,12 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     score[score < min_rate] = -np.inf
     if not np.isfinite(score).any():
         return None
-    return {"score": score, "a": a, "b": b, "h": hl, "l": ll, "m": m, "ma": ma, "base": base, "j_in": j_in,
-            "j": j}
+    found = {"score": score, "base": base, "j_in": j_in, "j": j}
+    if live.size < N:  # back in every option's place (those not searched: score -inf)
+        for key, value in found.items():
+            found[key] = np.full(N, -np.inf) if key == "score" else np.zeros(N, dtype=value.dtype)
+            found[key][live] = value
+    return {**found, **given}
 
 
 def _carry_out(state, lad, t) -> int:

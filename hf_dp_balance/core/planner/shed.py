@@ -7,6 +7,7 @@ from bisect import bisect_left
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _Infeasible, _State, _group_starts, _remove, _smallest_room
+from hf_dp_balance.core.planner.trade_index import _stable_order
 
 
 def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_rounds: int = 64,
@@ -32,7 +33,7 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
     sel = np.flatnonzero(over[owners] & (owners >= 0))  # not the items the token repair took off
     so = owners[sel]
     if so.size > 1 and np.any(so[1:] < so[:-1]):
-        order = np.argsort(so, kind="stable")  # items grouped by owner, index order inside
+        order = _stable_order(so, state.load.shape[0])  # items grouped by owner, index order inside
         sel, so = sel[order], so[order]
     sc = costs[sel]
     movable = (sc > 0) & (sc <= room)
