@@ -4,7 +4,7 @@ arrays as the plain stable sorts they replace."""
 
 import numpy as np
 
-from hf_dp_balance.core.planner.chain import _ladder_trades, _ladders
+from hf_dp_balance.core.planner.chain import _by_density, _ladder_trades, _ladders
 from hf_dp_balance.core.planner.state import _Members, _copy_state
 from hf_dp_balance.core.planner.trade_index import _stable_argsort
 from test_planner_chain import _long_tail, _state
@@ -50,9 +50,22 @@ def test_the_ladders_are_the_items_by_slot_then_density_bin_then_index():
         slot = state.dest * M + state.micro
         got = _ladders(bins, slot)
         np.testing.assert_array_equal(got, np.lexsort((np.arange(slot.size), bins, slot)))
+        # the two radix passes (the density order kept for the call, then the slots) give the same order
+        np.testing.assert_array_equal(_ladders(bins, slot, _by_density(state)), got)
+        assert state.item_memo["by_density"] is _by_density(_copy_state(state))  # once per call
         # and as main made them: the density order, then a stable sort by slot
         by_density = np.argsort(bins, kind="stable")
         np.testing.assert_array_equal(got, by_density[np.argsort(slot[by_density], kind="stable")])
+
+
+def test_the_ladders_past_16_bit_slots_keep_the_packed_sort():
+    rng = np.random.default_rng(3)
+    bins = rng.integers(0, 1 << 16, 5000).astype(np.uint16)
+    for top in (1 << 16, 70001):  # the largest slot: the radix path, then slots that need 17 bits
+        slot = rng.integers(0, top, bins.size)
+        slot[0] = top - 1
+        want = np.lexsort((np.arange(bins.size), bins, slot))
+        np.testing.assert_array_equal(_ladders(bins, slot, np.argsort(bins, kind="stable")), want)
 
 
 def test_an_exchange_reading_the_pool_of_its_twin_moves_as_one_made_afresh():
