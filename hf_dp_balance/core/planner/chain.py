@@ -165,7 +165,8 @@ def _ladders(bins: np.ndarray, slot: np.ndarray, by_density=None) -> np.ndarray:
     on 2026-12 hardware 2.7x faster than the packed sort at 550k items); else one sort of
     slot x 2^16 + bin (`_stable_argsort`)."""
     if by_density is not None and (slot.size == 0 or int(slot.max()) < _RADIX_SLOTS):
-        return by_density[np.argsort(slot[by_density].astype(np.uint16), kind="stable")]
+        # (narrowed before the gather: a random read of 1 MB, not 4 MB)
+        return by_density[np.argsort(slot.astype(np.uint16)[by_density], kind="stable")]
     wide = slot.size and int(slot.max()) >= _DENSITY_BINS
     return _stable_argsort((slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _DENSITY_BINS + bins)
 
@@ -188,7 +189,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
         first = np.maximum(at - _CHOICES, first)
     pos = first[:, None] + np.arange(2 * _CHOICES)[None, :]
     inside = pos < lad.l_starts[h + 1][:, None]
-    pair = np.broadcast_to(np.arange(P)[:, None], pos.shape)[inside]
+    pair = np.repeat(np.arange(P), inside.sum(axis=1))  # (the rows of `inside`, in order)
     a = lad.large[pos[inside]]
     keep = ~lad.moved[a]
     a, pair = a[keep], pair[keep]
@@ -216,8 +217,8 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     near = _search_within(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
     pb = near[:, None] + np.arange(-(_SWAPS // 2), _SWAPS - _SWAPS // 2)[None, :]
     ok = (pb >= lo[:, None]) & (pb < hi[:, None])
-    a2 = np.broadcast_to(a[:, None], pb.shape)[ok]
-    p2 = np.broadcast_to(pair[:, None], pb.shape)[ok]
+    per_a = ok.sum(axis=1)
+    a2, p2 = np.repeat(a, per_a), np.repeat(pair, per_a)
     b2 = lad.by_cost[pb[ok]]
     ok = ~lad.moved[b2]
     a2, p2, b2 = a2[ok], p2[ok], b2[ok]
@@ -284,13 +285,14 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     end = lad.starts[dst + 1]
     CT, CC = lad.CT, lad.CC
     room_l = cap - flat_tok[dst]
-    other = np.where(has_b, 0.0, cap * M - state.slot_tok[ll].sum(axis=1) - room_l)
+    rank_tok = state.slot_tok.sum(axis=1)  # (each row's sum as a gathered row sums it: the same floats)
+    other = np.where(has_b, 0.0, cap * M - rank_tok[ll] - room_l)
     # the searches of the receiving slot's stretch of the ladders, base .. end: an answer past end + 1 (or
     # below j_in, from j_in on) changes none of the values below, so the searches are clamped there
     j_free = _search_within(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), base, end + 1, "left", "high")
     j_in = np.clip(_search_within(CT, CT[base] + 0.9 * other, base, end + 1, "right", "both") - 1, base,
                    np.minimum(j_free, end))
-    room_h = ta - tb + (cap * M - state.slot_tok[hl].sum(axis=1))
+    room_h = ta - tb + (cap * M - rank_tok[hl])
     j_hi = np.minimum(_search_within(CT, CT[j_in] + room_h, j_in, end + 1, "right", "both") - 1, end)
     j = np.clip(_search_within(CC, CC[j_in] + ca - cb - want, j_in, end + 1, "left", "both"), j_free,
                 np.maximum(j_hi, j_free))
