@@ -9,7 +9,9 @@ from test_planner_chain import _long_tail, _state
 
 
 @pytest.mark.parametrize("M, deep", [(2, True), (4, True), (8, False)])
-def test_the_exchange_trials_after_the_first_ladder_pass_are_skipped_from_8_micro_batches_on(monkeypatch, M, deep):
+def test_after_the_first_ladder_pass_only_shed_and_place_from_8_micro_batches_on(monkeypatch, M, deep):
+    """No exchange trials and no refinement in the incremental method after the first ladder pass at
+    M >= 8; at M <= 4 both, as before (and the later incremental passes keep them at every M)."""
     R, cap = 24, 32768
     tokens, owners, mbs = _long_tail(7, R, M, cap)
     state, budget = _state(tokens, owners, mbs, R, M, cap, 1.4e-4)
@@ -17,10 +19,25 @@ def test_the_exchange_trials_after_the_first_ladder_pass_are_skipped_from_8_micr
     real = repack._balance_incremental
 
     def recording(st, *args, **kwargs):
-        calls.append(kwargs.get("deep", True))
+        calls.append((kwargs.get("deep", True), kwargs.get("refine", True)))
         return real(st, *args, **kwargs)
 
     monkeypatch.setattr(repack, "_balance_incremental", recording)
     plan = repack._full_cap_pass(state, budget, 0.005, True, True, True, long_first=None)
     assert plan is not None and calls  # the first call is the one after the first ladder pass
-    assert calls[0] is deep and all(calls[1:])  # the residue / roomy passes keep their trials
+    assert calls[0] == (deep, deep)
+    assert all(c == (True, True) for c in calls[1:])  # the residue / roomy passes keep both
+
+
+def test_the_incremental_method_without_refinement_sheds_and_places_only(monkeypatch):
+    from hf_dp_balance.core.planner import passes
+
+    R, M, cap = 24, 8, 32768
+    tokens, owners, mbs = _long_tail(3, R, M, cap)
+    state, budget = _state(tokens, owners, mbs, R, M, cap, 1.4e-4)
+    refined = []
+    monkeypatch.setattr(passes, "_refine", lambda *a, **k: refined.append(1))
+    passes._balance_incremental(repack._copy_state(state), budget, 0.005, deep=False, refine=False)
+    assert not refined
+    passes._balance_incremental(repack._copy_state(state), budget, 0.005, deep=False)  # sync="micro_batch"
+    assert refined  # deep=False alone still refines (micro_batch plans unchanged)
