@@ -19,8 +19,8 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _rank_major_argsort, _rank_starts, _ranges,
-                                                    _search_within, _stable_argsort)
+from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _rank_starts, _ranges, _search_within,
+                                                    _stable_argsort)
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
@@ -93,14 +93,12 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
                           moved=np.zeros(n, dtype=bool))
     lad.rank_of = np.empty(n, dtype=np.int64)
     lad.rank_of[order] = np.arange(n)  # ladder position of every item
-    by_surplus, by_cost = _large_orders(state)
     ranks = state.dest[large]
     key = ranks + (1.0 - (surplus + 1.0) * scale)
-    by = _rank_major_argsort(key, ranks, by_surplus, R)
+    by = np.argsort(key, kind="stable")
     lad.large, lad.surplus_key, lad.surplus_scale, lad.near = large[by], key[by], scale, near
     lad.l_starts = _rank_starts(ranks, R)
-    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(large, state.dest, cost, cost_scale, R,
-                                                                     by_cost=by_cost)
+    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
     overhead = cap * _OVERHEAD
     min_rate = min_rate * mean_rate
     idle = 0
@@ -147,18 +145,6 @@ def _item_keys(state: _State):
             got = (bins, large, surplus, 1.0 / (float(surplus.max()) * 2.0 + 2.0),
                    1.0 / (float(cost[large].max()) * 2.0 + 2.0), float(cost.sum()) / max(float(tok.sum()), 1e-300))
         state.item_memo["ladder"] = got
-    return got
-
-
-def _large_orders(state: _State):
-    """The large items (`_item_keys`) in the stable order of the parts of their two keys that do not
-    depend on the placement (most cost above their tokens first; cost), once per planning call
-    (`state.item_memo`): each pass's orders by rank are then a radix pass (`_rank_major_argsort`)."""
-    got = state.item_memo.get("large_orders")
-    if got is None:
-        _, large, surplus, scale, cost_scale, _ = _item_keys(state)
-        got = state.item_memo["large_orders"] = (np.argsort(1.0 - (surplus + 1.0) * scale, kind="stable"),
-                                                 np.argsort(state.costs[large] * cost_scale, kind="stable"))
     return got
 
 

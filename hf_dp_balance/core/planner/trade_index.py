@@ -155,20 +155,15 @@ class _PayBack:
         return self.items[pos], grp
 
 
-def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int,
-                      by_cost=None):
+def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
     """(items, starts, key, scale): `items` (grouped by rank) sorted by rank, then cost (ties: their
     order), starts[r] where rank r's begin; key = rank + cost x scale (scale < 1 / (2 max cost)), sorted;
-    a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them.
-    `by_cost`: np.argsort(cost[items] x scale, kind="stable") if known (`_rank_major_argsort`)."""
+    a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them."""
     ranks = rank_of[items]
     key = ranks + cost[items] * scale
-    if by_cost is not None:
-        o = _rank_major_argsort(key, ranks, by_cost, num_ranks)
-    else:
-        # grouped by rank already: timsort only orders each rank's stretch. The keys are >= +0.0 and never
-        # NaN, so their bit patterns as int64 sort as they do (the same order, ties too), and faster
-        o = np.argsort(key.view(np.int64), kind="stable")
+    # grouped by rank already: timsort only orders each rank's stretch. The keys are >= +0.0 and never
+    # NaN, so their bit patterns as int64 sort as they do (the same order, ties too), and faster
+    o = np.argsort(key.view(np.int64), kind="stable")
     items, key = items[o], key[o]
     # cost x scale < 1/2: rank r starts at key r, after the items of the ranks below it
     starts = _rank_starts(ranks, num_ranks) if ranks.size == 0 or int(ranks.min()) >= 0 else \
@@ -181,18 +176,3 @@ def _rank_starts(ranks: np.ndarray, num_ranks: int) -> np.ndarray:
     starts = np.zeros(num_ranks + 1, dtype=np.int64)
     np.cumsum(np.bincount(ranks, minlength=num_ranks), out=starts[1:])
     return starts
-
-
-def _rank_major_argsort(key: np.ndarray, ranks: np.ndarray, by_frac: np.ndarray, num_ranks: int) -> np.ndarray:
-    """np.argsort(key, kind="stable") for key = rank + frac (frac in [0, 1)), given by_frac, the stable
-    order of frac (kept from one call to the next: it does not depend on the placement): the order by
-    rank (a 16-bit radix sort) of that order, checked (sorted keys, equal ones by index); where the
-    rounding of rank + frac makes it differ (keys that tie though their fracs differ), the plain sort."""
-    if by_frac.size > 1 and num_ranks <= 1 << 16:
-        o = by_frac[np.argsort(ranks.astype(np.uint16)[by_frac], kind="stable")]
-        k = key[o]
-        after = k[1:]
-        if bool(np.all((after > k[:-1]) | ((after == k[:-1]) & (o[1:] > o[:-1])))):
-            return o
-    return np.argsort(key.view(np.int64), kind="stable")
-
