@@ -69,3 +69,30 @@ def test_the_pay_back_skipping_the_items_that_fit_a_s_slot_places_as_the_item_by
         spilled += int(np.any(want[1] != np.repeat(ma, n_back)))
         failed += int(not want[2].all())
     assert spilled > 50 and failed > 10  # both the spilling and the failing branches were exercised
+
+
+def test_ladders_of_the_partners_only_trade_as_the_global_ladders_with_integer_costs():
+    """`_ladder_trades(partners_only=True)` builds the ladders of the ranks a round pairs, as rounds
+    first pair them; its prefix sums run over those ranks only, so costs sum in another order. With
+    integer costs and tokens every sum is exact either way: the trades must be the same."""
+    from hf_dp_balance.core.planner.chain import _ladder_trades
+    from hf_dp_balance.core.planner.state import _State, _copy_state
+    from test_planner_chain import _long_tail
+
+    traded = 0
+    for seed in range(8):
+        R, M, cap = 16 + 4 * seed, (4, 8)[seed % 2], 32768
+        tokens, owners, mbs = _long_tail(seed, R, M, cap)
+        costs = np.round(1.4e-4 * tokens ** 2) + tokens + 64.0  # integers
+        load = np.bincount(owners, weights=costs, minlength=R)
+        state = _State(costs, tokens, float(cap), np.ones(R), owners, mbs, M, load, M)
+        budget = np.full(R, load.mean())
+        for kw in ({}, {"min_rate": 0.0, "near": True}):
+            glob, part = _copy_state(state), _copy_state(state)
+            _ladder_trades(glob, budget, 0.005, **kw)
+            _ladder_trades(part, budget, 0.005, partners_only=True, **kw)
+            np.testing.assert_array_equal(part.dest, glob.dest, err_msg=f"{seed} {kw}")
+            np.testing.assert_array_equal(part.micro, glob.micro, err_msg=f"{seed} {kw}")
+            np.testing.assert_array_equal(part.load, glob.load)
+            traded += int(np.count_nonzero(glob.dest != state.dest))
+    assert traded > 100  # the trades moved items

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.state import _Members, _State
 from hf_dp_balance.core.planner.trade import _apply
 from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _rank_starts, _ranges, _search_within,
                                                     _stable_argsort)
@@ -36,7 +36,7 @@ _DENSITY_BINS = 1 << 16  # cost per token is ordered on this many log-spaced bin
 
 
 def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS,
-                   min_rate: float = _MIN_RATE, near: bool = False) -> bool:
+                   min_rate: float = _MIN_RATE, near: bool = False, partners_only: bool = False) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
     A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
@@ -65,6 +65,12 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     items of one trade (all trades at once) only for the pay-back items that spill past a's slot and
     the receiving slot's items that next fit cannot place. A pass ends after
     _IDLE rounds in a row that trade for at most _FEW of the over-full ranks.
+
+    `partners_only`: the ladders of a round's partner ranks only, built as the rounds first pair them
+    (`_build_partner_ladders`) instead of every slot's at the start: where few ranks are over-full (a
+    residue pass) most ladders are never read. The same ladders, but their prefix sums run over the
+    built ranks only, so costs sum in another order: the last bits differ from the global ladders'
+    (with integer costs and tokens, the same trades).
     """
     cap = state.cap
     R, M = state.load.shape[0], state.M
@@ -78,21 +84,30 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     if large.size == 0:
         return False
     slot = state.dest * M + state.micro
-    order = _ladders(bins, slot, _by_density(state) if S <= _RADIX_SLOTS else None)
     slot_items = np.bincount(slot, minlength=S)
-    starts = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(slot_items, out=starts[1:])
-    # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
-    CT, CC = np.zeros(n + 1), np.zeros(n + 1)
-    np.cumsum(tok[order], out=CT[1:])
-    np.cumsum(cost[order], out=CC[1:])
-    # the large items, grouped by rank: most cost above their tokens at the lowest density first
-    # (the ones h sends), and by cost (the ones l gives back in a's place)
-    lad = SimpleNamespace(order=order, starts=starts, CT=CT, CC=CC, slot_items=slot_items.astype(np.int64),
+    lad = SimpleNamespace(slot_items=slot_items.astype(np.int64),
                           stale=np.zeros(S, dtype=bool),  # slots an original item left: their ladders no longer hold
                           moved=np.zeros(n, dtype=bool))
-    lad.rank_of = np.empty(n, dtype=np.int64)
-    lad.rank_of[order] = np.arange(n)  # ladder position of every item
+    if partners_only:
+        # slot s's ladder: order[lo[s]:hi[s]] once its rank is built; prefix sums with one leading 0
+        lad.order, lad.CT, lad.CC = np.zeros(0, dtype=np.int64), np.zeros(1), np.zeros(1)
+        lad.lo, lad.hi = np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64)
+        lad.rank_of = np.zeros(n, dtype=np.int64)
+        lad.built = np.zeros(R, dtype=bool)
+        lad.members, lad.bins = _Members(state.dest, R, state.order_memo), bins
+    else:
+        order = _ladders(bins, slot, _by_density(state) if S <= _RADIX_SLOTS else None)
+        starts = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(slot_items, out=starts[1:])
+        # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
+        CT, CC = np.zeros(n + 1), np.zeros(n + 1)
+        np.cumsum(tok[order], out=CT[1:])
+        np.cumsum(cost[order], out=CC[1:])
+        lad.order, lad.CT, lad.CC, lad.lo, lad.hi = order, CT, CC, starts[:-1], starts[1:]
+        lad.rank_of = np.empty(n, dtype=np.int64)
+        lad.rank_of[order] = np.arange(n)  # ladder position of every item
+    # the large items, grouped by rank: most cost above their tokens at the lowest density first
+    # (the ones h sends), and by cost (the ones l gives back in a's place)
     ranks = state.dest[large]
     key = ranks + (1.0 - (surplus + 1.0) * scale)
     by = np.argsort(key, kind="stable")
@@ -116,6 +131,8 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
         h = np.repeat(over[:P], K)
         # the partners shift from round to round: a pair that found no trade meets new ranks
         l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
+        if partners_only:
+            _build_partner_ladders(state, lad, l)
         if _round(state, h, l, budget, limit, lad, overhead, min_rate) > _FEW * over.size:
             idle = 0
         else:
@@ -123,6 +140,31 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
             if idle >= _IDLE:
                 return False
     return not np.any(state.load > limit)
+
+
+def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
+    """The ladders of the slots of `ranks` not built yet (`_ladder_trades` with `partners_only`), as the
+    global ones hold them: the items of the rank at the start of the pass (`lad.members`) by slot, then
+    density bin, then index, less the items that moved since (they left a slot now stale, whose ladder
+    is never read); appended to `lad.order` with their prefix sums."""
+    new = np.unique(ranks[~lad.built[ranks]])
+    if new.size == 0:
+        return
+    lad.built[new] = True
+    M = state.M
+    items = np.concatenate([lad.members.of(int(r)) for r in new.tolist()])
+    items = items[~lad.moved[items]]
+    slot = state.dest[items] * M + state.micro[items]
+    items = items[np.lexsort((lad.bins[items], slot))]  # (stable: index order among ties)
+    slot = state.dest[items] * M + state.micro[items]
+    at = lad.order.size
+    wanted = (new[:, None] * M + np.arange(M)[None, :]).reshape(-1)
+    lad.lo[wanted] = at + np.searchsorted(slot, wanted, side="left")
+    lad.hi[wanted] = at + np.searchsorted(slot, wanted, side="right")
+    lad.rank_of[items] = at + np.arange(items.size)
+    lad.order = np.concatenate((lad.order, items))
+    lad.CT = np.concatenate((lad.CT, lad.CT[-1] + np.cumsum(state.tokens[items])))
+    lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
 
 
 def _item_keys(state: _State):
@@ -283,8 +325,8 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
         a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca = (
             x[live] for x in (a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca))
         ok = ok[live]
-    base = lad.starts[dst]
-    end = lad.starts[dst + 1]
+    base = lad.lo[dst]
+    end = lad.hi[dst]
     CT, CC = lad.CT, lad.CC
     room_l = cap - flat_tok[dst]
     rank_tok = state.slot_tok.sum(axis=1)  # (each row's sum as a gathered row sums it: the same floats)

@@ -188,7 +188,8 @@ def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocat
             for _ in range(_RESIDUE_PASSES):  # the small excess left: trades at any cost per token
                 if _fullest(state, budget) <= 1.0 + tolerance:
                     break
-                _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True)
+                _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True,
+                               partners_only=state.M >= _SHALLOW_M)
                 state = _balance_incremental(state, budget, tolerance, relocate)
             for _ in range(_ROOMY_PASSES):  # still above: room made where the free tokens are
                 if _fullest(state, budget) <= 1.0 + tolerance:
