@@ -70,7 +70,7 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     (`_build_partner_ladders`) instead of every slot's at the start: where few ranks are over-full (a
     residue pass) most ladders are never read. The same ladders, but their prefix sums run over the
     built ranks only, so costs sum in another order: the last bits differ from the global ladders'
-    (with integer costs and tokens, the same trades).
+    (with integer costs and positive integer tokens, the same trades).
     """
     cap = state.cap
     R, M = state.load.shape[0], state.M
