@@ -96,3 +96,40 @@ def test_ladders_of_the_partners_only_trade_as_the_global_ladders_with_integer_c
             np.testing.assert_array_equal(part.load, glob.load)
             traded += int(np.count_nonzero(glob.dest != state.dest))
     assert traded > 100  # the trades moved items
+
+
+def test_partner_ladders_hold_the_global_large_item_orders_and_swap_searches():
+    """Built for every rank, the partner ladders' large items (by surplus, by cost) are the global
+    orders rank by rank, and the swap search gives the global answer: inside a rank's stretch the same
+    position, below it (a target the lower ranks' keys reach) no item of the rank."""
+    from hf_dp_balance.core.planner.chain import _build_partner_ladders, _cost_search, _make_ladders
+    from hf_dp_balance.core.planner.state import _State
+    from test_planner_chain import _long_tail
+
+    rng = np.random.default_rng(9)
+    below = 0
+    for seed in range(6):
+        R, M, cap = 20 + 5 * seed, 8, 32768
+        tokens, owners, mbs = _long_tail(seed, R, M, cap)
+        costs = 1.4e-4 * tokens ** 2 + tokens + 64.0
+        load = np.bincount(owners, weights=costs, minlength=R)
+        state = _State(costs, tokens, float(cap), np.ones(R), owners, mbs, M, load, M)
+        glob = _make_ladders(state, False, False)
+        part = _make_ladders(state, False, True)
+        for chunk in np.array_split(rng.permutation(R), 3):  # built in three rounds, in any rank order
+            _build_partner_ladders(state, part, chunk)
+        for r in range(R):
+            g, p = slice(glob.l_lo[r], glob.l_hi[r]), slice(part.l_lo[r], part.l_hi[r])
+            np.testing.assert_array_equal(part.large[p], glob.large[g])
+            np.testing.assert_array_equal(part.by_cost[p], glob.by_cost[g])
+        ranks = rng.integers(0, R, 400)
+        # targets in the rank's stretch, above it and below it (into the ranks under it)
+        target = ranks + rng.uniform(-0.6, 0.5, ranks.size)
+        g_at = _cost_search(glob, ranks, target, glob.l_lo[ranks], glob.l_hi[ranks])
+        p_at = _cost_search(part, ranks, target, part.l_lo[ranks], part.l_hi[ranks])
+        g_in = (g_at >= glob.l_lo[ranks]) & (g_at <= glob.l_hi[ranks])
+        p_in = p_at >= part.l_lo[ranks]
+        np.testing.assert_array_equal(p_in, g_in)
+        np.testing.assert_array_equal((p_at - part.l_lo[ranks])[p_in], (g_at - glob.l_lo[ranks])[g_in])
+        below += int(np.count_nonzero(~g_in))
+    assert below > 20  # the searches that fall below a stretch were exercised

@@ -77,12 +77,49 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
+    lad = _make_ladders(state, near, partners_only)
+    if lad is None:
+        return False
+    mean_rate = lad.mean_rate
+    overhead = cap * _OVERHEAD
+    min_rate = min_rate * mean_rate
+    idle = 0
+    for k in range(rounds):
+        over = np.flatnonzero(state.load > limit)
+        if over.size == 0:
+            return True
+        under = np.flatnonzero(state.load < budget)
+        if under.size == 0:
+            return False
+        over = over[np.lexsort((over, budget[over] - state.load[over]))]
+        under = under[np.lexsort((under, state.load[under] - budget[under]))]
+        P = min(over.size, under.size)
+        K = min(_PARTNERS, under.size)
+        h = np.repeat(over[:P], K)
+        # the partners shift from round to round: a pair that found no trade meets new ranks
+        l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
+        if partners_only:
+            _build_partner_ladders(state, lad, np.concatenate((over[:P], l)))
+        if _round(state, h, l, budget, limit, lad, overhead, min_rate) > _FEW * over.size:
+            idle = 0
+        else:
+            idle += 1  # the partners shift: the next round may still find (more) trades
+            if idle >= _IDLE:
+                return False
+    return not np.any(state.load > limit)
+
+
+def _make_ladders(state: _State, near: bool, partners_only: bool):
+    """What the rounds of `_ladder_trades` read (None without large items): every slot's ladder (items
+    by density, their prefix sums, each item's position), or with `partners_only` room for the ranks'
+    ladders as `_build_partner_ladders` adds them; the large items by rank, by surplus and by cost."""
+    R, M = state.load.shape[0], state.M
     tok, cost = state.tokens, state.costs
     n = cost.shape[0]
     S = R * M
     bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
-        return False
+        return None
     slot = state.dest * M + state.micro
     slot_items = np.bincount(slot, minlength=S)
     lad = SimpleNamespace(slot_items=slot_items.astype(np.int64),
@@ -108,38 +145,38 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
         lad.rank_of[order] = np.arange(n)  # ladder position of every item
     # the large items, grouped by rank: most cost above their tokens at the lowest density first
     # (the ones h sends), and by cost (the ones l gives back in a's place)
+    lad.surplus_scale, lad.cost_scale, lad.near = scale, cost_scale, near
     ranks = state.dest[large]
-    key = ranks + (1.0 - (surplus + 1.0) * scale)
-    by = np.argsort(key, kind="stable")
-    lad.large, lad.surplus_key, lad.surplus_scale, lad.near = large[by], key[by], scale, near
-    lad.l_starts = _rank_starts(ranks, R)
-    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
-    overhead = cap * _OVERHEAD
-    min_rate = min_rate * mean_rate
-    idle = 0
-    for k in range(rounds):
-        over = np.flatnonzero(state.load > limit)
-        if over.size == 0:
-            return True
-        under = np.flatnonzero(state.load < budget)
-        if under.size == 0:
-            return False
-        over = over[np.lexsort((over, budget[over] - state.load[over]))]
-        under = under[np.lexsort((under, state.load[under] - budget[under]))]
-        P = min(over.size, under.size)
-        K = min(_PARTNERS, under.size)
-        h = np.repeat(over[:P], K)
-        # the partners shift from round to round: a pair that found no trade meets new ranks
-        l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
-        if partners_only:
-            _build_partner_ladders(state, lad, l)
-        if _round(state, h, l, budget, limit, lad, overhead, min_rate) > _FEW * over.size:
-            idle = 0
-        else:
-            idle += 1  # the partners shift: the next round may still find (more) trades
-            if idle >= _IDLE:
-                return False
-    return not np.any(state.load > limit)
+    if partners_only:  # rank r's large items: large[l_lo[r]:l_hi[r]] (and by_cost) once r is built
+        lad.large, lad.surplus_key = np.zeros(0, dtype=np.int64), np.zeros(0)
+        lad.by_cost, lad.cost_key = np.zeros(0, dtype=np.int64), np.zeros(0)
+        lad.l_lo, lad.l_hi = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+        # the largest cost key of the ranks below each rank (what the global keys hold just before its
+        # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
+        top = np.full(R, -np.inf)
+        np.maximum.at(top, ranks, ranks + cost[large] * cost_scale)
+        lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
+    else:
+        key = ranks + (1.0 - (surplus + 1.0) * scale)
+        by = np.argsort(key, kind="stable")
+        lad.large, lad.surplus_key = large[by], key[by]
+        l_starts = _rank_starts(ranks, R)
+        lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
+        lad.by_cost, _, lad.cost_key, _ = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
+        lad.below_top = None
+    lad.mean_rate = mean_rate
+    return lad
+
+
+def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """np.searchsorted(the global cost keys, target) for targets ranks + c x scale (c < 1 / (2 scale)):
+    the answer inside the rank's stretch [lo, hi] of the keys, or, with per-rank stretches appended
+    (`partners_only`), lo - 1 where the global keys below the stretch reach the target (its answer
+    lies below lo: no large item of the rank is near it)."""
+    if lad.below_top is None:
+        return _search_within(lad.cost_key, target, lo, hi)
+    near = _search_within(lad.cost_key, target, lo, hi, clamp="both")
+    return np.where(lad.below_top[ranks] >= target, lo - 1, near)
 
 
 def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
@@ -152,8 +189,10 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
         return
     lad.built[new] = True
     M = state.M
-    items = np.concatenate([lad.members.of(int(r)) for r in new.tolist()])
-    items = items[~lad.moved[items]]
+    per_rank = [lad.members.of(int(r)) for r in new.tolist()]
+    held = np.concatenate(per_rank)  # the ranks' items at the start of the pass, rank by rank, index order
+    held_rank = np.repeat(new, [x.size for x in per_rank])
+    items = held[~lad.moved[held]]
     slot = state.dest[items] * M + state.micro[items]
     items = items[np.lexsort((lad.bins[items], slot))]  # (stable: index order among ties)
     slot = state.dest[items] * M + state.micro[items]
@@ -165,6 +204,28 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     lad.order = np.concatenate((lad.order, items))
     lad.CT = np.concatenate((lad.CT, lad.CT[-1] + np.cumsum(state.tokens[items])))
     lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
+    # their large items as the global orders hold them: by rank, then by key (the same floats), ties by index
+    _, large, surplus, scale, cost_scale, _ = _item_keys(state)
+    big = _is_large(state)[held]  # (index order within a rank; moved ones are filtered where read)
+    mine, ranks = held[big], held_rank[big]
+    at = lad.large.size
+    starts = at + np.searchsorted(ranks, new)  # (`new` ascends, and so do the ranks of `mine`)
+    lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)
+    key = ranks + (1.0 - (surplus[np.searchsorted(large, mine)] + 1.0) * scale)
+    by = np.argsort(key, kind="stable")
+    lad.large, lad.surplus_key = np.concatenate((lad.large, mine[by])), np.concatenate((lad.surplus_key, key[by]))
+    key = ranks + state.costs[mine] * cost_scale
+    by = np.argsort(key.view(np.int64), kind="stable")
+    lad.by_cost, lad.cost_key = np.concatenate((lad.by_cost, mine[by])), np.concatenate((lad.cost_key, key[by]))
+
+
+def _is_large(state: _State) -> np.ndarray:
+    """A mask of the large items (`_item_keys`), once per planning call (`state.item_memo`)."""
+    got = state.item_memo.get("is_large")
+    if got is None:
+        got = state.item_memo["is_large"] = np.zeros(state.costs.shape[0], dtype=bool)
+        got[_item_keys(state)[1]] = True
+    return got
 
 
 def _item_keys(state: _State):
@@ -227,12 +288,15 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     P = h.size
     # h's first unmoved large items (the list is short per rank: a window of twice the choices), or
     # (`near`) those whose surplus is nearest h's excess: a small excess is shed by a small trade
-    first = lad.l_starts[h]
+    first = lad.l_lo[h]
     if lad.near:
-        at = np.searchsorted(lad.surplus_key, h + (1.0 - (state.load[h] - budget[h] + 1.0) * lad.surplus_scale))
+        # (a search of h's stretch only: h's keys are the ones in [h, h + 1), the target is under h + 1, and
+        # an answer below h's first key is raised to it here anyway)
+        at = _search_within(lad.surplus_key, h + (1.0 - (state.load[h] - budget[h] + 1.0) * lad.surplus_scale),
+                            first, lad.l_hi[h], clamp="both")
         first = np.maximum(at - _CHOICES, first)
     pos = first[:, None] + np.arange(2 * _CHOICES)[None, :]
-    inside = pos < lad.l_starts[h + 1][:, None]
+    inside = pos < lad.l_hi[h][:, None]
     pair = np.repeat(np.arange(P), inside.sum(axis=1))  # (the rows of `inside`, in order)
     a = lad.large[pos[inside]]
     keep = ~lad.moved[a]
@@ -255,10 +319,10 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     p1 = np.repeat(pair, W)
     m1 = slots[p1, np.tile(np.arange(W), a.size)]
     # a in place of l's large items b nearest in cost to c_a - want
-    lo, hi = lad.l_starts[l[pair]], lad.l_starts[l[pair] + 1]
+    lo, hi = lad.l_lo[l[pair]], lad.l_hi[l[pair]]
     # (np.searchsorted's answer, searched in l's stretch of the keys first: random queries of the whole
     # array miss the cache at every level)
-    near = _search_within(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
+    near = _cost_search(lad, l[pair], l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
     pb = near[:, None] + np.arange(-(_SWAPS // 2), _SWAPS - _SWAPS // 2)[None, :]
     ok = (pb >= lo[:, None]) & (pb < hi[:, None])
     per_a = ok.sum(axis=1)
