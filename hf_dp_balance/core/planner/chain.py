@@ -183,7 +183,8 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     """The ladders of the slots of `ranks` not built yet (`_ladder_trades` with `partners_only`), as the
     global ones hold them: the items of the rank at the start of the pass (`lad.members`) by slot, then
     density bin, then index, less the items that moved since (they left a slot now stale, whose ladder
-    is never read); appended to `lad.order` with their prefix sums."""
+    is never read); appended to `lad.order` with their prefix sums. And the ranks' large items at the
+    start of the pass, by surplus and by cost, appended rank by rank (`lad.l_lo`, `lad.l_hi`)."""
     new = np.unique(ranks[~lad.built[ranks]])
     if new.size == 0:
         return
@@ -266,9 +267,9 @@ def _by_density(state: _State) -> np.ndarray:
 def _ladders(bins: np.ndarray, slot: np.ndarray, by_density=None) -> np.ndarray:
     """Items grouped by slot, cheapest per token first within a slot (density `bins`, `_item_keys`;
     ties: index). With `by_density` (the stable order of `bins`, `_by_density`) and every slot under
-    2^16: a stable radix sort of the slots in that order (numpy sorts 16-bit keys by radix, O(n);
-    on 2026-12 hardware 2.7x faster than the packed sort at 550k items); else one sort of
-    slot x 2^16 + bin (`_stable_argsort`)."""
+    2^16: a stable radix sort of the slots in that order (numpy sorts 16-bit keys by radix, O(n); at
+    550k items ~2.3x faster than the packed sort, docs/benchmarks/planner.md "speed7"); else one sort
+    of slot x 2^16 + bin (`_stable_argsort`)."""
     if by_density is not None and (slot.size == 0 or int(slot.max()) < _RADIX_SLOTS):
         # (narrowed before the gather: a random read of 1 MB, not 4 MB)
         return by_density[np.argsort(slot.astype(np.uint16)[by_density], kind="stable")]
