@@ -4,7 +4,7 @@ arrays as the plain stable sorts they replace."""
 
 import numpy as np
 
-from hf_dp_balance.core.planner.chain import _ladder_trades, _ladders
+from hf_dp_balance.core.planner.chain import _by_density, _ladder_trades, _ladders
 from hf_dp_balance.core.planner.state import _Members, _copy_state
 from hf_dp_balance.core.planner.trade_index import _stable_argsort
 from test_planner_chain import _long_tail, _state
@@ -50,9 +50,22 @@ def test_the_ladders_are_the_items_by_slot_then_density_bin_then_index():
         slot = state.dest * M + state.micro
         got = _ladders(bins, slot)
         np.testing.assert_array_equal(got, np.lexsort((np.arange(slot.size), bins, slot)))
+        # the two radix passes (the density order kept for the call, then the slots) give the same order
+        np.testing.assert_array_equal(_ladders(bins, slot, _by_density(state)), got)
+        assert state.item_memo["by_density"] is _by_density(_copy_state(state))  # once per call
         # and as main made them: the density order, then a stable sort by slot
         by_density = np.argsort(bins, kind="stable")
         np.testing.assert_array_equal(got, by_density[np.argsort(slot[by_density], kind="stable")])
+
+
+def test_the_ladders_past_16_bit_slots_keep_the_packed_sort():
+    rng = np.random.default_rng(3)
+    bins = rng.integers(0, 1 << 16, 5000).astype(np.uint16)
+    for top in (1 << 16, 70001):  # the largest slot: the radix path, then slots that need 17 bits
+        slot = rng.integers(0, top, bins.size)
+        slot[0] = top - 1
+        want = np.lexsort((np.arange(bins.size), bins, slot))
+        np.testing.assert_array_equal(_ladders(bins, slot, np.argsort(bins, kind="stable")), want)
 
 
 def test_an_exchange_reading_the_pool_of_its_twin_moves_as_one_made_afresh():
@@ -103,3 +116,20 @@ def test_the_packed_sort_of_integer_keys_is_the_stable_argsort():
     big = np.array([1 << 61, 3, 1 << 61, 0, -1], dtype=np.int64)  # no room for the index / negative: a plain sort
     np.testing.assert_array_equal(_stable_argsort(big), [4, 3, 1, 0, 2])
     np.testing.assert_array_equal(_stable_argsort(big[:4]), [3, 1, 0, 2])
+
+
+def test_the_rank_starts_by_counts_are_the_searches_of_the_sorted_keys():
+    from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _rank_starts
+
+    rng = np.random.default_rng(4)
+    for trial in range(30):
+        R = int(rng.integers(1, 300))
+        n = int(rng.integers(0, 3000))
+        rank_of = rng.integers(0, R, n)
+        cost = rng.uniform(0.0, 1000.0, n) * (trial % 2)  # all-zero costs too: keys exactly at the ranks
+        items = rng.permutation(n)[: n // 2]
+        got, starts, key, _ = _by_rank_and_cost(items, rank_of, cost, 1.0 / 2001.0, R)
+        np.testing.assert_array_equal(starts, np.searchsorted(key, np.arange(R + 1)), err_msg=str(trial))
+        ranks = rank_of[items]
+        np.testing.assert_array_equal(_rank_starts(ranks, R),
+                                      np.searchsorted(np.sort(ranks), np.arange(R + 1)), err_msg=str(trial))

@@ -17,9 +17,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.state import _Members, _State
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _ranges, _search_within, _stable_argsort
+from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _rank_starts, _ranges, _search_within,
+                                                    _stable_argsort)
 
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
@@ -35,7 +36,7 @@ _DENSITY_BINS = 1 << 16  # cost per token is ordered on this many log-spaced bin
 
 
 def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS,
-                   min_rate: float = _MIN_RATE, near: bool = False) -> bool:
+                   min_rate: float = _MIN_RATE, near: bool = False, partners_only: bool = False) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
     A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
@@ -64,39 +65,22 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     items of one trade (all trades at once) only for the pay-back items that spill past a's slot and
     the receiving slot's items that next fit cannot place. A pass ends after
     _IDLE rounds in a row that trade for at most _FEW of the over-full ranks.
+
+    `partners_only`: the ladders of a round's partner ranks only, built as the rounds first pair them
+    (`_build_partner_ladders`) instead of every slot's at the start: where few ranks are over-full (a
+    residue pass) most ladders are never read. The same ladders, but their prefix sums run over the
+    built ranks only, so costs sum in another order: the last bits differ from the global ladders'
+    (with integer costs and positive integer tokens, the same trades).
     """
     cap = state.cap
     R, M = state.load.shape[0], state.M
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
-    tok, cost = state.tokens, state.costs
-    n = cost.shape[0]
-    S = R * M
-    bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
-    if large.size == 0:
+    lad = _make_ladders(state, near, partners_only)
+    if lad is None:
         return False
-    slot = state.dest * M + state.micro
-    order = _ladders(bins, slot)
-    slot_items = np.bincount(slot, minlength=S)
-    starts = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(slot_items, out=starts[1:])
-    # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
-    CT, CC = np.zeros(n + 1), np.zeros(n + 1)
-    np.cumsum(tok[order], out=CT[1:])
-    np.cumsum(cost[order], out=CC[1:])
-    # the large items, grouped by rank: most cost above their tokens at the lowest density first
-    # (the ones h sends), and by cost (the ones l gives back in a's place)
-    lad = SimpleNamespace(order=order, starts=starts, CT=CT, CC=CC, slot_items=slot_items.astype(np.int64),
-                          stale=np.zeros(S, dtype=bool),  # slots an original item left: their ladders no longer hold
-                          moved=np.zeros(n, dtype=bool))
-    lad.rank_of = np.empty(n, dtype=np.int64)
-    lad.rank_of[order] = np.arange(n)  # ladder position of every item
-    key = state.dest[large] + (1.0 - (surplus + 1.0) * scale)
-    by = np.argsort(key, kind="stable")
-    lad.large, lad.surplus_key, lad.surplus_scale, lad.near = large[by], key[by], scale, near
-    lad.l_starts = np.searchsorted(state.dest[lad.large], np.arange(R + 1))
-    lad.by_cost, _, lad.cost_key, lad.cost_scale = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
+    mean_rate = lad.mean_rate
     overhead = cap * _OVERHEAD
     min_rate = min_rate * mean_rate
     idle = 0
@@ -114,6 +98,8 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
         h = np.repeat(over[:P], K)
         # the partners shift from round to round: a pair that found no trade meets new ranks
         l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
+        if partners_only:
+            _build_partner_ladders(state, lad, np.concatenate((over[:P], l)))
         if _round(state, h, l, budget, limit, lad, overhead, min_rate) > _FEW * over.size:
             idle = 0
         else:
@@ -121,6 +107,126 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
             if idle >= _IDLE:
                 return False
     return not np.any(state.load > limit)
+
+
+def _make_ladders(state: _State, near: bool, partners_only: bool):
+    """What the rounds of `_ladder_trades` read (None without large items): every slot's ladder (items
+    by density, their prefix sums, each item's position), or with `partners_only` room for the ranks'
+    ladders as `_build_partner_ladders` adds them; the large items by rank, by surplus and by cost."""
+    R, M = state.load.shape[0], state.M
+    tok, cost = state.tokens, state.costs
+    n = cost.shape[0]
+    S = R * M
+    bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
+    if large.size == 0:
+        return None
+    slot = state.dest * M + state.micro
+    slot_items = np.bincount(slot, minlength=S)
+    lad = SimpleNamespace(slot_items=slot_items.astype(np.int64),
+                          stale=np.zeros(S, dtype=bool),  # slots an original item left: their ladders no longer hold
+                          moved=np.zeros(n, dtype=bool))
+    if partners_only:
+        # slot s's ladder: order[lo[s]:hi[s]] once its rank is built; prefix sums with one leading 0
+        lad.order, lad.CT, lad.CC = np.zeros(0, dtype=np.int64), np.zeros(1), np.zeros(1)
+        lad.lo, lad.hi = np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64)
+        lad.rank_of = np.zeros(n, dtype=np.int64)
+        lad.built = np.zeros(R, dtype=bool)
+        lad.members, lad.bins = _Members(state.dest, R, state.order_memo), bins
+    else:
+        order = _ladders(bins, slot, _by_density(state) if S <= _RADIX_SLOTS else None)
+        starts = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(slot_items, out=starts[1:])
+        # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
+        CT, CC = np.zeros(n + 1), np.zeros(n + 1)
+        np.cumsum(tok[order], out=CT[1:])
+        np.cumsum(cost[order], out=CC[1:])
+        lad.order, lad.CT, lad.CC, lad.lo, lad.hi = order, CT, CC, starts[:-1], starts[1:]
+        lad.rank_of = np.empty(n, dtype=np.int64)
+        lad.rank_of[order] = np.arange(n)  # ladder position of every item
+    # the large items, grouped by rank: most cost above their tokens at the lowest density first
+    # (the ones h sends), and by cost (the ones l gives back in a's place)
+    lad.surplus_scale, lad.cost_scale, lad.near = scale, cost_scale, near
+    ranks = state.dest[large]
+    if partners_only:  # rank r's large items: large[l_lo[r]:l_hi[r]] (and by_cost) once r is built
+        lad.large, lad.surplus_key = np.zeros(0, dtype=np.int64), np.zeros(0)
+        lad.by_cost, lad.cost_key = np.zeros(0, dtype=np.int64), np.zeros(0)
+        lad.l_lo, lad.l_hi = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+        # the largest cost key of the ranks below each rank (what the global keys hold just before its
+        # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
+        top = np.full(R, -np.inf)
+        np.maximum.at(top, ranks, ranks + cost[large] * cost_scale)
+        lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
+    else:
+        key = ranks + (1.0 - (surplus + 1.0) * scale)
+        by = np.argsort(key, kind="stable")
+        lad.large, lad.surplus_key = large[by], key[by]
+        l_starts = _rank_starts(ranks, R)
+        lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
+        lad.by_cost, _, lad.cost_key, _ = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
+        lad.below_top = None
+    lad.mean_rate = mean_rate
+    return lad
+
+
+def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """np.searchsorted(the global cost keys, target) for targets ranks + c x scale (c < 1 / (2 scale)):
+    the answer inside the rank's stretch [lo, hi] of the keys, or, with per-rank stretches appended
+    (`partners_only`), lo - 1 where the global keys below the stretch reach the target (its answer
+    lies below lo: no large item of the rank is near it)."""
+    if lad.below_top is None:
+        return _search_within(lad.cost_key, target, lo, hi)
+    near = _search_within(lad.cost_key, target, lo, hi, clamp="both")
+    return np.where(lad.below_top[ranks] >= target, lo - 1, near)
+
+
+def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
+    """The ladders of the slots of `ranks` not built yet (`_ladder_trades` with `partners_only`), as the
+    global ones hold them: the items of the rank at the start of the pass (`lad.members`) by slot, then
+    density bin, then index, less the items that moved since (they left a slot now stale, whose ladder
+    is never read); appended to `lad.order` with their prefix sums. And the ranks' large items at the
+    start of the pass, by surplus and by cost, appended rank by rank (`lad.l_lo`, `lad.l_hi`)."""
+    new = np.unique(ranks[~lad.built[ranks]])
+    if new.size == 0:
+        return
+    lad.built[new] = True
+    M = state.M
+    per_rank = [lad.members.of(int(r)) for r in new.tolist()]
+    held = np.concatenate(per_rank)  # the ranks' items at the start of the pass, rank by rank, index order
+    held_rank = np.repeat(new, [x.size for x in per_rank])
+    items = held[~lad.moved[held]]
+    slot = state.dest[items] * M + state.micro[items]
+    items = items[np.lexsort((lad.bins[items], slot))]  # (stable: index order among ties)
+    slot = state.dest[items] * M + state.micro[items]
+    at = lad.order.size
+    wanted = (new[:, None] * M + np.arange(M)[None, :]).reshape(-1)
+    lad.lo[wanted] = at + np.searchsorted(slot, wanted, side="left")
+    lad.hi[wanted] = at + np.searchsorted(slot, wanted, side="right")
+    lad.rank_of[items] = at + np.arange(items.size)
+    lad.order = np.concatenate((lad.order, items))
+    lad.CT = np.concatenate((lad.CT, lad.CT[-1] + np.cumsum(state.tokens[items])))
+    lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
+    # their large items as the global orders hold them: by rank, then by key (the same floats), ties by index
+    _, large, surplus, scale, cost_scale, _ = _item_keys(state)
+    big = _is_large(state)[held]  # (index order within a rank; moved ones are filtered where read)
+    mine, ranks = held[big], held_rank[big]
+    at = lad.large.size
+    starts = at + np.searchsorted(ranks, new)  # (`new` ascends, and so do the ranks of `mine`)
+    lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)
+    key = ranks + (1.0 - (surplus[np.searchsorted(large, mine)] + 1.0) * scale)
+    by = np.argsort(key, kind="stable")
+    lad.large, lad.surplus_key = np.concatenate((lad.large, mine[by])), np.concatenate((lad.surplus_key, key[by]))
+    key = ranks + state.costs[mine] * cost_scale
+    by = np.argsort(key.view(np.int64), kind="stable")
+    lad.by_cost, lad.cost_key = np.concatenate((lad.by_cost, mine[by])), np.concatenate((lad.cost_key, key[by]))
+
+
+def _is_large(state: _State) -> np.ndarray:
+    """A mask of the large items (`_item_keys`), once per planning call (`state.item_memo`)."""
+    got = state.item_memo.get("is_large")
+    if got is None:
+        got = state.item_memo["is_large"] = np.zeros(state.costs.shape[0], dtype=bool)
+        got[_item_keys(state)[1]] = True
+    return got
 
 
 def _item_keys(state: _State):
@@ -146,9 +252,27 @@ def _item_keys(state: _State):
     return got
 
 
-def _ladders(bins: np.ndarray, slot: np.ndarray) -> np.ndarray:
+_RADIX_SLOTS = 1 << 16  # up to this many slots a slot fits 16 bits: the ladders are two radix passes
+
+
+def _by_density(state: _State) -> np.ndarray:
+    """The items by density bin (ties: index), once per planning call (`state.item_memo`, shared by
+    copies): the first of the two stable passes of `_ladders`."""
+    got = state.item_memo.get("by_density")
+    if got is None:
+        got = state.item_memo["by_density"] = np.argsort(_item_keys(state)[0], kind="stable")
+    return got
+
+
+def _ladders(bins: np.ndarray, slot: np.ndarray, by_density=None) -> np.ndarray:
     """Items grouped by slot, cheapest per token first within a slot (density `bins`, `_item_keys`;
-    ties: index): one sort of slot x 2^16 + bin (`_stable_argsort`)."""
+    ties: index). With `by_density` (the stable order of `bins`, `_by_density`) and every slot under
+    2^16: a stable radix sort of the slots in that order (numpy sorts 16-bit keys by radix, O(n); at
+    550k items ~2.3x faster than the packed sort, docs/benchmarks/planner.md "speed7"); else one sort
+    of slot x 2^16 + bin (`_stable_argsort`)."""
+    if by_density is not None and (slot.size == 0 or int(slot.max()) < _RADIX_SLOTS):
+        # (narrowed before the gather: a random read of 1 MB, not 4 MB)
+        return by_density[np.argsort(slot.astype(np.uint16)[by_density], kind="stable")]
     wide = slot.size and int(slot.max()) >= _DENSITY_BINS
     return _stable_argsort((slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _DENSITY_BINS + bins)
 
@@ -165,13 +289,16 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     P = h.size
     # h's first unmoved large items (the list is short per rank: a window of twice the choices), or
     # (`near`) those whose surplus is nearest h's excess: a small excess is shed by a small trade
-    first = lad.l_starts[h]
+    first = lad.l_lo[h]
     if lad.near:
-        at = np.searchsorted(lad.surplus_key, h + (1.0 - (state.load[h] - budget[h] + 1.0) * lad.surplus_scale))
+        # (a search of h's stretch only: h's keys are the ones in [h, h + 1), the target is under h + 1, and
+        # an answer below h's first key is raised to it here anyway)
+        at = _search_within(lad.surplus_key, h + (1.0 - (state.load[h] - budget[h] + 1.0) * lad.surplus_scale),
+                            first, lad.l_hi[h], clamp="both")
         first = np.maximum(at - _CHOICES, first)
     pos = first[:, None] + np.arange(2 * _CHOICES)[None, :]
-    inside = pos < lad.l_starts[h + 1][:, None]
-    pair = np.broadcast_to(np.arange(P)[:, None], pos.shape)[inside]
+    inside = pos < lad.l_hi[h][:, None]
+    pair = np.repeat(np.arange(P), inside.sum(axis=1))  # (the rows of `inside`, in order)
     a = lad.large[pos[inside]]
     keep = ~lad.moved[a]
     a, pair = a[keep], pair[keep]
@@ -193,14 +320,14 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     p1 = np.repeat(pair, W)
     m1 = slots[p1, np.tile(np.arange(W), a.size)]
     # a in place of l's large items b nearest in cost to c_a - want
-    lo, hi = lad.l_starts[l[pair]], lad.l_starts[l[pair] + 1]
+    lo, hi = lad.l_lo[l[pair]], lad.l_hi[l[pair]]
     # (np.searchsorted's answer, searched in l's stretch of the keys first: random queries of the whole
     # array miss the cache at every level)
-    near = _search_within(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
+    near = _cost_search(lad, l[pair], l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
     pb = near[:, None] + np.arange(-(_SWAPS // 2), _SWAPS - _SWAPS // 2)[None, :]
     ok = (pb >= lo[:, None]) & (pb < hi[:, None])
-    a2 = np.broadcast_to(a[:, None], pb.shape)[ok]
-    p2 = np.broadcast_to(pair[:, None], pb.shape)[ok]
+    per_a = ok.sum(axis=1)
+    a2, p2 = np.repeat(a, per_a), np.repeat(pair, per_a)
     b2 = lad.by_cost[pb[ok]]
     ok = ~lad.moved[b2]
     a2, p2, b2 = a2[ok], p2[ok], b2[ok]
@@ -263,17 +390,18 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
         a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca = (
             x[live] for x in (a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca))
         ok = ok[live]
-    base = lad.starts[dst]
-    end = lad.starts[dst + 1]
+    base = lad.lo[dst]
+    end = lad.hi[dst]
     CT, CC = lad.CT, lad.CC
     room_l = cap - flat_tok[dst]
-    other = np.where(has_b, 0.0, cap * M - state.slot_tok[ll].sum(axis=1) - room_l)
+    rank_tok = state.slot_tok.sum(axis=1)  # (each row's sum as a gathered row sums it: the same floats)
+    other = np.where(has_b, 0.0, cap * M - rank_tok[ll] - room_l)
     # the searches of the receiving slot's stretch of the ladders, base .. end: an answer past end + 1 (or
     # below j_in, from j_in on) changes none of the values below, so the searches are clamped there
     j_free = _search_within(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), base, end + 1, "left", "high")
     j_in = np.clip(_search_within(CT, CT[base] + 0.9 * other, base, end + 1, "right", "both") - 1, base,
                    np.minimum(j_free, end))
-    room_h = ta - tb + (cap * M - state.slot_tok[hl].sum(axis=1))
+    room_h = ta - tb + (cap * M - rank_tok[hl])
     j_hi = np.minimum(_search_within(CT, CT[j_in] + room_h, j_in, end + 1, "right", "both") - 1, end)
     j = np.clip(_search_within(CC, CC[j_in] + ca - cb - want, j_in, end + 1, "left", "both"), j_free,
                 np.maximum(j_hi, j_free))
@@ -357,18 +485,38 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     room = cap - state.slot_tok[h[t]]
     row = np.arange(t.size)
     room[row, ma[t]] += ta[t]
-    for k in range(int(size[t].max()) if t.size else 0):
-        go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
-        t, row = t[go], row[go]
-        p = first[t] + k
+    skip, room[row, ma[t]] = _into_own_slot(room[row, ma[t]], state.tokens, back, first[t], size[t])
+    for k in range(int((size[t] - skip).max()) if t.size else 0):
+        go = np.flatnonzero(size[t] - skip > k)  # trades still placing (a failed one is dropped below)
+        t, row, skip = t[go], row[go], skip[go]
+        p = first[t] + skip + k
         tk = state.tokens[back[p]]
         s = np.where(room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1))
         fits = room[row, s] >= tk
         ok[t[~fits]] = False
-        t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
+        t, row, p, s, tk, skip = t[fits], row[fits], p[fits], s[fits], tk[fits], skip[fits]
         room[row, s] -= tk
         to[p] = s
     return back, to, ok
+
+
+def _into_own_slot(room, tokens, items, first, size):
+    """(how many, the room left): the leading pay-back items of each trade (items[first:first + size])
+    that `_place_back`'s loop puts into a's slot one by one, each while the room left holds it, and
+    that slot's room after them: the loop's own subtractions (a row-wise accumulate, in order), so
+    the loop starts past them with the same floats."""
+    if size.size == 0:
+        return size, room
+    width = int(size.max())
+    k = np.arange(width)
+    valid = k[None, :] < size[:, None]
+    grid = np.zeros((size.size, width + 1))
+    grid[:, 0] = room
+    grid[:, 1:][valid] = tokens[items[(first[:, None] + k[None, :])[valid]]]
+    left = np.subtract.accumulate(grid, axis=1)  # left[:, k]: the room before item k
+    misfit = valid & (left[:, :-1] < grid[:, 1:])
+    skip = np.where(misfit.any(axis=1), np.argmax(misfit, axis=1), size)
+    return skip, left[np.arange(size.size), skip]
 
 
 def _place_intra(state, order, lo, hi, l, m):

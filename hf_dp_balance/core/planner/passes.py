@@ -14,9 +14,11 @@ _EXTRA_PASSES = 2  # shed / place passes after the first, before the (slower) pa
 
 
 def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
-                         deep: bool = True) -> _State:
+                         deep: bool = True, refine: bool = True) -> _State:
     """Shed, place, refine (docs/planner.md) toward per-rank `budget` loads, then the
-    item-count fixes; returns the final state. Raises _Infeasible.
+    item-count fixes; returns the final state. Raises _Infeasible. `deep` False: no one-for-many
+    exchanges; `refine` False (with `deep` False): no refinement either, shed and place only (where
+    ladder trades follow that do that work, core/planner/repack.py `_full_cap_pass`).
 
     When the placement breaks the token cap and shedding for cost takes an item that
     no slot can hold any more, the cap is repaired alone (token shedding, then
@@ -26,11 +28,12 @@ def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, re
     repair_only = _copy_state(state) if _over_cap(state) else None
     slack = budget * (tolerance / 2.0)
     try:
-        return _balance_shedding(state, budget, slack, tolerance, relocate, deep)
+        return _balance_shedding(state, budget, slack, tolerance, relocate, deep, refine)
     except _Infeasible:
         if repair_only is None:
             raise
-        return _balance_once(repair_only, budget, slack, tolerance, relocate=False, deep=deep, shed_cost=False)
+        return _balance_once(repair_only, budget, slack, tolerance, relocate=False, deep=deep, shed_cost=False,
+                             refine=refine)
 
 
 def _over_cap(state: _State) -> bool:
@@ -38,7 +41,7 @@ def _over_cap(state: _State) -> bool:
 
 
 def _balance_shedding(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
-                      relocate: bool, deep: bool) -> _State:
+                      relocate: bool, deep: bool, refine: bool = True) -> _State:
     """`_balance_once`; when some item is over its own rank's budget on its own (speeds or
     fixed loads differ), relocating it to a faster rank is tried and so is leaving it; the
     plan with the lower fullest rank wins (ties: fewer moves)."""
@@ -46,7 +49,7 @@ def _balance_shedding(state: _State, budget: np.ndarray, slack: np.ndarray, tole
     misplaced = relocate and heaviest > float((budget + slack).min()) and bool(
         np.any(state.costs > (budget + slack)[state.dest]))
     if not misplaced:
-        return _balance_once(state, budget, slack, tolerance, relocate=False, deep=deep)
+        return _balance_once(state, budget, slack, tolerance, relocate=False, deep=deep, refine=refine)
     start = state.dest.copy()
     other = _copy_state(state)
     state = _balance_once(state, budget, slack, tolerance, relocate=True)
@@ -63,7 +66,7 @@ def _balance_shedding(state: _State, budget: np.ndarray, slack: np.ndarray, tole
 
 
 def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
-                  relocate: bool, deep: bool = True, shed_cost: bool = True) -> _State:
+                  relocate: bool, deep: bool = True, shed_cost: bool = True, refine: bool = True) -> _State:
     """One shed / place pass (tokens over the cap, and with `shed_cost` load over budget),
     the extra passes, then `_polish`."""
     limit = budget * (1.0 + tolerance / 2.0)
@@ -77,7 +80,7 @@ def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, toleranc
         _place_best_fit(state, pool, limit, lpt_host=relocate)
         if shed_cost:
             _extra_passes(state, budget, slack, limit)
-    return _polish(state, budget, slack, tolerance, eject=deep)
+    return _polish(state, budget, slack, tolerance, eject=deep, refine=refine or deep)
 
 
 def _extra_passes(state: _State, budget: np.ndarray, slack: np.ndarray, limit: np.ndarray) -> None:
@@ -93,12 +96,14 @@ def _extra_passes(state: _State, budget: np.ndarray, slack: np.ndarray, limit: n
 
 
 def _polish(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
-            eject: bool = True) -> _State:
-    """Refine, one-for-many exchanges while they help, then the item-count fixes."""
+            eject: bool = True, refine: bool = True) -> _State:
+    """Refine (unless `refine` is False), one-for-many exchanges while they help (`eject`), then the
+    item-count fixes."""
     limit = budget * (1.0 + tolerance / 2.0)
     goal = 1.0 + tolerance
     refine_iters = 2 * budget.shape[0] + 16
-    _refine(state, budget, goal, max_iters=refine_iters)
+    if refine:
+        _refine(state, budget, goal, max_iters=refine_iters)
     # a heavy item that fits no other rank's room: one-for-many exchanges, each kept only if it
     # lowers the fullest rank (bounded: every kept one lowers it, at most R of them)
     for _ in range(budget.shape[0] if eject else 0):

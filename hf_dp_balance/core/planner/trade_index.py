@@ -159,11 +159,20 @@ def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, 
     """(items, starts, key, scale): `items` (grouped by rank) sorted by rank, then cost (ties: their
     order), starts[r] where rank r's begin; key = rank + cost x scale (scale < 1 / (2 max cost)), sorted;
     a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them."""
-    key = rank_of[items] + cost[items] * scale
+    ranks = rank_of[items]
+    key = ranks + cost[items] * scale
     # grouped by rank already: timsort only orders each rank's stretch. The keys are >= +0.0 and never
     # NaN, so their bit patterns as int64 sort as they do (the same order, ties too), and faster
     o = np.argsort(key.view(np.int64), kind="stable")
     items, key = items[o], key[o]
-    starts = np.searchsorted(key, np.arange(num_ranks + 1))  # cost x scale < 1/2: rank r starts at key r
+    # cost x scale < 1/2: rank r starts at key r, after the items of the ranks below it
+    starts = _rank_starts(ranks, num_ranks) if ranks.size == 0 or int(ranks.min()) >= 0 else \
+        np.searchsorted(key, np.arange(num_ranks + 1))
     return items, starts, key, scale
 
+
+def _rank_starts(ranks: np.ndarray, num_ranks: int) -> np.ndarray:
+    """Where each rank's stretch begins in the `ranks` sorted (np.searchsorted(sorted ranks, 0..R), by counts)."""
+    starts = np.zeros(num_ranks + 1, dtype=np.int64)
+    np.cumsum(np.bincount(ranks, minlength=num_ranks), out=starts[1:])
+    return starts
