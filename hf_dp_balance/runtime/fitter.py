@@ -67,13 +67,25 @@ def resolve_fit_mode(fit_mode: str, timing: str) -> str:
 
 WARMUP_PER_RANK = 5  # every rank's time is seen: 5 steps pin the four coefficients (docs/cost_model.md)
 WARMUP_STEP_MAX = 16  # only the slowest rank's: 4 probe cycles (core/hedge.py), 11 of 12 cells >= 95% of the cut
+# Where every micro-batch is a step-max observation of its own (FSDP / ZeRO-3), what the fit needs is about this
+# many of them: M = 2 from 16 steps and M = 4 from 8 met the share of the cut in 12 of 12 bar cells, M = 2 from 8
+# steps (16 observations) in 10 (docs/benchmarks/cost_fit.md, run 12) ...
+WARMUP_OBSERVATIONS = 32
+# ... and never fewer steps than this: two probe cycles (core/hedge.py), each of its placements twice.
+WARMUP_STEP_MAX_MIN = 8
 
 
-def resolve_warmup_steps(warmup_steps: Optional[int], fit_mode: str) -> int:
-    """The steps timed before the first fit: `warmup_steps` when set, else by what the fit sees."""
+def resolve_warmup_steps(warmup_steps: Optional[int], fit_mode: str, micro_batches: int = 1) -> int:
+    """The steps timed before the first fit: `warmup_steps` when set, else by what the fit sees. The step-time
+    fit with `micro_batches` step-max observations a step (each micro-batch meets across the ranks) waits for
+    `WARMUP_OBSERVATIONS` of them, within [WARMUP_STEP_MAX_MIN, WARMUP_STEP_MAX] steps: 16 at 1-2 micro-batches,
+    11 at 3, 8 from 4."""
     if warmup_steps is not None:
         return warmup_steps
-    return WARMUP_STEP_MAX if fit_mode == "step_max" else WARMUP_PER_RANK
+    if fit_mode != "step_max":
+        return WARMUP_PER_RANK
+    per_step = max(int(micro_batches), 1)
+    return min(WARMUP_STEP_MAX, max(WARMUP_STEP_MAX_MIN, -(-WARMUP_OBSERVATIONS // per_step)))
 
 
 def priors_from_config(model_config) -> Tuple[Optional[CostModel], Optional[CostModel]]:
@@ -188,6 +200,7 @@ class CostModelFitter:
         self.timing = timing
         self.sync = config.sync if sync is None else sync
         self.fit_mode = resolve_fit_mode(config.fit_mode, timing)
+        # by the fit mode; under FSDP / ZeRO-3 also by the micro-batches a step, known from the first record
         self.warmup_steps = resolve_warmup_steps(config.warmup_steps, self.fit_mode)
         self.decoder: Optional[CostModel] = decoder
         self.vision: Optional[CostModel] = vision
@@ -238,6 +251,10 @@ class CostModelFitter:
         if micro is not None and self.fits_micro_batches:
             micro_f = np.stack([features_of(x) for x in micro[0]])
             micro_s = np.maximum(np.asarray(micro[1], dtype=np.float64) - np.asarray(micro[2], dtype=np.float64), 0.0)
+        if micro_s is not None and not self.records and self.decoder is None:
+            # the first step's micro-batch count sets the warm-up (every rank records the same first step, so
+            # every rank agrees on the step of the first fit, a collective)
+            self.warmup_steps = resolve_warmup_steps(self.config.warmup_steps, self.fit_mode, len(micro_s))
         self.records.append(StepRecord(features_of(lengths), decoder_s, features_of(patches), vision_s,
                                        micro_f, micro_s))
         self.window.append(elapsed_s)
