@@ -205,6 +205,7 @@ class CostModelFitter:
         self.decoder: Optional[CostModel] = decoder
         self.vision: Optional[CostModel] = vision
         self.fitted_step = fitted_step
+        self.early_refit_step = -1  # the step-time fit's one refit a warm-up after its first fit (`fit`)
         self.prior, self.vision_prior = (prior, vision_prior) if config.prior else (None, None)
         self.speeds = np.ones(world)  # relative speed of every rank (1: nominal), from the last fit
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
@@ -260,10 +261,12 @@ class CostModelFitter:
         self.window.append(elapsed_s)
 
     def fit_due(self, step: int) -> bool:
-        """The first fit after `warmup_steps` steps (when no model is given), then every `refit_every`."""
+        """The first fit after `warmup_steps` steps (when no model is given), then every `refit_every`; the
+        step-time fit also refits once `warmup_steps` after its first fit (`early_refit_step`)."""
         first = self.decoder is None and step >= max(self.warmup_steps, 1)
         refit = self.config.refit_every > 0 and self.fitted_step >= 0 and step - self.fitted_step >= self.config.refit_every
-        return first or refit
+        early = self.config.refit_every > 0 and 0 <= self.early_refit_step <= step
+        return first or refit or early
 
     def end_step(self, step: int, lengths: Sequence[int], elapsed_s: float, patches: Sequence[int] = (),
                  vision_s: float = 0.0, micro: Optional[MicroBatches] = None) -> bool:
@@ -306,6 +309,12 @@ class CostModelFitter:
         payload = self._fit_gathered(gathered, steps) if self.rank == 0 else None
         payload = self._broadcast(payload)
         if payload.get("decoder") is not None:
+            # The step-time fit's first model comes from a warm-up whose slowest ranks say little about attention
+            # where it is a small share (a prior 2x high kept 1.2-1.4x); the steps planned with it change which
+            # rank is slowest, and one refit a warm-up later on both met the cut in every measured cell
+            # (docs/benchmarks/cost_fit.md, run 14). Per-rank fits see every rank and wait for `refit_every`.
+            first_from_warmup = self.decoder is None and self.fit_mode == "step_max"
+            self.early_refit_step = step + max(self.warmup_steps, 1) if first_from_warmup else -1
             self.decoder = CostModel.from_dict(payload["decoder"])
             self.fitted_step = step
         if payload.get("vision") is not None:
@@ -318,6 +327,7 @@ class CostModelFitter:
             logger.warning("dp_balance: cost model fit at step %d failed (%s); keeping the previous model",
                            step, payload["error"])
             self.fitted_step = step  # retry at the next refit, not at every step
+            self.early_refit_step = -1
         if self.config.verbose and self.rank == 0 and payload.get("report"):
             logger.info("dp_balance: fitted at step %d: %s", step, payload["report"])
 

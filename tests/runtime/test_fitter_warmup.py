@@ -37,3 +37,24 @@ def test_the_first_step_time_fit_comes_after_enough_micro_batch_maxima(sync, mic
         if fitter.end_step(step, lengths, seconds, micro=batches):
             fits.append(step)
     assert fitter.warmup_steps == first_fit and fits == [first_fit] and fitter.decoder is not None
+
+
+@pytest.mark.parametrize("timing, refit_every, fits", [("wall", 100, [16, 32]), ("wall", 10, [16, 26, 36]),
+                                                       ("wall", 0, [16]), ("thread_cpu", 100, [5])])
+def test_the_step_time_fit_refits_once_a_warm_up_after_its_first_fit(timing, refit_every, fits):
+    # From step times alone the first fit keeps much of a prior's error in attention; the steps planned with it
+    # inform the refit. Per-rank fits wait for `refit_every`, as does a refit that comes sooner; 0: never.
+    rng = np.random.default_rng(4)
+    fitter = CostModelFitter(DPBalanceConfig(refit_every=refit_every, prior=False, sync="step"), timing=timing)
+    done = []
+    for step in range(1, 41):
+        lengths, seconds, _ = _step(rng, 1)
+        if fitter.end_step(step, lengths, seconds):
+            done.append(step)
+    assert done == fits
+
+
+def test_a_given_model_gets_no_early_refit():
+    fitter = CostModelFitter(DPBalanceConfig(refit_every=100), timing="wall", decoder=DECODER, fitted_step=0)
+    rng = np.random.default_rng(5)
+    assert not any(fitter.end_step(step, *_step(rng, 1)[:2]) for step in range(1, 41))
