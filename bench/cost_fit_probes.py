@@ -48,7 +48,7 @@ from hf_dp_balance.core.hedge import extrapolate, probe_hypotheses, probe_plan, 
 
 LAG = 2  # steps between a step's time and the plan that can use it (the loader prepares steps ahead)
 VARIANTS = ("current", "adaptive", "adaptive-wide", "per-sample", "ridge-pick", "oracle-pick", "lone-pair",
-            "cap-fill", "cap-fill-both", "fill-medium", "refit", "refit-once")
+            "cap-fill", "cap-fill-both", "fill-medium", "fill-heavy", "fill-heavy-both", "fill-heavy-safe", "fill-heavy-guard", "refit", "refit-once")
 FILL_LEVELS = (1.2, 1.15, 1.1, 1.05)  # cap-fill: receivers' tokens over the mean, highest that passes the hedge
 FILL_SHARE = 0.25  # cap-fill: share of the ranks that receive
 FILL_STEP = 2  # cap-fill: the cycle's step it replaces (2: the second token-balanced step)
@@ -116,7 +116,7 @@ def _pick(probe: Probe, step, lengths, plan_costs, prior_costs, tokens, hull, ra
     return best
 
 
-def fill_plan(base, lengths, ranks, level, share=FILL_SHARE, medium=False):
+def fill_plan(base, lengths, ranks, level, share=FILL_SHARE, medium=False, heavy=False, safe=False):
     """`base` with the ranks of least attention per token (sum L^2 / sum L) filled to `level` x the mean tokens
     with the shortest samples of the other ranks (never a rank's only sample): ranks whose work is nearly all
     linear sit near the step's slowest, so the step maximum tells the linear term from the quadratic one."""
@@ -124,13 +124,20 @@ def fill_plan(base, lengths, ranks, level, share=FILL_SHARE, medium=False):
     lengths = lengths.astype(np.int64)
     tok = np.bincount(dest, weights=lengths, minlength=ranks)
     sq = np.bincount(dest, weights=lengths.astype(float) ** 2, minlength=ranks)
-    order = np.argsort(sq / np.maximum(tok, 1.0))
+    count = np.bincount(dest, minlength=ranks)
+    if heavy:  # the ranks of several samples with the most attention (a long sample that does not fill the rank)
+        order = np.argsort(-np.where(count > 1, sq, -1.0))
+        order = order[count[order] > 1]
+    else:
+        order = np.argsort(sq / np.maximum(tok, 1.0))
     receivers = order[: max(1, int(round(share * ranks)))]
     is_receiver = np.zeros(ranks, bool)
     is_receiver[receivers] = True
     room = np.zeros(ranks)
-    room[receivers] = level * lengths.sum() / ranks - tok[receivers]
-    count = np.bincount(dest, minlength=ranks)
+    target = level * lengths.sum() / ranks
+    if safe:  # never above the token plan's largest rank: the loader's cap holds without knowing it
+        target = min(target, float(tok.max()))
+    room[receivers] = target - tok[receivers]
     if medium:  # samples nearest the median length first (the receivers' attention and sample count both moderate)
         order_samples = np.argsort(np.abs(np.log(lengths) - np.log(np.median(lengths))), kind="stable")
     else:
@@ -152,14 +159,20 @@ def fill_plan(base, lengths, ranks, level, share=FILL_SHARE, medium=False):
     return dest
 
 
-def _fill_pick(plan_costs, prior_costs, tokens, lengths, ranks, medium=False):
+GUARD_FACTORS = (1.0, 0.5)  # fill-heavy-guard: no slower than the token plan under these attention shares
+
+
+def _fill_pick(plan_costs, prior_costs, tokens, lengths, ranks, medium=False, heavy=False, safe=False, guard=False):
     """The highest `FILL_LEVELS` fill of the token plan whose worst excess over the probe hull is at most the
     token plan's (probe_plan's guarantee), else the token plan."""
     hull = probe_hypotheses(prior_costs, tokens)
     token_plan = plan_costs(tokens)
     limit = worst_excess(hull, *token_plan, ranks, 1)
     for level in FILL_LEVELS:
-        dest = fill_plan(token_plan[0], lengths, ranks, level, FILL_SHARE, medium)
+        dest = fill_plan(token_plan[0], lengths, ranks, level, FILL_SHARE, medium, heavy, safe)
+        if guard and any(_top(h, dest, ranks) > _top(h, token_plan[0], ranks) * (1 + 1e-9) for h in
+                         (extrapolate(prior_costs, tokens, f) for f in GUARD_FACTORS)):
+            continue
         if worst_excess(hull, dest, token_plan[1], ranks, 1) <= limit:
             return dest, level
     return token_plan[0], 0.0
@@ -194,10 +207,13 @@ def placement(variant, probe: Probe, step, lengths, plan_costs, prior: CostModel
         return _pick(probe, step, lengths, plan_costs, prior_costs, tokens, hull, ranks, up, down)
     if variant == "oracle-pick":
         return _pick(probe, step, lengths, plan_costs, prior_costs, tokens, hull, ranks, probe.truth, probe.wrong)
-    if variant in ("cap-fill", "cap-fill-both", "fill-medium"):
-        if step % 4 != FILL_STEP and not (variant == "cap-fill-both" and step % 4 == 0):
+    if variant in ("cap-fill", "cap-fill-both", "fill-medium", "fill-heavy", "fill-heavy-both", "fill-heavy-safe",
+                   "fill-heavy-guard"):
+        if step % 4 != FILL_STEP and not (variant.endswith("-both") and step % 4 == 0):
             return probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
-        dest, level = _fill_pick(plan_costs, prior_costs, tokens, lengths, ranks, variant == "fill-medium")
+        dest, level = _fill_pick(plan_costs, prior_costs, tokens, lengths, ranks, variant == "fill-medium",
+                                 variant.startswith("fill-heavy"), variant == "fill-heavy-safe",
+                                 variant == "fill-heavy-guard")
         probe.picked.append(level)
         real = probe.truth.sample_costs(lengths)
         probe.slowdown.append(_top(real, dest, ranks) / _top(real, plan_costs(tokens)[0], ranks))
