@@ -19,6 +19,16 @@ follow as in that bench, so "current" reproduces its column. Only the warm-up pl
                  x0.6 of the truth's): a bound for any rule that chooses among these plans
   lone-pair      not hedged: the rank of the step's longest sample gets (step % 4) x --lone-pair short samples
                  (< 512 tokens) beside it, so its companions' cost shows in the step maximum
+  cap-fill       (run 14) the cycle's second token step (position `--fill-step`) replaced by the token plan with
+                 the quarter of the ranks of least attention per token filled with other ranks' shortest samples
+                 up to the highest FILL_LEVELS x the mean tokens that keeps probe_plan's guarantee;
+                 cap-fill-both also at position 0; fill-medium with the samples nearest the median length
+  fill-heavy     the same, the receivers the ranks of several samples with the largest sum L^2; -both also at
+                 position 0; -safe never above the token plan's largest rank; -guard also no slower than the
+                 token plan under the prior and half its attention share (GUARD_FACTORS)
+  refit          after REFIT_FROM probe steps, each step planned with the fit of the steps LAG before
+  refit-once     after REFIT_FROM probe steps, the steps from LAG later planned with the fit of those steps (the
+                 runtime's first fit); that fit is also scored ("refit-once @first")
 `--unhedged` lets ridge-pick / oracle-pick take any candidate, factors -1, -0.5, 4 and 6 as well. Printed per
 variant: median [min] share of the true-cost cut, median single-sample MAPE, fitted / true attention ratio and
 per-sample cost (medians), the share per draw; for the oracle and lone-pair also each warm-up step's slowest
@@ -27,6 +37,8 @@ rank (true costs) over the token plan's / the hedged probe's.
     python bench/cost_fit_probes.py --mix "bounded images" --ranks 32 --truth "prior 2x high" --steps 12 \\
         --variants current adaptive adaptive-wide per-sample ridge-pick oracle-pick
     python bench/cost_fit_probes.py --mix "video, long tail" --ranks 128 --truth "prior 2x low" --variants lone-pair
+    python bench/cost_fit_probes.py --mix "video, long tail" --ranks 128 --truth "prior 2x low" --steps 16 \
+        --variants current cap-fill fill-heavy fill-heavy-guard
 """
 
 from __future__ import annotations
