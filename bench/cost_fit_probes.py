@@ -19,6 +19,16 @@ follow as in that bench, so "current" reproduces its column. Only the warm-up pl
                  x0.6 of the truth's): a bound for any rule that chooses among these plans
   lone-pair      not hedged: the rank of the step's longest sample gets (step % 4) x --lone-pair short samples
                  (< 512 tokens) beside it, so its companions' cost shows in the step maximum
+  cap-fill       (run 14) the cycle's second token step (position `--fill-step`) replaced by the token plan with
+                 the quarter of the ranks of least attention per token filled with other ranks' shortest samples
+                 up to the highest FILL_LEVELS x the mean tokens that keeps probe_plan's guarantee;
+                 cap-fill-both also at position 0; fill-medium with the samples nearest the median length
+  fill-heavy     the same, the receivers the ranks of several samples with the largest sum L^2; -both also at
+                 position 0; -safe never above the token plan's largest rank; -guard also no slower than the
+                 token plan under the prior and half its attention share (GUARD_FACTORS)
+  refit          after REFIT_FROM probe steps, each step planned with the fit of the steps LAG before
+  refit-once     after REFIT_FROM probe steps, the steps from LAG later planned with the fit of those steps (the
+                 runtime's first fit); that fit is also scored ("refit-once @first")
 `--unhedged` lets ridge-pick / oracle-pick take any candidate, factors -1, -0.5, 4 and 6 as well. Printed per
 variant: median [min] share of the true-cost cut, median single-sample MAPE, fitted / true attention ratio and
 per-sample cost (medians), the share per draw; for the oracle and lone-pair also each warm-up step's slowest
@@ -27,6 +37,8 @@ rank (true costs) over the token plan's / the hedged probe's.
     python bench/cost_fit_probes.py --mix "bounded images" --ranks 32 --truth "prior 2x high" --steps 12 \\
         --variants current adaptive adaptive-wide per-sample ridge-pick oracle-pick
     python bench/cost_fit_probes.py --mix "video, long tail" --ranks 128 --truth "prior 2x low" --variants lone-pair
+    python bench/cost_fit_probes.py --mix "video, long tail" --ranks 128 --truth "prior 2x low" --steps 16 \
+        --variants current cap-fill fill-heavy fill-heavy-guard
 """
 
 from __future__ import annotations
@@ -47,7 +59,12 @@ from hf_dp_balance.core.fitting import fit_cost_model
 from hf_dp_balance.core.hedge import extrapolate, probe_hypotheses, probe_plan, worst_excess
 
 LAG = 2  # steps between a step's time and the plan that can use it (the loader prepares steps ahead)
-VARIANTS = ("current", "adaptive", "adaptive-wide", "per-sample", "ridge-pick", "oracle-pick", "lone-pair")
+VARIANTS = ("current", "adaptive", "adaptive-wide", "per-sample", "ridge-pick", "oracle-pick", "lone-pair",
+            "cap-fill", "cap-fill-both", "fill-medium", "fill-heavy", "fill-heavy-both", "fill-heavy-safe", "fill-heavy-guard", "refit", "refit-once")
+FILL_LEVELS = (1.2, 1.15, 1.1, 1.05)  # cap-fill: receivers' tokens over the mean, highest that passes the hedge
+FILL_SHARE = 0.25  # cap-fill: share of the ranks that receive
+FILL_STEP = 2  # cap-fill: the cycle's step it replaces (2: the second token-balanced step)
+REFIT_FROM = 8  # refit: steps placed by probe_plan before plans from the fit of the steps so far
 FACTORS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0)  # ridge / oracle candidates: extrapolate(prior, tokens, f)
 UNHEDGED_FACTORS = (-1.0, -0.5, 4.0, 6.0)
 RIDGE = (1.5, 0.6)  # (ratio, per sample) of the ridge's upper end; the lower end is the inverse
@@ -62,6 +79,7 @@ class Probe:
     unhedged: bool = False
     slowdown: list = field(default_factory=list)  # warm-up step's true slowest rank over its reference plan's
     picked: list = field(default_factory=list)  # ridge / oracle: the factor chosen per odd step (0: tokens)
+    first_fit: Optional[CostModel] = None  # refit-once: the fit of the first REFIT_FROM steps (reset per draw)
 
     @property
     def wrong(self) -> CostModel:
@@ -110,6 +128,68 @@ def _pick(probe: Probe, step, lengths, plan_costs, prior_costs, tokens, hull, ra
     return best
 
 
+def fill_plan(base, lengths, ranks, level, share=FILL_SHARE, medium=False, heavy=False, safe=False):
+    """`base` with the ranks of least attention per token (sum L^2 / sum L) filled to `level` x the mean tokens
+    with the shortest samples of the other ranks (never a rank's only sample): ranks whose work is nearly all
+    linear sit near the step's slowest, so the step maximum tells the linear term from the quadratic one."""
+    dest = base.copy()
+    lengths = lengths.astype(np.int64)
+    tok = np.bincount(dest, weights=lengths, minlength=ranks)
+    sq = np.bincount(dest, weights=lengths.astype(float) ** 2, minlength=ranks)
+    count = np.bincount(dest, minlength=ranks)
+    if heavy:  # the ranks of several samples with the most attention (a long sample that does not fill the rank)
+        order = np.argsort(-np.where(count > 1, sq, -1.0))
+        order = order[count[order] > 1]
+    else:
+        order = np.argsort(sq / np.maximum(tok, 1.0))
+    receivers = order[: max(1, int(round(share * ranks)))]
+    is_receiver = np.zeros(ranks, bool)
+    is_receiver[receivers] = True
+    room = np.zeros(ranks)
+    target = level * lengths.sum() / ranks
+    if safe:  # never above the token plan's largest rank: the loader's cap holds without knowing it
+        target = min(target, float(tok.max()))
+    room[receivers] = target - tok[receivers]
+    if medium:  # samples nearest the median length first (the receivers' attention and sample count both moderate)
+        order_samples = np.argsort(np.abs(np.log(lengths) - np.log(np.median(lengths))), kind="stable")
+    else:
+        order_samples = np.argsort(lengths, kind="stable")
+    for i in order_samples:
+        src = dest[i]
+        if is_receiver[src] or count[src] <= 1:
+            continue
+        fits = np.flatnonzero(room >= lengths[i])
+        if not fits.size:
+            if not medium and room.max() < lengths[i]:
+                break
+            continue
+        r = fits[np.argmax(room[fits])]
+        dest[i] = r
+        room[r] -= lengths[i]
+        count[src] -= 1
+        count[r] += 1
+    return dest
+
+
+GUARD_FACTORS = (1.0, 0.5)  # fill-heavy-guard: no slower than the token plan under these attention shares
+
+
+def _fill_pick(plan_costs, prior_costs, tokens, lengths, ranks, medium=False, heavy=False, safe=False, guard=False):
+    """The highest `FILL_LEVELS` fill of the token plan whose worst excess over the probe hull is at most the
+    token plan's (probe_plan's guarantee), else the token plan."""
+    hull = probe_hypotheses(prior_costs, tokens)
+    token_plan = plan_costs(tokens)
+    limit = worst_excess(hull, *token_plan, ranks, 1)
+    for level in FILL_LEVELS:
+        dest = fill_plan(token_plan[0], lengths, ranks, level, FILL_SHARE, medium, heavy, safe)
+        if guard and any(_top(h, dest, ranks) > _top(h, token_plan[0], ranks) * (1 + 1e-9) for h in
+                         (extrapolate(prior_costs, tokens, f) for f in GUARD_FACTORS)):
+            continue
+        if worst_excess(hull, dest, token_plan[1], ranks, 1) <= limit:
+            return dest, level
+    return token_plan[0], 0.0
+
+
 def placement(variant, probe: Probe, step, lengths, plan_costs, prior: CostModel, history, ranks):
     """The warm-up step's dest rank under `variant`; `history` = (features, times) of the steps before it."""
     tokens = lengths.astype(float)
@@ -139,6 +219,31 @@ def placement(variant, probe: Probe, step, lengths, plan_costs, prior: CostModel
         return _pick(probe, step, lengths, plan_costs, prior_costs, tokens, hull, ranks, up, down)
     if variant == "oracle-pick":
         return _pick(probe, step, lengths, plan_costs, prior_costs, tokens, hull, ranks, probe.truth, probe.wrong)
+    if variant in ("cap-fill", "cap-fill-both", "fill-medium", "fill-heavy", "fill-heavy-both", "fill-heavy-safe",
+                   "fill-heavy-guard"):
+        if step % 4 != FILL_STEP and not (variant.endswith("-both") and step % 4 == 0):
+            return probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
+        dest, level = _fill_pick(plan_costs, prior_costs, tokens, lengths, ranks, variant == "fill-medium",
+                                 variant.startswith("fill-heavy"), variant == "fill-heavy-safe",
+                                 variant == "fill-heavy-guard")
+        probe.picked.append(level)
+        real = probe.truth.sample_costs(lengths)
+        probe.slowdown.append(_top(real, dest, ranks) / _top(real, plan_costs(tokens)[0], ranks))
+        return dest
+    if variant == "refit-once":  # the runtime's first fit after REFIT_FROM steps, its plans until the refit
+        if step < REFIT_FROM + LAG:
+            return probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
+        if probe.first_fit is None:
+            probe.first_fit = fit_cost_model(np.stack(history[0][:REFIT_FROM]), np.array(history[1][:REFIT_FROM]),
+                                             mode="step_max", holdout=0, prior=prior).model
+        return plan_costs(probe.first_fit.sample_costs(lengths))[0]
+    if variant == "refit":
+        seen = step - LAG
+        if step < REFIT_FROM or seen < 4:
+            return probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
+        fit = fit_cost_model(np.stack(history[0][:seen]), np.array(history[1][:seen]), mode="step_max", holdout=0,
+                             prior=prior).model
+        return plan_costs(fit.sample_costs(lengths))[0]
     if variant == "lone-pair":
         hedged = probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
         dest = hedged.copy()
@@ -179,11 +284,15 @@ def cell(mix, ranks, steps, truth, prior, draws, variants, evals=3, noise=0.03, 
         state = rng.bit_generator.state
         models = {}
         for v in variants:
+            probes[v].first_fit = None
             rng.bit_generator.state = state  # every warm-up draws the same samples and noise (as the bench's)
             models[v] = fit_cost_model(*warmup(rng, v, probes[v], mix, ranks, steps, prior, noise), mode="step_max",
                                        holdout=0, prior=prior).model
+            if probes[v].first_fit is not None:  # refit-once: its first fit scored on the same evaluation steps
+                models[v + " @first"] = probes[v].first_fit
         for v, (share, single) in scores(rng, mix, ranks, truth, models, evals).items():
             m = models[v]
+            out.setdefault(v, [])
             out[v].append((share, single, (m.quadratic / m.linear) / (truth.quadratic / truth.linear),
                            m.per_sample / truth.per_sample))
     return out, probes
@@ -241,6 +350,7 @@ def diagnose(mix, ranks, steps, truth, prior, draws, noise=0.03, seed=0):
 
 
 def main(argv=None) -> int:
+    global FILL_SHARE, FILL_STEP, REFIT_FROM
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mix", default="bounded images", choices=list(MIXES))
     parser.add_argument("--ranks", type=int, default=32)
@@ -256,7 +366,11 @@ def main(argv=None) -> int:
                         help="experiment: its log-normal sigma (default 1.0)")
     parser.add_argument("--diagnose", action="store_true",
                         help="only: per draw of the current warm-up, the evidence for the fit against the truth")
+    parser.add_argument("--fill-share", type=float, default=FILL_SHARE, help="cap-fill: share of receiving ranks")
+    parser.add_argument("--fill-step", type=int, default=FILL_STEP, help="cap-fill: the cycle step it replaces")
+    parser.add_argument("--refit-from", type=int, default=REFIT_FROM, help="refit: probe steps before the fit plans")
     args = parser.parse_args(argv)
+    FILL_SHARE, FILL_STEP, REFIT_FROM = args.fill_share, args.fill_step, args.refit_from
     start = time.process_time()
     prior = qwen2_7b_prior()
     if args.diagnose:
@@ -277,7 +391,7 @@ def main(argv=None) -> int:
         print(f"  {v:14s} share {100 * np.median(a[:, 0]):5.1f}% [min {100 * a[:, 0].min():5.1f}]  single "
               f"{100 * np.median(a[:, 1]):4.1f}%  ratio {np.median(a[:, 2]):.2f}x  per sample {np.median(a[:, 3]):.2f}x"
               f"   shares " + " ".join(f"{100 * s:.0f}" for s in a[:, 0]))
-        p = probes[v]
+        p = probes.get(v, Probe(None))
         if p.slowdown:
             print(f"  {'':14s} warm-up slowest rank over the reference plan's (true costs): median "
                   f"{np.median(p.slowdown):.3f}, max {max(p.slowdown):.3f}")

@@ -67,13 +67,25 @@ def resolve_fit_mode(fit_mode: str, timing: str) -> str:
 
 WARMUP_PER_RANK = 5  # every rank's time is seen: 5 steps pin the four coefficients (docs/cost_model.md)
 WARMUP_STEP_MAX = 16  # only the slowest rank's: 4 probe cycles (core/hedge.py), 11 of 12 cells >= 95% of the cut
+# Where every micro-batch is a step-max observation of its own (FSDP / ZeRO-3), what the fit needs is about this
+# many of them: M = 2 from 16 steps and M = 4 from 8 met the share of the cut in 12 of 12 bar cells, M = 2 from 8
+# steps (16 observations) in 10 (docs/benchmarks/cost_fit.md, run 12) ...
+WARMUP_OBSERVATIONS = 32
+# ... and never fewer steps than this: two probe cycles (core/hedge.py), each of its placements twice.
+WARMUP_STEP_MAX_MIN = 8
 
 
-def resolve_warmup_steps(warmup_steps: Optional[int], fit_mode: str) -> int:
-    """The steps timed before the first fit: `warmup_steps` when set, else by what the fit sees."""
+def resolve_warmup_steps(warmup_steps: Optional[int], fit_mode: str, micro_batches: int = 1) -> int:
+    """The steps timed before the first fit: `warmup_steps` when set, else by what the fit sees. The step-time
+    fit with `micro_batches` step-max observations a step (each micro-batch meets across the ranks) waits for
+    `WARMUP_OBSERVATIONS` of them, within [WARMUP_STEP_MAX_MIN, WARMUP_STEP_MAX] steps: 16 at 1-2 micro-batches,
+    11 at 3, 8 from 4."""
     if warmup_steps is not None:
         return warmup_steps
-    return WARMUP_STEP_MAX if fit_mode == "step_max" else WARMUP_PER_RANK
+    if fit_mode != "step_max":
+        return WARMUP_PER_RANK
+    per_step = max(int(micro_batches), 1)
+    return min(WARMUP_STEP_MAX, max(WARMUP_STEP_MAX_MIN, -(-WARMUP_OBSERVATIONS // per_step)))
 
 
 def priors_from_config(model_config) -> Tuple[Optional[CostModel], Optional[CostModel]]:
@@ -188,10 +200,12 @@ class CostModelFitter:
         self.timing = timing
         self.sync = config.sync if sync is None else sync
         self.fit_mode = resolve_fit_mode(config.fit_mode, timing)
+        # by the fit mode; under FSDP / ZeRO-3 also by the micro-batches a step, known from the first record
         self.warmup_steps = resolve_warmup_steps(config.warmup_steps, self.fit_mode)
         self.decoder: Optional[CostModel] = decoder
         self.vision: Optional[CostModel] = vision
         self.fitted_step = fitted_step
+        self.early_refit_step = -1  # the step-time fit's one refit a warm-up after its first fit (`fit`)
         self.prior, self.vision_prior = (prior, vision_prior) if config.prior else (None, None)
         self.speeds = np.ones(world)  # relative speed of every rank (1: nominal), from the last fit
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
@@ -238,15 +252,21 @@ class CostModelFitter:
         if micro is not None and self.fits_micro_batches:
             micro_f = np.stack([features_of(x) for x in micro[0]])
             micro_s = np.maximum(np.asarray(micro[1], dtype=np.float64) - np.asarray(micro[2], dtype=np.float64), 0.0)
+        if micro_s is not None and not self.records and self.decoder is None:
+            # the first step's micro-batch count sets the warm-up (every rank records the same first step, so
+            # every rank agrees on the step of the first fit, a collective)
+            self.warmup_steps = resolve_warmup_steps(self.config.warmup_steps, self.fit_mode, len(micro_s))
         self.records.append(StepRecord(features_of(lengths), decoder_s, features_of(patches), vision_s,
                                        micro_f, micro_s))
         self.window.append(elapsed_s)
 
     def fit_due(self, step: int) -> bool:
-        """The first fit after `warmup_steps` steps (when no model is given), then every `refit_every`."""
+        """The first fit after `warmup_steps` steps (when no model is given), then every `refit_every`; the
+        step-time fit also refits once `warmup_steps` after its first fit (`early_refit_step`)."""
         first = self.decoder is None and step >= max(self.warmup_steps, 1)
         refit = self.config.refit_every > 0 and self.fitted_step >= 0 and step - self.fitted_step >= self.config.refit_every
-        return first or refit
+        early = self.config.refit_every > 0 and 0 <= self.early_refit_step <= step
+        return first or refit or early
 
     def end_step(self, step: int, lengths: Sequence[int], elapsed_s: float, patches: Sequence[int] = (),
                  vision_s: float = 0.0, micro: Optional[MicroBatches] = None) -> bool:
@@ -289,6 +309,12 @@ class CostModelFitter:
         payload = self._fit_gathered(gathered, steps) if self.rank == 0 else None
         payload = self._broadcast(payload)
         if payload.get("decoder") is not None:
+            # The step-time fit's first model comes from a warm-up whose slowest ranks say little about attention
+            # where it is a small share (a prior 2x high kept 1.2-1.4x); the steps planned with it change which
+            # rank is slowest, and one refit a warm-up later on both met the cut in every measured cell
+            # (docs/benchmarks/cost_fit.md, run 14). Per-rank fits see every rank and wait for `refit_every`.
+            first_from_warmup = self.decoder is None and self.fit_mode == "step_max"
+            self.early_refit_step = step + max(self.warmup_steps, 1) if first_from_warmup else -1
             self.decoder = CostModel.from_dict(payload["decoder"])
             self.fitted_step = step
         if payload.get("vision") is not None:
@@ -301,6 +327,7 @@ class CostModelFitter:
             logger.warning("dp_balance: cost model fit at step %d failed (%s); keeping the previous model",
                            step, payload["error"])
             self.fitted_step = step  # retry at the next refit, not at every step
+            self.early_refit_step = -1
         if self.config.verbose and self.rank == 0 and payload.get("report"):
             logger.info("dp_balance: fitted at step %d: %s", step, payload["report"])
 
