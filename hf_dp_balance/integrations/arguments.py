@@ -52,8 +52,9 @@ class DPBalanceArguments:
         "Also balance the vision encoder: images move to other ranks for the ViT, their embeddings come back",
         "vision"))
     dp_balance_warmup_steps: Optional[int] = field(default=None, metadata=_help(
-        "Optimizer steps timed before the cost model is fitted (default: 5 with per-rank timings, 16 with "
-        "step times only, i.e. FSDP / ZeRO-3 on accelerators)", "warmup_steps"))
+        "Optimizer steps timed before the cost model is fitted (default: 5 with per-rank timings; with step "
+        "times only, i.e. ZeRO-3 or FSDP without visible units on accelerators, 16 steps at 1-2 micro-batches, "
+        "11 at 3, 8 from 4, then one refit a warm-up later)", "warmup_steps"))
     dp_balance_max_token_ratio: float = field(default=1.2, metadata=_help(
         "Hard token cap of each rank's micro-batch slot, as a multiple of the mean tokens per slot",
         "max_token_ratio"))
