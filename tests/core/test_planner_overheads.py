@@ -1,0 +1,91 @@
+"""Speed-only rewrites of the planner's per-call work (speed8, docs/benchmarks/planner.md): each checked
+against the code it replaced, kept here as the reference, on the same inputs."""
+
+import numpy as np
+
+from hf_dp_balance.core.planner.chain import _ladder_trades
+from hf_dp_balance.core.planner.home import _NEAR, _WORTH, _send_home
+from hf_dp_balance.core.planner.state import _Members, _copy_state
+from hf_dp_balance.core.planner.trade import _apply
+from test_planner_chain import _long_tail, _state
+
+
+def _send_home_before(state, start, ceiling, rounds=4):
+    """home._send_home as it was before speed8: every candidate tested again every round."""
+    cap, M, R = state.cap, state.M, state.load.shape[0]
+    tok, cost = state.tokens, state.costs
+    away = np.flatnonzero(state.dest != start)
+    if away.size < 2 or float(tok[away].sum()) < _WORTH * float(tok.sum()):
+        return 0, 0
+    scale = 1.0 / (2.0 * float(cost[away].max()) + 2.0)
+    key = state.dest[away] + cost[away] * scale
+    by = np.argsort(key, kind="stable")
+    ys, key = away[by], key[by]
+    bounds = np.searchsorted(state.dest[ys], np.arange(R + 1))
+    home = start[away]
+    at = np.searchsorted(key, home + cost[away] * scale)
+    pos = at[:, None] + np.arange(-(_NEAR // 2), _NEAR - _NEAR // 2)[None, :]
+    ok = (pos >= bounds[home][:, None]) & (pos < bounds[home + 1][:, None])
+    x = np.broadcast_to(away[:, None], pos.shape)[ok]
+    y = ys[pos[ok]]
+    A, B = start[x], state.dest[x]
+    saving = tok[x] + np.where(start[y] == B, tok[y], 0.0)
+    o = np.argsort(-saving, kind="stable")
+    x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
+    saved_total, applied = 0.0, 0
+    for _ in range(rounds):
+        dc = cost[x] - cost[y]
+        sx, sy = state.micro[x], state.micro[y]
+        good = ((state.dest[x] == B) & (state.dest[y] == A)
+                & (state.load[A] + dc <= np.maximum(ceiling[A], state.load[A]))
+                & (state.load[B] - dc <= np.maximum(ceiling[B], state.load[B]))
+                & (state.slot_tok[B, sx] - tok[x] + tok[y] <= cap)
+                & (state.slot_tok[A, sy] - tok[y] + tok[x] <= cap))
+        g = np.flatnonzero(good)
+        if g.size == 0:
+            break
+        touched = np.full(R, g.size, dtype=np.int64)
+        np.minimum.at(touched, A[g], np.arange(g.size))
+        np.minimum.at(touched, B[g], np.arange(g.size))
+        win = g[(touched[A[g]] == np.arange(g.size)) & (touched[B[g]] == np.arange(g.size))]
+        _apply(state, np.concatenate((x[win], y[win])), np.concatenate((A[win], B[win])),
+               np.concatenate((sy[win], sx[win])))
+        saved_total += float(saving[win].sum())
+        applied += 1
+        keep = np.ones(x.size, dtype=bool)
+        keep[win] = False
+        x, y, A, B, saving = x[keep], y[keep], A[keep], B[keep], saving[keep]
+    return saved_total, applied
+
+
+def test_send_home_retesting_only_the_changed_ranks_candidates_redirects_as_before():
+    later_rounds = 0
+    for seed in range(12):
+        R, M = (16, 24, 48, 64)[seed % 4], (2, 4, 8)[seed % 3]
+        tokens, owners, mbs = _long_tail(seed, R, M, 32768)
+        state, budget = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
+        start = state.dest.copy()
+        _ladder_trades(state, budget, 0.005)
+        _ladder_trades(state, budget, 0.005, min_rate=0.0, near=True)
+        for ceiling in (budget * 1.0025, budget * 1.02, state.load.copy()):
+            old, new = _copy_state(state), _copy_state(state)
+            saved_old, rounds_old = _send_home_before(old, start, ceiling)
+            saved_new = _send_home(new, start, ceiling)
+            assert saved_new == saved_old, seed
+            for name in ("dest", "micro", "load", "slot_tok", "prev"):
+                assert np.array_equal(getattr(new, name), getattr(old, name)), (seed, name)
+            later_rounds += rounds_old >= 2
+    assert later_rounds >= 4  # the candidates kept from one round to the next were exercised
+
+
+def test_members_bounds_from_counts_equal_the_search_of_the_sorted_ranks():
+    rng = np.random.default_rng(3)
+    for R in (1, 3, 17, 300):
+        dest = rng.integers(0, R, size=5000)
+        dest[dest == R // 2] = 0  # a rank with no items
+        members = _Members(dest, R)
+        assert np.array_equal(members.bounds, np.searchsorted(dest[members.order], np.arange(R + 1)))
+        assert [members.of(r).tolist() for r in range(R)] == [np.flatnonzero(dest == r).tolist() for r in range(R)]
+    dest[:10] = -1  # items not placed: the search (they sort first)
+    members = _Members(dest, 300)
+    assert members.bounds[0] == 10 and members.of(0).tolist() == np.flatnonzero(dest == 0).tolist()
