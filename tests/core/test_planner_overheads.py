@@ -157,3 +157,19 @@ def test_partner_ladders_from_the_first_pass_order_equal_those_from_a_sort_of_de
         for name in fields:
             assert np.array_equal(getattr(built[True], name), getattr(built[False], name)), (trial, name)
     assert reads["touched"] > 0 and reads["as in the base"] > 0
+
+
+def test_plan_step_loads_are_the_step_loads_of_steps_slot_loads():
+    """api.plan_step sums the slot loads itself (one slot index per placement): the same floats as
+    `steps.slot_loads`, before and after, for both sync modes, capped or not."""
+    from hf_dp_balance.core.planner import plan_step
+    from hf_dp_balance.core.steps import slot_loads
+
+    for seed in range(6):
+        R, M = (8, 16, 24)[seed % 3], (2, 4, 8)[seed % 3]
+        tokens, owners, mbs = _long_tail(seed, R, M, 32768)
+        costs = 1.4e-4 * tokens ** 2 + tokens
+        for sync, cap in (("step", 32768), ("step", None), ("micro_batch", 32768)):
+            p = plan_step(costs, owners, mbs, R, M, tokens=tokens, max_tokens=cap, sync=sync, min_gain=0.0)
+            assert np.array_equal(p.loads_before, slot_loads(costs, owners, mbs, R, M))
+            assert np.array_equal(p.loads_after, slot_loads(costs, p.dest_rank, p.dest_micro_batch, R, M))
