@@ -173,3 +173,45 @@ def test_plan_step_loads_are_the_step_loads_of_steps_slot_loads():
             p = plan_step(costs, owners, mbs, R, M, tokens=tokens, max_tokens=cap, sync=sync, min_gain=0.0)
             assert np.array_equal(p.loads_before, slot_loads(costs, owners, mbs, R, M))
             assert np.array_equal(p.loads_after, slot_loads(costs, p.dest_rank, p.dest_micro_batch, R, M))
+
+
+def _item_keys_before(tok, cost, cap):
+    """chain._item_keys before speed8 (every guard applied)."""
+    from hf_dp_balance.core.planner.chain import _DENSITY_BINS, _LARGE
+
+    dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
+    lo, hi = float(dens.min()), float(dens.max())
+    bins = ((dens - lo) * ((_DENSITY_BINS - 1) / max(hi - lo, 1e-12))).astype(np.uint16)
+    large = np.flatnonzero(tok > cap * _LARGE)
+    if large.size == 0:
+        return (bins, large, None, None, None, None)
+    d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
+    surplus = cost[large] - d_min * tok[large]
+    return (bins, large, surplus, 1.0 / (float(surplus.max()) * 2.0 + 2.0),
+            1.0 / (float(cost[large].max()) * 2.0 + 2.0), float(cost.sum()) / max(float(tok.sum()), 1e-300))
+
+
+def test_item_keys_with_one_division_and_the_surplus_order_by_bits_are_as_before():
+    from hf_dp_balance.core.planner import chain
+
+    rng = np.random.default_rng(4)
+    for trial in range(12):
+        R, M = 6, 4
+        tokens, owners, mbs = _long_tail(trial, R, M, 32768)
+        state, _ = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
+        if trial % 3 == 1:
+            state.tokens = state.tokens.copy()
+            state.tokens[rng.integers(0, tokens.size, 3)] = 0.0  # the guarded path
+        if trial % 3 == 2:
+            state.costs = state.costs.copy()
+            state.costs[rng.integers(0, tokens.size, 3)] = 0.0
+        with np.errstate(over="ignore"):  # (a zero token count: cost / tiny, as before)
+            got = chain._item_keys(state)
+            want = _item_keys_before(state.tokens, state.costs, state.cap)
+        for g, w in zip(got, want):
+            assert (g is None and w is None) or np.array_equal(g, w), trial
+        lad = chain._make_ladders(state, False, False)
+        if lad is not None:  # the large items by rank and surplus key: the stable float sort's order
+            _, large, surplus, scale, _, _ = want
+            key = state.dest[large] + (1.0 - (surplus + 1.0) * scale)
+            assert np.array_equal(lad.large, large[np.argsort(key, kind="stable")]), trial

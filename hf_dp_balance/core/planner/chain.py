@@ -160,7 +160,7 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
     else:
         key = ranks + (1.0 - (surplus + 1.0) * scale)
-        by = np.argsort(key, kind="stable")
+        by = np.argsort(key.view(np.int64), kind="stable")  # (`_surplus_order`)
         lad.large, lad.surplus_key = large[by], key[by]
         l_starts = _rank_starts(ranks, R)
         lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
@@ -228,7 +228,7 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     starts = at + np.searchsorted(ranks, new)  # (`new` ascends, and so do the ranks of `mine`)
     lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)
     key = ranks + (1.0 - (surplus[np.searchsorted(large, mine)] + 1.0) * scale)
-    by = np.argsort(key, kind="stable")
+    by = np.argsort(key.view(np.int64), kind="stable")  # (`_surplus_order`)
     lad.large, lad.surplus_key = np.concatenate((lad.large, mine[by])), np.concatenate((lad.surplus_key, key[by]))
     key = ranks + state.costs[mine] * cost_scale
     by = np.argsort(key.view(np.int64), kind="stable")
@@ -244,6 +244,11 @@ def _is_large(state: _State) -> np.ndarray:
     return got
 
 
+# `_surplus_order`: the surplus keys rank + (1 - (surplus + 1) x scale) are >= 1/2 (scale <= 1 / (2 (max
+# surplus + 1)), surplus > -1) and never NaN, so their bit patterns as int64 sort as the floats do, ties
+# too (numpy's stable sort of int64 is ~1.5x faster than of float64: 98k keys at 4096 x 8, 3.0 -> 2.0 ms)
+
+
 def _item_keys(state: _State):
     """What the ladder passes of one planning call read of its items alone (never of their
     placement), made on the first pass and kept in `state.item_memo` (copies share it): the items'
@@ -252,14 +257,20 @@ def _item_keys(state: _State):
     got = state.item_memo.get("ladder")
     if got is None:
         tok, cost = state.tokens, state.costs
-        dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
+        if cost.size and float(cost.min()) >= 1e-300 and float(tok.min()) >= 1e-300:
+            # no guard changes a value: one division serves both the density and its minimum
+            dens = cost / tok
+            d_min = float(dens.min())
+            np.log(dens, out=dens)
+        else:
+            dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
+            d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny))) if cost.size else 0.0
         lo, hi = float(dens.min()), float(dens.max())
         bins = ((dens - lo) * ((_DENSITY_BINS - 1) / max(hi - lo, 1e-12))).astype(np.uint16)
         large = np.flatnonzero(tok > state.cap * _LARGE)
         if large.size == 0:
             got = (bins, large, None, None, None, None)
         else:
-            d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
             surplus = cost[large] - d_min * tok[large]
             got = (bins, large, surplus, 1.0 / (float(surplus.max()) * 2.0 + 2.0),
                    1.0 / (float(cost[large].max()) * 2.0 + 2.0), float(cost.sum()) / max(float(tok.sum()), 1e-300))
