@@ -227,3 +227,19 @@ def test_roomiest_slots_by_argmins_are_the_stable_sorts_first():
         for W in range(1, M + 1):  # (what `_round` took: every slot in order where W reaches M)
             want = np.argsort(full, axis=1, kind="stable")[:, :W] if W < M else np.broadcast_to(np.arange(M), (500, M))
             assert np.array_equal(_roomiest(full, W), want), (M, W)
+
+
+def test_send_home_orders_by_bits_as_by_floats_with_a_negative_zero_token_count():
+    # tokens of -0.0 pass the input checks (>= 0): savings then hold -0.0 and the float sort is kept
+    tokens = np.array([1000.0, 1000.0, -0.0, -0.0, 500.0, 500.0])
+    start = np.array([0, 1, 0, 1, 0, 1])
+    dest = np.array([1, 0, 1, 0, 0, 1])
+    from hf_dp_balance.core.planner.state import _State
+
+    for toks in (tokens, np.abs(tokens)):
+        load = np.bincount(dest, weights=toks + 1.0, minlength=2)
+        states = [_State(toks + 1.0, toks, 2000.0, np.ones(2), dest, np.zeros(6, dtype=np.int64), 1, load, 0)
+                  for _ in range(2)]
+        saved_old, _ = _send_home_before(states[0], start, np.full(2, 1e9))
+        assert _send_home(states[1], start, np.full(2, 1e9)) == saved_old
+        assert np.array_equal(states[0].dest, states[1].dest)
