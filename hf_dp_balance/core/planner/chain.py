@@ -266,7 +266,9 @@ def _item_keys(state: _State):
             dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
             d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny))) if cost.size else 0.0
         lo, hi = float(dens.min()), float(dens.max())
-        bins = ((dens - lo) * ((_DENSITY_BINS - 1) / max(hi - lo, 1e-12))).astype(np.uint16)
+        dens -= lo  # (in place: `dens` is this call's own array; the same floats as (dens - lo) * step)
+        dens *= (_DENSITY_BINS - 1) / max(hi - lo, 1e-12)
+        bins = dens.astype(np.uint16)
         large = np.flatnonzero(tok > state.cap * _LARGE)
         if large.size == 0:
             got = (bins, large, None, None, None, None)
