@@ -243,3 +243,41 @@ def test_send_home_orders_by_bits_as_by_floats_with_a_negative_zero_token_count(
         saved_old, _ = _send_home_before(states[0], start, np.full(2, 1e9))
         assert _send_home(states[1], start, np.full(2, 1e9)) == saved_old
         assert np.array_equal(states[0].dest, states[1].dest)
+
+
+def test_place_intra_finishing_the_last_trades_in_python_places_as_the_numpy_loop(monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_dp_balance.core.planner import chain
+
+    rng = np.random.default_rng(8)
+    python_tails, failed = 0, 0
+    real_rest = chain._best_fit_rest
+
+    def counting(*args):
+        nonlocal python_tails
+        python_tails += 1
+        return real_rest(*args)
+
+    for trial in range(40):
+        R, M, n, cap = 30, int(rng.choice([2, 4, 8])), 4000, 1000.0
+        tokens = rng.choice([10.0, 25.0, 40.0, 40.0, 90.0, 200.0], n)
+        # rooms in steps of 5 tokens: exact fits and equal rooms (ties) are common
+        state = SimpleNamespace(cap=cap, tokens=tokens, slot_tok=5.0 * rng.integers(40, 200, (R, M)))
+        order = rng.permutation(n)
+        T = int(rng.integers(1, 12))
+        l = rng.choice(R, T, replace=False)
+        m = rng.integers(0, M, T)
+        lo = np.sort(rng.choice(n - 80, T, replace=False))
+        hi = lo + rng.integers(0, 40, T) * (rng.random(T) < 0.8)  # a few long ones: the tail of the loop
+        hi[0] = lo[0] + 60
+        hi = np.minimum(hi, np.append(lo[1:], n))
+        monkeypatch.setattr(chain, "_best_fit_rest", counting)
+        got = chain._place_intra(state, order, lo, hi, l, m)
+        monkeypatch.setattr(chain, "_FEW_LEFT", -1)  # the numpy loop to the end, as before
+        want = chain._place_intra(state, order, lo, hi, l, m)
+        monkeypatch.undo()
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w), trial
+        failed += int(np.count_nonzero(~want[2]))
+    assert python_tails >= 10 and failed > 0  # the Python tail ran, and trades that do not fit were dropped
