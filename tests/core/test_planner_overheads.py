@@ -281,3 +281,42 @@ def test_place_intra_finishing_the_last_trades_in_python_places_as_the_numpy_loo
             assert np.array_equal(g, w), trial
         failed += int(np.count_nonzero(~want[2]))
     assert python_tails >= 10 and failed > 0  # the Python tail ran, and trades that do not fit were dropped
+
+
+def test_place_back_finishing_the_last_trades_in_python_places_as_the_numpy_loop(monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_dp_balance.core.planner import chain
+
+    rng = np.random.default_rng(9)
+    python_tails, failed = 0, 0
+    real_rest = chain._spill_rest
+
+    def counting(*args):
+        nonlocal python_tails
+        python_tails += 1
+        return real_rest(*args)
+
+    for trial in range(60):
+        R, M, n, cap = 30, int(rng.choice([2, 4, 8])), 4000, 1000.0
+        tokens = rng.choice([10.0, 25.0, 40.0, 40.0, 90.0, 200.0], n)
+        # rooms in steps of 5 tokens: exact fits and equal rooms (ties) are common
+        state = SimpleNamespace(cap=cap, tokens=tokens, slot_tok=5.0 * rng.integers(100, 200, (R, M)))
+        order = rng.permutation(n)
+        T = int(rng.integers(1, 12))
+        h = rng.choice(R, T, replace=False)
+        ma = rng.integers(0, M, T)
+        base = np.sort(rng.choice(n - 80, T, replace=False))
+        n_back = rng.integers(0, 30, T) * (rng.random(T) < 0.8)
+        n_back[0] = 60
+        n_back = np.minimum(n_back, np.append(base[1:], n) - base)
+        ta = 5.0 * rng.integers(0, 60, T)  # a's tokens freed in its slot
+        monkeypatch.setattr(chain, "_spill_rest", counting)
+        got = chain._place_back(state, order, base, n_back, h, ma, ta)
+        monkeypatch.setattr(chain, "_FEW_LEFT", -1)  # the numpy loop to the end, as before
+        want = chain._place_back(state, order, base, n_back, h, ma, ta)
+        monkeypatch.undo()
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w), trial
+        failed += int(np.count_nonzero(~want[2]))
+    assert python_tails >= 10 and failed > 0
