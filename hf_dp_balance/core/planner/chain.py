@@ -144,7 +144,7 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         lad.rank_of = np.empty(n, dtype=np.int64)
         lad.rank_of[order] = np.arange(n)  # ladder position of every item
         # the items by rank at the start of this pass, for a later pass's partner ladders (`_partner_members`)
-        state.order_memo["ladder_base"] = (slot, order, starts[::M])
+        state.order_memo["ladder_base"] = (state.dest.copy(), state.micro.copy(), order, starts[::M])
     # the large items, grouped by rank: most cost above their tokens at the lowest density first
     # (the ones h sends), and by cost (the ones l gives back in a's place)
     lad.surplus_scale, lad.cost_scale, lad.near = scale, cost_scale, near
@@ -175,9 +175,9 @@ def _partner_members(state: _State):
     when the call made one (`state._SlotOrderedMembers`), else by a sort of dest (`state._Members`)."""
     R = state.load.shape[0]
     base = state.order_memo.get("ladder_base")
-    if base is not None and base[0].shape == state.dest.shape and base[2].size == R + 1 and \
+    if base is not None and base[0].shape == state.dest.shape and base[3].size == R + 1 and \
             (state.dest.size == 0 or int(state.dest.min()) >= 0):
-        return _SlotOrderedMembers(state.dest, state.micro, state.M, R, base)
+        return _SlotOrderedMembers(state.dest, state.micro, R, base)
     return _Members(state.dest, R, state.order_memo)
 
 

@@ -181,18 +181,18 @@ class _SlotOrderedMembers:
     order gets its stretch of it, by slot, bin and index; any other rank its items now in index order.
     A stable sort by (slot, bin) then orders both as it orders the rank's items in index order."""
 
-    def __init__(self, dest: np.ndarray, micro: np.ndarray, num_slots: int, num_ranks: int, base):
-        slot0, self.order, self.bounds = base  # (the slots then: the pass's own array, no copies of dest, micro)
+    def __init__(self, dest: np.ndarray, micro: np.ndarray, num_ranks: int, base):
+        dest0, micro0, self.order, self.bounds = base
         self.now = dest.copy()
-        changed = np.flatnonzero(dest * num_slots + micro != slot0)  # a new rank or a new slot
-        rank0, rank = slot0[changed] // num_slots, dest[changed]
-        left = changed[rank0 != rank]  # (a change of rank: the item left one rank and arrived at another)
-        arrived = left[_stable_order(dest[left], num_ranks)]  # by rank, index order
+        left = dest != dest0
+        changed = np.flatnonzero(left)  # (a change of rank: the item left one rank and arrived at another)
+        arrived = changed[_stable_order(dest[changed], num_ranks)]  # by rank, index order
         self.arrived = arrived
         self.arrived_at = _rank_starts(dest[arrived], num_ranks)
         self.touched = np.zeros(num_ranks, dtype=bool)
-        self.touched[rank0] = True  # (a new slot on the same rank too: the base order no longer holds)
-        self.touched[rank] = True
+        self.touched[dest0[changed]] = True
+        self.touched[dest[changed]] = True
+        self.touched[dest[micro != micro0]] = True  # a new slot on the same rank: the base order no longer holds
         self.cache = {}
 
     def of(self, r: int) -> np.ndarray:
