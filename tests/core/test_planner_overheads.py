@@ -118,47 +118,6 @@ def test_lumpy_from_pairwise_sums_decides_as_the_bincount_sums(monkeypatch):
     assert 1 <= len(exact_calls) <= 8  # the edge cases fall back to the bincount sums, the others do not
 
 
-def test_partner_ladders_from_the_first_pass_order_equal_those_from_a_sort_of_dest(monkeypatch):
-    """`chain._partner_members` (the first ladder pass's order, `state._SlotOrderedMembers`) against the
-    fresh `state._Members` it replaced: the same partner ladders and large-item orders, with few token
-    values (ties in density bin and in the keys everywhere), after moves of rank and of slot."""
-    from hf_dp_balance.core.planner import chain
-    from hf_dp_balance.core.planner.state import _SlotOrderedMembers
-
-    rng = np.random.default_rng(11)
-    fields = ("order", "CT", "CC", "lo", "hi", "rank_of", "large", "surplus_key", "by_cost", "cost_key", "l_lo", "l_hi")
-    reads = {"touched": 0, "as in the base": 0}
-    for trial in range(6):
-        R, M, n = 24, 8, 3000
-        tokens = rng.choice([100.0, 200.0, 300.0, 2500.0, 3000.0], size=n)
-        owners, mbs = rng.integers(0, R, n), rng.integers(0, M, n)
-        state, _ = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
-        chain._make_ladders(state, False, False)  # a global pass: the base
-        assert "ladder_base" in state.order_memo
-        for item in rng.choice(n, size=6, replace=False).tolist():  # moves of rank, and of slot on a rank
-            to = int(state.dest[item]) if rng.random() < 0.5 else int(rng.integers(0, R))
-            state.move(item, to, int(rng.integers(0, M)))
-        moved = rng.choice(n, size=5, replace=False)  # items a round moved (left out of the ladders)
-        built = {}
-        for use_base in (True, False):
-            if not use_base:
-                monkeypatch.setattr(chain, "_partner_members",
-                                    lambda st: _Members(st.dest, st.load.shape[0], st.order_memo))
-            lad = chain._make_ladders(state, True, True)
-            assert isinstance(lad.members, _SlotOrderedMembers) == use_base
-            if use_base:
-                reads["touched"] += int(lad.members.touched.sum())
-                reads["as in the base"] += int((~lad.members.touched).sum())
-            lad.moved[moved] = True
-            for ranks in (np.array([3, 0, 7]), np.arange(R)):
-                chain._build_partner_ladders(state, lad, ranks)
-            built[use_base] = lad
-            monkeypatch.undo()
-        for name in fields:
-            assert np.array_equal(getattr(built[True], name), getattr(built[False], name)), (trial, name)
-    assert reads["touched"] > 0 and reads["as in the base"] > 0
-
-
 def test_plan_step_loads_are_the_step_loads_of_steps_slot_loads():
     """api.plan_step sums the slot loads itself (one slot index per placement): the same floats as
     `steps.slot_loads`, before and after, for both sync modes, capped or not."""

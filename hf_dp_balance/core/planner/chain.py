@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _Members, _SlotOrderedMembers, _State
+from hf_dp_balance.core.planner.state import _Members, _State
 from hf_dp_balance.core.planner.trade import _apply
 from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _rank_starts, _ranges, _search_within,
                                                     _stable_argsort)
@@ -131,7 +131,7 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         lad.lo, lad.hi = np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64)
         lad.rank_of = np.zeros(n, dtype=np.int64)
         lad.built = np.zeros(R, dtype=bool)
-        lad.members, lad.bins = _partner_members(state), bins
+        lad.members, lad.bins = _Members(state.dest, R, state.order_memo), bins
     else:
         order = _ladders(bins, slot, _by_density(state) if S <= _RADIX_SLOTS else None)
         starts = np.zeros(S + 1, dtype=np.int64)
@@ -143,8 +143,6 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         lad.order, lad.CT, lad.CC, lad.lo, lad.hi = order, CT, CC, starts[:-1], starts[1:]
         lad.rank_of = np.empty(n, dtype=np.int64)
         lad.rank_of[order] = np.arange(n)  # ladder position of every item
-        # the items by rank at the start of this pass, for a later pass's partner ladders (`_partner_members`)
-        state.order_memo["ladder_base"] = (state.dest.copy(), state.micro.copy(), order, starts[::M])
     # the large items, grouped by rank: most cost above their tokens at the lowest density first
     # (the ones h sends), and by cost (the ones l gives back in a's place)
     lad.surplus_scale, lad.cost_scale, lad.near = scale, cost_scale, near
@@ -170,17 +168,6 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
     return lad
 
 
-def _partner_members(state: _State):
-    """Each rank's items at the start of a `partners_only` pass: from an earlier global ladder pass's order
-    when the call made one (`state._SlotOrderedMembers`), else by a sort of dest (`state._Members`)."""
-    R = state.load.shape[0]
-    base = state.order_memo.get("ladder_base")
-    if base is not None and base[0].shape == state.dest.shape and base[3].size == R + 1 and \
-            (state.dest.size == 0 or int(state.dest.min()) >= 0):
-        return _SlotOrderedMembers(state.dest, state.micro, R, base)
-    return _Members(state.dest, R, state.order_memo)
-
-
 def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """np.searchsorted(the global cost keys, target) for targets ranks + c x scale (c < 1 / (2 scale)):
     the answer inside the rank's stretch [lo, hi] of the keys, or, with per-rank stretches appended
@@ -204,11 +191,11 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     lad.built[new] = True
     M = state.M
     per_rank = [lad.members.of(int(r)) for r in new.tolist()]
-    held = np.concatenate(per_rank)  # the ranks' items at the start of the pass, rank by rank
+    held = np.concatenate(per_rank)  # the ranks' items at the start of the pass, rank by rank, index order
     held_rank = np.repeat(new, [x.size for x in per_rank])
     items = held[~lad.moved[held]]
     slot = state.dest[items] * M + state.micro[items]
-    items = items[np.lexsort((lad.bins[items], slot))]  # (stable: index order among ties, `_SlotOrderedMembers`)
+    items = items[np.lexsort((lad.bins[items], slot))]  # (stable: index order among ties)
     slot = state.dest[items] * M + state.micro[items]
     at = lad.order.size
     wanted = (new[:, None] * M + np.arange(M)[None, :]).reshape(-1)
@@ -220,10 +207,8 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
     # their large items as the global orders hold them: by rank, then by key (the same floats), ties by index
     _, large, surplus, scale, cost_scale, _ = _item_keys(state)
-    big = _is_large(state)[held]  # (moved ones are filtered where read)
+    big = _is_large(state)[held]  # (index order within a rank; moved ones are filtered where read)
     mine, ranks = held[big], held_rank[big]
-    by = np.lexsort((mine, ranks))  # index order within a rank (`held` may hold a rank by slot and bin)
-    mine, ranks = mine[by], ranks[by]
     at = lad.large.size
     starts = at + np.searchsorted(ranks, new)  # (`new` ascends, and so do the ranks of `mine`)
     lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)

@@ -172,35 +172,3 @@ class _Members:
         self.cache[frm] = src[src != item]
         dst = self.of(to)
         self.cache[to] = np.sort(np.append(dst, item))  # index order keeps ties deterministic
-
-
-class _SlotOrderedMembers:
-    """Items of each rank as `_build_partner_ladders` (core/planner/chain.py) reads them, from the first
-    ladder pass's order (items by slot, density bin, index: `order_memo["ladder_base"]`) instead of a
-    fresh sort of dest (~9 ms at 550k items). A rank none of whose items changed rank or slot since that
-    order gets its stretch of it, by slot, bin and index; any other rank its items now in index order.
-    A stable sort by (slot, bin) then orders both as it orders the rank's items in index order."""
-
-    def __init__(self, dest: np.ndarray, micro: np.ndarray, num_ranks: int, base):
-        dest0, micro0, self.order, self.bounds = base
-        self.now = dest.copy()
-        left = dest != dest0
-        changed = np.flatnonzero(left)  # (a change of rank: the item left one rank and arrived at another)
-        arrived = changed[_stable_order(dest[changed], num_ranks)]  # by rank, index order
-        self.arrived = arrived
-        self.arrived_at = _rank_starts(dest[arrived], num_ranks)
-        self.touched = np.zeros(num_ranks, dtype=bool)
-        self.touched[dest0[changed]] = True
-        self.touched[dest[changed]] = True
-        self.touched[dest[micro != micro0]] = True  # a new slot on the same rank: the base order no longer holds
-        self.cache = {}
-
-    def of(self, r: int) -> np.ndarray:
-        got = self.cache.get(r)
-        if got is None:
-            got = self.order[self.bounds[r]:self.bounds[r + 1]]
-            if self.touched[r]:
-                got = np.sort(np.concatenate((got[self.now[got] == r],
-                                              self.arrived[self.arrived_at[r]:self.arrived_at[r + 1]])))
-            self.cache[r] = got
-        return got
