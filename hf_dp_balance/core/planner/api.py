@@ -12,7 +12,7 @@ from hf_dp_balance.core.planner.slots import _plan_step_slots
 from hf_dp_balance.core.planner.state import _Infeasible, _State
 from hf_dp_balance.core.planner.validation import (_as_index_array, _as_item_values, _check_count,
                                                    _check_fraction, _check_tokens, _per_rank)
-from hf_dp_balance.core.steps import SYNC_MODES, slot_loads, step_makespan
+from hf_dp_balance.core.steps import SYNC_MODES, step_makespan
 
 
 def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prior_loads=None,
@@ -103,7 +103,8 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
     if sync not in SYNC_MODES:
         raise ValueError(f"sync={sync!r}: must be one of {SYNC_MODES}")
 
-    before = slot_loads(c, own, mb, num_ranks, num_mb)
+    slot = own * num_mb + mb  # (once: the step loads and the cap check read it; `slot_loads`' sums)
+    before = np.bincount(slot, weights=c, minlength=num_ranks * num_mb).reshape(num_ranks, num_mb)
     mk_before = step_makespan(before, sync, spd)
     lb = _step_bound(c, spd, sync)
 
@@ -112,7 +113,7 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
                         loads_before=before, loads_after=before.copy(), lower_bound=lb,
                         makespan_before=mk_before, makespan_after=mk_before, moved=0, path="kept")
 
-    slot_tok, required, bad_slot = _step_violation(own * num_mb + mb, tok, cap, num_ranks, num_mb)
+    slot_tok, required, bad_slot = _step_violation(slot, tok, cap, num_ranks, num_mb)
     if required is None and (n == 0 or mk_before <= 0 or mk_before <= lb * (1.0 + 1e-12)):
         return keep("nothing to balance" if n == 0 or mk_before <= 0 else "already at the lower bound")
     try:
@@ -124,13 +125,14 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
         if required is None:
             return keep("no feasible plan found; kept in place")
         raise _slot_error(bad_slot, slot_tok, cap, num_mb, exc.where) from None
+    slot = rank * num_mb + micro
     if cap is not None:
-        still = _first(np.bincount(rank * num_mb + micro, weights=tok, minlength=num_ranks * num_mb) > cap)
+        still = _first(np.bincount(slot, weights=tok, minlength=num_ranks * num_mb) > cap)
         if still is not None:
             if required is None:
                 return keep("no feasible plan found; kept in place")
             raise _slot_error(bad_slot, slot_tok, cap, num_mb, f"slot {divmod(still, num_mb)} still over the cap")
-    after = slot_loads(c, rank, micro, num_ranks, num_mb)
+    after = np.bincount(slot, weights=c, minlength=num_ranks * num_mb).reshape(num_ranks, num_mb)
     made = StepPlan(dest_rank=rank, dest_micro_batch=micro, applied=True, reason="", loads_before=before,
                     loads_after=after, lower_bound=lb, makespan_before=mk_before,
                     makespan_after=step_makespan(after, sync, spd), moved=int(np.count_nonzero(rank != own)),

@@ -41,7 +41,8 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     # the items away from home grouped by the rank they are on, cheapest first: a key rank + cost x scale
     scale = 1.0 / (2.0 * float(cost[away].max()) + 2.0)
     key = state.dest[away] + cost[away] * scale
-    by = np.argsort(key, kind="stable")
+    # (keys >= 0 and never NaN: their bits as int64 sort as they do, ties too, and numpy sorts int64 faster)
+    by = np.argsort(key.view(np.int64), kind="stable")
     ys, key = away[by], key[by]
     bounds = np.searchsorted(state.dest[ys], np.arange(R + 1))
     home = start[away]
@@ -53,17 +54,25 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     A, B = start[x], state.dest[x]
     saving = tok[x] + np.where(start[y] == B, tok[y], 0.0)
     # most tokens saved first (ties: the item indexes); a candidate holds while x and y stay put
-    o = np.argsort(-saving, kind="stable")  # candidates were made in (x, y position) order: ties keep it
+    # (candidates were made in (x, y position) order: ties keep it. Savings >= +0.0: by their bits as int64,
+    # negated, the same order; a -0.0 (its sign bit set) sorts as a float)
+    bits = saving.view(np.int64)
+    o = np.argsort(-bits if saving.size and int(bits.min()) >= 0 else -saving, kind="stable")
     x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
+    # what x and y cost and weigh, gathered once (not every round): the same values in the same sums
+    tx, ty = tok[x], tok[y]
+    dc = cost[x] - cost[y]
     saved_total = 0.0
+    good = np.zeros(x.size, dtype=bool)
+    rows = np.arange(x.size)  # the candidates whose test may have changed: all, then those on the ranks changed
     for _ in range(rounds):
-        dc = cost[x] - cost[y]
-        sx, sy = state.micro[x], state.micro[y]
-        good = ((state.dest[x] == B) & (state.dest[y] == A)
-                & (state.load[A] + dc <= np.maximum(ceiling[A], state.load[A]))
-                & (state.load[B] - dc <= np.maximum(ceiling[B], state.load[B]))
-                & (state.slot_tok[B, sx] - tok[x] + tok[y] <= cap)
-                & (state.slot_tok[A, sy] - tok[y] + tok[x] <= cap))
+        xr, yr, Ar, Br, txr, tyr, dcr = (v[rows] for v in (x, y, A, B, tx, ty, dc))
+        load_A, load_B = state.load[Ar], state.load[Br]
+        good[rows] = ((state.dest[xr] == Br) & (state.dest[yr] == Ar)
+                      & (load_A + dcr <= np.maximum(ceiling[Ar], load_A))
+                      & (load_B - dcr <= np.maximum(ceiling[Br], load_B))
+                      & (state.slot_tok[Br, state.micro[xr]] - txr + tyr <= cap)
+                      & (state.slot_tok[Ar, state.micro[yr]] - tyr + txr <= cap))
         g = np.flatnonzero(good)
         if g.size == 0:
             break
@@ -73,9 +82,15 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
         np.minimum.at(touched, B[g], np.arange(g.size))
         win = g[(touched[A[g]] == np.arange(g.size)) & (touched[B[g]] == np.arange(g.size))]
         _apply(state, np.concatenate((x[win], y[win])), np.concatenate((A[win], B[win])),
-               np.concatenate((sy[win], sx[win])))
+               np.concatenate((state.micro[y[win]], state.micro[x[win]])))
         saved_total += float(saving[win].sum())
+        # only a candidate on a rank of a pair applied can change its test: those ranks' loads and slot tokens
+        # changed, and a moved item is the x of candidates on its B only, the y of candidates on its A only
+        changed = np.zeros(R, dtype=bool)
+        changed[A[win]] = True
+        changed[B[win]] = True
         keep = np.ones(x.size, dtype=bool)
         keep[win] = False
-        x, y, A, B, saving = x[keep], y[keep], A[keep], B[keep], saving[keep]
+        x, y, A, B, saving, tx, ty, dc, good = (v[keep] for v in (x, y, A, B, saving, tx, ty, dc, good))
+        rows = np.flatnonzero(changed[A] | changed[B])
     return saved_total

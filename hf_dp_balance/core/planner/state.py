@@ -10,7 +10,7 @@ import copy
 
 import numpy as np
 
-from hf_dp_balance.core.planner.trade_index import _stable_order
+from hf_dp_balance.core.planner.trade_index import _rank_starts, _stable_order
 
 
 class _Infeasible(Exception):
@@ -148,7 +148,10 @@ class _Members:
                 return
         # numpy's stable sort of a 16-bit key is a radix sort, 4-5x faster than its merge sort of int64 (same order)
         self.order = _stable_order(dest, num_ranks)
-        self.bounds = np.searchsorted(dest[self.order], np.arange(num_ranks + 1))
+        # every item placed: the bounds from the counts per rank, not a search of the gathered dest (the same)
+        placed = dest.size == 0 or int(dest.min()) >= 0
+        self.bounds = _rank_starts(dest, num_ranks) if placed else \
+            np.searchsorted(dest[self.order], np.arange(num_ranks + 1))
         if memo is not None:
             memo["members"] = (dest.copy(), self.order, self.bounds)
 
