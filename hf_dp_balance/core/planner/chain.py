@@ -519,9 +519,6 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     for k in range(int((size[t] - skip).max()) if t.size else 0):
         go = np.flatnonzero(size[t] - skip > k)  # trades still placing (a failed one is dropped below)
         t, row, skip = t[go], row[go], skip[go]
-        if t.size <= _FEW_LEFT:  # the long tail of one or two trades: item by item in Python
-            _spill_rest(state.tokens, back, first, size, skip, k, t, ma, room[row], to, ok)
-            break
         p = first[t] + skip + k
         tk = state.tokens[back[p]]
         s = np.where(room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1))
@@ -531,23 +528,6 @@ def _place_back(state, order, base, n_back, h, ma, ta):
         room[row, s] -= tk
         to[p] = s
     return back, to, ok
-
-
-def _spill_rest(tokens, back, first, size, skip, k, t, ma, rooms, to, ok) -> None:
-    """`_place_back`'s loop from step k on for the trades `t` (their slots' `rooms`), one trade at a
-    time: each item into a's slot while it holds it, else the roomiest slot (the lowest of equal ones,
-    as argmax), the same subtractions; a trade with an item that fits nowhere is not ok."""
-    for trade, sk, room in zip(t.tolist(), skip.tolist(), rooms.tolist()):
-        own = int(ma[trade])
-        for q in range(k, int(size[trade]) - sk):
-            p = int(first[trade]) + sk + q
-            tk = float(tokens[back[p]])
-            s = own if room[own] >= tk else room.index(max(room))
-            if not room[s] >= tk:
-                ok[trade] = False
-                break
-            room[s] -= tk
-            to[p] = s
 
 
 def _into_own_slot(room, tokens, items, first, size):
