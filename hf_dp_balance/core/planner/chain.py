@@ -586,9 +586,6 @@ def _place_intra(state, order, lo, hi, l, m):
     for k in range(int(size[t].max()) if t.size else 0):
         go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
         t, row = t[go], row[go]
-        if t.size <= _FEW_LEFT:  # the long tail of one or two trades: item by item in Python
-            _best_fit_rest(state.tokens, items, first, size, k, t, room[row], to, ok)
-            break
         p = first[t] + size[t] - 1 - k
         tk = state.tokens[items[p]]
         r = room[row]
@@ -600,27 +597,3 @@ def _place_intra(state, order, lo, hi, l, m):
         room[row, s] -= tk
         to[p] = s
     return items, to, ok
-
-
-_FEW_LEFT = 2  # trades left in `_place_intra`'s loop below which they finish one by one (4096 x 8: ~50 of
-# its ~200 steps a call place for one or two trades, ~10 numpy calls each)
-
-
-def _best_fit_rest(tokens, items, first, size, k, t, rooms, to, ok) -> None:
-    """`_place_intra`'s best-fit loop from step k on for the trades `t` (their slots' `rooms`), one trade
-    at a time: each item, largest first, into the slot with the least room that holds it (the lowest
-    such slot among equal ones, as argmin), the same subtractions; a trade with an item that fits
-    nowhere is not ok."""
-    for trade, room in zip(t.tolist(), rooms.tolist()):
-        for q in range(k, int(size[trade])):
-            p = int(first[trade] + size[trade] - 1 - q)
-            tk = float(tokens[items[p]])
-            best, s = np.inf, -1
-            for slot, v in enumerate(room):
-                if tk <= v < best:
-                    best, s = v, slot
-            if s < 0:
-                ok[trade] = False
-                break
-            room[s] -= tk
-            to[p] = s
