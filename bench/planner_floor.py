@@ -106,7 +106,7 @@ def milp_floor(c, L, own, R, M, cap, goal_load, big, time_limit, big_classes=48,
     return floor, incumbent, t, res.message
 
 
-def exact_floor(c, L, own, R, M, cap, goal_load, time_limit):
+def exact_floor(c, L, own, R, M, cap, goal_load, time_limit, ranks_out=None):
     """(floor, best plan's tokens sent or None, CPU s, message): every item on one rank (x_ir binary), every rank's
     load <= goal_load and tokens <= M x cap, at most M items over cap / 2, 2M over cap / 3, 3M over cap / 4 (what
     M slots of `cap` admit); only the slot caps themselves are relaxed. For small R (n x R binaries)."""
@@ -129,6 +129,8 @@ def exact_floor(c, L, own, R, M, cap, goal_load, time_limit):
                integrality=np.ones(N), options={"time_limit": time_limit, "mip_rel_gap": 1e-3})
     t = time.process_time() - t
     low = res.fun if res.status == 0 else getattr(res, "mip_dual_bound", None)
+    if ranks_out is not None and res.x is not None:  # the best point's rank of every item
+        ranks_out[:] = np.argmax(res.x.reshape(n, R), axis=1)
     return (None if low is None else float(low)), (None if res.fun is None else float(res.fun)), t, res.message
 
 
