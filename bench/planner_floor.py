@@ -53,7 +53,7 @@ def _classes(values, lo, hi, count):
     return np.clip(np.searchsorted(edges, values, side="right") - 1, 0, count - 1)
 
 
-def milp_floor(c, L, own, R, M, cap, goal_load, big, time_limit, big_classes=48, small_classes=100):
+def milp_floor(c, L, own, R, M, cap, goal_load, big, time_limit, big_classes=48, small_classes=100, whole_short=False):
     """(floor on tokens sent, HiGHS's incumbent or None, CPU s, message) of the relaxation above."""
     n = c.size
     dens = c / L
@@ -91,6 +91,8 @@ def milp_floor(c, L, own, R, M, cap, goal_load, big, time_limit, big_classes=48,
                    LinearConstraint(eq_s, moved_s, moved_s), LinearConstraint(eq_b, moved_b, moved_b)]
     integrality = np.zeros(N)
     integrality[items[isbig]] = 1
+    if whole_short:  # every item stays or leaves whole (what a rank receives of short items stays per class)
+        integrality[items] = 1
     integrality[zb] = 1
     upper = np.concatenate((np.ones(n), np.full(nzs + nzb, np.inf)))
     t = time.process_time()
@@ -102,6 +104,34 @@ def milp_floor(c, L, own, R, M, cap, goal_load, big, time_limit, big_classes=48,
     floor = None if low is None else float(L.sum() + low)
     incumbent = None if res.fun is None else float(L.sum() + res.fun)
     return floor, incumbent, t, res.message
+
+
+def exact_floor(c, L, own, R, M, cap, goal_load, time_limit, ranks_out=None):
+    """(floor, best plan's tokens sent or None, CPU s, message): every item on one rank (x_ir binary), every rank's
+    load <= goal_load and tokens <= M x cap, at most M items over cap / 2, 2M over cap / 3, 3M over cap / 4 (what
+    M slots of `cap` admit); only the slot caps themselves are relaxed. For small R (n x R binaries)."""
+    n = c.size
+    N = n * R
+    i, r = np.repeat(np.arange(n), R), np.tile(np.arange(R), n)
+    rows = [sparse.csr_matrix((np.ones(N), (i, np.arange(N))), shape=(n, N))]
+    lo, hi = [np.ones(n)], [np.ones(n)]
+    for w, top in ((c, goal_load), (L, M * cap)):
+        rows.append(sparse.csr_matrix((w[i], (r, np.arange(N))), shape=(R, N)))
+        lo.append(np.full(R, -np.inf)); hi.append(np.full(R, top))
+    for frac, count in ((0.5, M), (1.0 / 3.0, 2 * M), (0.25, 3 * M)):
+        sel = L[i] > frac * cap
+        rows.append(sparse.csr_matrix((np.ones(int(sel.sum())), (r[sel], np.flatnonzero(sel))), shape=(R, N)))
+        lo.append(np.full(R, -np.inf)); hi.append(np.full(R, float(count)))
+    A = sparse.vstack(rows).tocsr()
+    obj = np.where(r == own[i], 0.0, L[i])
+    t = time.process_time()
+    res = milp(obj, constraints=LinearConstraint(A, np.concatenate(lo), np.concatenate(hi)), bounds=Bounds(0, 1),
+               integrality=np.ones(N), options={"time_limit": time_limit, "mip_rel_gap": 1e-3})
+    t = time.process_time() - t
+    low = res.fun if res.status == 0 else getattr(res, "mip_dual_bound", None)
+    if ranks_out is not None and res.x is not None:  # the best point's rank of every item
+        ranks_out[:] = np.argmax(res.x.reshape(n, R), axis=1)
+    return (None if low is None else float(low)), (None if res.fun is None else float(res.fun)), t, res.message
 
 
 def short_floor_given_long(c, L, own, dest, R, M, cap, goal_load, big, small_classes=100):
@@ -174,6 +204,12 @@ def main(argv=None) -> int:
     parser.add_argument("--big", type=float, default=8192.0, help="items over this many tokens are whole (integer)")
     parser.add_argument("--time-limit", type=float, default=300.0, help="HiGHS seconds per goal")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--big-classes", type=int, default=48,
+                        help="geometric length classes of the long items (each received at its fewest tokens and lowest cost)")
+    parser.add_argument("--whole-short", action="store_true",
+                        help="the short items too stay or leave whole (received still per density class)")
+    parser.add_argument("--exact", action="store_true",
+                        help="every item a binary per rank (small R): only the slot caps relaxed")
     parser.add_argument("--given-long", action="store_true",
                         help="instead of the MILP: the LP floor of the short items with plan_step's long items fixed")
     args = parser.parse_args(argv)
@@ -201,7 +237,11 @@ def main(argv=None) -> int:
         print("| goal (x bound) | sent_floor | MILP floor | best point of the relaxation found | HiGHS | plan_step |\n"
               "|---|---|---|---|---|---|")
         for goal in (float(g) for g in args.goals.split(",")):
-            floor, best, secs, msg = milp_floor(c, L, own, R, M, bench.PACK, goal * lb, args.big, args.time_limit)
+            if args.exact:
+                floor, best, secs, msg = exact_floor(c, L, own, R, M, bench.PACK, goal * lb, args.time_limit)
+            else:
+                floor, best, secs, msg = milp_floor(c, L, own, R, M, bench.PACK, goal * lb, args.big, args.time_limit,
+                                                    big_classes=args.big_classes, whole_short=args.whole_short)
             loose = 100.0 * bench.sent_floor(c, L, own, R, goal * lb) / T
             shown = "none found" if floor is None else f"{100.0 * floor / T:.2f}%"
             point = "none" if best is None else f"{100.0 * best / T:.2f}%"
