@@ -14,6 +14,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _State
 from hf_dp_balance.core.planner.trade import _apply
+from hf_dp_balance.core.planner.trade_index import _float_order
 
 _ROUNDS = 4  # rounds at most; every round each rank takes part in at most one redirection (later ones save little)
 _NEAR = 2  # items y tried per item x: this many nearest in cost on x's home rank
@@ -41,8 +42,7 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     # the items away from home grouped by the rank they are on, cheapest first: a key rank + cost x scale
     scale = 1.0 / (2.0 * float(cost[away].max()) + 2.0)
     key = state.dest[away] + cost[away] * scale
-    # (keys >= 0 and never NaN: their bits as int64 sort as they do, ties too, and numpy sorts int64 faster)
-    by = np.argsort(key.view(np.int64), kind="stable")
+    by = _float_order(key)
     ys, key = away[by], key[by]
     bounds = np.searchsorted(state.dest[ys], np.arange(R + 1))
     home = start[away]
@@ -54,10 +54,8 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     A, B = start[x], state.dest[x]
     saving = tok[x] + np.where(start[y] == B, tok[y], 0.0)
     # most tokens saved first (ties: the item indexes); a candidate holds while x and y stay put
-    # (candidates were made in (x, y position) order: ties keep it. Savings >= +0.0: by their bits as int64,
-    # negated, the same order; a -0.0 (its sign bit set) sorts as a float)
-    bits = saving.view(np.int64)
-    o = np.argsort(-bits if saving.size and int(bits.min()) >= 0 else -saving, kind="stable")
+    # (candidates were made in (x, y position) order: ties keep it)
+    o = _float_order(saving, descending=True)
     x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
     # what x and y cost and weigh, gathered once (not every round): the same values in the same sums
     tx, ty = tok[x], tok[y]

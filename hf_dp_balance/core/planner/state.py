@@ -148,10 +148,7 @@ class _Members:
                 return
         # numpy's stable sort of a 16-bit key is a radix sort, 4-5x faster than its merge sort of int64 (same order)
         self.order = _stable_order(dest, num_ranks)
-        # every item placed: the bounds from the counts per rank, not a search of the gathered dest (the same)
-        placed = dest.size == 0 or int(dest.min()) >= 0
-        self.bounds = _rank_starts(dest, num_ranks) if placed else \
-            np.searchsorted(dest[self.order], np.arange(num_ranks + 1))
+        self.bounds = _rank_starts(dest, num_ranks)  # (from the counts per rank, not a search of dest[order])
         if memo is not None:
             memo["members"] = (dest.copy(), self.order, self.bounds)
 

@@ -161,18 +161,29 @@ def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, 
     a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them."""
     ranks = rank_of[items]
     key = ranks + cost[items] * scale
-    # grouped by rank already: timsort only orders each rank's stretch. The keys are >= +0.0 and never
-    # NaN, so their bit patterns as int64 sort as they do (the same order, ties too), and faster
-    o = np.argsort(key.view(np.int64), kind="stable")
+    o = _float_order(key)  # (grouped by rank already: the sort only orders each rank's stretch)
     items, key = items[o], key[o]
     # cost x scale < 1/2: rank r starts at key r, after the items of the ranks below it
-    starts = _rank_starts(ranks, num_ranks) if ranks.size == 0 or int(ranks.min()) >= 0 else \
-        np.searchsorted(key, np.arange(num_ranks + 1))
-    return items, starts, key, scale
+    return items, _rank_starts(ranks, num_ranks), key, scale
+
+
+def _float_order(keys: np.ndarray, descending: bool = False) -> np.ndarray:
+    """np.argsort(keys, kind="stable") of float64 keys (of -keys with `descending`). Where every key is
+    >= +0.0 (no sign bit set) their bit patterns as int64 sort as the floats do, ties too, and numpy's
+    stable sort of int64 is ~1.5x faster than of float64 (98k keys: 3.0 -> 2.0 ms); else the floats."""
+    bits = keys.view(np.int64)
+    if keys.size and int(bits.min()) < 0:
+        return np.argsort(-keys if descending else keys, kind="stable")
+    return np.argsort(-bits if descending else bits, kind="stable")
 
 
 def _rank_starts(ranks: np.ndarray, num_ranks: int) -> np.ndarray:
-    """Where each rank's stretch begins in the `ranks` sorted (np.searchsorted(sorted ranks, 0..R), by counts)."""
+    """Where each rank's stretch begins in the `ranks` sorted (np.searchsorted(sorted ranks, 0..R), by counts):
+    a -1 (an item not placed yet) sorts before rank 0, so it counts before every stretch."""
     starts = np.zeros(num_ranks + 1, dtype=np.int64)
-    np.cumsum(np.bincount(ranks, minlength=num_ranks), out=starts[1:])
+    if ranks.size and int(ranks.min()) < 0:
+        placed = ranks[ranks >= 0]
+        starts[:] = ranks.size - placed.size
+        ranks = placed
+    starts[1:] += np.cumsum(np.bincount(ranks, minlength=num_ranks))
     return starts
