@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["SYNC_MODES", "slot_loads", "step_makespan", "step_imbalance", "token_cap", "plan_hash"]
+__all__ = ["SYNC_MODES", "slot_loads", "slot_sums", "step_makespan", "step_imbalance", "token_cap", "plan_hash"]
 
 SYNC_MODES = ("step", "micro_batch")
 
@@ -23,7 +23,13 @@ def slot_loads(values, ranks, micro, num_ranks: int, num_micro: int) -> np.ndarr
     """float64 [num_ranks, num_micro]: the sum of `values` (costs or tokens) of the samples in each slot."""
     ranks = np.asarray(ranks, dtype=np.int64)
     micro = np.asarray(micro, dtype=np.int64)
-    return np.bincount(ranks * num_micro + micro, weights=np.asarray(values, dtype=np.float64),
+    return slot_sums(values, ranks * num_micro + micro, num_ranks, num_micro)
+
+
+def slot_sums(values, slot: np.ndarray, num_ranks: int, num_micro: int) -> np.ndarray:
+    """`slot_loads` from the flat slot index rank x num_micro + micro of every sample (where the caller
+    has it already)."""
+    return np.bincount(slot, weights=np.asarray(values, dtype=np.float64),
                        minlength=num_ranks * num_micro).reshape(num_ranks, num_micro)
 
 

@@ -12,7 +12,7 @@ from hf_dp_balance.core.planner.slots import _plan_step_slots
 from hf_dp_balance.core.planner.state import _Infeasible, _State
 from hf_dp_balance.core.planner.validation import (_as_index_array, _as_item_values, _check_count,
                                                    _check_fraction, _check_tokens, _per_rank)
-from hf_dp_balance.core.steps import SYNC_MODES, step_makespan
+from hf_dp_balance.core.steps import SYNC_MODES, slot_sums, step_makespan
 
 
 def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prior_loads=None,
@@ -103,8 +103,8 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
     if sync not in SYNC_MODES:
         raise ValueError(f"sync={sync!r}: must be one of {SYNC_MODES}")
 
-    slot = own * num_mb + mb  # (once: the step loads and the cap check read it; `slot_loads`' sums)
-    before = np.bincount(slot, weights=c, minlength=num_ranks * num_mb).reshape(num_ranks, num_mb)
+    slot = own * num_mb + mb  # (once: the step loads and the cap check read it)
+    before = slot_sums(c, slot, num_ranks, num_mb)
     mk_before = step_makespan(before, sync, spd)
     lb = _step_bound(c, spd, sync)
 
@@ -132,7 +132,7 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
             if required is None:
                 return keep("no feasible plan found; kept in place")
             raise _slot_error(bad_slot, slot_tok, cap, num_mb, f"slot {divmod(still, num_mb)} still over the cap")
-    after = np.bincount(slot, weights=c, minlength=num_ranks * num_mb).reshape(num_ranks, num_mb)
+    after = slot_sums(c, slot, num_ranks, num_mb)
     made = StepPlan(dest_rank=rank, dest_micro_batch=micro, applied=True, reason="", loads_before=before,
                     loads_after=after, lower_bound=lb, makespan_before=mk_before,
                     makespan_after=step_makespan(after, sync, spd), moved=int(np.count_nonzero(rank != own)),
