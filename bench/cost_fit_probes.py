@@ -84,6 +84,7 @@ ACTIVE_RULES = ("heavy", "light")  # active: the receiver rules tried (_receiver
 ACTIVE_BOUND_LO = ()  # active: the bound also holds under the provisional fit with its ratio / each of these
 ACTIVE_BOUND_GRID = ()  # active: ... and under extrapolate(prior, tokens, f) for each f here
 ACTIVE_BOUND_PER_SAMPLE = ()  # active: ... and under the fit with its per-sample cost x each of these
+ACTIVE_CAP_RATIO = 1.2  # active, diagnostic: the fills' token cap over the mean (the loader's: 1.2)
 ACTIVE_CAP = True  # active: fills keep the loader's token cap (False: a diagnostic only, the cap lifted)
 ACTIVE_TOKEN_STEPS = False  # active: only the cycle's token-balanced steps are placed actively
 ACTIVE_MIN_GAP = 0.0  # active: below this gap (log units) the step keeps probe_plan's placement
@@ -374,7 +375,7 @@ def placement(variant, probe: Probe, step, lengths, plan_costs, prior: CostModel
         split = np.stack([lo.sample_costs(lengths), hi.sample_costs(lengths)])
         token_dest = plan_costs(tokens)[0]
         largest = int(np.bincount(plan_costs.owners, weights=lengths, minlength=ranks).max())
-        cap = token_cap(lengths, ranks, None, 1.2, largest) if ACTIVE_CAP else None
+        cap = token_cap(lengths, ranks, None, ACTIVE_CAP_RATIO, largest) if ACTIVE_CAP else None
         dest, gap = active_probe(token_dest, tokens, split, np.array([lo.constant, hi.constant]), hull,
                                  ACTIVE_SLOWDOWN, ranks, cap, probe.noise or 0.03, rules=ACTIVE_RULES)
         if gap <= ACTIVE_MIN_GAP:
@@ -504,7 +505,7 @@ def diagnose(mix, ranks, steps, truth, prior, draws, noise=0.03, seed=0):
 
 
 def main(argv=None) -> int:
-    global FILL_SHARE, FILL_STEP, REFIT_FROM, ACTIVE_FROM, ACTIVE_SLOWDOWN, ACTIVE_MIN_GAP, ACTIVE_K, ACTIVE_BOUND, ACTIVE_TOKEN_STEPS, ACTIVE_K_LO, ACTIVE_RULES, ACTIVE_CAP, ACTIVE_BOUND_LO, ACTIVE_BOUND_GRID, ACTIVE_BOUND_PER_SAMPLE
+    global FILL_SHARE, FILL_STEP, REFIT_FROM, ACTIVE_FROM, ACTIVE_SLOWDOWN, ACTIVE_MIN_GAP, ACTIVE_K, ACTIVE_BOUND, ACTIVE_TOKEN_STEPS, ACTIVE_K_LO, ACTIVE_RULES, ACTIVE_CAP, ACTIVE_BOUND_LO, ACTIVE_BOUND_GRID, ACTIVE_BOUND_PER_SAMPLE, ACTIVE_CAP_RATIO
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mix", default="bounded images", choices=list(MIXES))
     parser.add_argument("--ranks", type=int, default=32)
@@ -534,6 +535,8 @@ def main(argv=None) -> int:
                         help="active: bound also under extrapolate(prior, tokens, f)")
     parser.add_argument("--bound-per-sample", type=float, nargs="*", default=[],
                         help="active: bound also under the fit with its per-sample cost x m")
+    parser.add_argument("--cap-ratio", type=float, default=ACTIVE_CAP_RATIO,
+                        help="active, diagnostic: the fills' token cap over the mean tokens")
     parser.add_argument("--no-cap", action="store_true", help="active, diagnostic: fills ignore the token cap")
     parser.add_argument("--token-steps", action="store_true", help="active: only on the token-balanced steps")
     parser.add_argument("--active-bound", default=ACTIVE_BOUND, choices=["hull", "no-tokens"])
@@ -542,7 +545,7 @@ def main(argv=None) -> int:
     ACTIVE_K, ACTIVE_BOUND, ACTIVE_TOKEN_STEPS = args.active_k, args.active_bound, args.token_steps
     ACTIVE_K_LO, ACTIVE_RULES, ACTIVE_CAP = args.active_k_lo, tuple(args.rules), not args.no_cap
     ACTIVE_BOUND_LO, ACTIVE_BOUND_GRID = tuple(args.bound_lo), tuple(args.bound_grid)
-    ACTIVE_BOUND_PER_SAMPLE = tuple(args.bound_per_sample)
+    ACTIVE_BOUND_PER_SAMPLE, ACTIVE_CAP_RATIO = tuple(args.bound_per_sample), args.cap_ratio
     FILL_SHARE, FILL_STEP, REFIT_FROM = args.fill_share, args.fill_step, args.refit_from
     start = time.process_time()
     prior = qwen2_7b_prior()
