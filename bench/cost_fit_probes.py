@@ -29,6 +29,13 @@ follow as in that bench, so "current" reproduces its column. Only the warm-up pl
   refit          after REFIT_FROM probe steps, each step planned with the fit of the steps LAG before
   refit-once     after REFIT_FROM probe steps, the steps from LAG later planned with the fit of those steps (the
                  runtime's first fit); that fit is also scored ("refit-once @first")
+  active         (run 15, not kept) after --active-from probe steps a provisional fit; from LAG later each step
+                 (--token-steps: only the cycle's token-balanced ones) is the token plan with receiver slots
+                 (`_receivers`: heavy / light / lone) filled with short samples (`fill_slots`) up to (1 + --slowdown)
+                 x the token plan's slowest slot under every bound hypothesis (--active-bound: the probe hull with
+                 or without the tokens; --bound-lo / --bound-grid / --bound-per-sample add rows) and the loader's
+                 cap (--no-cap: lifted, a diagnostic), the fill whose soft step maximum tells the split (the fit's
+                 ratio / --active-k-lo and x --active-k) apart most (`active_probe`); active-refit refits each step
 `--unhedged` lets ridge-pick / oracle-pick take any candidate, factors -1, -0.5, 4 and 6 as well. Printed per
 variant: median [min] share of the true-cost cut, median single-sample MAPE, fitted / true attention ratio and
 per-sample cost (medians), the share per draw; for the oracle and lone-pair also each warm-up step's slowest
@@ -39,6 +46,8 @@ rank (true costs) over the token plan's / the hedged probe's.
     python bench/cost_fit_probes.py --mix "video, long tail" --ranks 128 --truth "prior 2x low" --variants lone-pair
     python bench/cost_fit_probes.py --mix "video, long tail" --ranks 128 --truth "prior 2x low" --steps 16 \
         --variants current cap-fill fill-heavy fill-heavy-guard
+    python bench/cost_fit_probes.py --mix "video, long tail" --ranks 128 --truth "prior 2x low" --steps 16 --draws 32 \
+        --variants current active --active-bound no-tokens --active-k-lo 1 --active-k 2 --token-steps --bound-lo 1.5
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ import argparse
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -56,14 +65,29 @@ from cost_fit_plans import MIXES, PACK, TRUTHS, plan, scores, step_items, truth_
 from cost_fit_synthetic import qwen2_7b_prior
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model
-from hf_dp_balance.core.hedge import extrapolate, probe_hypotheses, probe_plan, worst_excess
+from hf_dp_balance.core.hedge import PROBE_CYCLE, extrapolate, probe_hypotheses, probe_plan, worst_excess
+from hf_dp_balance.core.steps import token_cap
 
 LAG = 2  # steps between a step's time and the plan that can use it (the loader prepares steps ahead)
 VARIANTS = ("current", "adaptive", "adaptive-wide", "per-sample", "ridge-pick", "oracle-pick", "lone-pair",
-            "cap-fill", "cap-fill-both", "fill-medium", "fill-heavy", "fill-heavy-both", "fill-heavy-safe", "fill-heavy-guard", "refit", "refit-once")
+            "cap-fill", "cap-fill-both", "fill-medium", "fill-heavy", "fill-heavy-both", "fill-heavy-safe", "fill-heavy-guard", "refit", "refit-once",
+            "active", "active-refit")
 FILL_LEVELS = (1.2, 1.15, 1.1, 1.05)  # cap-fill: receivers' tokens over the mean, highest that passes the hedge
 FILL_SHARE = 0.25  # cap-fill: share of the ranks that receive
 FILL_STEP = 2  # cap-fill: the cycle's step it replaces (2: the second token-balanced step)
+ACTIVE_FROM = 8  # active: probe steps before the provisional fit that places the rest of the warm-up
+ACTIVE_SLOWDOWN = 0.05  # active: no slot above 1 + this x the token plan's slowest, under every hypothesis
+ACTIVE_K = 1.5  # active: the split's ratios, the provisional fit's / and x this
+ACTIVE_BOUND = "hull"  # active: "hull" probe_hypotheses + the split; "no-tokens" the same less the tokens
+ACTIVE_K_LO = None  # active: the lower split's factor when not ACTIVE_K
+ACTIVE_RULES = ("heavy", "light")  # active: the receiver rules tried (_receivers)
+ACTIVE_BOUND_LO = ()  # active: the bound also holds under the provisional fit with its ratio / each of these
+ACTIVE_BOUND_GRID = ()  # active: ... and under extrapolate(prior, tokens, f) for each f here
+ACTIVE_BOUND_PER_SAMPLE = ()  # active: ... and under the fit with its per-sample cost x each of these
+ACTIVE_CAP_RATIO = 1.2  # active, diagnostic: the fills' token cap over the mean (the loader's: 1.2)
+ACTIVE_CAP = True  # active: fills keep the loader's token cap (False: a diagnostic only, the cap lifted)
+ACTIVE_TOKEN_STEPS = False  # active: only the cycle's token-balanced steps are placed actively
+ACTIVE_MIN_GAP = 0.0  # active: below this gap (log units) the step keeps probe_plan's placement
 REFIT_FROM = 8  # refit: steps placed by probe_plan before plans from the fit of the steps so far
 FACTORS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0)  # ridge / oracle candidates: extrapolate(prior, tokens, f)
 UNHEDGED_FACTORS = (-1.0, -0.5, 4.0, 6.0)
@@ -79,6 +103,7 @@ class Probe:
     unhedged: bool = False
     slowdown: list = field(default_factory=list)  # warm-up step's true slowest rank over its reference plan's
     picked: list = field(default_factory=list)  # ridge / oracle: the factor chosen per odd step (0: tokens)
+    noise: Optional[float] = None  # active: the provisional fit's step noise
     first_fit: Optional[CostModel] = None  # refit-once: the fit of the first REFIT_FROM steps (reset per draw)
 
     @property
@@ -97,6 +122,105 @@ def _hedged_pick(plan_costs, hull, probe_costs, tokens, ranks):
     probe = plan_costs(probe_costs)
     keep = worst_excess(hull, *probe, ranks, 1) <= worst_excess(hull, *token_plan, ranks, 1)
     return probe[0] if keep else token_plan[0]
+
+
+# Active warm-up (run 15, not kept): once a provisional step-time fit exists, a warm-up step placed to tell apart
+# two attention ratios that fit cannot, at a bounded slowdown.
+ACTIVE_SHARES = (0.0625, 0.125, 0.25)  # receiving ranks tried, as a share of the slots
+ACTIVE_RULES = ("heavy", "light")  # receivers: most attention among multi-sample slots / least per token
+
+
+def fill_slots(dest: np.ndarray, tokens: np.ndarray, costs: np.ndarray, limits: np.ndarray,
+               receivers: np.ndarray, num_slots: int, max_tokens: Optional[float] = None) -> np.ndarray:
+    """`dest` with `receivers` (slot ids) filled, one after the other, with the shortest samples of the other slots
+    (never a slot's longest sample: no slot empties) while every hypothesis' slot sum (`costs` [H, n]) stays at
+    most `limits` [H] and the slot's tokens at most `max_tokens`. Donors only lose work, so every slot of the
+    result is at most max(its start, `limits`) under every hypothesis. O(n log n + receivers x n)."""
+    dest = np.array(dest, dtype=np.int64, copy=True)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    costs = np.atleast_2d(np.asarray(costs, dtype=np.float64))
+    receivers = np.asarray(receivers, dtype=np.int64)
+    is_receiver = np.zeros(num_slots, dtype=bool)
+    is_receiver[receivers] = True
+    order = np.lexsort((np.arange(len(tokens)), -tokens, dest))  # per slot, longest first
+    first_of_slot = np.ones(len(order), dtype=bool)
+    first_of_slot[1:] = dest[order][1:] != dest[order][:-1]
+    keeps = np.zeros(len(tokens), dtype=bool)
+    keeps[order[first_of_slot]] = True  # each slot's longest sample stays
+    pool = np.flatnonzero(~keeps & ~is_receiver[dest])
+    pool = pool[np.argsort(tokens[pool], kind="stable")]
+    slot_cost = np.stack([np.bincount(dest, weights=h, minlength=num_slots) for h in costs])
+    slot_tokens = np.bincount(dest, weights=tokens, minlength=num_slots)
+    cap = np.inf if max_tokens is None else float(max_tokens)
+    for r in receivers:
+        if not pool.size:
+            break
+        room = np.minimum((limits - slot_cost[:, r])[:, None] - np.cumsum(costs[:, pool], axis=1), np.inf)
+        fits = np.all(room >= 0.0, axis=0) & (slot_tokens[r] + np.cumsum(tokens[pool]) <= cap)
+        take = int(np.argmin(fits)) if not fits.all() else len(pool)  # the longest prefix that fits
+        if take == 0:
+            continue
+        dest[pool[:take]] = r
+        slot_cost[:, r] += costs[:, pool[:take]].sum(axis=1)
+        slot_tokens[r] += tokens[pool[:take]].sum()
+        pool = pool[take:]
+    return dest
+
+
+def _receivers(dest: np.ndarray, tokens: np.ndarray, num_slots: int, rule: str, count: int) -> np.ndarray:
+    sq = np.bincount(dest, weights=tokens * tokens, minlength=num_slots)
+    tok = np.bincount(dest, weights=tokens, minlength=num_slots)
+    n = np.bincount(dest, minlength=num_slots)
+    if rule == "lone":  # the slots of one long sample, longest first: companions beside it show their cost in the max
+        order = np.argsort(-np.where(n == 1, tok, -1.0), kind="stable")
+        return order[n[order] == 1][:count]
+    if rule == "heavy":  # a long sample that does not fill its slot: filled, it nears a lone longer sample
+        order = np.argsort(-np.where(n > 1, sq, -1.0), kind="stable")
+        order = order[n[order] > 1]
+    else:  # nearly all linear work: near the top only when attention is light
+        order = np.argsort(sq / np.maximum(tok, 1.0), kind="stable")
+    return order[:count]
+
+
+def _max_gap(dest: np.ndarray, split: np.ndarray, constants: np.ndarray, num_slots: int, noise: float) -> float:
+    """log of the expected step maximum under split[0] less under split[1], each a soft maximum of the slots'
+    log costs at temperature `noise` (the step noise: a slot within a few sigmas of the top shows in the max)."""
+    out = []
+    for h, c in zip(split, constants):
+        logs = np.log(np.bincount(dest, weights=h, minlength=num_slots) + c) / max(noise, 1e-6)
+        top = logs.max()
+        out.append((top + np.log(np.exp(logs - top).sum())) * max(noise, 1e-6))
+    return float(out[0] - out[1])
+
+
+def active_probe(token_dest: np.ndarray, tokens: np.ndarray, split: np.ndarray, constants: np.ndarray,
+                 bound: np.ndarray, slowdown: float, num_slots: int, max_tokens: Optional[float] = None,
+                 noise: float = 0.03,
+                 shares: Sequence[float] = ACTIVE_SHARES, rules: Sequence[str] = ACTIVE_RULES):
+    """(dest, gap): of the token plan `token_dest` filled per `fill_slots` (receivers by `rules` x `shares`), the
+    placement whose slowest slot tells the two hypotheses `split` [2, n] (per-sample costs; `constants` [2] their
+    per-step constants) apart the most: gap = |log top_0 - log top_1| less the token plan's (the fit's free scale).
+    Bound: under every row of `bound` [H, n] (with `split`'s rows added), no slot above (1 + slowdown) x the token
+    plan's slowest slot. gap 0 and the token plan when no fill tells them apart more."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    split = np.asarray(split, dtype=np.float64)
+    hypotheses = np.vstack([np.atleast_2d(np.asarray(bound, dtype=np.float64)), split])
+    tops = np.array([np.bincount(token_dest, weights=h, minlength=num_slots).max() for h in hypotheses])
+    limits = (1.0 + float(slowdown)) * tops
+    reference = _max_gap(token_dest, split, constants, num_slots, noise)
+    best, best_gap = np.asarray(token_dest), 0.0
+    if slowdown <= 0.0:
+        return best, best_gap
+    for rule in rules:
+        for share in shares:
+            count = max(1, int(round(share * num_slots)))
+            dest = fill_slots(token_dest, tokens, hypotheses, limits,
+                              _receivers(np.asarray(token_dest), tokens, num_slots, rule, count), num_slots,
+                              max_tokens)
+            gap = abs(_max_gap(dest, split, constants, num_slots, noise) - reference)
+            if gap > best_gap + 1e-12:
+                best, best_gap = dest, gap
+    return best, best_gap
 
 
 def _scaled_ratio(model: CostModel, factor: float) -> CostModel:
@@ -230,6 +354,36 @@ def placement(variant, probe: Probe, step, lengths, plan_costs, prior: CostModel
         real = probe.truth.sample_costs(lengths)
         probe.slowdown.append(_top(real, dest, ranks) / _top(real, plan_costs(tokens)[0], ranks))
         return dest
+    if variant in ("active", "active-refit"):
+        if step < ACTIVE_FROM + LAG or (ACTIVE_TOKEN_STEPS and PROBE_CYCLE[step % 4] != 0.0):
+            return probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
+        if variant == "active-refit" or probe.first_fit is None:
+            seen = ACTIVE_FROM if variant == "active" else step - LAG
+            result = fit_cost_model(np.stack(history[0][:seen]), np.array(history[1][:seen]),
+                                    mode="step_max", holdout=0, prior=prior)
+            probe.first_fit, probe.noise = result.model, result.report.step_noise
+        fit = probe.first_fit
+        lo, hi = _scaled_ratio(fit, 1.0 / (ACTIVE_K_LO or ACTIVE_K)), _scaled_ratio(fit, ACTIVE_K)
+        if ACTIVE_BOUND == "no-tokens":
+            hull = hull[[0, 2]]
+        extra = [_scaled_ratio(fit, 1.0 / b).sample_costs(lengths) for b in ACTIVE_BOUND_LO]
+        extra += [extrapolate(prior_costs, tokens, f) * prior_costs.sum() for f in ACTIVE_BOUND_GRID]
+        extra += [CostModel(fit.quadratic, fit.linear, fit.per_sample * m, fit.constant).sample_costs(lengths)
+                  for m in ACTIVE_BOUND_PER_SAMPLE]
+        if extra:
+            hull = np.vstack([hull] + extra)
+        split = np.stack([lo.sample_costs(lengths), hi.sample_costs(lengths)])
+        token_dest = plan_costs(tokens)[0]
+        largest = int(np.bincount(plan_costs.owners, weights=lengths, minlength=ranks).max())
+        cap = token_cap(lengths, ranks, None, ACTIVE_CAP_RATIO, largest) if ACTIVE_CAP else None
+        dest, gap = active_probe(token_dest, tokens, split, np.array([lo.constant, hi.constant]), hull,
+                                 ACTIVE_SLOWDOWN, ranks, cap, probe.noise or 0.03, rules=ACTIVE_RULES)
+        if gap <= ACTIVE_MIN_GAP:
+            dest = probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
+        probe.picked.append(round(gap, 2))
+        real = probe.truth.sample_costs(lengths)
+        probe.slowdown.append(_top(real, dest, ranks) / _top(real, token_dest, ranks))
+        return dest
     if variant == "refit-once":  # the runtime's first fit after REFIT_FROM steps, its plans until the refit
         if step < REFIT_FROM + LAG:
             return probe_plan(plan_costs, prior_costs, tokens, step, ranks, 1)[0]
@@ -266,6 +420,7 @@ def warmup(rng, variant, probe: Probe, mix, ranks, steps, prior, noise):
         def plan_costs(costs):
             return plan(costs, lengths, owners, ranks), zeros
 
+        plan_costs.owners = owners
         dest = placement(variant, probe, step, lengths, plan_costs, prior, (feats, times), ranks)
         f = np.stack([features_of(lengths[dest == r]) for r in range(ranks)])
         feats.append(f)
@@ -350,7 +505,7 @@ def diagnose(mix, ranks, steps, truth, prior, draws, noise=0.03, seed=0):
 
 
 def main(argv=None) -> int:
-    global FILL_SHARE, FILL_STEP, REFIT_FROM
+    global FILL_SHARE, FILL_STEP, REFIT_FROM, ACTIVE_FROM, ACTIVE_SLOWDOWN, ACTIVE_MIN_GAP, ACTIVE_K, ACTIVE_BOUND, ACTIVE_TOKEN_STEPS, ACTIVE_K_LO, ACTIVE_RULES, ACTIVE_CAP, ACTIVE_BOUND_LO, ACTIVE_BOUND_GRID, ACTIVE_BOUND_PER_SAMPLE, ACTIVE_CAP_RATIO
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mix", default="bounded images", choices=list(MIXES))
     parser.add_argument("--ranks", type=int, default=32)
@@ -369,7 +524,28 @@ def main(argv=None) -> int:
     parser.add_argument("--fill-share", type=float, default=FILL_SHARE, help="cap-fill: share of receiving ranks")
     parser.add_argument("--fill-step", type=int, default=FILL_STEP, help="cap-fill: the cycle step it replaces")
     parser.add_argument("--refit-from", type=int, default=REFIT_FROM, help="refit: probe steps before the fit plans")
+    parser.add_argument("--active-from", type=int, default=ACTIVE_FROM, help="active: probe steps before the fit")
+    parser.add_argument("--slowdown", type=float, default=ACTIVE_SLOWDOWN, help="active: the slowdown bound")
+    parser.add_argument("--min-gap", type=float, default=ACTIVE_MIN_GAP, help="active: smallest gap kept")
+    parser.add_argument("--active-k", type=float, default=ACTIVE_K, help="active: the split's ratio factor")
+    parser.add_argument("--active-k-lo", type=float, default=None, help="active: the lower split's factor")
+    parser.add_argument("--rules", nargs="*", default=list(ACTIVE_RULES), choices=["heavy", "light", "lone"])
+    parser.add_argument("--bound-lo", type=float, nargs="*", default=[], help="active: bound also under fit / b")
+    parser.add_argument("--bound-grid", type=float, nargs="*", default=[],
+                        help="active: bound also under extrapolate(prior, tokens, f)")
+    parser.add_argument("--bound-per-sample", type=float, nargs="*", default=[],
+                        help="active: bound also under the fit with its per-sample cost x m")
+    parser.add_argument("--cap-ratio", type=float, default=ACTIVE_CAP_RATIO,
+                        help="active, diagnostic: the fills' token cap over the mean tokens")
+    parser.add_argument("--no-cap", action="store_true", help="active, diagnostic: fills ignore the token cap")
+    parser.add_argument("--token-steps", action="store_true", help="active: only on the token-balanced steps")
+    parser.add_argument("--active-bound", default=ACTIVE_BOUND, choices=["hull", "no-tokens"])
     args = parser.parse_args(argv)
+    ACTIVE_FROM, ACTIVE_SLOWDOWN, ACTIVE_MIN_GAP = args.active_from, args.slowdown, args.min_gap
+    ACTIVE_K, ACTIVE_BOUND, ACTIVE_TOKEN_STEPS = args.active_k, args.active_bound, args.token_steps
+    ACTIVE_K_LO, ACTIVE_RULES, ACTIVE_CAP = args.active_k_lo, tuple(args.rules), not args.no_cap
+    ACTIVE_BOUND_LO, ACTIVE_BOUND_GRID = tuple(args.bound_lo), tuple(args.bound_grid)
+    ACTIVE_BOUND_PER_SAMPLE, ACTIVE_CAP_RATIO = tuple(args.bound_per_sample), args.cap_ratio
     FILL_SHARE, FILL_STEP, REFIT_FROM = args.fill_share, args.fill_step, args.refit_from
     start = time.process_time()
     prior = qwen2_7b_prior()
