@@ -229,6 +229,28 @@ def lns(c, L, own, dest, micro, R, M, cap, goal_load, sizes, kinds, time_limit, 
     return dest, micro, history
 
 
+def describe(L, own, dest, micro, R, M, cap, long_tokens=8192.0):
+    """One row of what a plan does: tokens sent (long items / short ones), items moved, ranks that send,
+    receive and both, swaps (pairs of ranks that send to each other), slots nearly empty (< 1/8 cap) and the
+    median free tokens of a slot."""
+    T = float(L.sum())
+    away = dest != own
+    lg = L > long_tokens
+    senders, receivers = np.unique(own[away]), np.unique(dest[away])
+    pairs = set(zip(own[away].tolist(), dest[away].tolist()))
+    swaps = sum(1 for a, b in pairs if a < b and (b, a) in pairs)
+    free = cap - np.bincount(dest * M + micro, weights=L, minlength=R * M)
+    return (f"{100 * L[away].sum() / T:.2f}% | {100 * L[away & lg].sum() / T:.2f}% ({int((away & lg).sum())}) | "
+            f"{100 * L[away & ~lg].sum() / T:.2f}% ({int((away & ~lg).sum())}) | {senders.size} | {receivers.size} | "
+            f"{np.intersect1d(senders, receivers).size} | {swaps} | {int((free > cap * 7 / 8).sum())} | "
+            f"{np.median(free):.0f}")
+
+
+DESCRIBE_HEAD = ("| plan | sent | long items sent (count) | short items sent (count) | ranks sending | receiving | both | "
+                 "rank pairs trading both ways | slots < 1/8 full | median free tokens of a slot |\n"
+                 "|---|---|---|---|---|---|---|---|---|---|")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="512x4")
@@ -245,6 +267,7 @@ def main(argv=None) -> int:
     parser.add_argument("--free-short", type=float, default=1.0,
                         help="share of a neighbourhood's short items at home that may move (the rest stay in their slot)")
     parser.add_argument("--long", type=float, default=4096.0, help="items over this many tokens always free")
+    parser.add_argument("--save", default="", help="write the LNS plan (dest, micro) to this .npz")
     parser.add_argument("--verbose", action="store_true", help="HiGHS's status on each printed row")
     parser.add_argument("--every", type=int, default=10, help="print a row every this many iterations")
     args = parser.parse_args(argv)
@@ -282,6 +305,11 @@ def main(argv=None) -> int:
         print(f"\nLNS: {100 * sent / T:.2f}% sent (plan_step {100 * sent0 / T:.2f}%), slowest / bound "
               f"{slow * args.goal:.4f} (checked), {len(hist)} neighbourhoods, {hist[-1][1]:.0f} CPU s; accepted by "
               "kind and k: " + ", ".join(f"{kd} {k}: {a}/{n}" for (kd, k), (n, a) in sorted(by.items())))
+        print("\n" + DESCRIBE_HEAD)
+        print(f"| plan_step | {describe(L, own, plan.dest_rank, plan.dest_micro_batch, R, M, bench.PACK)} |")
+        print(f"| LNS | {describe(L, own, dest, micro, R, M, bench.PACK)} |", flush=True)
+        if args.save:
+            np.savez(args.save, dest=dest, micro=micro)
     return 0
 
 
