@@ -6,12 +6,14 @@ every slot <= the pack length and not empty, every rank <= goal x bound) that se
 upper bound on the optimum that keeps the slots.
 
 Start: plan_step's plan on the instance of `bench/planner.py --full-cap`. Repeat: pick k ranks (a
-neighbourhood), free every item now on them, and solve exactly with HiGHS (scipy.optimize.milp) where
-those items go among those ranks' k x M slots: x[i, r, s] binary, each item once, each slot's tokens
-<= cap and >= 1 item, each rank's cost <= goal x bound, the slots of a rank ordered by tokens (they are
-interchangeable under sync="step": this removes the M! relabellings), and the tokens that end away
-from their home below the current plan's (a cutoff, so a solve that finds nothing better stops on its
-bound). Items on other ranks stay. An improvement is accepted; the plan stays valid throughout.
+neighbourhood), free the items now on them (or, `--free-short`, those away from home, the long ones and a
+random share of the rest), and solve exactly with HiGHS (started from the current plan; or
+scipy.optimize.milp, which takes no start, `--solver milp`) where those items go among those ranks'
+k x M slots: x[i, r, s] binary, each item once, each slot's tokens <= cap and >= 1 item, each rank's
+cost <= goal x bound, the slots of a rank ordered by tokens when all its items are free (they are
+interchangeable under sync="step": this removes the M! relabellings); the start (or
+with milp a cutoff row) makes a solve that finds nothing better stop on its bound. Items on other ranks
+stay. An improvement is accepted; the plan stays valid throughout.
 
 Neighbourhoods (`--kinds`, cycled):
 - trade: a rank drawn by the tokens it sends or receives, then the ranks it trades most with (the
@@ -20,8 +22,8 @@ Neighbourhoods (`--kinds`, cycled):
   ranks (fewest tokens / lowest cost now), half each;
 - random: k ranks at random among those that send or receive.
 
-    python bench/planner_lns.py [--sizes 512x4] [--goal 1.01] [--seed 0] [--ranks 8,12,16]
-                                [--time-limit 10] [--budget 600]
+    python bench/planner_lns.py [--sizes 512x4] [--goal 1.01] [--seed 0] [--ranks 6,8] [--kinds trade]
+                                [--free-short 0.3] [--time-limit 5] [--budget 1200] [--save plan.npz]
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def _highs_warm(cost, A, lo, hi, x0, time_limit):
     info = h.getInfo()
     if info.primal_solution_status != _core.SolutionStatus.kSolutionStatusFeasible:
         return None, status
-    return np.asarray(h.getSolution().col_value), f"{status} (best {info.objective_function_value:.0f}, bound {info.mip_dual_bound:.0f})"
+    return (np.asarray(h.getSolution().col_value),
+            f"{status} (best {info.objective_function_value:.0f}, bound {info.mip_dual_bound:.0f})")
 
 
 def solve_neighbourhood(c, L, own, dest, micro, ranks, M, cap, goal_load, time_limit, need_all_slots=True,
@@ -246,8 +249,8 @@ def describe(L, own, dest, micro, R, M, cap, long_tokens=8192.0):
             f"{np.median(free):.0f}")
 
 
-DESCRIBE_HEAD = ("| plan | sent | long items sent (count) | short items sent (count) | ranks sending | receiving | both | "
-                 "rank pairs trading both ways | slots < 1/8 full | median free tokens of a slot |\n"
+DESCRIBE_HEAD = ("| plan | sent | long items sent (count) | short items sent (count) | ranks sending | receiving | "
+                 "both | rank pairs trading both ways | slots < 1/8 full | median free tokens of a slot |\n"
                  "|---|---|---|---|---|---|---|---|---|---|")
 
 
@@ -265,7 +268,8 @@ def main(argv=None) -> int:
     parser.add_argument("--solver", default="highs", choices=("highs", "milp"),
                         help="highs: HiGHS started from the current plan; milp: scipy.optimize.milp, no start")
     parser.add_argument("--free-short", type=float, default=1.0,
-                        help="share of a neighbourhood's short items at home that may move (the rest stay in their slot)")
+                        help="share of a neighbourhood's short items at home that may move (the rest stay in "
+                             "their slot)")
     parser.add_argument("--long", type=float, default=4096.0, help="items over this many tokens always free")
     parser.add_argument("--save", default="", help="write the LNS plan (dest, micro) to this .npz")
     parser.add_argument("--verbose", action="store_true", help="HiGHS's status on each printed row")
