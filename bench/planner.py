@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from hf_dp_balance.core.planner import plan_balance, plan_step
+from hf_dp_balance.core.planner import lower_bound, plan_balance, plan_step
 from hf_dp_balance.apps.reference import plan_reference_greedy
 
 PACK = 32768
@@ -159,6 +159,29 @@ def bench_step(rng, num_ranks, num_mb, regime, repeats, sync):
 FULL_CAP_COSTS = {"7B-like": 1.9e-5, "strongly quadratic": 1.4e-4}
 
 
+def full_cap_costs(lengths: np.ndarray, shape: str) -> np.ndarray:
+    """Each item's cost q L^2 + L, q/l = FULL_CAP_COSTS[shape]: the cost of every full-cap bench."""
+    return FULL_CAP_COSTS[shape] * lengths ** 2 + lengths
+
+
+def add_full_cap_arguments(parser: argparse.ArgumentParser) -> None:
+    """The instance options of the full-cap floor / relaxation / search benches (`full_cap_cases`)."""
+    parser.add_argument("--sizes", default="512x4")
+    parser.add_argument("--mix", default="long-tail")
+    parser.add_argument("--cost", default="strongly quadratic", choices=sorted(FULL_CAP_COSTS))
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def full_cap_cases(args):
+    """(R, M, lengths, owners, micro_batches, costs, lower bound) for each R x M of `args.sizes`, from the
+    options of `add_full_cap_arguments`."""
+    for size in args.sizes.split(","):
+        R, M = (int(x) for x in size.split("x"))
+        L, own, mb = full_cap_instance(args.mix, R, M, args.seed)
+        c = full_cap_costs(L, args.cost)
+        yield R, M, L, own, mb, c, lower_bound(c, R)
+
+
 def full_cap_instance(mix: str, num_ranks: int, num_mb: int, seed: int):
     """(lengths, owners, micro_batches) of R*M fixed-length 32K packs: the bench's long-tail regime
     (1% of samples 16K-32K) or the simulator's qwen2vl-sft mix (tails up to 16K)."""
@@ -213,7 +236,7 @@ def full_cap_case(mix, R, M, shape, seed, repeats, with_reference):
     """One planner (whichever `hf_dp_balance` imports) on one full-cap instance:
     (slowest / bound, % tokens sent, min CPU ms, items), and the published greedy's if asked."""
     L, own, mb = full_cap_instance(mix, R, M, seed)
-    c = FULL_CAP_COSTS[shape] * L ** 2 + L
+    c = full_cap_costs(L, shape)
     best, plan = np.inf, None
     for _ in range(repeats):
         t = time.process_time()

@@ -143,7 +143,7 @@ def main(argv=None) -> int:
             for mix in ("long-tail", "qwen2vl-sft"):
                 for shape in args.shapes.split(","):
                     L, owners, micro = bench_planner.full_cap_instance(mix, R, M, 0)
-                    c = bench_planner.FULL_CAP_COSTS[shape] * L ** 2 + L
+                    c = bench_planner.full_cap_costs(L, shape)
                     times = {"old": [], "new": []}
                     digests = {}
                     best_phase = {k: collections.defaultdict(lambda: np.inf) for k in planners}

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         old = importlib.import_module(planner_ab.BASE + ".core.planner.assign")
         R, M = (int(x) for x in args.size.split("x"))
         L, owners, micro = bench_planner.full_cap_instance("long-tail", R, M, 0)
-        c = bench_planner.FULL_CAP_COSTS["strongly quadratic"] * L ** 2 + L
+        c = bench_planner.full_cap_costs(L, "strongly quadratic")
         captured = []
         search = assign._assign_long
 

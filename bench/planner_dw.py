@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import planner as bench  # noqa: E402  (the full-cap instances of bench/planner.py)
 from planner_floor import _classes  # noqa: E402
 
-from hf_dp_balance.core.planner import lower_bound, plan_step  # noqa: E402
+from hf_dp_balance.core.planner import plan_step  # noqa: E402
 
 
 class Instance:
@@ -266,13 +266,10 @@ def param_search(inst, evals, time_limit, long_knots, short_knots, step, log):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="512x4")
-    parser.add_argument("--mix", default="long-tail")
-    parser.add_argument("--cost", default="strongly quadratic", choices=sorted(bench.FULL_CAP_COSTS))
+    bench.add_full_cap_arguments(parser)
     parser.add_argument("--goal", type=float, default=1.01)
     parser.add_argument("--big", type=float, default=8192.0)
     parser.add_argument("--small-classes", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--cap-long", type=float, default=1.0, help="alpha_i <= this x the item's tokens")
     parser.add_argument("--cap-short", type=float, default=1.0, help="beta_k <= this (per token)")
@@ -286,11 +283,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoothing", type=float, default=0.7, help="Wentges smoothing of the pricing duals")
     parser.add_argument("--time-limit", type=float, default=600.0, help="CPU seconds of rounds")
     args = parser.parse_args(argv)
-    for size in args.sizes.split(","):
-        R, M = (int(x) for x in size.split("x"))
-        L, own, mb = bench.full_cap_instance(args.mix, R, M, args.seed)
-        c = bench.FULL_CAP_COSTS[args.cost] * L ** 2 + L
-        lb = lower_bound(c, R)
+    for R, M, L, own, mb, c, lb in bench.full_cap_cases(args):
         plan = plan_step(c, own, mb, R, M, tokens=L, max_tokens=bench.PACK, sync="step", min_gain=0.0)
         inst = Instance(c, L, own, R, M, bench.PACK, args.goal * lb, args.big, args.small_classes)
         T = inst.total

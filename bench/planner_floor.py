@@ -197,13 +197,10 @@ def trajectory(c, L, own, mb, R, M):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="512x4")
-    parser.add_argument("--mix", default="long-tail")
-    parser.add_argument("--cost", default="strongly quadratic", choices=sorted(bench.FULL_CAP_COSTS))
+    bench.add_full_cap_arguments(parser)
     parser.add_argument("--goals", default="1.01,1.0025")
     parser.add_argument("--big", type=float, default=8192.0, help="items over this many tokens are whole (integer)")
     parser.add_argument("--time-limit", type=float, default=300.0, help="HiGHS seconds per goal")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--big-classes", type=int, default=48,
                         help="geometric length classes of the long items (each received at its fewest tokens and lowest cost)")
     parser.add_argument("--whole-short", action="store_true",
@@ -213,11 +210,7 @@ def main(argv=None) -> int:
     parser.add_argument("--given-long", action="store_true",
                         help="instead of the MILP: the LP floor of the short items with plan_step's long items fixed")
     args = parser.parse_args(argv)
-    for size in args.sizes.split(","):
-        R, M = (int(x) for x in size.split("x"))
-        L, own, mb = bench.full_cap_instance(args.mix, R, M, args.seed)
-        c = bench.FULL_CAP_COSTS[args.cost] * L ** 2 + L
-        lb = lower_bound(c, R)
+    for R, M, L, own, mb, c, lb in bench.full_cap_cases(args):
         T = float(L.sum())
         plan, stages = trajectory(c, L, own, mb, R, M)
         print(f"## {args.mix} {R} x {M}, {args.cost}: {L.size} items, {int((L > args.big).sum())} over {args.big:.0f} "

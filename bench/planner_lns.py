@@ -40,7 +40,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import planner as bench  # noqa: E402  (the full-cap instances of bench/planner.py)
 
-from hf_dp_balance.core.planner import lower_bound, plan_step  # noqa: E402
+from hf_dp_balance.core.planner import plan_step  # noqa: E402
 from hf_dp_balance.core.steps import slot_sums, step_makespan  # noqa: E402
 from hf_dp_balance.runtime.step_rows import validate_plan  # noqa: E402
 
@@ -256,11 +256,8 @@ DESCRIBE_HEAD = ("| plan | sent | long items sent (count) | short items sent (co
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="512x4")
-    parser.add_argument("--mix", default="long-tail")
-    parser.add_argument("--cost", default="strongly quadratic", choices=sorted(bench.FULL_CAP_COSTS))
+    bench.add_full_cap_arguments(parser)
     parser.add_argument("--goal", type=float, default=1.01, help="every rank <= goal x bound")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ranks", default="8,12,16", help="neighbourhood sizes, cycled")
     parser.add_argument("--kinds", default="trade,mix,random")
     parser.add_argument("--time-limit", type=float, default=10.0, help="HiGHS seconds per neighbourhood")
@@ -277,11 +274,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.ranks.split(",")]
     kinds = args.kinds.split(",")
-    for size in args.sizes.split(","):
-        R, M = (int(x) for x in size.split("x"))
-        L, own, mb = bench.full_cap_instance(args.mix, R, M, args.seed)
-        c = bench.FULL_CAP_COSTS[args.cost] * L ** 2 + L
-        lb = lower_bound(c, R)
+    for R, M, L, own, mb, c, lb in bench.full_cap_cases(args):
         T = float(L.sum())
         plan = plan_step(c, own, mb, R, M, tokens=L, max_tokens=bench.PACK, sync="step", min_gain=0.0)
         goal_load = args.goal * lb

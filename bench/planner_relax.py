@@ -248,22 +248,15 @@ def relax_case(c, L, own, mb, R, M, goal, big, tolerance=0.005, threshold=0.5, i
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="512x4")
-    parser.add_argument("--mix", default="long-tail")
-    parser.add_argument("--cost", default="strongly quadratic", choices=sorted(bench.FULL_CAP_COSTS))
+    bench.add_full_cap_arguments(parser)
     parser.add_argument("--goals", default="1.0025,1.0")
     parser.add_argument("--big", type=float, default=8192.0)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--integer-s", type=float, default=0.0, help="long items whole: a MILP of at most this many s")
     parser.add_argument("--threshold", type=float, default=0.5, help="a long item leaves when its LP share is at least this")
     args = parser.parse_args(argv)
     print("| size | LP goal (x bound) | LP tokens sent | LP CPU | rounded: slowest / bound, sent | after repair | "
           "all CPU | plan_step today |\n|---|---|---|---|---|---|---|---|")
-    for size in args.sizes.split(","):
-        R, M = (int(x) for x in size.split("x"))
-        L, own, mb = bench.full_cap_instance(args.mix, R, M, args.seed)
-        c = bench.FULL_CAP_COSTS[args.cost] * L ** 2 + L
-        lb = lower_bound(c, R)
+    for R, M, L, own, mb, c, lb in bench.full_cap_cases(args):
         t = time.process_time()
         plan = plan_step(c, own, mb, R, M, tokens=L, max_tokens=bench.PACK, sync="step", min_gain=0.0)
         t = time.process_time() - t
@@ -272,7 +265,7 @@ def main(argv=None) -> int:
             out = relax_case(c, L, own, mb, R, M, goal, args.big, threshold=args.threshold,
                              integer_s=args.integer_s)
             lp = "infeasible" if out["lp"] is None else f"{out['lp']:.1f}%"
-            print(f"| {size} | {goal} | {lp} | {1e3 * out['lp_s']:.0f} ms | {out['rounded'][0]:.4f}, "
+            print(f"| {R}x{M} | {goal} | {lp} | {1e3 * out['lp_s']:.0f} ms | {out['rounded'][0]:.4f}, "
                   f"{out['rounded'][1]:.1f}% | {out['done'][0]:.4f}, {out['done'][1]:.1f}% | "
                   f"{1e3 * out['total_s']:.0f} ms | {today} |", flush=True)
     return 0

@@ -18,7 +18,7 @@ from hf_dp_balance.core.planner import lower_bound, plan_step  # noqa: E402
 
 def _case(ranks, M=4, seed=0):
     L, own, mb = bench.full_cap_instance("long-tail", ranks, M, seed)
-    c = bench.FULL_CAP_COSTS["strongly quadratic"] * L ** 2 + L
+    c = bench.full_cap_costs(L, "strongly quadratic")
     lb = lower_bound(c, ranks)
     plan = plan_step(c, own, mb, ranks, M, tokens=L, max_tokens=bench.PACK, sync="step", min_gain=0.0)
     return L, own, c, lb, plan, float(L[plan.dest_rank != own].sum())

@@ -31,7 +31,7 @@ _NO_HIGHS = pytest.mark.skipif(not HIGHS, reason="scipy.optimize._highspy._core 
 
 def _case(R, M, seed):
     L, own, mb = bench.full_cap_instance("long-tail", R, M, seed)
-    c = bench.FULL_CAP_COSTS["strongly quadratic"] * L ** 2 + L
+    c = bench.full_cap_costs(L, "strongly quadratic")
     plan = plan_step(c, own, mb, R, M, tokens=L, max_tokens=bench.PACK, sync="step", min_gain=0.0)
     return L, own, c, lower_bound(c, R), plan, mb
 

@@ -20,7 +20,7 @@ from hf_dp_balance.core.planner.state import _State, _fullest  # noqa: E402
 def test_rounded_plan_is_a_placement_within_the_cap(ranks, threshold):
     M = 4
     L, own, mb = bench.full_cap_instance("long-tail", ranks, M, 0)
-    c = bench.FULL_CAP_COSTS["strongly quadratic"] * L ** 2 + L
+    c = bench.full_cap_costs(L, "strongly quadratic")
     lb = lower_bound(c, ranks)
     y, recv, klass, flows, _, status, _ = planner_relax.relaxation(c, L, own, ranks, M, bench.PACK, 1.0025 * lb, 8192)
     assert status == 0
@@ -35,7 +35,7 @@ def test_rounded_plan_is_a_placement_within_the_cap(ranks, threshold):
 
 def test_relax_case_ends_within_the_planners_goal():
     L, own, mb = bench.full_cap_instance("long-tail", 64, 4, 0)
-    c = bench.FULL_CAP_COSTS["strongly quadratic"] * L ** 2 + L
+    c = bench.full_cap_costs(L, "strongly quadratic")
     out = planner_relax.relax_case(c, L, own, mb, 64, 4, 1.0025, 8192.0)
     assert out["status"] == 0
     assert out["done"][0] <= 1.005  # 1 + plan_step's default tolerance (64 x 4: plan_step ends at 1.0039 too)
