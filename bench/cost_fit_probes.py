@@ -80,7 +80,8 @@ ACTIVE_SLOWDOWN = 0.05  # active: no slot above 1 + this x the token plan's slow
 ACTIVE_K = 1.5  # active: the split's ratios, the provisional fit's / and x this
 ACTIVE_BOUND = "hull"  # active: "hull" probe_hypotheses + the split; "no-tokens" the same less the tokens
 ACTIVE_K_LO = None  # active: the lower split's factor when not ACTIVE_K
-ACTIVE_RULES = ("heavy", "light")  # active: the receiver rules tried (_receivers)
+ACTIVE_RULES = ("heavy", "light")  # active: the receiver rules tried (_receivers: most attention among
+# multi-sample slots / least attention per token)
 ACTIVE_BOUND_LO = ()  # active: the bound also holds under the provisional fit with its ratio / each of these
 ACTIVE_BOUND_GRID = ()  # active: ... and under extrapolate(prior, tokens, f) for each f here
 ACTIVE_BOUND_PER_SAMPLE = ()  # active: ... and under the fit with its per-sample cost x each of these
@@ -127,7 +128,6 @@ def _hedged_pick(plan_costs, hull, probe_costs, tokens, ranks):
 # Active warm-up (run 15, not kept): once a provisional step-time fit exists, a warm-up step placed to tell apart
 # two attention ratios that fit cannot, at a bounded slowdown.
 ACTIVE_SHARES = (0.0625, 0.125, 0.25)  # receiving ranks tried, as a share of the slots
-ACTIVE_RULES = ("heavy", "light")  # receivers: most attention among multi-sample slots / least per token
 
 
 def fill_slots(dest: np.ndarray, tokens: np.ndarray, costs: np.ndarray, limits: np.ndarray,
