@@ -40,7 +40,6 @@ _STOP = 1e-4  # the search stops when a full sweep gains less than this share of
 _NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
 _SPAN_RANKS = 512  # above this many ranks the _NEAR candidates are every (R // this)-th: the windows widen with R
 _MAX_SLOTS = 4  # runs with at most this many micro-batches (at 4096 x 8 the trades alone send 9%; not measured there)
-_SMALL = 0.25  # the short flow sends items of at most this share of the cap
 
 
 def _move_long(item: int, src: int, dst: int, cost: list, tokens: list, CL, TL, dest, used_item) -> None:
@@ -308,7 +307,7 @@ def _long_first(state: _State, budget: np.ndarray, tolerance: float, assigned=No
     if items.size == 0:
         return
     _place_long(state, items, ranks)
-    _short_flow(state, budget, tolerance, state.cap * _SMALL)
+    _short_flow(state, budget, tolerance, state.cap * _LONG)
 
 
 def _make_room(state: _State, r: int, m: int, need: float, members=None) -> bool:
@@ -370,9 +369,6 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
         for h in np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M).tolist():
             made += _send_from(state, view, order[bounds[h]:bounds[h + 1]], h, limit, band, small, dens,
                                over_shoot, tokens_only=True)
-        over_tok = np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M)
-        if over_tok.size:
-            made += _denser_back(state, view, over_tok, order, bounds, small, dens)
         bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
         if bad.size:
             order = np.argsort(state.dest, kind="stable")
@@ -419,109 +415,6 @@ def _spill(state: _State, limit: np.ndarray) -> int:
                 s = int(np.argmin(np.where(fits[r], room[r], np.inf)))
                 state.move(i, r, s)
                 made += 1
-    return made
-
-
-_WORST = 5.0  # tokens sent per token freed that a one-for-many exchange may cost at most
-_HOSTS = 256  # ranks with the most free tokens whose items a one-for-many exchange tries
-_FREE = 1024.0  # free tokens a rank needs to take part in one (fewer free no exchange worth its sends)
-
-
-def _denser_back(state, view, over, order, bounds, small, dens) -> int:
-    """Ranks over M x cap tokens whose items no rank can take for its load: one-for-many exchanges.
-    Rank h sends its cheapest-per-token short items S (a prefix, by cost about c_j) to a rank r
-    with free tokens and takes back one denser item j of r of about that cost, so both loads stay
-    within their limits (h's load room, r's load room) while t_S - t_j tokens leave h. Per exchange:
-    the fewest tokens sent per token freed among all j, if at most _WORST. Returns the exchanges.
-    Cost: O(dense short items) numpy per exchange tried."""
-    cap, M = state.cap, state.M
-    tok, cost = state.tokens, state.costs
-    made = 0
-    taken = np.zeros(tok.shape[0], dtype=bool)
-    dense = (tok <= small) & (dens > 1.2)  # what may come back: dense short items
-    # of ranks that may host (free tokens >= _FREE: that set only loses ranks, but for an h after its exchange)
-    pool = np.flatnonzero(dense & (view.tok >= _FREE)[state.dest])
-    is_host = np.zeros(state.load.shape[0], dtype=bool)
-    cached = None  # (hosts, their dense short items not taken, those items' ranks) while nothing changed
-    for h in over.tolist():
-        for _ in range(8):  # exchanges per rank at most
-            need = float(state.slot_tok[h].sum() - cap * M)
-            if need <= 0:
-                break
-            mine = order[bounds[h]:bounds[h + 1]]
-            mine = mine[(state.dest[mine] == h) & (tok[mine] <= small) & ~taken[mine]]
-            if mine.size < 2:
-                break
-            mine = mine[np.argsort(dens[mine], kind="stable")]
-            if state.count is not None:
-                mine = mine[:max(int(state.count[h]) - state.min_count, 0) + 1]
-            ct = np.concatenate(([0.0], np.cumsum(cost[mine])))
-            tt = np.concatenate(([0.0], np.cumsum(tok[mine])))
-            # candidates j: the dense short items of the _HOSTS ranks with the most free tokens
-            if cached is None:  # the view or `taken` changed: the hosts and their items again
-                hosts = np.flatnonzero(view.tok >= _FREE)
-                if hosts.size > _HOSTS:
-                    hosts = hosts[np.argpartition(-view.tok[hosts], _HOSTS)[:_HOSTS]]
-                is_host[:] = False
-                is_host[hosts] = True
-                r = state.dest[pool]
-                keep = is_host[r] & ~taken[pool]
-                j, r = pool[keep], r[keep]
-                # what the tests below read of j and r (fixed while the cache lives: the view changes
-                # only with an exchange), and the cost that bounds S: c_j + r's load room
-                c_j, t_j = cost[j], tok[j]
-                cached = hosts, j, r, c_j, t_j, c_j + np.maximum(view.load[r], 0.0), view.tok[r], view.slot[r]
-            hosts, j, r, c_j, t_j, bound, tok_r, slot_r = cached
-            if not (hosts != h).any():
-                break
-            # only candidates that may pass the tests (necessary conditions: the others score inf, and
-            # the first of the lowest scores stays first): another rank, a slot for h's first item,
-            # a prefix S of at least one item (k >= 1) with more tokens than j
-            may = (r != h) & (slot_r >= tok[mine[0]]) & (bound >= ct[1]) & (t_j < tt[-1])
-            at = np.flatnonzero(may)
-            if at.size == 0:
-                break
-            c_at, t_at, tok_at = c_j[at], t_j[at], tok_r[at]
-            # the longest prefix S that r can take for the load j leaves: c_S <= c_j + r's load room
-            k = np.searchsorted(ct, bound[at], side="right") - 1
-            c_s, t_s = ct[k], tt[k]
-            freed = t_s - t_at
-            ok = ((k >= 1) & (c_at - c_s <= view.load[h]) & (freed > 0) & (tok_at >= freed))
-            if not ok.any():
-                break
-            score = np.where(ok, (t_s + t_at) / np.minimum(np.maximum(freed, 1e-9), need), np.inf)
-            b = int(np.argmin(score))
-            if not score[b] <= _WORST:
-                break
-            jb, rb, kb = int(j[at[b]]), int(r[at[b]]), int(k[b])
-            # S into r's slots (best fit, largest first); j into the slot of h that S leaves most room in
-            room = cap - state.slot_tok[rb].astype(np.float64)
-            room[state.micro[jb]] += tok[jb]
-            room = room.tolist()
-            plan = []
-            for i in sorted(mine[:kb].tolist(), key=lambda i: -tok[i]):
-                t = float(tok[i])
-                s = _smallest_room(room, t)
-                if s < 0:
-                    plan = None
-                    break
-                room[s] -= t
-                plan.append((i, s))
-            if plan is None:
-                taken[jb] = True  # its rank's slots cannot hold S: not this one again
-                cached = None
-                continue
-            to_h = int(state.micro[mine[0]])
-            for i, s in plan:
-                state.move(i, rb, s)
-            state.move(jb, h, to_h)
-            taken[mine[:kb]] = True
-            taken[jb] = True
-            view.update(state, np.array([h, rb]))
-            made += 1
-            cached = None
-            if view.tok[h] >= _FREE:  # h may host now
-                pool = np.flatnonzero(dense & (view.tok >= _FREE)[state.dest])
     return made
 
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _Members, _State
+from hf_dp_balance.core.planner.state import _LARGE, _OVERHEAD, _PARTNERS, _Members, _State
 from hf_dp_balance.core.planner.trade import _apply
 from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _float_order, _rank_starts, _ranges,
                                                     _search_within, _stable_argsort)
@@ -25,12 +25,9 @@ from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _float_or
 _ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
 _IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
 _FEW = 0.02
-_LARGE = 1.0 / 16.0  # items above this share of the cap are the ones sent
 _CHOICES = 2  # large items of h tried per round: those whose cost most exceeds what their tokens cost back
 _SWAPS = 2  # large items of a partner tried in place of a: those nearest in cost to what a should leave
 _SLOTS = 2  # slots of a partner tried for a large item alone: the roomiest ones (least pay-back)
-_PARTNERS = 2  # ranks under budget each over-full rank considers per round
-_OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer trades)
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
 _DENSITY_BINS = 1 << 16  # cost per token is ordered on this many log-spaced bins (a radix sort)
 

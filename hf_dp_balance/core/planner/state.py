@@ -12,6 +12,11 @@ import numpy as np
 
 from hf_dp_balance.core.planner.trade_index import _rank_starts, _stable_order
 
+# the sizes every trade reads (core/planner/chain.py, trade.py), as shares of the token cap
+_LARGE = 1.0 / 16.0  # items above this are the ones traded: a few per slot, each worth a trade's sends
+_OVERHEAD = 1.0 / 64.0  # tokens counted per trade on top of what it sends: fewer, larger trades
+_PARTNERS = 2  # ranks under budget each over-full rank meets per trade round (a second rescues most misses)
+
 
 class _Infeasible(Exception):
     """No placement found that meets the token cap / item counts; `where` says where it failed."""
@@ -105,6 +110,13 @@ def _smallest_room(room: list, t: float) -> int:
         if t <= v < best:
             best, at = v, k
     return at
+
+
+def _sent(state: _State, start: np.ndarray) -> float:
+    """What a plan sends over the side network: tokens of the items that change rank (items when no
+    tokens are given)."""
+    away = state.dest != start
+    return float(state.tokens[away].sum()) if state.tokens is not None else float(np.count_nonzero(away))
 
 
 def _fullest(state: _State, budget: np.ndarray) -> float:

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.state import _LARGE, _OVERHEAD, _PARTNERS, _State
 from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _PayBack, _ranges, _uint_key
 
 _ROUNDS = 24  # trade rounds at most with _PARTNERS partners (every round: at most two trades per over-full rank)
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
-_LARGE = 1.0 / 16.0  # items above this share of the cap are the ones traded
-_PARTNERS = 2  # ranks under budget each over-full rank considers per round
 _SLOTS_FOR_ONE = 8  # with this many micro-batches or more, one partner per round has choice enough
 # (and it gets _ROUNDS x _PARTNERS rounds: the pairs scored at most stay the same)
 _WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
-_OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer, larger trades)
 
 
 def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int | None = None) -> bool:
