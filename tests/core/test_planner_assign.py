@@ -152,8 +152,7 @@ def test_the_long_item_search_is_the_same_in_any_block_of_candidates(monkeypatch
     budget = np.full(R, costs.sum() / R)
     items, ranks, estimate = assign._assign_long(state, budget, 0.005)
     assert np.count_nonzero(ranks != state.dest[items]) > 0  # the search moved some: the blocks were used
-    monkeypatch.setattr(assign, "_BLOCK", 3)
-    items3, ranks3, estimate3 = assign._assign_long(state, budget, 0.005)
+    items3, ranks3, estimate3 = assign._assign_long(state, budget, 0.005, block=3)
     assert np.array_equal(items, items3) and np.array_equal(ranks, ranks3) and estimate == estimate3
 
 

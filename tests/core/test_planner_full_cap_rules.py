@@ -21,7 +21,7 @@ def test_after_the_first_ladder_pass_only_shed_and_place_from_5_micro_batches_on
         calls.append((kwargs.get("deep", True), kwargs.get("refine", True)))
         return real(st, *args, **kwargs)
 
-    monkeypatch.setattr(repack, "_balance_incremental", recording)
+    monkeypatch.setattr(pipeline, "_balance_incremental", recording)
     plan = pipeline._full_cap_pass(state, budget, 0.005, True, True, True, long_first=None)
     assert plan is not None and calls  # the first call is the one after the first ladder pass
     assert calls[0] == (deep, deep)
@@ -54,9 +54,9 @@ def test_the_residue_ladder_passes_build_the_partners_ladders_only(monkeypatch, 
         calls.append((kwargs.get("near", False), kwargs.get("partners_only", False)))
         return real(st, *args, **kwargs)
 
-    monkeypatch.setattr(repack, "_ladder_trades", recording)
+    monkeypatch.setattr(pipeline, "_ladder_trades", recording)
     # the incremental method after the first pass: a no-op, so that a residue pass surely runs
-    monkeypatch.setattr(repack, "_balance_incremental", lambda st, *a, **k: st)
+    monkeypatch.setattr(pipeline, "_balance_incremental", lambda st, *a, **k: st)
     pipeline._full_cap_pass(state, budget, 0.005, True, True, True, long_first=None)
     assert calls[0] == (False, False)  # the first pass: every slot's ladder
     residue = [c for c in calls[1:] if c[0]]

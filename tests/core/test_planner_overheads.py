@@ -4,7 +4,8 @@ against the code it replaced, kept here as the reference, on the same inputs."""
 import numpy as np
 
 from hf_dp_balance.core.planner.chain import _ladder_trades
-from hf_dp_balance.core.planner.home import _NEAR, _WORTH, _send_home
+from hf_dp_balance.core.planner.home import _WORTH, _send_home
+from hf_dp_balance.core.planner.state import _BREADTH as _NEAR
 from hf_dp_balance.core.planner.state import _Members, _copy_state
 from hf_dp_balance.core.planner.trade import _apply
 from test_planner_chain import _long_tail, _state
@@ -123,7 +124,8 @@ def test_plan_step_loads_are_the_step_loads_of_steps_slot_loads():
 
 def _item_keys_before(tok, cost, cap):
     """chain._item_keys before speed8 (every guard applied)."""
-    from hf_dp_balance.core.planner.chain import _DENSITY_BINS, _LARGE
+    from hf_dp_balance.core.planner.state import _LARGE
+    from hf_dp_balance.core.planner.trade_index import _RADIX as _DENSITY_BINS
 
     dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
     lo, hi = float(dens.min()), float(dens.max())

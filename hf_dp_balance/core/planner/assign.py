@@ -28,18 +28,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _State, _smallest_room
+from hf_dp_balance.core.planner.state import _FEW_SLOTS, _State, _smallest_room
 
 _LONG = 0.25  # items over this share of the cap are assigned first (8192 tokens at 32K packs)
 _DENSITY = 1.5  # cost per token at which the estimate has short items carry a rank's excess
 _DEAD = 3.0  # tokens per unit of a deficit that no free tokens can take in short items
 _DEAD_TOKENS = 6.0  # per token a rank over M x cap must send beyond what its load excess carries
-_SWEEPS = 128  # local-search sweeps at most (each applies one move or swap per rank at most)
-_FULL_EVERY = 8  # every this many sweeps, all long items of ranks with a charge are scored
-_STOP = 1e-4  # the search stops when a full sweep gains less than this share of the step's tokens
 _NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
-_SPAN_RANKS = 512  # above this many ranks the _NEAR candidates are every (R // this)-th: the windows widen with R
-_MAX_SLOTS = 4  # runs with at most this many micro-batches (at 4096 x 8 the trades alone send 9%; not measured there)
 
 
 def _move_long(item: int, src: int, dst: int, cost: list, tokens: list, CL, TL, dest, used_item) -> None:
@@ -80,17 +75,18 @@ def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.n
     return charge
 
 
-def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = _SWEEPS,
-                 give_up: float = np.inf):
+def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = 128, full_every: int = 8,
+                 stop_share: float = 1e-4, block: int = 256):
     """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a long item to another rank) and swaps
     (two long items of two ranks), minimising the long items' tokens away from their rank now plus
     `_rank_charge` summed over the ranks. Each sweep scores, for every long item on a rank with a
     charge, the _NEAR ranks on either side of its best fit in load room and the _NEAR long items on
-    either side of the cost that would leave its rank at the limit (every (R // _SPAN_RANKS)-th above
-    _SPAN_RANKS ranks: `_offsets`), then applies the improving
-    ones, best first, each rank at most once. Where the estimate at the start exceeds `give_up`
-    tokens, no search: the items stay (repack.py then trusts the trades). The state is not
-    changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop over the improving
+    either side of the cost that would leave its rank at the limit (spread wider above 512
+    ranks: `_offsets`), then applies the improving
+    ones, best first, each rank at most once; at most `sweeps` sweeps, a full one every `full_every`
+    (between them only the items of ranks that changed), until a full sweep gains less than `stop_share`
+    of the step's tokens. Scores in blocks of `block` candidates (arrays that stay in cache). The state
+    is not changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop over the improving
     candidates; O(n) before the first."""
     cap, M = state.cap, state.M
     R = state.load.shape[0]
@@ -112,16 +108,13 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     cl_list, tl_list = cl.tolist(), tl.tolist()
     off = _offsets(R)
     # after a full sweep, only the long items of ranks that changed and those whose improving option
-    # lost to another one are scored, with a full sweep every _FULL_EVERY (and whenever that finds none)
+    # lost to another one are scored, with a full sweep every `full_every` (and whenever that finds none)
     watch = np.ones(lg.size, dtype=bool)
     dirty = np.zeros(R, dtype=bool)
     full = True
     since_full = 0
-    stop = _STOP * float(tok.sum())
+    stop = stop_share * float(tok.sum())
     gained = 0.0
-    at_start = float(_rank_charge(base_x + CL, base_room - TL).sum())
-    if at_start > give_up:
-        return lg, d, at_start
     for _ in range(sweeps):
         fr = _rank_charge(base_x + CL, base_room - TL)
         pick = fr[d] > 0
@@ -151,8 +144,8 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
         move_to = np.empty(act.size, dtype=np.int64)  # per candidate: its best move's receiver
         partner_at = np.empty(act.size, dtype=np.int64)  # its best swap's partner, as a place in cost order
         sorted_ = (x_sorted, room_all[by_x], fr[by_x], by_x, d[by_cost])
-        for lo in range(0, act.size, _BLOCK):  # in row blocks that stay in cache (same values per row)
-            b = slice(lo, lo + _BLOCK)
+        for lo in range(0, act.size, block):  # in row blocks that stay in cache (same values per row)
+            b = slice(lo, lo + block)
             _score_block(sorted_, (x_all, room_all, fr), (cost_sorted, tok_sorted, home_sorted), off,
                          (r[b], ca[b], ta[b], away_now[b], f_left[b], home[act[b]], at_m[b], at_s[b]),
                          (gm[b], gs[b], move_to[b], partner_at[b]))
@@ -195,22 +188,19 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
         since_full = 0 if full else since_full + 1
         if full and gained < stop and _ > 0:
             break  # a full sweep gained too little to go on
-        full = since_full + 1 >= _FULL_EVERY
+        full = since_full + 1 >= full_every
     estimate = float(tl[d != home].sum() + _rank_charge(base_x + CL, base_room - TL).sum())
     return lg, d, estimate
 
 
-def _offsets(num_ranks: int) -> np.ndarray:
+def _offsets(num_ranks: int, span: int = 512) -> np.ndarray:
     """The search's candidate window around a best fit: _NEAR places on either side, every
-    (R // _SPAN_RANKS)-th above _SPAN_RANKS ranks, so that it spans the same share of the ranks (and of
+    (R // span)-th above `span` ranks, so that it spans the same share of the ranks (and of
     the long items, about proportional to R) at any R, for the same work. Long-tail, q/l 1.4e-4, 2048 x 4,
     seed 0: the search's estimate 14.6% of the tokens against 16.8% with the 32 nearest (13.9% with the
     128 nearest, at 4 x the search's time); the plans: docs/benchmarks/planner.md."""
-    step = max(1, num_ranks // _SPAN_RANKS)
+    step = max(1, num_ranks // span)
     return np.arange(-_NEAR * step, _NEAR * step, step)
-
-
-_BLOCK = 256  # candidates scored per block (x 2 _NEAR each: arrays of 128 KiB, in cache: ~4x faster than one block)
 
 
 def _score_block(by_x_arrays, rank_arrays, by_cost_arrays, off, rows, out) -> None:
@@ -294,8 +284,8 @@ def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
 
 
 def _long_first_applies(state: _State) -> bool:
-    """A token cap, tokens, and 2 to _MAX_SLOTS micro-batches."""
-    return state.cap is not None and state.tokens is not None and 2 <= state.M <= _MAX_SLOTS
+    """A token cap, tokens, and 2 to _FEW_SLOTS micro-batches."""
+    return state.cap is not None and state.tokens is not None and 2 <= state.M <= _FEW_SLOTS
 
 
 def _long_first(state: _State, budget: np.ndarray, tolerance: float, assigned=None) -> None:
@@ -349,7 +339,7 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
     token first), each to the rank with load and token room whose load room per token of room is
     nearest the item's cost per token (dense items to ranks short of tokens), into its best-fitting
     slot; then a rank with a slot over the cap mends it inside the rank (`_fix_slots`). Returns the
-    moves. Cost: O(R) numpy per item tried (at most _TRIES failures in a row per rank)."""
+    moves. Cost: O(R) numpy per item tried (at most 32 failures in a row per rank: `_send_from`)."""
     cap, M = state.cap, state.M
     limit = budget * (1.0 + tolerance / 2.0)
     tok, cost = state.tokens, state.costs
@@ -418,9 +408,6 @@ def _spill(state: _State, limit: np.ndarray) -> int:
     return made
 
 
-_TRIES = 32  # items in a row that find no receiver end a rank's turn in the short flow
-
-
 class _Rooms:
     """Per rank: load room under the limit, free tokens, the roomiest slot's room, and the log of
     load room per free token (what a receiver needs per token); updated per rank on every move."""
@@ -460,7 +447,7 @@ class _Rooms:
         self.fit[h], self.fit[r] = min(s_h, t_h), min(s_r, t_r)
 
 
-def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only) -> int:
+def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only, tries: int = 32) -> int:
     """One rank's part of `_short_flow`: its small items `mine` (those still on h) out until its
     tokens (`tokens_only`) or its load are within bounds; returns the moves."""
     cap, M = state.cap, state.M
@@ -482,7 +469,7 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
     e, t_over = over_load, over_tok  # h's excesses change only when it sends an item
     no_taker = None  # per item of `mine`: no rank can take it (while the view is unchanged)
     for k, i in enumerate(mine.tolist()):
-        if ((t_over <= 0) if tokens_only else (e <= 0)) or misses >= _TRIES:
+        if ((t_over <= 0) if tokens_only else (e <= 0)) or misses >= tries:
             break
         ci, ti = costs[k], tokens[k]
         if not tokens_only and ci > e + slack and ci > 2.0 * e:

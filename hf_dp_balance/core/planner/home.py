@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.state import _BREADTH, _State
 from hf_dp_balance.core.planner.trade import _apply
 from hf_dp_balance.core.planner.trade_index import _float_order
 
-_ROUNDS = 4  # rounds at most; every round each rank takes part in at most one redirection (later ones save little)
-_NEAR = 2  # items y tried per item x: this many nearest in cost on x's home rank
 _WORTH = 0.05  # runs only when the plan sends at least this share of the tokens: it saves ~2-3% of what
 # is sent for O(items away) work (4096 x 8, 3.5% sent: 0.1% saved for ~20 ms)
 
 
-def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: int = _ROUNDS) -> int:
+def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: int = 4) -> int:
     """Redirect pairs (x away from its home A, now on B; y now on A, from C != A): y -> (B, x's slot),
     x -> (A, y's slot), when both slots hold their new item, A and B end at or under `ceiling` and
     the tokens sent fall (by x's tokens, plus y's when B is y's home); only when at least _WORTH of
     the tokens are away from home. Per round, in vectorised numpy:
-    every x's _NEAR candidates y nearest in cost, each x's best, then a set of pairs that touch every
+    every x's _BREADTH candidates y nearest in cost, each x's best, then a set of pairs that touch every
     rank at most once, most tokens saved first. Returns the tokens saved.
 
     Guarantees: no slot goes over the cap; every rank and slot keeps its item count; no rank ends
@@ -47,7 +45,7 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     bounds = np.searchsorted(state.dest[ys], np.arange(R + 1))
     home = start[away]
     at = np.searchsorted(key, home + cost[away] * scale)
-    pos = at[:, None] + np.arange(-(_NEAR // 2), _NEAR - _NEAR // 2)[None, :]
+    pos = at[:, None] + np.arange(-(_BREADTH // 2), _BREADTH - _BREADTH // 2)[None, :]
     ok = (pos >= bounds[home][:, None]) & (pos < bounds[home + 1][:, None])
     x = np.broadcast_to(away[:, None], pos.shape)[ok]
     y = ys[pos[ok]]

@@ -12,8 +12,8 @@ speed`); the goal is the fullest rank (load / budget) at or under 1 + tolerance,
    anywhere and only exchanges help; judged by the tokens they send. They run first when most
    slots have less room than a large item (`_trades_first`), else only after step 1 ends above
    the goal. For a cost whose large items are dearer per token (`_lumpy`): ladder trades
-   (`chain`), shed and place, then up to `_RESIDUE_PASSES` ladder passes at any cost per token
-   each with step 1 (shed and place only after the first from 5 micro-batches on), and up to `_ROOMY_PASSES` that make load room where the free tokens are
+   (`chain`), shed and place, then up to `_PASSES` ladder passes at any cost per token
+   each with step 1 (shed and place only after the first from 5 micro-batches on), and up to `_PASSES` that make load room where the free tokens are
    (`_roomy_trades`); at 2 to 4 micro-batches the long items are first assigned to ranks (`assign`)
    where that search expects to send at most `_TRUST` of the tokens, and the other order runs
    where the first ends above the trades' limit (one-for-one swaps first close a gap of a few
@@ -35,17 +35,15 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner import repack
-from hf_dp_balance.core.planner.assign import _MAX_SLOTS, _assign_long, _long_first, _long_first_applies
+from hf_dp_balance.core.planner.assign import _assign_long, _long_first, _long_first_applies
 from hf_dp_balance.core.planner.chain import _ladder_trades
 from hf_dp_balance.core.planner.home import _send_home
 from hf_dp_balance.core.planner.passes import _balance_incremental, _polish
 from hf_dp_balance.core.planner.refine import _swap_down
-from hf_dp_balance.core.planner.state import _LARGE, _Infeasible, _State, _copy_state, _fullest, _sent
+from hf_dp_balance.core.planner.state import _FEW_SLOTS, _LARGE, _PASSES, _Infeasible, _State, _copy_state, _fullest, _sent
 from hf_dp_balance.core.planner.trade import _trade
 
 _TRUST = 0.5  # long items first go first where their search expects to send at most this share of the tokens
-_RESIDUE_PASSES = 2  # ladder passes at any cost per token for the small excess the first pass leaves
-_ROOMY_PASSES = 3  # then ladder passes that aim the ranks with free tokens under budget, so load room meets token room
 _ROOMY_AIM = 0.98  # x budget: where those passes aim the roomy ranks (room for the excess of a full rank or two)
 _LUMPY = 2.0  # large items dearer per token than the rest by this factor: a rank must trade one away whole
 
@@ -140,14 +138,14 @@ def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocat
             _ladder_trades(state, budget, tolerance)
             # with many micro-batches shed and place only: the residue passes do what refining and
             # exchanges would there, sending fewer tokens (at 2-4, where long items go first, both help)
-            deep = state.M <= _MAX_SLOTS
+            deep = state.M <= _FEW_SLOTS
             state = _balance_incremental(state, budget, tolerance, relocate, deep=deep, refine=deep)
-            for _ in range(_RESIDUE_PASSES):
+            for _ in range(_PASSES):
                 if _fullest(state, budget) <= 1.0 + tolerance:
                     break
                 _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True, partners_only=True)
                 state = _balance_incremental(state, budget, tolerance, relocate)
-            for _ in range(_ROOMY_PASSES):
+            for _ in range(_PASSES):
                 if _fullest(state, budget) <= 1.0 + tolerance:
                     break
                 _roomy_trades(state, budget, tolerance)

@@ -8,9 +8,6 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _Infeasible, _State
 
-_SCAN = 16  # best-fit positions tried before a full search for token room
-
-
 def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host: bool = False) -> None:
     """Place pooled items by best-fit decreasing on the ranks' rooms (limit - load).
 
@@ -175,15 +172,15 @@ class _FullSearch:
         return r0, float(room_arr[r0])
 
 
-    def _scan(self, rooms: list, ranks: list, free: list, c: float, t: float):
-        """`host`'s answer found in the sorted rooms within _HOST_SCAN positions (None past them): the
+    def _scan(self, rooms: list, ranks: list, free: list, c: float, t: float, reach: int = 256):
+        """`host`'s answer found in the sorted rooms within `reach` positions (None past them): the
         first rank from the best fit up with t tokens of room (the smallest room that holds c), else,
         when no room from there up has the tokens, the first one down from the best fit (the roomiest
         with token room; not with `lpt_host`); among equal rooms the lowest rank, as numpy's argmin /
         argmax of `host` picks it. (Those searches cost ~40 us each at 4096 ranks, this ~1-5 us.)"""
         last = len(rooms) - 1
         j = bisect_left(rooms, c)
-        end = min(last, j + _HOST_SCAN - 1)
+        end = min(last, j + reach - 1)
         p = j
         while p <= end and free[ranks[p]] < t:
             p += 1
@@ -191,7 +188,7 @@ class _FullSearch:
             return _lowest_rank_of_equal(rooms, ranks, free, t, p)
         if end < last or self.lpt_host:
             return None
-        stop = max(j - (_HOST_SCAN - (last - j + 1)), 0)  # the scan's positions left, downward
+        stop = max(j - (reach - (last - j + 1)), 0)  # the scan's positions left, downward
         p = j - 1
         while p >= stop and free[ranks[p]] < t:
             p -= 1
@@ -200,9 +197,6 @@ class _FullSearch:
         r0, room = _lowest_rank_of_equal(rooms, ranks, free, t, p)
         self.claimed[r0] += c
         return r0, room
-
-
-_HOST_SCAN = 256  # positions of the sorted rooms `_FullSearch._scan` reads before the numpy search
 
 
 def _lowest_rank_of_equal(rooms: list, ranks: list, free: list, t: float, p: int):
@@ -219,12 +213,12 @@ def _lowest_rank_of_equal(rooms: list, ranks: list, free: list, t: float, p: int
     return best, room
 
 
-def _scan_token_room(free: list, ranks: list, j: int, t: float, downward: bool):
+def _scan_token_room(free: list, ranks: list, j: int, t: float, downward: bool, reach: int = 16):
     """The next position from j (up: larger rooms; or down from the roomiest) whose rank has
-    `t` tokens of room, within _SCAN steps; None if none."""
+    `t` tokens of room, within `reach` steps (then a full search); None if none."""
     step = -1 if downward else 1
     end = len(ranks)
-    for _ in range(_SCAN):
+    for _ in range(reach):
         j += step
         if j < 0 or j >= end:
             return None

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _Infeasible, _Members, _State
+from hf_dp_balance.core.planner.state import _ROUNDS, _Infeasible, _Members, _State
 
 
-def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2) -> None:
+def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2,
+            screen: int = 16) -> None:
     """Best single move or swap between the fullest rank and the emptiest ranks, until `goal`.
 
     Fullness is load / budget. Each iteration takes the fullest rank h and the
@@ -47,7 +48,7 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
         mine = members.of(h)
         if mine.size == 0:
             stuck[h] = True
-            batch = _SCREEN
+            batch = screen
             continue
         cand = _emptiest(full, h, candidates)
         if cand.size == 0:
@@ -56,7 +57,7 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
         swap = _best_swap(state, budget, h, mine, cand, members)
         if not min(move[0], swap[0]) < fh:
             stuck[h] = True
-            batch = _SCREEN
+            batch = screen
             continue
         if move[0] <= swap[0]:
             _, item, l, slot = move
@@ -69,9 +70,6 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
             state.move(item_a, l, slot_b)
             members.moved(item_b, l, h)
             members.moved(item_a, h, l)
-
-
-_SCREEN = 16  # ranks in line screened together after a skipped one (doubled while all are skipped)
 
 
 def _in_line(full: np.ndarray, stuck: np.ndarray, goal: float, k: int) -> np.ndarray:
@@ -247,7 +245,7 @@ def _fill_empty_slots(state: _State) -> None:
             row[m] += 1
 
 
-def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int = 32) -> int:
+def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int = _ROUNDS) -> int:
     """One-for-one swaps for a rank a few tenths over the trades' limit that holds little but its own long
     items, one per micro-batch (which the item count keeps there), after long items first.
     While the fullest rank h (load / limit) is over `limit`: the swap of an item a of h with an
