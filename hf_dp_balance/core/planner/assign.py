@@ -114,7 +114,6 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     full = True
     since_full = 0
     stop = stop_share * float(tok.sum())
-    gained = 0.0
     for _ in range(sweeps):
         fr = _rank_charge(base_x + CL, base_room - TL)
         pick = fr[d] > 0
@@ -126,29 +125,8 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
                 break
             full = True
             continue
-        r = d[act]
-        ca, ta = cl[act], tl[act]
-        away_now = (r != home[act]).astype(np.float64)
-        f_left = _rank_charge(base_x[r] + CL[r] - ca, base_room[r] - TL[r] + ta) - fr[r]
-        # moves: receivers nearest the best fit in load room (x + c_a just under 0)
-        x_all = base_x + CL
-        room_all = base_room - TL
-        by_x = np.argsort(x_all, kind="stable")
-        x_sorted = x_all[by_x]
-        at_m = np.searchsorted(x_sorted, -ca)
-        # swaps: partners nearest the cost that leaves r at its limit
-        # partners: long items of ranks under the limit (they take c_a - c_b), by cost
-        want = ca - np.maximum(x_all[r], 0.0)
-        at_s = np.searchsorted(cost_sorted, want)
-        gm, gs = np.empty(act.size), np.empty(act.size)
-        move_to = np.empty(act.size, dtype=np.int64)  # per candidate: its best move's receiver
-        partner_at = np.empty(act.size, dtype=np.int64)  # its best swap's partner, as a place in cost order
-        sorted_ = (x_sorted, room_all[by_x], fr[by_x], by_x, d[by_cost])
-        for lo in range(0, act.size, block):  # in row blocks that stay in cache (same values per row)
-            b = slice(lo, lo + block)
-            _score_block(sorted_, (x_all, room_all, fr), (cost_sorted, tok_sorted, home_sorted), off,
-                         (r[b], ca[b], ta[b], away_now[b], f_left[b], home[act[b]], at_m[b], at_s[b]),
-                         (gm[b], gs[b], move_to[b], partner_at[b]))
+        gm, gs, move_to, partner_at = _score_sweep(act, d, home, cl, tl, base_x + CL, base_room - TL, fr, by_cost,
+                                                   (cost_sorted, tok_sorted, home_sorted), off, block)
         g = np.minimum(gm, gs)
         good = np.flatnonzero(g < -1e-6)
         if good.size == 0:
@@ -157,40 +135,71 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
             full = True
             continue
         good = good[np.argsort(g[good], kind="stable")]
-        # each candidate's items and ranks read before any is applied: an item applied earlier
-        # (whose rank has changed) marks its later candidates used, so the stale ranks never count
-        is_move = gm[good] <= gs[good]
-        partner = by_cost[partner_at[good]]
-        item_a = act[good]
-        rank_a = d[item_a]
-        rank_b = np.where(is_move, move_to[good], d[partner])
-        partner = np.where(is_move, -1, partner)
-        used = bytearray(R)
-        used_item = bytearray(lg.size)
-        made = 0
-        if full:
-            gained = 0.0
-        for i, j, a_rank, b_rank, gk in zip(item_a.tolist(), partner.tolist(), rank_a.tolist(), rank_b.tolist(),
-                                            g[good].tolist()):
-            if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
-                continue
-            used[a_rank] = used[b_rank] = True
-            _move_long(i, a_rank, b_rank, cl_list, tl_list, CL, TL, d, used_item)
-            if j >= 0:  # a swap: the partner goes the other way
-                _move_long(j, b_rank, a_rank, cl_list, tl_list, CL, TL, d, used_item)
-            made += 1
-            gained -= gk
-        used_item = np.frombuffer(used_item, dtype=bool)
+        gained, used_item, dirty = _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, lg.size,
+                                                cl_list, tl_list, CL, TL)
         watch[:] = False
         watch[act[good]] = True
         watch[used_item] = False  # applied: their ranks are dirty anyway
-        dirty = np.frombuffer(used, dtype=bool)
         since_full = 0 if full else since_full + 1
         if full and gained < stop and _ > 0:
             break  # a full sweep gained too little to go on
         full = since_full + 1 >= full_every
     estimate = float(tl[d != home].sum() + _rank_charge(base_x + CL, base_room - TL).sum())
     return lg, d, estimate
+
+
+def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, by_cost, by_cost_arrays, off, block):
+    """One sweep's scores of the long items `act` (on ranks d[act]): (best move's gain, best swap's
+    gain, the move's receiver, the swap partner's place in cost order) each, in blocks of `block`
+    rows that stay in cache (`_score_block`). Receivers: nearest the best fit in load room (x + c_a
+    just under 0); partners: long items nearest the cost that leaves the rank at its limit."""
+    r = d[act]
+    ca, ta = cl[act], tl[act]
+    cost_sorted = by_cost_arrays[0]
+    away_now = (r != home[act]).astype(np.float64)
+    f_left = _rank_charge(x_all[r] - ca, room_all[r] + ta) - fr[r]
+    # moves: receivers nearest the best fit in load room (x + c_a just under 0)
+    by_x = np.argsort(x_all, kind="stable")
+    x_sorted = x_all[by_x]
+    at_m = np.searchsorted(x_sorted, -ca)
+    want = ca - np.maximum(x_all[r], 0.0)
+    at_s = np.searchsorted(cost_sorted, want)
+    gm, gs = np.empty(act.size), np.empty(act.size)
+    move_to = np.empty(act.size, dtype=np.int64)  # per candidate: its best move's receiver
+    partner_at = np.empty(act.size, dtype=np.int64)  # its best swap's partner, as a place in cost order
+    sorted_ = (x_sorted, room_all[by_x], fr[by_x], by_x, d[by_cost])
+    for lo in range(0, act.size, block):  # in row blocks that stay in cache (same values per row)
+        b = slice(lo, lo + block)
+        _score_block(sorted_, (x_all, room_all, fr), by_cost_arrays, off,
+                     (r[b], ca[b], ta[b], away_now[b], f_left[b], home[act[b]], at_m[b], at_s[b]),
+                     (gm[b], gs[b], move_to[b], partner_at[b]))
+    return gm, gs, move_to, partner_at
+
+
+def _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, n_long, cl_list, tl_list, CL, TL):
+    """Apply the improving candidates `good` of a sweep, best first, each rank and long item at most
+    once: (the gain, the long items applied, the ranks changed)."""
+    # each candidate's items and ranks read before any is applied: an item applied earlier
+    # (whose rank has changed) marks its later candidates used, so the stale ranks never count
+    is_move = gm[good] <= gs[good]
+    partner = by_cost[partner_at[good]]
+    item_a = act[good]
+    rank_a = d[item_a]
+    rank_b = np.where(is_move, move_to[good], d[partner])
+    partner = np.where(is_move, -1, partner)
+    used = bytearray(R)
+    used_item = bytearray(n_long)
+    gained = 0.0
+    for i, j, a_rank, b_rank, gk in zip(item_a.tolist(), partner.tolist(), rank_a.tolist(), rank_b.tolist(),
+                                        g[good].tolist()):
+        if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
+            continue
+        used[a_rank] = used[b_rank] = True
+        _move_long(i, a_rank, b_rank, cl_list, tl_list, CL, TL, d, used_item)
+        if j >= 0:  # a swap: the partner goes the other way
+            _move_long(j, b_rank, a_rank, cl_list, tl_list, CL, TL, d, used_item)
+        gained -= gk
+    return gained, np.frombuffer(used_item, dtype=bool), np.frombuffer(used, dtype=bool)
 
 
 def _offsets(num_ranks: int, span: int = 512) -> np.ndarray:

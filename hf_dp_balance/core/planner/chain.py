@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State
+from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply
 from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _float_order, _rank_starts, _ranges,
                                                     _search_within, _stable_argsort)
@@ -77,21 +77,13 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     min_rate = min_rate * mean_rate
     idle = 0
     for k in range(rounds):
-        over = np.flatnonzero(state.load > limit)
+        over, h, l = _pair_ranks(state, budget, limit, state.load - budget, _BREADTH, k)
         if over.size == 0:
             return True
-        under = np.flatnonzero(state.load < budget)
-        if under.size == 0:
+        if h is None:
             return False
-        over = over[np.lexsort((over, budget[over] - state.load[over]))]
-        under = under[np.lexsort((under, state.load[under] - budget[under]))]
-        P = min(over.size, under.size)
-        K = min(_BREADTH, under.size)
-        h = np.repeat(over[:P], K)
-        # the partners shift from round to round: a pair that found no trade meets new ranks
-        l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
         if partners_only:
-            _build_partner_ladders(state, lad, np.concatenate((over[:P], l)))
+            _build_partner_ladders(state, lad, np.concatenate((h, l)))
         if _round(state, h, l, budget, limit, lad, overhead, min_rate) > few * over.size:
             idle = 0
         else:

@@ -122,6 +122,24 @@ def _sent(state: _State, start: np.ndarray) -> float:
     return float(state.tokens[away].sum()) if state.tokens is not None else float(np.count_nonzero(away))
 
 
+def _pair_ranks(state: _State, budget: np.ndarray, limit: np.ndarray, under_key: np.ndarray, partners: int, k: int):
+    """(over-full ranks, h, l) of round k of a trade pass: every rank over `limit`, most over its
+    budget first, meets `partners` ranks under budget (lowest `under_key` first; ties: lowest index),
+    from its own place in that order, shifted every round so that a pair that found no trade meets
+    new ranks. h and l are None when no rank is under budget."""
+    over = np.flatnonzero(state.load > limit)
+    under = np.flatnonzero(state.load < budget)
+    if over.size == 0 or under.size == 0:
+        return over, None, None
+    over = over[np.argsort(budget[over] - state.load[over], kind="stable")]
+    under = under[np.argsort(under_key[under], kind="stable")]
+    P = min(over.size, under.size)
+    K = min(partners, under.size)
+    h = np.repeat(over[:P], K)
+    l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
+    return over, h, l
+
+
 def _fullest(state: _State, budget: np.ndarray) -> float:
     return float(np.max(state.load / np.maximum(budget, np.finfo(np.float64).tiny)))
 

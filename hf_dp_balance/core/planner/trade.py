@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _BREADTH, _FEW_SLOTS, _LARGE, _OVERHEAD, _ROUNDS, _State
+from hf_dp_balance.core.planner.state import _BREADTH, _FEW_SLOTS, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _PayBack, _ranges, _uint_key
 
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
@@ -43,51 +43,20 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int | No
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
-    tok, cost = state.tokens, state.costs
-    slot = state.dest * M + state.micro
-    S = R * M
-    order = np.argsort(_uint_key(slot, S), kind="stable")  # items grouped by slot, so by rank
-    slot_starts = np.zeros(S + 1, dtype=np.int64)  # where each slot's items begin along `order`
-    np.cumsum(np.bincount(slot, minlength=S), out=slot_starts[1:])
-    moved = np.zeros(cost.shape[0], dtype=bool)
-    scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
-    # the large items of every rank, and the items a move may take (at most cap x _LARGE tokens) of
-    # the ranks over the limit (no other rank ever sheds: a trade never puts one over), both grouped
-    # by rank, cheapest first within a rank: one sorted key each, rank + cost x scale
-    is_large = tok[order] > cap * _LARGE
-    # with the tokens, costs and slots of their items (a round reads these short arrays, not the step's)
-    large = _by_rank_and_cost(order[np.flatnonzero(is_large)], state.dest, cost, scale, R)
-    large += (tok[large[0]], cost[large[0]], state.micro[large[0]])
-    over_start = np.flatnonzero(state.load > limit)
-    rank_starts = slot_starts[::M]  # `order` is rank-major: a rank's items are one stretch of it
-    at, _ = _ranges(rank_starts[over_start], rank_starts[over_start + 1])
-    rest_items = _by_rank_and_cost(order[at[np.flatnonzero(~is_large[at])]], state.dest, cost, scale, R)
-    rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
-    pay_back = _PayBack(order, slot_starts, tok, cost, cap * _SMALL, moved)
+    moved = np.zeros(state.costs.shape[0], dtype=bool)
+    order, slot_starts, large, rest_items = _trade_index(state, limit)
+    pay_back = _PayBack(order, slot_starts, state.tokens, state.costs, cap * _SMALL, moved)
     overhead = cap * _OVERHEAD
     reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
     failed_before = np.zeros(R, dtype=bool)
     R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max())) if R else 0
     partners = _BREADTH if M <= _FEW_SLOTS else 1
     for k in range(_ROUNDS * _BREADTH // partners if rounds is None else rounds):
-        over = np.flatnonzero(state.load > limit)
+        over, h, l = _pair_ranks(state, budget, limit, state.load - limit, partners, k)
         if over.size == 0:
             return True
-        under = np.flatnonzero(state.load < budget)
-        if under.size == 0:
+        if h is None:
             return False
-        excess = state.load[over] - budget[over]
-        # most over first (ties: lowest rank; `over` and `under` ascend, so a stable sort keeps that)
-        over = over[np.argsort(-excess, kind="stable")]
-        room_under = limit[under] - state.load[under]
-        under = under[np.argsort(-room_under, kind="stable")]
-        P = min(over.size, under.size)
-        # every over-full rank looks at _BREADTH ranks under budget, from its own place in that order
-        K = min(partners, under.size)
-        idx = np.arange(P)
-        h = np.repeat(over[:P], K)
-        # the partners shift from round to round: a pair that found no trade meets new ranks
-        l = under[(np.repeat(idx, K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
         # a rank that found no trade among its items nearest what it should shed tries twice as many next
         window = reach[h]
         traded = _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead)
@@ -99,6 +68,31 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int | No
         failed_before[failed] = True
         reach[failed] = np.minimum(reach[failed] * 2, R_items)
     return not np.any(state.load > limit)
+
+
+def _trade_index(state: _State, limit: np.ndarray):
+    """What the rounds of `_trade` read: the items grouped by slot (`order`, where each slot's begin),
+    the large items of every rank and the items a move may take (at most cap x _LARGE tokens) of the
+    ranks over `limit` (no other rank ever sheds: a trade never puts one over), both grouped by rank,
+    cheapest first within a rank (one sorted key each, rank + cost x scale), with their tokens, costs
+    and slots (a round reads these short arrays, not the step's)."""
+    cap, R, M = state.cap, state.load.shape[0], state.M
+    tok, cost = state.tokens, state.costs
+    slot = state.dest * M + state.micro
+    S = R * M
+    order = np.argsort(_uint_key(slot, S), kind="stable")  # items grouped by slot, so by rank
+    slot_starts = np.zeros(S + 1, dtype=np.int64)  # where each slot's items begin along `order`
+    np.cumsum(np.bincount(slot, minlength=S), out=slot_starts[1:])
+    scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
+    is_large = tok[order] > cap * _LARGE
+    large = _by_rank_and_cost(order[np.flatnonzero(is_large)], state.dest, cost, scale, R)
+    large += (tok[large[0]], cost[large[0]], state.micro[large[0]])
+    over_start = np.flatnonzero(state.load > limit)
+    rank_starts = slot_starts[::M]  # `order` is rank-major: a rank's items are one stretch of it
+    at, _ = _ranges(rank_starts[over_start], rank_starts[over_start + 1])
+    rest_items = _by_rank_and_cost(order[at[np.flatnonzero(~is_large[at])]], state.dest, cost, scale, R)
+    rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
+    return order, slot_starts, large, rest_items
 
 
 def _first_best(idx: np.ndarray, group: np.ndarray, score: np.ndarray) -> np.ndarray:
