@@ -1,4 +1,4 @@
-"""Speed-only rewrites of the planner's per-call work (speed8, docs/benchmarks/planner.md): each checked
+"""Speed-only rewrites of the planner's per-call work: each checked
 against the code it replaced, kept here as the reference, on the same inputs."""
 
 import numpy as np
@@ -12,7 +12,7 @@ from test_planner_chain import _long_tail, _state
 
 
 def _send_home_before(state, start, ceiling, rounds=4):
-    """home._send_home as it was before speed8: every candidate tested again every round."""
+    """home._send_home in its plain form: every candidate tested again every round."""
     cap, M, R = state.cap, state.M, state.load.shape[0]
     tok, cost = state.tokens, state.costs
     away = np.flatnonzero(state.dest != start)
@@ -123,7 +123,7 @@ def test_plan_step_loads_are_the_step_loads_of_steps_slot_loads():
 
 
 def _item_keys_before(tok, cost, cap):
-    """chain._item_keys before speed8 (every guard applied)."""
+    """chain._item_keys in its plain form (every guard applied)."""
     from hf_dp_balance.core.planner.state import _LARGE
     from hf_dp_balance.core.planner.trade_index import _RADIX as _DENSITY_BINS
 

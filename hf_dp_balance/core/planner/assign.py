@@ -19,9 +19,8 @@ plan is made in the order the cost of it is decided:
    the ranks with load and token room, densest to the ranks shortest of tokens; slots over the cap
    are mended inside their rank (`_fix_slots`).
 
-The incremental method and the full-cap trades then finish what is left. core/planner/repack.py
-(`_full_cap_trades`) runs this first where the search's estimate is at most _TRUST of the step's
-tokens, else only where the trades alone end above their limit, and keeps the better plan.
+The incremental method and the full-cap trades then finish what is left (core/planner/pipeline.py,
+stage 2, says when this runs).
 """
 
 from __future__ import annotations
@@ -205,9 +204,7 @@ def _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, n_lon
 def _offsets(num_ranks: int, span: int = 512) -> np.ndarray:
     """The search's candidate window around a best fit: _NEAR places on either side, every
     (R // span)-th above `span` ranks, so that it spans the same share of the ranks (and of
-    the long items, about proportional to R) at any R, for the same work. Long-tail, q/l 1.4e-4, 2048 x 4,
-    seed 0: the search's estimate 14.6% of the tokens against 16.8% with the 32 nearest (13.9% with the
-    128 nearest, at 4 x the search's time); the plans: docs/benchmarks/planner.md."""
+    the long items, about proportional to R) at any R, for the same work."""
     step = max(1, num_ranks // span)
     return np.arange(-_NEAR * step, _NEAR * step, step)
 

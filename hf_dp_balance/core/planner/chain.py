@@ -51,7 +51,7 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
     larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
     `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
-    bins, then slots), then per round O(over-full ranks x _BREADTH x _BREADTH x (_BREADTH + _BREADTH))
+    bins, then slots), then per round O(over-full ranks x 2 _BREADTH^3)
     binary searches (inside one slot's ladder each) and O(items traded) numpy, with a loop over the
     items of one trade (all trades at once) only for the pay-back items that spill past a's slot and
     the receiving slot's items that next fit cannot place. A pass ends after
@@ -258,9 +258,8 @@ def _by_density(state: _State) -> np.ndarray:
 def _ladders(bins: np.ndarray, slot: np.ndarray, by_density=None) -> np.ndarray:
     """Items grouped by slot, cheapest per token first within a slot (density `bins`, `_item_keys`;
     ties: index). With `by_density` (the stable order of `bins`, `_by_density`) and every slot under
-    2^16: a stable radix sort of the slots in that order (numpy sorts 16-bit keys by radix, O(n); at
-    550k items ~2.3x faster than the packed sort, docs/benchmarks/planner.md "speed7"); else one sort
-    of slot x 2^16 + bin (`_stable_argsort`)."""
+    2^16: a stable radix sort of the slots in that order (numpy sorts 16-bit keys by radix, O(n): at
+    550k items ~2.3x faster than the packed sort); else one sort of slot x 2^16 + bin (`_stable_argsort`)."""
     if by_density is not None and (slot.size == 0 or int(slot.max()) < _RADIX):
         # (narrowed before the gather: a random read of 1 MB, not 4 MB)
         return by_density[np.argsort(slot.astype(np.uint16)[by_density], kind="stable")]

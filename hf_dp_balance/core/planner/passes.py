@@ -16,7 +16,7 @@ def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, re
     """Shed, place, refine (docs/planner.md) toward per-rank `budget` loads, then the
     item-count fixes; returns the final state. Raises _Infeasible. `deep` False: no one-for-many
     exchanges; `refine` False (with `deep` False): no refinement either, shed and place only (where
-    ladder trades follow that do that work, core/planner/repack.py `_full_cap_pass`).
+    ladder trades follow that do that work, core/planner/pipeline.py `_full_cap_pass`).
 
     When the placement breaks the token cap and shedding for cost takes an item that
     no slot can hold any more, the cap is repaired alone (token shedding, then
