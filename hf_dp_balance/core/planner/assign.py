@@ -525,7 +525,7 @@ def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
     """Mend rank r's slots over the cap by moves and swaps of its items between its own slots (they
     send nothing): the most over slot o passes the item, or swaps the pair, whose tokens just cover
     o's excess (else the largest part of it) into a slot with room. True when no slot is over."""
-    cap, M = state.cap, state.M
+    cap = state.cap
     tok = state.tokens
     items = np.flatnonzero(state.dest == r) if members is None else members[state.dest[members] == r]
     # the rank's items' tokens and slots, kept here (the moves below stay inside r)

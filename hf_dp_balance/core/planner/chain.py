@@ -65,7 +65,7 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     (with integer costs and positive integer tokens, the same trades).
     """
     cap = state.cap
-    R, M = state.load.shape[0], state.M
+    R = state.load.shape[0]
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)

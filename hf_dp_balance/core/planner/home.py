@@ -29,7 +29,7 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
 
     Guarantees: no slot goes over the cap; every rank and slot keeps its item count; no rank ends
     above max(its load now, `ceiling`). Cost per round: O(m log m) for the m items away from home."""
-    cap, M, R = state.cap, state.M, state.load.shape[0]
+    cap, R = state.cap, state.load.shape[0]
     tok, cost = state.tokens, state.costs
     if cap is None or tok is None or R < 2:
         return 0

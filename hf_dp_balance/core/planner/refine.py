@@ -152,7 +152,7 @@ def _best_move(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
 def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand: np.ndarray, members):
     """(larger fullness after, item of h, item of a candidate, that candidate) of the best 1-for-1
     swap, each item taking the other's slot, within the cap; (inf, ...) when the candidates are empty."""
-    costs, tokens, cap = state.costs, state.tokens, state.cap
+    costs, cap = state.costs, state.cap
     groups = [members.of(int(l)) for l in cand]
     theirs = np.concatenate(groups)
     if not theirs.size:
@@ -164,13 +164,19 @@ def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
     worst = np.maximum((state.load[h] - delta) / budget[h],
                        (state.load[col_rank][None, :] + delta) / budget[col_rank][None, :])
     if cap is not None:
-        ta, tb = tokens[mine][:, None], tokens[theirs][None, :]
-        into_l = state.slot_tok[col_rank, state.micro[theirs]][None, :] - tb + ta
-        into_h = state.slot_tok[h, state.micro[mine]][:, None] - ta + tb
-        worst = np.where((into_l <= cap) & (into_h <= cap), worst, np.inf)
+        worst = np.where(_swap_fits(state, h, mine[:, None], theirs[None, :], col_rank[None, :]), worst, np.inf)
     k = int(np.argmin(worst))
     a, j = divmod(k, theirs.size)
     return float(worst.flat[k]), int(mine[a]), int(theirs[j]), int(col_rank[j])
+
+
+def _swap_fits(state: _State, h: int, a, b, l) -> np.ndarray:
+    """The one-for-one swap's cap test, shared by `_best_swap` and `_swap_down`: item a of rank h
+    and item b of rank l (arrays broadcast) trade slots, and both slots stay within the cap."""
+    ta, tb = state.tokens[a], state.tokens[b]
+    into_l = state.slot_tok[l, state.micro[b]] - tb + ta
+    into_h = state.slot_tok[h, state.micro[a]] - ta + tb
+    return (into_l <= state.cap) & (into_h <= state.cap)
 
 
 def _swap_may_fit(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.ndarray) -> bool:
@@ -254,7 +260,7 @@ def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int 
     the first h with no such swap. Item counts never change. Returns the swaps made. Cost per
     swap: O(n) numpy (the items of h, and the items whose cost is within the largest load room of
     each item of h)."""
-    cap, tok, cost = state.cap, state.tokens, state.costs
+    tok, cost = state.tokens, state.costs
     by_cost = np.argsort(cost, kind="stable")
     cost_sorted = cost[by_cost]
     made = 0
@@ -270,7 +276,7 @@ def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int 
             break
         best = None
         for a in np.flatnonzero(state.dest == h).tolist():
-            ca, ta, ma = float(cost[a]), float(tok[a]), int(state.micro[a])
+            ca, ta = float(cost[a]), float(tok[a])
             # b: c_a - c_b in [excess, most], b on another rank whose load room takes c_a - c_b
             lo = np.searchsorted(cost_sorted, ca - most, side="left")
             hi = np.searchsorted(cost_sorted, ca - excess, side="right")
@@ -279,9 +285,7 @@ def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int 
             b = by_cost[lo:hi]
             l = state.dest[b]
             diff = ca - cost[b]
-            ok = (l != h) & (diff <= room[l]) & (diff >= excess)
-            ok &= state.slot_tok[l, state.micro[b]] - tok[b] + ta <= cap  # a in b's slot
-            ok &= state.slot_tok[h, ma] - ta + tok[b] <= cap  # b in a's slot
+            ok = (l != h) & (diff <= room[l]) & (diff >= excess) & _swap_fits(state, h, a, b, l)
             if not ok.any():
                 continue
             b, l = b[ok], l[ok]
