@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hf_dp_balance.core.planner.refine import _swap_fits
 from hf_dp_balance.core.planner.state import _BREADTH, _State
 from hf_dp_balance.core.planner.trade import _apply
 from hf_dp_balance.core.planner.trade_index import _float_order
@@ -54,20 +55,17 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     # (candidates were made in (x, y position) order: ties keep it)
     o = _float_order(saving, descending=True)
     x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
-    # what x and y cost and weigh, gathered once (not every round): the same values in the same sums
-    tx, ty = tok[x], tok[y]
-    dc = cost[x] - cost[y]
+    dc = cost[x] - cost[y]  # gathered once, not every round
     saved_total = 0.0
     good = np.zeros(x.size, dtype=bool)
     rows = np.arange(x.size)  # the candidates whose test may have changed: all, then those on the ranks changed
     for _ in range(rounds):
-        xr, yr, Ar, Br, txr, tyr, dcr = (v[rows] for v in (x, y, A, B, tx, ty, dc))
+        xr, yr, Ar, Br, dcr = (v[rows] for v in (x, y, A, B, dc))
         load_A, load_B = state.load[Ar], state.load[Br]
         good[rows] = ((state.dest[xr] == Br) & (state.dest[yr] == Ar)
                       & (load_A + dcr <= np.maximum(ceiling[Ar], load_A))
                       & (load_B - dcr <= np.maximum(ceiling[Br], load_B))
-                      & (state.slot_tok[Br, state.micro[xr]] - txr + tyr <= cap)
-                      & (state.slot_tok[Ar, state.micro[yr]] - tyr + txr <= cap))
+                      & _swap_fits(state, Ar, yr, xr, Br))  # a one-for-one swap of y on A and x on B
         g = np.flatnonzero(good)
         if g.size == 0:
             break
@@ -86,6 +84,6 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
         changed[B[win]] = True
         keep = np.ones(x.size, dtype=bool)
         keep[win] = False
-        x, y, A, B, saving, tx, ty, dc, good = (v[keep] for v in (x, y, A, B, saving, tx, ty, dc, good))
+        x, y, A, B, saving, dc, good = (v[keep] for v in (x, y, A, B, saving, dc, good))
         rows = np.flatnonzero(changed[A] | changed[B])
     return saved_total

@@ -171,7 +171,7 @@ def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
 
 
 def _swap_fits(state: _State, h: int, a, b, l) -> np.ndarray:
-    """The one-for-one swap's cap test, shared by `_best_swap` and `_swap_down`: item a of rank h
+    """The one-for-one swap's cap test, shared by `_best_swap`, `_swap_down` and `home`: item a of rank h
     and item b of rank l (arrays broadcast) trade slots, and both slots stay within the cap."""
     ta, tb = state.tokens[a], state.tokens[b]
     into_l = state.slot_tok[l, state.micro[b]] - tb + ta
