@@ -31,8 +31,8 @@ from hf_dp_balance.core.planner.state import _FEW_SLOTS, _State, _smallest_room
 
 _LONG = 0.25  # items over this share of the cap are assigned first (8192 tokens at 32K packs)
 _DENSITY = 1.5  # cost per token at which the estimate has short items carry a rank's excess
-_DEAD = 3.0  # tokens per unit of a deficit that no free tokens can take in short items
-_DEAD_TOKENS = 6.0  # per token a rank over M x cap must send beyond what its load excess carries
+_DEAD = 3.0  # tokens charged per unit of a load deficit no free tokens can fill (a trade between full ranks)
+_DEAD_TOKENS = 6.0  # tokens charged per token over M x cap that the rank's load excess does not carry out
 _NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
 
 
