@@ -76,7 +76,8 @@ def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.n
 
 def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = 128, full_every: int = 8,
                  stop_share: float = 1e-4, block: int = 256):
-    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a long item to another rank) and swaps
+    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a long
+    item to another rank) and swaps
     (two long items of two ranks), minimising the long items' tokens away from their rank now plus
     `_rank_charge` summed over the ranks. Each sweep scores, for every long item on a rank with a
     charge, the _NEAR ranks on either side of its best fit in load room and the _NEAR long items on

@@ -12,13 +12,13 @@ speed`); the goal is the fullest rank (load / budget) at or under 1 + tolerance,
    anywhere and only exchanges help; judged by the tokens they send. They run first when most
    slots have less room than a large item (`_trades_first`), else only after step 1 ends above
    the goal. For a cost whose large items are dearer per token (`_lumpy`): ladder trades
-   (`chain`), shed and place, then up to `_PASSES` ladder passes at any cost per token
-   each with step 1 (shed and place only after the first from 5 micro-batches on), and up to `_PASSES` that make load room where the free tokens are
-   (`_roomy_trades`); at 2 to 4 micro-batches the long items are first assigned to ranks (`assign`)
-   where that search expects to send at most `_TRUST` of the tokens, and the other order runs
-   where the first ends above the trades' limit (one-for-one swaps first close a gap of a few
-   tenths, `refine._swap_down`). For a milder cost: small-change trades (`trade`) and step 1. Both
-   end with small-change trades, a polish and by sending home items a detour took away (`home`).
+   (`chain`); step 1 (shed and place only, from 5 micro-batches on); up to `_PASSES` ladder passes
+   at any cost per token, each with step 1; up to `_PASSES` that make load room where the free
+   tokens are (`_roomy_trades`). At 2 to 4 micro-batches the long items are first assigned to
+   ranks (`assign`) where that search expects to send at most `_TRUST` of the tokens; the other
+   order runs where the first ends above the trades' limit (one-for-one swaps first close a gap of
+   a few tenths, `refine._swap_down`). For a milder cost: small-change trades (`trade`) and step 1.
+   Both end with small-change trades, a polish and by sending home items a detour took away (`home`).
 3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending
    fewer tokens): a repack sends most of the step again.
 4. Repack fallback (`repack`), only above that: the over-full and the emptiest ranks re-placed by
@@ -40,11 +40,12 @@ from hf_dp_balance.core.planner.chain import _ladder_trades
 from hf_dp_balance.core.planner.home import _send_home
 from hf_dp_balance.core.planner.passes import _balance_incremental, _polish
 from hf_dp_balance.core.planner.refine import _swap_down
-from hf_dp_balance.core.planner.state import _FEW_SLOTS, _LARGE, _PASSES, _Infeasible, _State, _copy_state, _fullest, _sent
+from hf_dp_balance.core.planner.state import (_FEW_SLOTS, _LARGE, _PASSES, _Infeasible, _State, _copy_state,
+                                              _fullest, _sent)
 from hf_dp_balance.core.planner.trade import _trade
 
 _TRUST = 0.5  # long items first go first where their search expects to send at most this share of the tokens
-_ROOMY_AIM = 0.98  # x budget: where those passes aim the roomy ranks (room for the excess of a full rank or two)
+_ROOMY_AIM = 0.98  # x budget: where the roomy passes aim the ranks with free tokens (room for a full rank's excess)
 _LUMPY = 2.0  # large items dearer per token than the rest by this factor: a rank must trade one away whole
 
 

@@ -145,7 +145,8 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     bound = np.minimum(np.minimum(l_cost[pa], excess[h[ga]]), limit[ll_a] - state.load[ll_a]) / (l_tok[pa] + overhead)
     ok = np.flatnonzero(bound >= best_move[ga])
     pa, ga = pa[ok], ga[ok]
-    g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need = _large_options(state, h, l, pa, ga, want, recv, large, moved)
+    g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need = _large_options(state, h, l, pa, ga, want, recv, large,
+                                                                            moved)
     # only a pair's best can win: a candidate that needs no pay-back and scores below the pair's best
     # move or such candidate, or one that needs a pay-back and scores at most min(c_a - c_b, what h
     # sheds, room of l) / (t_a + t_b + need + overhead) below it, goes no further (no search)
