@@ -10,7 +10,7 @@ each and about 2 x its size; all_to_all_single sends to and receives from every 
 included; isend / irecv one hop each. Payload (all_to_all_single, or sends tagged as payload) is counted
 apart from the side traffic (metadata, orders, agreements). Also per rank: planning time per step
 (`StepStats.plan_s`), sockets opened during the steps, and on ranks 0 and 1 the costs the extrapolation
-uses: one small point-to-point hop, one byte of a 4 MiB transfer, one 24-byte all_reduce, and a 24-byte
+uses: one small point-to-point hop, one byte of a 16 MiB transfer, one 24-byte all_reduce, and a 24-byte
 agreement through rank 0 (every rank sends, rank 0 answers).
 
 Run:  python bench/side_path.py [--ranks 4,8,16] [--steps 12] [--baseline eff4fc4] [--write FILE]
@@ -103,10 +103,13 @@ def _pack_lengths(samples):
 
 
 def _timed_loop(fn, repeats):
-    t0 = time.perf_counter()
+    """Median seconds of one call (the machine is shared: a median resists the other processes' bursts)."""
+    times = []
     for _ in range(repeats):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / repeats
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def _unit_costs(dist, group, rank, world):
@@ -114,7 +117,7 @@ def _unit_costs(dist, group, rank, world):
     import torch
 
     out = {}
-    small, big = torch.zeros(1, dtype=torch.int64), torch.zeros(4 * 2**20, dtype=torch.uint8)
+    small, big = torch.zeros(1, dtype=torch.int64), torch.zeros(16 * 2**20, dtype=torch.uint8)
     dist.barrier(group=group)
     if rank in (0, 1):
         peer = 1 - rank
@@ -129,7 +132,7 @@ def _unit_costs(dist, group, rank, world):
 
         ping(small)
         out["hop_s"] = _timed_loop(lambda: ping(small), 200) / 2
-        out["byte_s"] = (_timed_loop(lambda: ping(big), 5) / 2 - out["hop_s"]) / big.numel()
+        out["byte_s"] = max(_timed_loop(lambda: ping(big), 9) / 2 - out["hop_s"], 0.0) / big.numel()
     dist.barrier(group=group)
     vec = torch.zeros(3, dtype=torch.int64)
     dist.all_reduce(vec, group=group)
@@ -184,6 +187,11 @@ def _rank_main(rank, world, steps):
                             collator=_pack_lengths, features_fn=lambda s: (int(s["input_ids"].numel()), 0),
                             cost_model=CostModel(quadratic=16.0 / 53000.0, linear=1.0, per_sample=4.0), exchange=ex,
                             plan_fn=timed_plan)
+    # The default group's barrier connects its own peers (gloo's dissemination barrier, about 2 log2 P of
+    # them), the far ends asynchronously: connect them all before counting, so only the side path is counted.
+    dist.barrier()
+    dist.barrier()
+    time.sleep(1.0)
     rows, sockets0 = [], _socket_fds()
     dist.barrier()
     for step, _ in enumerate(loader.iter_steps()):
@@ -277,12 +285,47 @@ def report(pairs, args) -> list:
             f"(planner calls per rank: {before['plan_calls'][1]} / {after['plan_calls'][1]}) | "
             f"{_fmt_ranks(before['sockets'])} / {_fmt_ranks(after['sockets'])} | "
             f"{1e6 * after['all_reduce_s']:.0f} / {1e6 * after['star_s']:.0f} us |")
+    lines += [""] + extrapolate(pairs)
     last = pairs[-1][1]
     lines += ["", f"Samples per step at P={last['world']}: {last['samples']}; plans identical on every rank and "
                   f"between the trees at every step; steps applied: {last['applied']}.",
               f"Measured unit costs (loopback, ranks 0-1, P={last['world']}): one small hop "
               f"{1e6 * np.median([a['hop_s'] for _, a in pairs]):.0f} us, one byte "
               f"{1e9 * np.median([a['byte_s'] for _, a in pairs]):.2f} ns."]
+    return lines
+
+
+def _fit(ps, values):
+    """(a, b) of values ~ a + b * P by least squares (the measured sizes)."""
+    b, a = np.polyfit(np.asarray(ps, dtype=float), np.asarray(values, dtype=float), 1)
+    return a, b
+
+
+def extrapolate(pairs, targets=(512, 4096, 32768)) -> list:
+    """Per rank per step at large DP from the measured P-dependence and unit costs (hop and byte)."""
+    ps = [a["world"] for _, a in pairs]
+    hop_s = float(np.median([a["hop_s"] for _, a in pairs]))
+    byte_s = float(np.median([a["byte_s"] for _, a in pairs]))
+    series = {
+        "before, every rank": ([np.median(b["side_bytes"]) for b, _ in pairs],
+                               [np.median(b["side_hops"]) for b, _ in pairs]),
+        "after, a rank that does not plan": ([np.median(a["side_bytes"][1:]) for _, a in pairs],
+                                             [np.median(a["side_hops"][1:]) for _, a in pairs]),
+        "after, the planning rank": ([a["side_bytes"][0] for _, a in pairs], [a["side_hops"][0] for _, a in pairs]),
+    }
+    plan_per_sample = np.median([a["plan_ms"][0] / a["samples"] for _, a in pairs])
+    per_rank = pairs[-1][1]["samples"] / pairs[-1][1]["world"]
+    lines = ["| DP | who | side bytes received per step | side hops per step | side time per step at the measured "
+             "unit costs (hops x hop + bytes x byte) |", "|---|---|---|---|---|"]
+    for target in targets:
+        for who, (nbytes, hops) in series.items():
+            fb, fh = _fit(ps, nbytes), _fit(ps, hops)
+            b, h = fb[0] + fb[1] * target, fh[0] + fh[1] * target
+            lines.append(f"| {target:,} | {who} | {b / 1e6:,.3f} MB | {h:,.0f} | {1000 * (h * hop_s + b * byte_s):,.0f} ms |")
+    lines += ["", f"Planning CPU per step grows with the step's samples (measured {1000 * plan_per_sample:.1f} us a "
+                  f"sample at {per_rank:.0f} samples per rank); at DP 512 / 4,096 / 32,768 that is about "
+                  + " / ".join(f"{plan_per_sample * per_rank * t:,.0f} ms" for t in targets)
+                  + " per step, before on every rank, after on the planning rank only."]
     return lines
 
 

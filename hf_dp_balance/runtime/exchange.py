@@ -3,8 +3,8 @@
 `SampleExchange` owns one side gloo group (never the training group, so it may run in a background
 thread). Per step: every rank sends its metadata rows to one planning rank (`send_rows` / `collect_rows`),
 which sends each rank only its own orders (`send_orders` / `receive_orders`); payloads travel point to
-point between the pairs that trade (`exchange_payloads`); agreements are one fixed-size `all_reduce`
-(`agree`). Look-ahead windows still gather every rank's rows to every rank (`gather_metadata`). A rank that
+point between the pairs that trade (`exchange_payloads`); whether every rank packed its step is agreed
+through the planning rank (`raise_if_failed`), plan digests with one fixed-size `all_reduce` (`agree`). Look-ahead windows still gather every rank's rows to every rank (`gather_metadata`). A rank that
 failed locally makes every rank raise `ExchangeError` at once, and any transfer that fails or times out
 raises `ExchangeError` naming the step, the phase and the ranks that reported a failure. Encoding and
 split sizes: `core.codec`. Details: docs/exchange.md.
@@ -39,7 +39,8 @@ _MSG_BYTES = 512
 # The rank of the exchange group that plans each step (`collect_rows` / `send_orders`).
 PLANNER = 0
 # Point-to-point tags: gloo keys collectives by their own prefixed slots, so these never meet a collective.
-TAG_HEADER, TAG_ROWS, TAG_MESSAGE, TAG_ORDERS_HEAD, TAG_ORDERS_BODY, TAG_PAYLOAD = range(1, 7)
+(TAG_HEADER, TAG_ROWS, TAG_MESSAGE, TAG_ORDERS_HEAD, TAG_ORDERS_BODY, TAG_PAYLOAD, TAG_FLAG, TAG_FLAG_MESSAGE,
+ TAG_VERDICT, TAG_VERDICT_BODY) = range(1, 11)
 # Orders header (float64, exact for integers below 2**53) the planning rank sends each rank per step.
 (O_STATUS, O_NUM_MICRO, O_NUM_SAMPLES, O_OFFSET, O_N_IN, O_N_OUT, O_N_RECV, O_TEXT, O_APPLIED, O_BEFORE, O_AFTER,
  O_MOVED, O_MOVED_BYTES, O_WIDTH) = range(14)
@@ -249,12 +250,62 @@ class SampleExchange:
                 for r, m in enumerate(msgs) if int(m[0])}
 
     def raise_if_failed(self, step: int, phase: str, error: Optional[str] = None) -> None:
-        """`agree` on a local failure: when any rank passes `error`, every rank raises `ExchangeError` naming them."""
-        _, failed = self.agree(step, phase, error=error)
-        if failed:
-            detail = failure_detail(failed)
-            raise ExchangeError(f"hf_dp_balance, step {step}, {phase}: rank(s) {sorted(failed)} failed "
+        """When any rank passes `error`, every rank raises `ExchangeError` naming them and their messages.
+
+        Through the planning rank: every other rank sends it a fixed-size flag (and its message when it
+        failed), the planning rank answers every rank with the failed ranks and their messages. Two hops per
+        rank whatever the number of ranks (a ring all_reduce takes 2 (P - 1)); 2 (P - 1) on the planning rank.
+        """
+        dist = self._dist
+        text = (error or "").encode("utf-8", "replace")[:_MSG_BYTES]
+        if self.rank != PLANNER:
+            flag = torch.tensor([1 if error is not None else 0, len(text)], dtype=torch.int64)
+            works = [dist.isend(flag, group=self.group, group_dst=PLANNER, tag=TAG_FLAG)]
+            if text:
+                works.append(dist.isend(torch.frombuffer(bytearray(text), dtype=torch.uint8), group=self.group,
+                                        group_dst=PLANNER, tag=TAG_FLAG_MESSAGE))
+            self._wait(step, f"{phase} agreement send to the planning rank", works)
+            verdict = torch.empty(2, dtype=torch.int64)
+            self._wait(step, f"{phase} agreement receive from the planning rank",
+                       [dist.irecv(verdict, group=self.group, group_src=PLANNER, tag=TAG_VERDICT)])
+            body = torch.empty(8 * int(verdict[0]) + int(verdict[1]), dtype=torch.uint8)
+            if body.numel():
+                self._wait(step, f"{phase} agreement receive from the planning rank",
+                           [dist.irecv(body, group=self.group, group_src=PLANNER, tag=TAG_VERDICT_BODY)])
+            raw = body.numpy().tobytes()
+            failed_ranks = np.frombuffer(raw[: 8 * int(verdict[0])], dtype=np.int64).tolist()
+            detail = raw[8 * int(verdict[0]):].decode("utf-8", "replace")
+        else:
+            failed_ranks, detail = self._judge(step, phase, error)
+        if failed_ranks:
+            raise ExchangeError(f"hf_dp_balance, step {step}, {phase}: rank(s) {failed_ranks} failed "
                                 f"(raised on rank {self.rank}): {detail}")
+
+    def _judge(self, step: int, phase: str, error: Optional[str]) -> Tuple[List[int], str]:
+        """The planning rank's side of `raise_if_failed`: collect every flag, answer every rank alike."""
+        dist = self._dist
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        flags = {r: torch.empty(2, dtype=torch.int64) for r in peers}
+        self._wait(step, f"{phase} agreement receive on the planning rank",
+                   [dist.irecv(flags[r], group=self.group, group_src=r, tag=TAG_FLAG) for r in peers])
+        texts = {r: torch.empty(int(flags[r][1]), dtype=torch.uint8) for r in peers if int(flags[r][1])}
+        self._wait(step, f"{phase} agreement receive on the planning rank",
+                   [dist.irecv(t, group=self.group, group_src=r, tag=TAG_FLAG_MESSAGE) for r, t in texts.items()])
+        failed = {r: texts[r].numpy().tobytes().decode("utf-8", "replace") if r in texts else ""
+                  for r in peers if int(flags[r][0])}
+        if error is not None:
+            failed[self.rank] = error[:_MSG_BYTES]
+        ranks, detail = sorted(failed), failure_detail(failed)
+        body = np.asarray(ranks, dtype=np.int64).tobytes() + detail.encode("utf-8", "replace")
+        verdict = torch.tensor([len(ranks), len(body) - 8 * len(ranks)], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else None
+        works = []
+        for r in peers:
+            works.append(dist.isend(verdict, group=self.group, group_dst=r, tag=TAG_VERDICT))
+            if payload is not None:
+                works.append(dist.isend(payload, group=self.group, group_dst=r, tag=TAG_VERDICT_BODY))
+        self._wait(step, f"{phase} agreement send from the planning rank", works)
+        return ranks, detail
 
     # -- point to point ----------------------------------------------------------------------
     def _wait(self, step: int, phase: str, works) -> None:

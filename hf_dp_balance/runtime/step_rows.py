@@ -352,7 +352,7 @@ def collate_slots(ex: SampleExchange, collator: Callable, step: int, by_slot: Li
     """(packed batch of each slot, `id_key` values per slot or None); `samples_of(members)`: a slot's dicts.
 
     A collate failure on any rank raises `ExchangeError` on every rank, naming the rank, the slot and the
-    cause, before any rank hands the step to training (one fixed-size all_reduce per step).
+    cause, before any rank hands the step to training (`SampleExchange.raise_if_failed`: two hops per rank).
     """
     rank = ex.rank
     batches, ids = [], [] if id_key else None

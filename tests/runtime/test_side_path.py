@@ -59,7 +59,10 @@ def _steps_with_pairs(rank, world, steps):
     import torch.distributed as dist
 
     ex = SampleExchange(30, group=new_side_group(DataParallelGroup.world(), 30))
-    dist.barrier()  # connects the default group's ring now, so that it is not counted below
+    # the default group's barrier connects its own peers (the far ends asynchronously): all of them before counting
+    dist.barrier()
+    dist.barrier()
+    time.sleep(1.0)
     before = _socket_fds()
     dist.barrier()  # no rank's side path starts before every rank has counted (same ring: no new sockets)
     loader = BalancedLoader(micro_batches(), cfg, gradient_accumulation_steps=GA,
@@ -98,40 +101,10 @@ def test_only_trading_pairs_move_bytes_and_every_sample_trains_once_6_ranks():
             assert came_from == {src for src, dst in PAIRS if dst == r}, (r, came_from)
     opened = [results[r][1] for r in range(world)]
     print("sockets opened per rank during the steps:", opened)
-    # lazily connected sockets: the planning rank meets every rank; a rank outside every pair meets only the
-    # planning rank and its two all_reduce ring neighbours, never the ranks that trade (all_to_all met all 5)
+    # lazily connected sockets: the planning rank meets every rank; every other rank meets the planning rank and
+    # the peers it trades with, nothing else (an all_to_all met all 5; a ring all_reduce adds 2 neighbours)
     assert opened[0] >= world - 1, opened
-    assert opened[4] <= 3, opened
-    assert max(opened[1:]) < world - 1, opened
-
-
-# ------------------------------------------------------------------ a failure inside the point-to-point phase
-
-def _fails_in_payload(rank, world, timeout_s):
-    """Step 5: rank 1 raises while encoding its payload for rank 2; rank 3 trades with neither."""
-    ex = side_exchange(timeout_s)
-    sample = {"input_ids": torch.arange(10)}
-    nbytes = encoded_nbytes(sample_entries(sample))
-    owners = np.arange(world, dtype=np.int64)
-    dest = np.array([0, 2, 1, 3], dtype=np.int64)  # 1 <-> 2 trade, 0 and 3 keep theirs
-    sizes = np.full(world, nbytes, dtype=np.int64)
-    if rank == 1:
-        sizes = sizes + 8  # this rank's layout disagrees with what it encodes: it raises inside the exchange
-    layout = transfer_layout(owners, dest, sizes, rank, world)
-    t0 = time.monotonic()
-    try:
-        ex.exchange_payloads(5, [sample], rank, layout)
-        ex.raise_if_failed(5, "collate")  # the loader's next agreement: where ranks outside the pair meet it
-    except ExchangeError as exc:
-        return time.monotonic() - t0, str(exc)
-    return None
-
-
-def test_a_failure_in_the_point_to_point_phase_names_step_rank_and_phase_on_every_rank():
-    timeout_s = 4.0
-    results = run_ranks(_fails_in_payload, 4, timeout_s, timeout=90)
-    for rank, got in enumerate(results):
-        assert got is not None, f"rank {rank} did not raise"
-        elapsed, msg = got
-        assert elapsed < timeout_s + 3.0, (rank, elapsed)
-        assert "step 5" in msg and "rank 1" in msg and "payload point to point" in msg, (rank, msg)
+    for r in range(1, world):
+        peers = {b for a, b in PAIRS if a == r} | {a for a, b in PAIRS if b == r}
+        assert opened[r] <= 1 + len(peers), (r, opened)
+    assert opened[4] <= 1, opened
