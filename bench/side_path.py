@@ -9,7 +9,7 @@ is P - 1 sends and P - 1 receives and receives every other rank's tensor; a ring
 each and about 2 x its size; all_to_all_single sends to and receives from every peer, empty splits
 included; isend / irecv one hop each. Payload (all_to_all_single, or sends tagged as payload) is counted
 apart from the side traffic (metadata, orders, agreements). Also per rank: planning time per step
-(`StepStats.plan_s`), sockets opened during the steps, and on ranks 0 and 1 the costs the extrapolation
+(the planner's thread CPU time), sockets opened during the steps (after the first and after the last), and on ranks 0 and 1 the costs the extrapolation
 uses: one small point-to-point hop, one byte of a 16 MiB transfer, one 24-byte all_reduce, and a 24-byte
 agreement through rank 0 (every rank sends, rank 0 answers).
 
@@ -196,7 +196,7 @@ def _rank_main(rank, world, steps):
     dist.barrier()
     for step, _ in enumerate(loader.iter_steps()):
         (st,) = loader.pop_stats()
-        rows.append(dict(step=step, plan=st.plan_s, work=st.gather_s + st.plan_s + st.exchange_s + st.collate_s,
+        rows.append(dict(step=step, plan=st.plan_s, sockets=_socket_fds() - sockets0, work=st.gather_s + st.plan_s + st.exchange_s + st.collate_s,
                          applied=st.applied, hash=st.plan_hash, samples=st.num_samples, traffic=counter.snapshot()))
     sockets = _socket_fds() - sockets0
     loader.close()
@@ -236,6 +236,7 @@ def _summary(run: dict) -> dict:
     units = [res[r]["units"] for r in range(world)]
     return dict(world=world, code=res[0]["code"], plan_calls=calls, side_bytes=side_bytes, side_hops=side_hops, payload_hops=pay_hops, plan_ms=plan,
                 work_ms=work, sockets=[res[r]["sockets"] for r in range(world)],
+                first_sockets=[res[r]["rows"][0]["sockets"] for r in range(world)],
                 samples=res[0]["rows"][-1]["samples"], hashes=[x["hash"] for x in res[0]["rows"]],
                 applied=sum(x["applied"] for x in res[0]["rows"]), hop_s=units[0]["hop_s"], byte_s=units[0]["byte_s"],
                 all_reduce_s=float(np.median([u["all_reduce_s"] for u in units])),
@@ -272,7 +273,7 @@ def report(pairs, args) -> list:
         "| P | side bytes received per rank per step: before / after, median (max) | side hops per rank per step: "
         "before / after, median (max) | payload hops per rank per step: before / after | planning ms per step: "
         "CPU, before (every rank) / after (the planning rank) | sockets opened per rank (lazy init): before / after, median "
-        "(max) | agreement latency: all_reduce / through rank 0 |",
+        "(max), after the first step / after all steps | agreement latency: all_reduce / through rank 0 |",
         "|---|---|---|---|---|---|---|",
     ]
     for before, after in pairs:
@@ -283,6 +284,7 @@ def report(pairs, args) -> list:
             f"{np.median(before['payload_hops']):.1f} / {np.median(after['payload_hops']):.1f} | "
             f"{np.median(before['plan_ms']):.1f} / {after['plan_ms'][0]:.1f} "
             f"(planner calls per rank: {before['plan_calls'][1]} / {after['plan_calls'][1]}) | "
+            f"{_fmt_ranks(before['first_sockets'])} / {_fmt_ranks(after['first_sockets'])}, "
             f"{_fmt_ranks(before['sockets'])} / {_fmt_ranks(after['sockets'])} | "
             f"{1e6 * after['all_reduce_s']:.0f} / {1e6 * after['star_s']:.0f} us |")
     lines += [""] + extrapolate(pairs)
@@ -296,9 +298,10 @@ def report(pairs, args) -> list:
 
 
 def _fit(ps, values):
-    """(a, b) of values ~ a + b * P by least squares (the measured sizes)."""
+    """(a, b) of values ~ a + b * P by least squares (the measured sizes); flat (their mean) when the slope
+    comes out negative (noise around a constant)."""
     b, a = np.polyfit(np.asarray(ps, dtype=float), np.asarray(values, dtype=float), 1)
-    return a, b
+    return (a, b) if b >= 0 else (float(np.mean(values)), 0.0)
 
 
 def extrapolate(pairs, targets=(512, 4096, 32768)) -> list:
@@ -315,13 +318,14 @@ def extrapolate(pairs, targets=(512, 4096, 32768)) -> list:
     }
     plan_per_sample = np.median([a["plan_ms"][0] / a["samples"] for _, a in pairs])
     per_rank = pairs[-1][1]["samples"] / pairs[-1][1]["world"]
-    lines = ["| DP | who | side bytes received per step | side hops per step | side time per step at the measured "
-             "unit costs (hops x hop + bytes x byte) |", "|---|---|---|---|---|"]
+    lines = ["| DP | who | side bytes received per step | side hops per step | its own side time per step at the "
+             "measured unit costs (hops x hop + bytes x byte) |", "|---|---|---|---|---|"]
     for target in targets:
         for who, (nbytes, hops) in series.items():
             fb, fh = _fit(ps, nbytes), _fit(ps, hops)
             b, h = fb[0] + fb[1] * target, fh[0] + fh[1] * target
-            lines.append(f"| {target:,} | {who} | {b / 1e6:,.3f} MB | {h:,.0f} | {1000 * (h * hop_s + b * byte_s):,.0f} ms |")
+            size = f"{b / 1e6:,.1f} MB" if b >= 1e5 else f"{b / 1e3:,.2f} kB"
+            lines.append(f"| {target:,} | {who} | {size} | {h:,.0f} | {1000 * (h * hop_s + b * byte_s):,.1f} ms |")
     lines += ["", f"Planning CPU per step grows with the step's samples (measured {1000 * plan_per_sample:.1f} us a "
                   f"sample at {per_rank:.0f} samples per rank); at DP 512 / 4,096 / 32,768 that is about "
                   + " / ".join(f"{plan_per_sample * per_rank * t:,.0f} ms" for t in targets)
