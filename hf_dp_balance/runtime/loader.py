@@ -1,6 +1,7 @@
 """`BalancedLoader`: plan and exchange each optimizer step's samples one step ahead, in a thread.
 
-Every rank plans from the same gathered numbers, so every rank computes the same plan; a
+One planning rank plans each step and sends every rank its orders (inside look-ahead windows every rank
+plans from the same gathered numbers and they compare digests), so every rank follows the same plan; a
 planner failure keeps every sample in place on every rank alike (planning never stops training); a plan
 changes where a sample is computed, never which samples a step trains; every rank yields the same number of
 micro-batches per step. The per-step pipeline and look-ahead: docs/exchange.md.
