@@ -4,10 +4,11 @@
 thread). Per step: every rank sends its metadata rows to one planning rank (`send_rows` / `collect_rows`),
 which sends each rank only its own orders (`send_orders` / `receive_orders`); payloads travel point to
 point between the pairs that trade (`exchange_payloads`); whether every rank packed its step is agreed
-through the planning rank (`raise_if_failed`), plan digests with one fixed-size `all_reduce` (`agree`). Look-ahead windows still gather every rank's rows to every rank (`gather_metadata`). A rank that
-failed locally makes every rank raise `ExchangeError` at once, and any transfer that fails or times out
-raises `ExchangeError` naming the step, the phase and the ranks that reported a failure. Encoding and
-split sizes: `core.codec`. Details: docs/exchange.md.
+through the planning rank (`raise_if_failed`), plan digests with one fixed-size `all_reduce` (`agree`).
+Look-ahead windows still gather every rank's rows to every rank (`gather_metadata`). A rank that failed
+locally makes every rank raise `ExchangeError` at once, and any transfer that fails or times out raises
+`ExchangeError` naming the step, the phase and the ranks that reported a failure. Encoding and split
+sizes: `core.codec`. Details: docs/exchange.md.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ class SampleExchange:
 
         failed = np.flatnonzero(headers[:, H_STATUS] != 0)
         if failed.size:
-            detail = failure_detail(self._gather_messages(step, failed, error))
+            detail = failure_detail(self._gather_failures(step, error))
             raise ExchangeError(f"hf_dp_balance sample exchange, step {step}: rank(s) {failed.tolist()} failed "
                                 f"before the exchange: {detail}")
 
@@ -204,16 +205,6 @@ class SampleExchange:
         all_rows = np.concatenate([gathered[r].numpy()[: counts[r]] for r in range(self.world_size)], axis=0)
         owners = np.repeat(np.arange(self.world_size, dtype=np.int64), counts)
         return GatheredMetadata(headers, all_rows, owners)
-
-    def _gather_messages(self, step: int, failed: np.ndarray, error: Optional[str]) -> Dict[int, str]:
-        """{rank: message} of the `failed` ranks (one all_gather of fixed-size text; every rank calls it)."""
-        msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
-        text = (error or "").encode("utf-8", "replace")[:_MSG_BYTES]
-        if text:
-            msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        msgs = [torch.empty_like(msg) for _ in range(self.world_size)]
-        self._run(step, "failure message all_gather", lambda: self._dist.all_gather(msgs, msg, group=self.group))
-        return {int(r): msgs[r].numpy().tobytes().rstrip(b"\x00").decode("utf-8", "replace") for r in failed}
 
     def agree(self, step: int, phase: str, value: int = 0, error: Optional[str] = None) -> Tuple[bool, Dict[int, str]]:
         """(whether every rank passed the same int64 `value`, {rank: message} of the ranks that passed `error`).

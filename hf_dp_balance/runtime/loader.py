@@ -343,8 +343,8 @@ class BalancedLoader:
 
         Every rank sends its metadata rows to the planning rank, which plans once and sends each rank its
         orders (`runtime.planned_step`); samples move point to point between the pairs that trade; every
-        rank packs its slots and tells the planning rank, which answers every rank whether all packed. Every rank follows
-        the one plan, so a planner failure keeps every sample in place on every rank alike.
+        rank packs its slots and tells the planning rank, which answers every rank whether all packed.
+        Every rank follows the one plan, so a planner failure keeps every sample in place on every rank alike.
         """
         ex = self._exchange
         t0 = time.perf_counter()

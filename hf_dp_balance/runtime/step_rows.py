@@ -377,5 +377,6 @@ def collate_slots(ex: SampleExchange, collator: Callable, step: int, by_slot: Li
 
 __all__ = ["F_MICRO", "F_TOKENS", "F_VISION", "F_COST", "F_NBYTES", "F_STEP", "F_WIDTH", "FLAG_BALANCE", "FLAG_PRIOR",
            "MODEL_VERSION_SHIFT", "StepStats", "list_collate", "Prepared", "StepWork", "pull_micro_batches",
-           "describe_samples", "cost_rows", "step_header", "step_decision", "gather_step", "validate_plan", "default_plan_fn", "slot_members",
+           "describe_samples", "cost_rows", "step_header", "step_decision",
+           "gather_step", "validate_plan", "default_plan_fn", "slot_members",
            "slot_samples", "plan_digest", "agree_digests", "failure_detail", "agree_plan", "agree_lookahead", "check_cap", "collate_slots"]

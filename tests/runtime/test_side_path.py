@@ -108,3 +108,68 @@ def test_only_trading_pairs_move_bytes_and_every_sample_trains_once_6_ranks():
         peers = {b for a, b in PAIRS if a == r} | {a for a, b in PAIRS if b == r}
         assert opened[r] <= 1 + len(peers), (r, opened)
     assert opened[4] <= 1, opened
+
+
+# ------------------------------------------------------------------ a failure inside the point-to-point phase
+
+def _fails_in_payload(rank, world, timeout_s):
+    """Step 5: rank 1 raises while encoding its payload for rank 2; rank 3 trades with neither."""
+    ex = side_exchange(timeout_s)
+    sample = {"input_ids": torch.arange(10)}
+    nbytes = encoded_nbytes(sample_entries(sample))
+    owners = np.arange(world, dtype=np.int64)
+    dest = np.array([0, 2, 1, 3], dtype=np.int64)  # 1 <-> 2 trade, 0 and 3 keep theirs
+    sizes = np.full(world, nbytes, dtype=np.int64)
+    if rank == 1:
+        sizes = sizes + 8  # this rank's layout disagrees with what it encodes: it raises inside the exchange
+    layout = transfer_layout(owners, dest, sizes, rank, world)
+    t0 = time.monotonic()
+    try:
+        ex.exchange_payloads(5, [sample], rank, layout)
+        ex.raise_if_failed(5, "collate")  # the loader's next agreement: where ranks outside the pair meet it
+    except ExchangeError as exc:
+        return time.monotonic() - t0, str(exc)
+    return None
+
+
+def test_a_failure_in_the_point_to_point_phase_names_step_rank_and_phase_on_every_rank():
+    timeout_s = 4.0
+    results = run_ranks(_fails_in_payload, 4, timeout_s, timeout=90)
+    for rank, got in enumerate(results):
+        assert got is not None, f"rank {rank} did not raise"
+        elapsed, msg = got
+        assert elapsed < timeout_s + 3.0, (rank, elapsed)
+        assert "step 5" in msg and "rank 1" in msg and "payload point to point" in msg, (rank, msg)
+
+
+# ------------------------------------------------------------------ the orders (pure, no processes)
+
+def test_orders_give_every_sample_one_destination_and_both_ends_the_same_pairs_and_sizes():
+    from hf_dp_balance.runtime.exchange import StepOrders
+    from hf_dp_balance.runtime.planned_step import local_layout, orders_for_ranks, slots_of
+
+    rng = np.random.default_rng(3)
+    world, num_micro = 7, 3
+    counts = rng.integers(0, 6, world)
+    counts[2] = 0  # a rank that holds nothing
+    holders = np.repeat(np.arange(world), counts)
+    n = holders.size
+    dest_rank, dest_micro, nbytes = rng.integers(0, world, n), rng.integers(0, num_micro, n), rng.integers(8, 99, n)
+    orders = [StepOrders.decode(*(lambda h, b: (h.numpy().copy(), b))(*o.encode()))  # through the wire format
+              for o in orders_for_ranks(holders, dest_rank, dest_micro, nbytes, world, num_micro, (True, 0.5, 0.1),
+                                        "abc\nplanned")]
+    trained = sorted(g for r in range(world) for slot in slots_of(orders[r], num_micro) for g in slot)
+    assert trained == list(range(n))  # every sample exactly once
+    layouts = []
+    for r, o in enumerate(orders):
+        assert o.text == "abc\nplanned" and int(o.head[1]) == num_micro
+        offset = int(counts[:r].sum())
+        layouts.append(local_layout(o, nbytes[offset: offset + counts[r]], world))
+        for m, slot in enumerate(slots_of(o, num_micro)):
+            assert slot == sorted(slot) and all(dest_rank[g] == r and dest_micro[g] == m for g in slot)
+    for a in range(world):
+        for b in range(world):  # what a sends b is what b expects from a: same samples, same order, same bytes
+            assert np.array_equal(layouts[a].send_index[b], layouts[b].recv_index[a])
+            assert layouts[a].send_splits[b] == layouts[b].recv_splits[a]
+            expected = np.flatnonzero((holders == a) & (dest_rank == b) & (a != b))
+            assert np.array_equal(layouts[a].send_index[b], expected)
