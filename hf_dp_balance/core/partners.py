@@ -284,7 +284,7 @@ def _plan_blocks(block_of: np.ndarray, selected: np.ndarray, slots: np.ndarray, 
     for b in range(bounds.size - 1):
         items = index[bounds[b]:bounds[b + 1]]
         members = np.flatnonzero(block_of == b)
-        if items.size == 0 or members.size < 2:
+        if items.size == 0:  # (a one-rank block still runs: it may have to fix a slot over the cap)
             continue
         local_rank = np.searchsorted(members, own[items])
         try:
