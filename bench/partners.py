@@ -7,8 +7,9 @@ the step's tokens that change rank and the CPU ms (time.process_time, min of `--
   - unconstrained: `plan_step`, any rank to any rank;
   - fixed blocks: consecutive blocks of k ranks, each planned alone by `plan_step` (the crude bound);
   - partners: `plan_step_with_partners` with `partner_sets(R, k)`.
-Then over `--steps` steps (seeds 0, 1, ...): the distinct peers each rank has sent to or received
-from, max and median over ranks, for the unconstrained planner and for the partners. Run:
+Then over `--steps` steps (seeds 0, 1, ...; a size may set its own, as 4096x8:50): the worst slowest
+rank over the bound of any step, and the distinct peers each rank has sent to or received from (max and
+median over ranks), for the unconstrained planner and for the partners. Run:
 
     python bench/partners.py [--sizes 64x4,512x4,4096x8] [--max-partners 64] [--steps 200] [--write PATH]
 """
@@ -83,6 +84,7 @@ def run_size(R, M, k, steps, repeats):
     rows = []
     met = {shape: {"free": np.zeros((R, R), dtype=bool), "partners": np.zeros((R, R), dtype=bool)}
            for shape in FULL_CAP_COSTS}
+    worst = {shape: {"free": 0.0, "partners": 0.0} for shape in FULL_CAP_COSTS}
     for step in range(steps):
         L, own, mb = full_cap_instance(MIX, R, M, step)
         for shape in FULL_CAP_COSTS:
@@ -97,11 +99,12 @@ def run_size(R, M, k, steps, repeats):
                 moved = plan.dest_rank != own
                 met[shape][name][own[moved], plan.dest_rank[moved]] = True
                 met[shape][name][plan.dest_rank[moved], own[moved]] = True
+                worst[shape][name] = max(worst[shape][name], plan.makespan_after / plan.lower_bound)
             if step == 0:
                 (b_rank, _), t_blocks = timed(lambda: fixed_blocks(c, L, own, mb, R, M, k), reps)
                 lb = free.lower_bound
                 sent = lambda rank: 100.0 * L[rank != own].sum() / L.sum()  # noqa: E731
-                rows.append({"R": R, "M": M, "items": int(L.size), "shape": shape,
+                rows.append({"R": R, "M": M, "items": int(L.size), "shape": shape, "steps": steps,
                              "before": free.makespan_before / lb,
                              "free": (free.makespan_after / lb, sent(free.dest_rank), t_free),
                              "blocks": (slowest_over_bound(c, b_rank, R, lb), sent(b_rank), t_blocks),
@@ -109,28 +112,29 @@ def run_size(R, M, k, steps, repeats):
     for row in rows:
         for name in ("free", "partners"):
             peers = met[row["shape"]][name].sum(axis=1)
-            row[name + "_peers"] = (int(peers.max()), float(np.median(peers)))
+            row[name + "_peers"] = (int(peers.max()), float(np.median(peers)), worst[row["shape"]][name])
     return rows
 
 
-def table(rows, k, steps):
-    out = [f"| R x M | items | cost | before / bound | planner | slowest / bound | tokens sent | CPU ms "
-           f"| distinct peers per rank after {steps} steps (max / median) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+def table(rows, k):
+    out = ["| R x M | items | cost | before / bound | planner | slowest / bound | tokens sent | CPU ms "
+           "| steps | worst slowest / bound of any step | distinct peers per rank after the steps (max / median) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         label = f"| {row['R']} x {row['M']} | {row['items']} | {row['shape']} | {row['before']:.4f} |"
         for name, title in (("free", "unconstrained plan_step"), ("blocks", f"fixed blocks of {k}"),
                             ("partners", f"partners, k = {k}")):
             q, sent, ms = row[name]
             peers = row.get(name + "_peers")
+            over = f"{peers[2]:.4f}" if peers else ""
             peers = f"{peers[0]} / {peers[1]:.0f}" if peers else f"<= {k - 1} (by construction)"
-            out.append(f"{label} {title} | {q:.4f} | {sent:.2f}% | {ms:.0f} | {peers} |")
+            out.append(f"{label} {title} | {q:.4f} | {sent:.2f}% | {ms:.0f} | {row['steps']} | {over} | {peers} |")
     return "\n".join(out)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="64x4,512x4,4096x8")
+    parser.add_argument("--sizes", default="64x4,512x4,4096x8", help="R x M[:steps], comma-separated")
     parser.add_argument("--max-partners", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200, help="steps (new seeded instances) for the peer counts")
     parser.add_argument("--repeats", type=int, default=3, help="CPU time of step 0 = min of this many calls")
@@ -138,11 +142,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = []
     for size in args.sizes.split(","):
+        size, _, steps = size.partition(":")
         R, M = (int(x) for x in size.split("x"))
-        got = run_size(R, M, args.max_partners, args.steps, args.repeats)
-        print(table(got, args.max_partners, args.steps), flush=True)
+        got = run_size(R, M, args.max_partners, int(steps or args.steps), args.repeats)
+        print(table(got, args.max_partners), flush=True)
         rows += got
-    text = table(rows, args.max_partners, args.steps)
+    text = table(rows, args.max_partners)
     print(text)
     if args.write:
         cmd = " ".join(["python bench/partners.py"] + (argv if argv is not None else sys.argv[1:]))
