@@ -30,6 +30,7 @@ only as good as blocks of `s1` ranks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -242,8 +243,8 @@ def _first_half_goals(partners: PartnerSets, half: np.ndarray, total: np.ndarray
     With short_r = target_r - total_r (what the rank lacks in all) and even_r = its first-half
     shortfall minus the node block's mean of it, cross block B needs sum_{r in B} (short_r - even_r)
     more. The least-squares flow f with sum_A f = 0 on every node block A and sum_B f = that need
-    is f_r = u_{A(r)} + w_{B(r)}; eliminating u leaves one small symmetric system over the cross blocks
-    (a Laplacian of the block graph, made regular by adding the all-ones matrix: the needs sum to 0).
+    is f_r = u_{A(r)} + w_{B(r)}, u_A = -mean_{r in A} w_{B(r)}; w solves the cross blocks' Laplacian
+    system (`_cross_weights`).
 
     Measured on bench/partners.py's instances: evening out each half first and leaving each rank's own
     total to stage two ends within 1.0025x the bound; asking the first half to cancel the second's
@@ -255,12 +256,45 @@ def _first_half_goals(partners: PartnerSets, half: np.ndarray, total: np.ndarray
     own_short = target * (half.sum() / max(total.sum(), np.finfo(np.float64).tiny)) - half
     even = own_short - (np.bincount(A, weights=own_short, minlength=nA) / size_a)[A]
     need = np.bincount(B, weights=(target - total) - even, minlength=nB)
-    both = np.zeros((nA, nB))
-    np.add.at(both, (A, B), 1.0)
-    schur = np.diag(size_b) - both.T @ (both / size_a[:, None]) + 1.0
-    w = np.linalg.solve(schur, need)
-    u = -(both @ w) / size_a
+    w = _cross_weights(A, B, size_a, size_b, need)
+    u = -np.bincount(A, weights=w[B], minlength=nA) / size_a
     return _positive(half + even + u[A] + w[B], np.maximum(half, target * 0.5))
+
+
+def _cross_weights(A: np.ndarray, B: np.ndarray, size_a: np.ndarray, size_b: np.ndarray,
+                   need: np.ndarray) -> np.ndarray:
+    """w with S w = need, S w = |B| w_B - sum_{r in B} mean_{q in A(r)} w_{B(q)} (symmetric, positive
+    semi-definite, its null space the constant vectors; `need` sums to 0), by conjugate gradients.
+
+    Only bincounts (sequential sums) and exactly rounded inner products (math.fsum): every rank gets
+    the same goals bit for bit, whatever its BLAS or thread count (a LAPACK solve need not)."""
+    nA, nB = size_a.size, size_b.size
+
+    def apply(v):
+        return size_b * v - np.bincount(B, weights=(np.bincount(A, weights=v[B], minlength=nA) / size_a)[A],
+                                        minlength=nB)
+
+    def dot(x, y):
+        return math.fsum((x * y).tolist())
+
+    w = np.zeros(nB)
+    r = need - math.fsum(need.tolist()) / nB
+    p = r.copy()
+    rr = dot(r, r)
+    stop = 1e-24 * rr
+    for _ in range(4 * nB + 10):
+        if rr <= stop:
+            break
+        sp = apply(p)
+        curve = dot(p, sp)
+        if curve <= 0.0:
+            break
+        step = rr / curve
+        w += step * p
+        r -= step * sp
+        rr, previous = dot(r, r), rr
+        p = r + (rr / previous) * p
+    return w
 
 
 def _positive(goal: np.ndarray, scale: np.ndarray) -> np.ndarray:
