@@ -68,7 +68,7 @@ class DPBalanceConfig:
     """Partners per rank for the whole run: each data-parallel rank sends samples to and receives them from at
     most this many fixed peers (`core.partners.partner_sets`), so connections made on first use stay few.
     0: unbounded (the planner picks any peer each step). The default changes nothing below 66 data-parallel
-    ranks; at 512 x 4 and 4,096 x 8 plans stay within 1.0025x the bound (docs/benchmarks/partners.md)."""
+    ranks; what it costs in balance, tokens sent and CPU at 512 and 4,096 ranks: docs/benchmarks/partners.md."""
 
     ranks_per_node: int = 1
     """Consecutive data-parallel ranks that share a node: they are always partners of each other (their

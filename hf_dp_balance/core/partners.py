@@ -246,9 +246,10 @@ def _first_half_goals(partners: PartnerSets, half: np.ndarray, total: np.ndarray
     is f_r = u_{A(r)} + w_{B(r)}, u_A = -mean_{r in A} w_{B(r)}; w solves the cross blocks' Laplacian
     system (`_cross_weights`).
 
-    Measured on bench/partners.py's instances: evening out each half first and leaving each rank's own
-    total to stage two ends within 1.0025x the bound; asking the first half to cancel the second's
-    excess as well asks for moves that are not there (1.004-1.007x)."""
+    Measured on step 0 of bench/partners.py at 512 x 4: evening out each half first and leaving each
+    rank's own total to stage two ends 1.0019x / 1.0025x over the bound (7B-like / strongly quadratic);
+    asking the first half to cancel the second's excess as well asks for moves that are not there
+    (1.0042x / 1.0073x)."""
     A, B = partners.node_block, partners.cross_block
     nA, nB = int(A.max()) + 1, int(B.max()) + 1
     size_a = np.bincount(A, minlength=nA).astype(np.float64)

@@ -97,7 +97,9 @@ def test_every_move_goes_to_a_partner_once_under_the_cap(case):
     ps = partner_sets(R, k)
     n = costs.size
     slot = owners * M + mbs
-    fits = cap is None or np.bincount(slot, weights=tokens, minlength=R * M).max(initial=0) <= cap
+    # a start that breaks the cap or leaves a slot empty (with at least R*M items) requires a plan, gain or not
+    fits = (cap is None or np.bincount(slot, weights=tokens, minlength=R * M).max(initial=0) <= cap) and (
+        n < R * M or np.all(np.bincount(slot, minlength=R * M) > 0))
     try:
         plan = plan_step_with_partners(costs, owners, mbs, R, M, partners=ps, tokens=tokens, max_tokens=cap,
                                        sync=sync, speeds=speeds, min_gain=min_gain)
