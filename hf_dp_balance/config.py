@@ -64,6 +64,16 @@ class DPBalanceConfig:
     sync: str = "auto"
     """`step` (DDP: ranks meet once per optimizer step), `micro_batch` (FSDP / ZeRO-3), or `auto`."""
 
+    max_partners: int = 64
+    """Partners per rank for the whole run: each data-parallel rank sends samples to and receives them from at
+    most this many fixed peers (`core.partners.partner_sets`), so connections made on first use stay few.
+    0: unbounded (the planner picks any peer each step). The default changes nothing below 66 data-parallel
+    ranks; what it costs in balance, tokens sent and CPU at 512 and 4,096 ranks: docs/benchmarks/partners.md."""
+
+    ranks_per_node: int = 1
+    """Consecutive data-parallel ranks that share a node: they are always partners of each other (their
+    transfers use the node's links). Set it to the GPUs per node / (tp x cp); must not exceed `max_partners`."""
+
     refit_every: int = 100
     """Refit the cost model every N optimizer steps after the first fit, on the most recent 64 steps (0: never).
     Keeps up with drift (clocks, kernels warming up, the data mix changing); costs one gather and a fit on
@@ -152,6 +162,13 @@ class DPBalanceConfig:
             bad("min_gain", self.min_gain, "must be in [0, 1)")
         if not 0.0 <= self.move_tolerance < 1.0:
             bad("move_tolerance", self.move_tolerance, "must be in [0, 1)")
+        if self.max_partners < 0:
+            bad("max_partners", self.max_partners, "must be >= 0 (0: unbounded)")
+        if self.ranks_per_node < 1:
+            bad("ranks_per_node", self.ranks_per_node, "must be >= 1")
+        if 0 < self.max_partners < max(self.ranks_per_node, 2):
+            bad("max_partners", self.max_partners, f"must be 0 or at least {max(self.ranks_per_node, 2)} (the "
+                f"ranks_per_node={self.ranks_per_node} ranks of a node and one partner outside it)")
         if self.sync not in SYNC_CHOICES:
             bad("sync", self.sync, f"must be one of {SYNC_CHOICES}")
         if self.fit_mode not in FIT_MODES:
