@@ -30,7 +30,7 @@ from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, 
                                              pull_micro_batches, slot_members, slot_samples, step_decision,
                                              step_header, validate_plan)
 from hf_dp_balance.runtime.planned_step import local_layout, orders_for_ranks, slots_of
-from hf_dp_balance.runtime.step_plan import plan_work, token_cap
+from hf_dp_balance.runtime.step_plan import plan_work, planner_for, token_cap
 from hf_dp_balance.runtime.step_stream import StepStream
 
 logger = get_logger(__name__)
@@ -58,7 +58,7 @@ class BalancedLoader:
     lists the sample's vision items as (t, h, w) grids or patch counts of one-frame
     items (`core.costing.item_grids`), or is just their count (an int: then no
     vision cost can be planned); default `sample_features` and the sample's grids),
-    `plan_fn` (default `planner.plan_step`). `packed_input` (a `runtime.packed_input.PackedInput`): the
+    `plan_fn` (default `planner.plan_step`, within fixed partners beyond `config.max_partners + 1` ranks). `packed_input` (a `runtime.packed_input.PackedInput`): the
     micro-batches are the user's packed rows; they are split into samples before planning, every slot goes
     back in their layout, and without `config.max_tokens` the cap is the step's longest row (ratio 1.0).
     `on_fatal` (message -> None: what the watchdog does when a peer stops answering while training;
@@ -100,7 +100,6 @@ class BalancedLoader:
                     return int(f.tokens), sample_grids(sample, f.vision_items)  # grids: per-frame costing
         self.collator = collator
         self.features_fn = features_fn
-        self.plan_fn = plan_fn
         sync = sync or self.config.sync
         self.sync = "step" if sync == "auto" else sync  # `auto` without a framework to ask: DDP semantics
         self.id_key = id_key
@@ -127,6 +126,7 @@ class BalancedLoader:
         self.side_channel = side_channel
         self._exchange = exchange if exchange is not None else side_channel.exchange()
         self._watchdog = side_channel.watchdog if side_channel is not None and self.config.watchdog else None
+        self.plan_fn = planner_for(self._exchange.world_size, self.config, plan_fn)  # partners bounded at scale
         self.step_offset = 0  # the user's step of the next stream's first step (errors name it)
         self._stats: List[StepStats] = []
         self._stats_lock = threading.Lock()

@@ -173,3 +173,51 @@ def test_orders_give_every_sample_one_destination_and_both_ends_the_same_pairs_a
             assert layouts[a].send_splits[b] == layouts[b].recv_splits[a]
             expected = np.flatnonzero((holders == a) & (dest_rank == b) & (a != b))
             assert np.array_equal(layouts[a].send_index[b], expected)
+
+
+# ------------------------------------------------------------------ fixed partners beyond max_partners + 1 ranks
+
+def _steps_with_partners(rank, world, steps, max_partners):
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.runtime.loader import BalancedLoader
+
+    def micro_batches():  # rank 0 holds long samples, the others short ones: the plan must move
+        for i in range(steps * GA):
+            yield [{"input_ids": torch.full((40 if rank == 0 else 4 + (5 * i + 3 * k + rank) % 9,), rank,
+                                            dtype=torch.int32), "sample_id": 10_000 * rank + 10 * i + k}
+                   for k in range(3)]
+
+    cfg = DPBalanceConfig(timeout_s=30, prefetch_steps=1, min_gain=0.0, watchdog=False, max_partners=max_partners,
+                          max_token_ratio=2.0)
+    loader = BalancedLoader(micro_batches(), cfg, gradient_accumulation_steps=GA,
+                            collator=lambda s: {"ids": [x["sample_id"] for x in s],
+                                                "ranks": [int(x["input_ids"][0]) for x in s]},
+                            features_fn=lambda s: (int(s["input_ids"].numel()), 0), cost_model=CostModel(1.0, 1.0),
+                            exchange=side_exchange(30))
+    out = []
+    for batches in loader.iter_steps():
+        loader.pop_stats()
+        out.append(dict(ids=[i for b in batches for i in b["ids"]], holders=[h for b in batches for h in b["ranks"]]))
+    loader.close()
+    return out
+
+
+def test_beyond_max_partners_every_sample_moves_only_to_a_fixed_partner_6_ranks():
+    from hf_dp_balance.core.partners import partner_sets
+
+    world, steps, k = 6, 3, 2
+    results = run_ranks(_steps_with_partners, world, steps, k, timeout=240)
+    partners = partner_sets(world, k)
+    assert not partners.complete  # the bound is in force at this size
+    moved = 0
+    for s in range(steps):
+        got = [i for r in range(world) for i in results[r][s]["ids"]]
+        expected = {10_000 * r + 10 * i + j for r in range(world) for i in (GA * s, GA * s + 1) for j in range(3)}
+        assert len(got) == len(set(got)) and set(got) == expected, f"step {s}: samples lost or duplicated"
+        for r in range(world):
+            for holder in results[r][s]["holders"]:
+                if holder != r:
+                    moved += 1
+                    assert partners.allows(holder, r), (s, holder, r)
+    assert moved > 0  # rank 0's long samples went somewhere
