@@ -10,6 +10,8 @@ constructor), then the defaults below.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional
@@ -221,4 +223,16 @@ def config_field_names() -> tuple:
     return tuple(f.name for f in fields(DPBalanceConfig))
 
 
-__all__ = ["DPBalanceConfig", "ENV_PREFIX", "FATAL_CHOICES", "config_field_names"]
+def config_digest(config: DPBalanceConfig) -> str:
+    """A short hex digest of every field's value: equal on two processes exactly when their configs are."""
+    text = json.dumps(config.to_dict(), sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def config_differences(mine: Mapping, theirs: Mapping) -> tuple:
+    """The field names whose values differ between two `DPBalanceConfig.to_dict()` results, in field order."""
+    return tuple(name for name in config_field_names() if mine.get(name) != theirs.get(name))
+
+
+__all__ = ["DPBalanceConfig", "ENV_PREFIX", "FATAL_CHOICES", "config_differences", "config_digest",
+           "config_field_names"]
