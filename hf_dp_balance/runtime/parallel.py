@@ -92,6 +92,19 @@ class DataParallelGroup:
         raise ValueError(f"rank {me} is not in the device mesh {grid.tolist()}")
 
 
+def _from_sub_mesh(sub) -> DataParallelGroup:
+    """The group of a 1-D mesh; when it was sliced from a larger mesh (`mesh["dp"]`), read along that dimension
+    of the root mesh, so every slice is known (`DataParallelGroup.slices`)."""
+    root = sub._get_root_mesh() if hasattr(sub, "_get_root_mesh") else None
+    names = tuple(getattr(sub, "mesh_dim_names", None) or ())
+    if root is not None and root is not sub and root.mesh.dim() > 1 and names and \
+            all(n in (getattr(root, "mesh_dim_names", None) or ()) for n in names):
+        group = DataParallelGroup.from_mesh(root, names)
+        if group.ranks == tuple(int(r) for r in sub.mesh.tolist()):
+            return group
+    return DataParallelGroup.from_mesh(sub)
+
+
 def data_parallel_dims(names: Sequence[str]) -> Tuple[str, ...]:
     """The data-parallel dimension names among a mesh's `names` (the flattened "dp" alone when present)."""
     names = tuple(names)
@@ -111,7 +124,7 @@ def resolve_data_parallel_group(accelerator: Any = None, explicit: Any = None) -
             if explicit.mesh.dim() != 1:
                 raise ValueError(f"data_parallel_group: a {explicit.mesh.dim()}-D DeviceMesh; pass its data-parallel "
                                  f"dimension (mesh['dp']) or a ProcessGroup")
-            return DataParallelGroup.from_mesh(explicit)
+            return _from_sub_mesh(explicit)
         return DataParallelGroup.from_process_group(explicit)
     mesh = getattr(accelerator, "torch_device_mesh", None) if accelerator is not None else None
     if mesh is not None:

@@ -225,7 +225,7 @@ class SideChannel:
         if failed:
             self.close()
             raise SideChannelError(f"hf_dp_balance: creating the side channel failed on rank(s) {sorted(failed)}; "
-                                   f"every process destroyed its side groups (raised on rank {rank}): "
+                                   f"every process destroyed its side groups: "
                                    f"{failure_detail(failed)}")
 
     def _agree_config(self, rank: int, world: int) -> None:
@@ -250,8 +250,8 @@ class SideChannel:
                                      self.timeout_s, "agreeing the configuration")
         if differ:
             raise SideChannelError(f"hf_dp_balance: DPBalanceConfig differs across processes (every process must "
-                                   f"run with the same settings, HF_DP_BALANCE_* variables included; raised on "
-                                   f"rank {rank}): {failure_detail(differ)}")
+                                   f"run with the same settings, HF_DP_BALANCE_* variables included): "
+                                   f"{failure_detail(differ)}")
 
     # -- groups -------------------------------------------------------------------------------
     def _new(self, data_parallel: DataParallelGroup, backend: str = "gloo", desc: str = "side"):
