@@ -33,17 +33,22 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pickle
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
 from hf_dp_balance.config import DPBalanceConfig, config_differences, config_digest
 from hf_dp_balance.runtime.exchange import ExchangeError, SampleExchange, failure_detail
+from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.parallel import DataParallelGroup
 from hf_dp_balance.runtime.watchdog import Watchdog
 
+logger = get_logger(__name__)
 STORE_ROOT = "hf_dp_balance/"
 _RUN_COUNTER = STORE_ROOT + "runs"
+# From this many ranks in a slice, side groups whose connections are all made at creation are worth a word.
+EAGER_NOTE_SIZE = 256
 
 
 class SideChannelError(RuntimeError):
@@ -197,6 +202,7 @@ class SideChannel:
         self.watchdog: Optional[Watchdog] = None
         self._vision_group = None
         self._exchanges_made = 0
+        self._relays_made = 0
         self._closed = False
         self._store = default_store() if self.distributed else None
         if self._store is None:  # a single process without torch.distributed (a one-process Trainer)
@@ -206,6 +212,11 @@ class SideChannel:
         # Every process adds one per run: the run's number is the same on every process and never repeats.
         self.run_id = str((int(self._store.add(_RUN_COUNTER, 1)) - 1) // world)
         self._agree_config(rank, world)  # before any group: the config decides how many there are
+        if rank == 0 and self.data_parallel.size >= EAGER_NOTE_SIZE and os.environ.get("TORCH_GLOO_LAZY_INIT") != "1":
+            logger.warning("dp_balance: each side group connects its %d ranks when it is made (%d file descriptors "
+                           "a group on every process); TORCH_GLOO_LAZY_INIT=1 in the launcher's environment makes "
+                           "gloo connect only the peers a group uses (docs/scale.md)", self.data_parallel.size,
+                           self.data_parallel.size + 3)
         failure = None
         try:
             self.exchange_group = self._new(self.data_parallel, desc="exchange")
@@ -270,10 +281,15 @@ class SideChannel:
         return f"{STORE_ROOT}{self.run_id}/"
 
     def relay(self, name: str) -> Optional[StoreRelay]:
-        """The store relay of `name` between slices (None with one slice, which needs none)."""
+        """A new store relay between slices (None with one slice, which needs none); a collective in that every
+        process asks for its relays in the same order."""
         if self.spans_world or self._store is None:
             return None
-        return StoreRelay(self._store, f"{self.store_namespace}{name}/", self.fitting_slice, self.timeout_s)
+        # numbered per channel (every process asks in the same order): a second relay of one name never
+        # reads the first one's keys
+        self._relays_made += 1
+        return StoreRelay(self._store, f"{self.store_namespace}{name}/{self._relays_made}/", self.fitting_slice,
+                          self.timeout_s)
 
     def from_rank0(self, obj, name: str):
         """Global rank 0's `obj` on every process (the others pass anything): `share_from_first` on the control
