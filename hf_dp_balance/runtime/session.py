@@ -125,8 +125,8 @@ class BalanceSession:
         group = self.side.control_group
         self.fitter = CostModelFitter(self.config, rank=dist.get_rank(group) if group is not None else 0,
                                       world=self.data_parallel.size if group is not None else 1, group=group,
-                                      relay=self.side.relay("models"), timing=timing, sync=sync, decoder=decoder, vision=vision, fitted_step=fitted_step,
-                                      prior=prior, vision_prior=vision_prior)
+                                      relay=self.side.relay("models"), timing=timing, sync=sync, decoder=decoder,
+                                      vision=vision, fitted_step=fitted_step, prior=prior, vision_prior=vision_prior)
         if self.recorder is not None:
             self.recorder.remove()
         self.recorder = StepRecorder(StepClock(timing, device_type), micro_batches=self.fitter.fits_micro_batches)
