@@ -6,7 +6,7 @@ the session is made, and after N steps of a balanced loader whose cost model is 
 after 3 steps (so the fit's gather and publication run too). Each version runs in its own interpreter from
 its own checkout (`--baseline`: a checkout of the library to compare, e.g. `git archive <commit>`; ours: this
 checkout), with gloo's connections made at group creation (torch's default) and, with `--lazy`, only when
-first used (`TORCH_GLOO_LAZY_INIT=1`). Printed: per size the median over processes of the descriptors added by
+first used (`TORCH_GLOO_LAZY_INIT=1`). Creation is timed from a barrier of every process. Printed: per size the median over processes of the descriptors added by
 creation and by the steps, the largest added on any process (rank 0 also serves the rendezvous store), and
 the slowest process's creation time, with the ratio baseline / ours.
 
@@ -53,6 +53,7 @@ def _rank(rank, world, tp, steps):
             for _ in range(int(rng.integers(1, 4)))] for _ in range(steps * GA)]
     config = DPBalanceConfig(timeout_s=120, min_gain=0.0, warmup_steps=3, refit_every=0, prior=False)
     held = _fds()
+    torch.distributed.barrier()  # every process arrived: the time below is creation, not start-up skew
     t0 = time.perf_counter()
     session = BalanceSession(config, data_parallel)
     created_s = time.perf_counter() - t0

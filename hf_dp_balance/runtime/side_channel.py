@@ -130,6 +130,19 @@ def agree_through_store(store, key: str, world: int, rank: int, note: Optional[s
     return found
 
 
+def open_files_note() -> str:
+    """This process's open files and its limit, and what to do about it."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        held = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        held = -1
+    return (f"{held} files open, limit {soft}: raise `ulimit -n` or set TORCH_GLOO_LAZY_INIT=1 in the launcher's "
+            f"environment, docs/scale.md")
+
+
 class StoreRelay:
     """Objects from the first process of the fitting slice to the first process of every other slice,
     through the rendezvous store under the run's namespace: publication n under key `<prefix><n>`, counted
@@ -227,6 +240,8 @@ class SideChannel:
                                          self.config.heartbeat_s, self.config.error_grace_s, fatal)
         except Exception as exc:  # noqa: BLE001 - agreed below, raised on every process alike
             failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            if "Too many open files" in str(exc):
+                failure += f" ({open_files_note()})"
         try:
             failed = agree_through_store(self._store, f"{self.store_namespace}construction", world, rank, failure,
                                          self.timeout_s, "creating the side groups")
@@ -343,4 +358,4 @@ class SideChannel:
 
 
 __all__ = ["STORE_ROOT", "SideChannel", "SideChannelError", "StoreRelay", "agree_through_store", "default_store",
-           "destroy_group", "new_side_group", "share_from_first"]
+           "destroy_group", "new_side_group", "open_files_note", "share_from_first"]
