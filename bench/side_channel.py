@@ -52,8 +52,8 @@ def _rank(rank, world, tp, steps):
     raw = [[{"input_ids": torch.zeros(int(rng.choice([8, 16, 200, 400])), dtype=torch.int32)}
             for _ in range(int(rng.integers(1, 4)))] for _ in range(steps * GA)]
     config = DPBalanceConfig(timeout_s=120, min_gain=0.0, warmup_steps=3, refit_every=0, prior=False)
-    held = _fds()
     torch.distributed.barrier()  # every process arrived: the time below is creation, not start-up skew
+    held = _fds()  # after the barrier: its own connections (lazy) are not the session's
     t0 = time.perf_counter()
     session = BalanceSession(config, data_parallel)
     created_s = time.perf_counter() - t0
