@@ -35,6 +35,7 @@ import datetime
 import json
 import os
 import pickle
+import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
@@ -47,6 +48,9 @@ from hf_dp_balance.runtime.watchdog import Watchdog
 logger = get_logger(__name__)
 STORE_ROOT = "hf_dp_balance/"
 _RUN_COUNTER = STORE_ROOT + "runs"
+# At the end of a run the store's host waits at most this long for slower slices to read its last models (a
+# reader that died must not hold the end of the run for timeout_s).
+RELAY_DRAIN_S = 30.0
 # From this many ranks in a slice, side groups whose connections are all made at creation are worth a word.
 EAGER_NOTE_SIZE = 256
 
@@ -146,10 +150,13 @@ def open_files_note() -> str:
 class StoreRelay:
     """Objects from the first process of the fitting slice to the first process of every other slice,
     through the rendezvous store under the run's namespace: publication n under key `<prefix><n>`, counted
-    alike on every process (publications happen at the same steps everywhere)."""
+    alike on every process (publications happen at the same steps everywhere). Each reader counts itself in
+    `<key>/read`, so the sender (global rank 0, which usually hosts the store) can wait at the end of the run
+    until its last publication was read (`drain`) instead of taking the store away from a slower slice."""
 
-    def __init__(self, store, prefix: str, sends: bool, timeout_s: float):
+    def __init__(self, store, prefix: str, sends: bool, timeout_s: float, readers: int = 1):
         self.store, self.prefix, self.sends, self.timeout_s = store, prefix, sends, float(timeout_s)
+        self.readers = int(readers)
         self._count = 0
 
     def _key(self) -> str:
@@ -167,7 +174,20 @@ class StoreRelay:
         except Exception as exc:  # noqa: BLE001
             raise ExchangeError(f"hf_dp_balance: {key}: not published by the fitting slice's first process "
                                 f"within timeout_s={self.timeout_s:g}s: {type(exc).__name__}") from exc
-        return pickle.loads(self.store.get(key))
+        obj = pickle.loads(self.store.get(key))
+        self.store.add(f"{key}/read", 1)
+        return obj
+
+    def drain(self, deadline_s: float) -> bool:
+        """Sender: wait (at most `deadline_s`) until every reader has read the last publication; True if so."""
+        if not self.sends or self._count == 0 or self.readers < 1:
+            return True
+        key, end = f"{self.prefix}{self._count - 1}/read", time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if int(self.store.add(key, 0)) >= self.readers:
+                return True
+            time.sleep(0.02)
+        return False
 
 
 def share_from_first(obj, group, rank: int, world: int, relay: Optional[StoreRelay]):
@@ -215,7 +235,7 @@ class SideChannel:
         self.watchdog: Optional[Watchdog] = None
         self._vision_group = None
         self._exchanges_made = 0
-        self._relays_made = 0
+        self._relays: List[StoreRelay] = []
         self._closed = False
         self._store = default_store() if self.distributed else None
         if self._store is None:  # a single process without torch.distributed (a one-process Trainer)
@@ -302,9 +322,11 @@ class SideChannel:
             return None
         # numbered per channel (every process asks in the same order): a second relay of one name never
         # reads the first one's keys
-        self._relays_made += 1
-        return StoreRelay(self._store, f"{self.store_namespace}{name}/{self._relays_made}/", self.fitting_slice,
-                          self.timeout_s)
+        slices = len(self.data_parallel.slices) or self.world.size // self.data_parallel.size
+        relay = StoreRelay(self._store, f"{self.store_namespace}{name}/{len(self._relays)}/", self.fitting_slice,
+                           self.timeout_s, readers=slices - 1)
+        self._relays.append(relay)
+        return relay
 
     def from_rank0(self, obj, name: str):
         """Global rank 0's `obj` on every process (the others pass anything): `share_from_first` on the control
@@ -347,6 +369,13 @@ class SideChannel:
         self._closed = True
         if self.watchdog is not None:
             self.watchdog.stop()
+        for relay in self._relays:  # the store outlives this run on the sender until slower slices have read
+            try:
+                if not relay.drain(min(self.timeout_s, RELAY_DRAIN_S)):
+                    logger.warning("dp_balance: %s: not read by every other slice within %gs of the end of the run",
+                                   relay.prefix, min(self.timeout_s, RELAY_DRAIN_S))
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
+                pass
         for group in reversed(self._groups):
             if group is not None:
                 destroy_group(group)
@@ -358,4 +387,4 @@ class SideChannel:
 
 
 __all__ = ["STORE_ROOT", "SideChannel", "SideChannelError", "StoreRelay", "agree_through_store", "default_store",
-           "destroy_group", "new_side_group", "open_files_note", "share_from_first"]
+           "destroy_group", "new_side_group", "open_files_note", "share_from_first", "RELAY_DRAIN_S"]
