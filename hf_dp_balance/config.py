@@ -10,6 +10,8 @@ constructor), then the defaults below.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional
@@ -238,4 +240,24 @@ def config_field_names() -> tuple:
     return tuple(f.name for f in fields(DPBalanceConfig))
 
 
-__all__ = ["DPBalanceConfig", "ENV_PREFIX", "FATAL_CHOICES", "config_field_names"]
+# Fields that may differ between processes: only rank 0 reads the cost model file, and logging is local.
+RANK_LOCAL_FIELDS = ("cost_model_path", "verbose")
+
+
+def config_digest(config: DPBalanceConfig) -> str:
+    """A short hex digest of every field's value but `RANK_LOCAL_FIELDS`: equal on two processes exactly when
+    their configs agree on everything that decides the groups, the collectives and the plans."""
+    shared = {k: v for k, v in config.to_dict().items() if k not in RANK_LOCAL_FIELDS}
+    text = json.dumps(shared, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def config_differences(mine: Mapping, theirs: Mapping) -> tuple:
+    """The field names (but `RANK_LOCAL_FIELDS`) whose values differ between two `DPBalanceConfig.to_dict()`
+    results, in field order."""
+    return tuple(name for name in config_field_names()
+                 if name not in RANK_LOCAL_FIELDS and mine.get(name) != theirs.get(name))
+
+
+__all__ = ["DPBalanceConfig", "ENV_PREFIX", "FATAL_CHOICES", "RANK_LOCAL_FIELDS", "config_differences", "config_digest",
+           "config_field_names"]

@@ -14,6 +14,7 @@ sizes: `core.codec`. Details: docs/exchange.md.
 from __future__ import annotations
 
 import datetime
+import json
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -46,7 +47,7 @@ PLANNER = 0
 (O_STATUS, O_NUM_MICRO, O_NUM_SAMPLES, O_OFFSET, O_N_IN, O_N_OUT, O_N_RECV, O_TEXT, O_APPLIED, O_BEFORE, O_AFTER,
  O_MOVED, O_MOVED_BYTES, O_WIDTH) = range(14)
 STATUS_OK, STATUS_END, STATUS_FAILED = 0, 1, 2
-_STORE_PREFIX = "exchange_failed/"
+_STORE_PREFIX = "exchange_failed"  # one key per run: every failed rank appends its line
 _STORE_DEADLINE_S = 2.0  # the failure notes are best effort: a stopped store host must not hold the error
 
 
@@ -122,28 +123,35 @@ class SampleExchange:
             return None
 
     def report_failure(self, step: int, message: str) -> None:
-        """Leave a note in the rendezvous store so that peers stuck in a collective can name this rank."""
+        """Leave a note in the rendezvous store so that peers stuck in a collective can name this rank.
+
+        Every note of the run goes into one key (one append: a line of [global rank, note]), so reading
+        them all is one round trip whatever the number of ranks."""
         store = self._store()
         if store is not None:  # the store may be gone or stopped with its host: a deadline, never a hang
-            note = f"step {step}: {message[:300]}"
-            key = f"{self._store_prefix}{self._global_ranks[self.rank]}"  # global: several subgroups share one store
-            call_with_deadline(lambda: store.set(key, note), _STORE_DEADLINE_S)
+            line = json.dumps([int(self._global_ranks[self.rank]), f"step {step}: {message[:300]}"]) + "\n"
+            call_with_deadline(lambda: store.append(self._store_prefix, line.encode("utf-8")), _STORE_DEADLINE_S)
 
     def reported_failures(self) -> Dict[int, str]:
-        """Ranks that left a failure note (best effort: empty when the store is unreachable or stopped).
-
-        Waits at most `_STORE_DEADLINE_S` in all, whatever the store does.
-        """
+        """Ranks of this group that left a failure note ({group rank: note}; best effort: empty when the store
+        is unreachable or stopped). Two store round trips (check, get) whatever the group's size; waits at most
+        `_STORE_DEADLINE_S` in all, whatever the store does."""
         store = self._store()
         if store is None:
             return {}
+        position = {int(g): r for r, g in enumerate(self._global_ranks)}
 
         def lookup():
+            if not store.check([self._store_prefix]):
+                return {}
             found = {}
-            for r in range(self.world_size):
-                key = f"{self._store_prefix}{self._global_ranks[r]}"
-                if store.check([key]):
-                    found[r] = store.get(key).decode("utf-8", "replace")
+            for line in store.get(self._store_prefix).decode("utf-8", "replace").splitlines():
+                try:
+                    global_rank, note = json.loads(line)
+                except ValueError:
+                    continue
+                if int(global_rank) in position:  # notes of other slices share the key
+                    found[position[int(global_rank)]] = str(note)
             return found
 
         return call_with_deadline(lookup, _STORE_DEADLINE_S, default={})

@@ -179,8 +179,10 @@ class CostModelFitter:
 
     Args:
         config: `warmup_steps` (first fit; None: by the fit mode, `resolve_warmup_steps`), `refit_every`, `fit_mode`, `verbose` are read.
-        rank, world, group: this process in the data-parallel group and the side (gloo) group that
-            carries records and coefficients (None with world 1).
+        rank, world, group: this process in the data-parallel group and the side (gloo) group over that
+            slice that carries records and coefficients (None with world 1); its rank 0 fits.
+        relay: under a dp x tp / cp mesh, what carries the fitting slice's models to the other slices (a
+            `runtime.side_channel.StoreRelay`); only the slice of global rank 0 gathers records and fits.
         timing: the resolved clock (`thread_cpu`, `wall`, `forward_events`, `unit_events`); `fit_mode="auto"`
             follows it.
         decoder, vision, fitted_step: models to start from (a checkpoint, `cost_model_path`).
@@ -194,9 +196,10 @@ class CostModelFitter:
                  timing: str = "thread_cpu", decoder: Optional[CostModel] = None,
                  vision: Optional[CostModel] = None, fitted_step: int = -1,
                  prior: Optional[CostModel] = None, vision_prior: Optional[CostModel] = None,
-                 sync: Optional[str] = None):
+                 sync: Optional[str] = None, relay=None):
         self.config = config
         self.rank, self.world, self.group = rank, world, group
+        self.relay = relay  # models between data-parallel slices (`runtime.side_channel.StoreRelay`; None: one slice)
         self.timing = timing
         self.sync = config.sync if sync is None else sync
         self.fit_mode = resolve_fit_mode(config.fit_mode, timing)
@@ -279,24 +282,32 @@ class CostModelFitter:
 
     # -- collectives --------------------------------------------------------------------
 
-    def _gather(self, obj) -> list:
-        """All ranks' `obj`, in rank order (side group); [obj] on a single process."""
+    def _gather(self, obj, to: Optional[int] = None) -> Optional[list]:
+        """All ranks' `obj` in rank order (side group): on every rank (`to` None), or on rank `to` only, the
+        others getting None (a gather, not an all-gather: one rank fits). A slice that does not fit (under a
+        mesh the models come from the slice of global rank 0, `relay`) gathers nothing for `to`."""
+        if to is not None and self.relay is not None and not self.relay.sends:
+            return None
         if self.world == 1:
             return [obj]
         import torch.distributed as dist
 
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        if to is None:
+            out = [None] * self.world
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+        out = [None] * self.world if self.rank == to else None
+        dist.gather_object(obj, out, group=self.group, group_dst=to)
         return out
 
     def _broadcast(self, obj):
-        if self.world == 1:
+        """Rank 0's `obj` (the group's first rank fits) on every rank; under a mesh, from the fitting slice's
+        first process to every slice (`runtime.side_channel.share_from_first`)."""
+        if self.world == 1 and self.relay is None:
             return obj
-        import torch.distributed as dist
+        from hf_dp_balance.runtime.side_channel import share_from_first
 
-        box = [obj]
-        dist.broadcast_object_list(box, group_src=0, group=self.group)  # the group's first rank fits
-        return box[0]
+        return share_from_first(obj, self.group, self.rank, self.world, self.relay)
 
     def fit(self, step: int) -> None:
         """Gather every rank's records, fit on rank 0, broadcast: every rank holds the same models after."""
@@ -304,9 +315,8 @@ class CostModelFitter:
         mine = tuple(np.array([r[i] for r in records]) for i in range(4))
         if self.fits_micro_batches:
             mine += ([None if r.micro_s is None else (r.micro_features, r.micro_s) for r in records],)
-        gathered = self._gather(mine)
-        steps = min(len(g[1]) for g in gathered)
-        payload = self._fit_gathered(gathered, steps) if self.rank == 0 else None
+        gathered = self._gather(mine, to=0)
+        payload = self._fit_gathered(gathered, min(len(g[1]) for g in gathered)) if gathered is not None else None
         payload = self._broadcast(payload)
         if payload.get("decoder") is not None:
             # The step-time fit's first model comes from a warm-up whose slowest ranks say little about attention
