@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
+from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply
 from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _float_order, _rank_starts, _ranges,
                                                     _search_within, _stable_argsort)
@@ -26,8 +26,7 @@ _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token 
 
 
 def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS,
-                   min_rate: float = _MIN_RATE, near: bool = False, partners_only: bool = False,
-                   idle_rounds: int = 3, few: float = 0.02) -> bool:
+                   min_rate: float = _MIN_RATE, near: bool = False, idle_rounds: int = 3, few: float = 0.02) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
     A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
@@ -58,18 +57,13 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     `idle_rounds` in a row that trade for at most `few` of the over-full ranks (the partners shift:
     a round or two may still find trades).
 
-    `partners_only`: the ladders of a round's partner ranks only, built as the rounds first pair them
-    (`_build_partner_ladders`) instead of every slot's at the start: where few ranks are over-full (a
-    residue pass) most ladders are never read. The same ladders, but their prefix sums run over the
-    built ranks only, so costs sum in another order: the last bits differ from the global ladders'
-    (with integer costs and positive integer tokens, the same trades).
     """
     cap = state.cap
     R = state.load.shape[0]
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
-    lad = _make_ladders(state, near, partners_only)
+    lad = _make_ladders(state, near)
     if lad is None:
         return False
     mean_rate = lad.mean_rate
@@ -82,8 +76,6 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
             return True
         if h is None:
             return False
-        if partners_only:
-            _build_partner_ladders(state, lad, np.concatenate((h, l)))
         if _round(state, h, l, budget, limit, lad, overhead, min_rate) > few * over.size:
             idle = 0
         else:
@@ -93,10 +85,9 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     return not np.any(state.load > limit)
 
 
-def _make_ladders(state: _State, near: bool, partners_only: bool):
+def _make_ladders(state: _State, near: bool):
     """What the rounds of `_ladder_trades` read (None without large items): every slot's ladder (items
-    by density, their prefix sums, each item's position), or with `partners_only` room for the ranks'
-    ladders as `_build_partner_ladders` adds them; the large items by rank, by surplus and by cost."""
+    by density, their prefix sums, each item's position); the large items by rank, by surplus and by cost."""
     R, M = state.load.shape[0], state.M
     tok, cost = state.tokens, state.costs
     n = cost.shape[0]
@@ -109,108 +100,28 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
     lad = SimpleNamespace(slot_items=slot_items.astype(np.int64),
                           stale=np.zeros(S, dtype=bool),  # slots an original item left: their ladders no longer hold
                           moved=np.zeros(n, dtype=bool))
-    if partners_only:
-        # slot s's ladder: order[lo[s]:hi[s]] once its rank is built; prefix sums with one leading 0
-        lad.order, lad.CT, lad.CC = np.zeros(0, dtype=np.int64), np.zeros(1), np.zeros(1)
-        lad.lo, lad.hi = np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64)
-        lad.rank_of = np.zeros(n, dtype=np.int64)
-        lad.built = np.zeros(R, dtype=bool)
-        lad.members, lad.bins = _Members(state.dest, R, state.order_memo), bins
-    else:
-        order = _ladders(bins, slot, _by_density(state) if S <= _RADIX else None)
-        starts = np.zeros(S + 1, dtype=np.int64)
-        np.cumsum(slot_items, out=starts[1:])
-        # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
-        CT, CC = np.zeros(n + 1), np.zeros(n + 1)
-        np.cumsum(tok[order], out=CT[1:])
-        np.cumsum(cost[order], out=CC[1:])
-        lad.order, lad.CT, lad.CC, lad.lo, lad.hi = order, CT, CC, starts[:-1], starts[1:]
-        lad.rank_of = np.empty(n, dtype=np.int64)
-        lad.rank_of[order] = np.arange(n)  # ladder position of every item
+    order = _ladders(bins, slot, _by_density(state) if S <= _RADIX else None)
+    starts = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(slot_items, out=starts[1:])
+    # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
+    CT, CC = np.zeros(n + 1), np.zeros(n + 1)
+    np.cumsum(tok[order], out=CT[1:])
+    np.cumsum(cost[order], out=CC[1:])
+    lad.order, lad.CT, lad.CC, lad.lo, lad.hi = order, CT, CC, starts[:-1], starts[1:]
+    lad.rank_of = np.empty(n, dtype=np.int64)
+    lad.rank_of[order] = np.arange(n)  # ladder position of every item
     # the large items, grouped by rank: most cost above their tokens at the lowest density first
     # (the ones h sends), and by cost (the ones l gives back in a's place)
     lad.surplus_scale, lad.cost_scale, lad.near = scale, cost_scale, near
     ranks = state.dest[large]
-    if partners_only:  # rank r's large items: large[l_lo[r]:l_hi[r]] (and by_cost) once r is built
-        lad.large, lad.surplus_key = np.zeros(0, dtype=np.int64), np.zeros(0)
-        lad.by_cost, lad.cost_key = np.zeros(0, dtype=np.int64), np.zeros(0)
-        lad.l_lo, lad.l_hi = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
-        # the largest cost key of the ranks below each rank (what the global keys hold just before its
-        # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
-        top = np.full(R, -np.inf)
-        np.maximum.at(top, ranks, ranks + cost[large] * cost_scale)
-        lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
-    else:
-        key = ranks + (1.0 - (surplus + 1.0) * scale)
-        by = _float_order(key)
-        lad.large, lad.surplus_key = large[by], key[by]
-        l_starts = _rank_starts(ranks, R)
-        lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
-        lad.by_cost, _, lad.cost_key, _ = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
-        lad.below_top = None
+    key = ranks + (1.0 - (surplus + 1.0) * scale)
+    by = _float_order(key)
+    lad.large, lad.surplus_key = large[by], key[by]
+    l_starts = _rank_starts(ranks, R)
+    lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
+    lad.by_cost, _, lad.cost_key, _ = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
     lad.mean_rate = mean_rate
     return lad
-
-
-def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """np.searchsorted(the global cost keys, target) for targets ranks + c x scale (c < 1 / (2 scale)):
-    the answer inside the rank's stretch [lo, hi] of the keys, or, with per-rank stretches appended
-    (`partners_only`), lo - 1 where the global keys below the stretch reach the target (its answer
-    lies below lo: no large item of the rank is near it)."""
-    if lad.below_top is None:
-        return _search_within(lad.cost_key, target, lo, hi)
-    near = _search_within(lad.cost_key, target, lo, hi, clamp="both")
-    return np.where(lad.below_top[ranks] >= target, lo - 1, near)
-
-
-def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
-    """The ladders of the slots of `ranks` not built yet (`_ladder_trades` with `partners_only`), as the
-    global ones hold them: the items of the rank at the start of the pass (`lad.members`) by slot, then
-    density bin, then index, less the items that moved since (they left a slot now stale, whose ladder
-    is never read); appended to `lad.order` with their prefix sums. And the ranks' large items at the
-    start of the pass, by surplus and by cost, appended rank by rank (`lad.l_lo`, `lad.l_hi`)."""
-    new = np.unique(ranks[~lad.built[ranks]])
-    if new.size == 0:
-        return
-    lad.built[new] = True
-    M = state.M
-    per_rank = [lad.members.of(int(r)) for r in new.tolist()]
-    held = np.concatenate(per_rank)  # the ranks' items at the start of the pass, rank by rank, index order
-    held_rank = np.repeat(new, [x.size for x in per_rank])
-    items = held[~lad.moved[held]]
-    slot = state.dest[items] * M + state.micro[items]
-    items = items[np.lexsort((lad.bins[items], slot))]  # (stable: index order among ties)
-    slot = state.dest[items] * M + state.micro[items]
-    at = lad.order.size
-    wanted = (new[:, None] * M + np.arange(M)[None, :]).reshape(-1)
-    lad.lo[wanted] = at + np.searchsorted(slot, wanted, side="left")
-    lad.hi[wanted] = at + np.searchsorted(slot, wanted, side="right")
-    lad.rank_of[items] = at + np.arange(items.size)
-    lad.order = np.concatenate((lad.order, items))
-    lad.CT = np.concatenate((lad.CT, lad.CT[-1] + np.cumsum(state.tokens[items])))
-    lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
-    # their large items as the global orders hold them: by rank, then by key (the same floats), ties by index
-    _, large, surplus, scale, cost_scale, _ = _item_keys(state)
-    big = _is_large(state)[held]  # (index order within a rank; moved ones are filtered where read)
-    mine, ranks = held[big], held_rank[big]
-    at = lad.large.size
-    starts = at + np.searchsorted(ranks, new)  # (`new` ascends, and so do the ranks of `mine`)
-    lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)
-    key = ranks + (1.0 - (surplus[np.searchsorted(large, mine)] + 1.0) * scale)
-    by = _float_order(key)
-    lad.large, lad.surplus_key = np.concatenate((lad.large, mine[by])), np.concatenate((lad.surplus_key, key[by]))
-    key = ranks + state.costs[mine] * cost_scale
-    by = _float_order(key)
-    lad.by_cost, lad.cost_key = np.concatenate((lad.by_cost, mine[by])), np.concatenate((lad.cost_key, key[by]))
-
-
-def _is_large(state: _State) -> np.ndarray:
-    """A mask of the large items (`_item_keys`), once per planning call (`state.item_memo`)."""
-    got = state.item_memo.get("is_large")
-    if got is None:
-        got = state.item_memo["is_large"] = np.zeros(state.costs.shape[0], dtype=bool)
-        got[_item_keys(state)[1]] = True
-    return got
 
 
 def _item_keys(state: _State):
@@ -312,7 +223,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     lo, hi = lad.l_lo[l[pair]], lad.l_hi[l[pair]]
     # (np.searchsorted's answer, searched in l's stretch of the keys first: random queries of the whole
     # array miss the cache at every level)
-    near = _cost_search(lad, l[pair], l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
+    near = _search_within(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
     pb = near[:, None] + np.arange(-(_BREADTH // 2), _BREADTH - _BREADTH // 2)[None, :]
     ok = (pb >= lo[:, None]) & (pb < hi[:, None])
     per_a = ok.sum(axis=1)
