@@ -29,34 +29,22 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
                    min_rate: float = _MIN_RATE, near: bool = False, idle_rounds: int = 3, few: float = 0.02) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
-    to a slot (l, m) of a rank l under its budget, alone or in place of a large item `b` of that
-    slot (b goes to a's slot), and (l, m) frees what a needs with a prefix of its ladder (its
-    original items, cheapest per token first): the first ones move to l's other slots while they
-    hold them, the rest go back to h (a's slot, then h's other slots). The prefix costs what h
-    should shed as far as l can take it (l within budget x (1 + tolerance / 2)); where h's room
-    allows no more pay-back, l may end over its limit if both end under h's load before. A slot
-    gives back once (its ladder is then stale); an item moves once.
-
-    Every round pairs the over-full ranks, most over first, with _BREADTH ranks under budget each
-    (furthest under first, the partners shifting every round), tries h's _BREADTH large items
-    with the most cost above their tokens at the cheapest density (with `near`: the ones whose
-    such surplus just covers h's excess, for a small excess), into the _BREADTH roomiest slots of each
-    partner and in place of the _BREADTH large items of the partner nearest in cost to what a
-    should leave behind, and keeps per h the trade with the most load taken off h (down to its
-    budget, and to no less than l's load after) per token sent (+ cap x _OVERHEAD), if that is
-    at least `min_rate` x the mean cost per token; each partner takes one trade per round.
+    A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h to
+    a slot (l, m) of a rank l under budget, alone or in place of a large item `b` of that slot (b
+    takes a's slot), and (l, m) frees what a needs with a prefix of its ladder: the first items move
+    to l's other slots while they hold them, the rest go back to h (a's slot, then h's others).
+    Each round pairs the over-full ranks, most over first, with _BREADTH ranks under budget (the
+    partners shift every round); per h it keeps the option with the most load taken off h per token
+    sent (+ cap x _OVERHEAD), if at least `min_rate` x the mean cost per token (`_round`); each
+    partner takes one trade per round. With `near`, h tries the large items whose surplus just
+    covers its excess (a small excess). A pass ends after `idle_rounds` rounds in a row that trade
+    for at most `few` of the over-full ranks.
 
     Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
     larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
-    `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
-    bins, then slots), then per round O(over-full ranks x 2 _BREADTH^3)
-    binary searches (inside one slot's ladder each) and O(items traded) numpy, with a loop over the
-    items of one trade (all trades at once) only for the pay-back items that spill past a's slot and
-    the receiving slot's items that next fit cannot place. A pass ends after
-    `idle_rounds` in a row that trade for at most `few` of the over-full ranks (the partners shift:
-    a round or two may still find trades).
-
+    `state.min_count` items and a slot with items keeps one; an item moves once, a slot gives back
+    once (its ladder is then stale). Cost: one O(n) radix sort, then per round O(over-full ranks x
+    2 _BREADTH^3) binary searches inside one slot's ladder each and O(items traded) numpy.
     """
     cap = state.cap
     R = state.load.shape[0]

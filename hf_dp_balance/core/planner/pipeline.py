@@ -17,7 +17,8 @@ speed`); the goal is the fullest rank (load / budget) at or under 1 + tolerance,
    tokens are (`_roomy_trades`). At 2 to 4 micro-batches the long items are first assigned to
    ranks (`assign`) where that search expects to send at most `_TRUST` of the tokens; the other
    order runs where the first ends above the trades' limit. For a milder cost: small-change
-   trades (`trade`) and step 1. Both end with small-change trades, a polish and by sending home items a detour took away (`home`).
+   trades (`trade`) and step 1. Both end with small-change trades, a polish and by sending home
+   items a detour took away (`home`).
 3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending
    fewer tokens): a repack sends most of the step again.
 4. Repack fallback (`repack`), only above that: the over-full and the emptiest ranks re-placed by
