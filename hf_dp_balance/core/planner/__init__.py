@@ -23,7 +23,8 @@ Package map:
 - `passes`: the incremental method: shed, place, refine, exchange, item-count fixes
 - `shed`: the shed kernel: which items leave over-full ranks (cost) and over-full slots (tokens)
 - `place`: the place kernel: best-fit decreasing on the ranks' rooms
-- `refine`: the one-for-one kernels: the best move or swap from the fullest rank, and the item-count fixes
+- `refine`: the one-for-one kernels: the best move or swap from the fullest rank, the swaps that bring a
+  rank just over the limit under it, and the item-count fixes
 - `eject`: the one-for-many exchange of the incremental method (a heavy item for a receiver's shed items)
 - `chain`: ladder trades: a large item for a prefix of a slot's cheapest-per-token items
 - `trade`: small-change trades: a large item for small change, between paired ranks

@@ -16,9 +16,9 @@ speed`); the goal is the fullest rank (load / budget) at or under 1 + tolerance,
    at any cost per token, each with step 1; up to `_PASSES` that make load room where the free
    tokens are (`_roomy_trades`). At 2 to 4 micro-batches the long items are first assigned to
    ranks (`assign`) where that search expects to send at most `_TRUST` of the tokens; the other
-   order runs where the first ends above the trades' limit. For a milder cost: small-change
-   trades (`trade`) and step 1. Both end with small-change trades, a polish and by sending home
-   items a detour took away (`home`).
+   order runs where the first ends above the trades' limit (one-for-one swaps first close a gap of
+   a few tenths, `refine._swap_down`). For a milder cost: small-change trades (`trade`) and step 1.
+   Both end with small-change trades, a polish and by sending home items a detour took away (`home`).
 3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending
    fewer tokens): a repack sends most of the step again.
 4. Repack fallback (`repack`), only above that: the over-full and the emptiest ranks re-placed by
@@ -39,6 +39,7 @@ from hf_dp_balance.core.planner.assign import _assign_long, _long_first, _long_f
 from hf_dp_balance.core.planner.chain import _ladder_trades
 from hf_dp_balance.core.planner.home import _send_home
 from hf_dp_balance.core.planner.passes import _balance_incremental, _polish
+from hf_dp_balance.core.planner.refine import _swap_down
 from hf_dp_balance.core.planner.state import (_FEW_SLOTS, _LARGE, _PASSES, _Infeasible, _State, _copy_state,
                                               _fullest, _sent)
 from hf_dp_balance.core.planner.trade import _trade
@@ -111,6 +112,8 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     trusted = assigned[2] <= _TRUST * float(origin.tokens.sum())
     first = _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=assigned if trusted else None)
     limit = (1.0 + tolerance / 2.0) * (1.0 + 1e-9)
+    if trusted and first is not None and limit < _fullest(first, budget) <= 1.0 + tolerance:
+        _swap_down(first, budget * (1.0 + tolerance / 2.0), start)  # a rank a few tenths over: single swaps
     if first is not None and _fullest(first, budget) <= limit:
         return first
     second = _full_cap_pass(spare, budget, tolerance, relocate, False, ladder,
