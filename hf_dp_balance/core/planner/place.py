@@ -55,6 +55,7 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
         rooms.insert(j, left)
         ranks.insert(j, r)
         dest[k] = r
+        search.placed(r, left)
         slots.add(k, r)
     slots.commit(pool, np.asarray(dest, dtype=np.int64))
 
@@ -110,12 +111,33 @@ class _SlotTokens:
 
 
 class _FullSearch:
-    """The search of `_place_best_fit` for an item the sorted rooms could not place: a scan of the
-    sorted rooms near the best fit, else O(R) numpy on arrays made from them (rarely reached)."""
+    """The O(R) numpy search of `_place_best_fit` for an item the sorted rooms could not place.
+
+    Keeps numpy copies of the rooms and token rooms, built on the first search and
+    patched lazily with the ranks placed since (`placed`)."""
 
     def __init__(self, state: _State, limit: np.ndarray, lpt_host: bool):
         self.state, self.limit, self.lpt_host = state, limit, lpt_host
         self.claimed = state.fixed.copy()  # per rank: fixed load + long samples sent there by this call
+        self.mirror, self.room_of, self.dirty = None, None, set()
+
+    def placed(self, r: int, left: float) -> None:
+        if self.mirror is not None:
+            self.room_of[r] = left
+            self.dirty.add(r)
+
+    def _sync(self, rooms: list, ranks: list, free) -> None:
+        cap = self.state.cap
+        if self.mirror is None:
+            self.mirror = [np.empty(len(rooms)), None if cap is None else np.asarray(free, dtype=np.float64)]
+            self.mirror[0][ranks] = rooms
+            self.room_of = self.mirror[0].tolist()
+        elif self.dirty:
+            idx = list(self.dirty)
+            self.mirror[0][idx] = [self.room_of[x] for x in idx]
+            if cap is not None:
+                self.mirror[1][idx] = [free[x] for x in idx]
+            self.dirty.clear()
 
     def host(self, rooms: list, ranks: list, free, item: int, c: float, t: float):
         """(rank, its room): the smallest room that holds cost c with t tokens of room, else the
@@ -125,11 +147,11 @@ class _FullSearch:
             near = self._scan(rooms, ranks, free, c, t)
             if near is not None:
                 return near
-        room_arr = np.empty(len(rooms))
-        room_arr[ranks] = rooms
+        self._sync(rooms, ranks, free)
+        room_arr = self.mirror[0]
         ok = None
         if self.state.cap is not None:
-            ok = np.asarray(free, dtype=np.float64) >= t
+            ok = self.mirror[1] >= t
             if not ok.any():
                 home = int(self.state.prev[item])
                 if free[home] < t:
@@ -137,8 +159,9 @@ class _FullSearch:
                                       f"{self.state.cap:.0f} the roomiest rank has {float(np.max(free)):.0f} "
                                       f"tokens left, its home rank {home} {float(free[home]):.0f}")
                 ok[home] = True  # back where it came from (its tokens left that rank)
-        holds = room_arr >= c if ok is None else ok & (room_arr >= c)
-        if holds.any():  # the smallest room that holds it
+        # (`rooms` ascends: when the largest is under c, no rank holds it, and the mask is not built)
+        holds = None if rooms[-1] < c else room_arr >= c if ok is None else ok & (room_arr >= c)
+        if holds is not None and holds.any():  # the smallest room that holds it
             r0 = int(np.argmin(np.where(holds, room_arr, np.inf)))
         else:
             if self.lpt_host:
@@ -147,6 +170,7 @@ class _FullSearch:
                 r0 = int(np.argmax(room_arr if ok is None else np.where(ok, room_arr, -np.inf)))
             self.claimed[r0] += c
         return r0, float(room_arr[r0])
+
 
     def _scan(self, rooms: list, ranks: list, free: list, c: float, t: float, reach: int = 256):
         """`host`'s answer found in the sorted rooms within `reach` positions (None past them): the

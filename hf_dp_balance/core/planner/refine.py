@@ -7,7 +7,8 @@ import numpy as np
 from hf_dp_balance.core.planner.state import _ROUNDS, _Infeasible, _Members, _State
 
 
-def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2) -> None:
+def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2,
+            screen: int = 16) -> None:
     """Best single move or swap between the fullest rank and the emptiest ranks, until `goal`.
 
     Fullness is load / budget. Each iteration takes the fullest rank h and the
@@ -18,12 +19,15 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
     (the next fullest goes on: the exchanges of `_polish` need the others within
     reach of their budgets); stops when the fullest rank not skipped is at or
     under `goal`. O(items of h x items of the candidates) per iteration; a rank the screens of
-    `_best_move` / `_best_swap` rule out costs O(its items x log their items).
+    `_best_move` / `_best_swap` rule out costs O(its items x log their items), and a run of such
+    ranks is screened together (`_surely_stuck`): the same iterations, one numpy pass.
     """
     budget = np.maximum(budget, np.finfo(np.float64).tiny)  # a zero budget: any load is "very full"
     members = None
     stuck = np.zeros(budget.shape[0], dtype=bool)  # ranks nothing helped (skipped, the next fullest goes on)
-    for _ in range(max_iters):
+    batch = 0  # after a skipped rank, the next ones in line are screened together (`_surely_stuck`)
+    done = 0
+    while done < max_iters:
         full = state.load / budget
         h = int(np.argmax(np.where(stuck, -np.inf, full)))
         fh = float(full[h])
@@ -31,9 +35,20 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
             return
         if members is None:
             members = _Members(state.dest, budget.shape[0])
+        if batch:
+            line = _in_line(full, stuck, goal, min(batch, max_iters - done))
+            k = _surely_stuck(state, full, line, members, candidates)
+            if k:  # each one iteration that would change nothing
+                stuck[line[:k]] = True
+                done += k
+                batch = 2 * batch if k == line.size else 0
+                continue
+            batch = 0
+        done += 1
         mine = members.of(h)
         if mine.size == 0:
             stuck[h] = True
+            batch = screen
             continue
         cand = _emptiest(full, h, candidates)
         if cand.size == 0:
@@ -42,6 +57,7 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
         swap = _best_swap(state, budget, h, mine, cand, members)
         if not min(move[0], swap[0]) < fh:
             stuck[h] = True
+            batch = screen
             continue
         if move[0] <= swap[0]:
             _, item, l, slot = move
@@ -54,6 +70,48 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
             state.move(item_a, l, slot_b)
             members.moved(item_b, l, h)
             members.moved(item_a, h, l)
+
+
+def _in_line(full: np.ndarray, stuck: np.ndarray, goal: float, k: int) -> np.ndarray:
+    """The next k ranks `_refine` takes while nothing changes: not skipped, above `goal`, fullest
+    first (ties: lowest index, as np.argmax does)."""
+    live = np.flatnonzero(~stuck & (full > goal))
+    return live[np.lexsort((live, -full[live]))][:k]
+
+
+def _surely_stuck(state: _State, full: np.ndarray, line: np.ndarray, members, candidates: int) -> int:
+    """How many ranks at the head of `line` no move and no swap can help, by the screens of
+    `_best_move` (no item of h fits a candidate's emptiest slot) and `_swap_may_fit` (no cheaper
+    item of a candidate close enough in tokens), for all of them at once: they share the
+    candidates (the emptiest ranks, the state unchanged), unless one of them is among those (the
+    count stops there). 0 when the screens cannot tell (no cap, fullness not finite)."""
+    cap = state.cap
+    if cap is None or state.slot_tok is None or line.size == 0 or not np.isfinite(full).all():
+        return 0
+    R = full.shape[0]
+    emptiest = np.lexsort((np.arange(R), full))[:candidates]  # `_emptiest` of a rank not among them
+    among = np.isin(line, emptiest)
+    if among.any():
+        line = line[:int(np.argmax(among))]
+    cand = emptiest[:min(candidates, R - 1)]
+    if line.size == 0 or cand.size == 0:
+        return 0
+    groups = [members.of(int(h)) for h in line.tolist()]
+    sizes = np.fromiter((g.size for g in groups), dtype=np.int64, count=len(groups))
+    maybe = np.zeros(line.size, dtype=bool)  # a rank with no items: nothing to move, surely stuck
+    has = np.flatnonzero(sizes > 0)
+    if has.size:
+        mine = np.concatenate([groups[i] for i in has.tolist()])
+        starts = np.cumsum(sizes[has]) - sizes[has]
+        to_slot = np.argmin(state.slot_tok[cand], axis=1)
+        move_room = float((cap - state.slot_tok[cand, to_slot]).max())
+        maybe[has] = np.minimum.reduceat(state.tokens[mine], starts) <= move_room
+        theirs = np.concatenate([members.of(int(l)) for l in cand.tolist()])
+        if theirs.size:  # the screen of `_swap_may_fit`, for every rank of the line at once
+            close = _cheaper_close(state, mine, theirs, cand)
+            maybe[has] |= np.add.reduceat(close.astype(np.int64), starts) > 0
+    first = np.flatnonzero(maybe)
+    return int(first[0]) if first.size else int(line.size)
 
 
 def _emptiest(full: np.ndarray, h: int, candidates: int) -> np.ndarray:
