@@ -1,5 +1,6 @@
 """Rules of the full-cap pass (core/planner/pipeline.py `_full_cap_pass`)."""
 
+import numpy as np
 import pytest
 
 from hf_dp_balance.core.planner import pipeline
@@ -39,3 +40,24 @@ def test_the_incremental_method_without_refinement_sheds_and_places_only(monkeyp
     assert not refined
     passes._balance_incremental(pipeline._copy_state(state), budget, 0.005, deep=False)  # sync="micro_batch"
     assert refined  # deep=False alone still refines (micro_batch plans unchanged)
+
+
+@pytest.mark.parametrize("M, partners_only", [(4, True), (8, True)])
+def test_the_residue_ladder_passes_build_the_partners_ladders_only(monkeypatch, M, partners_only):
+    R, cap = 32, 32768
+    tokens, owners, mbs = _long_tail(11, R, M, cap)
+    state, budget = _state(tokens, owners, mbs, R, M, cap, 1.4e-4)
+    calls = []
+    real = pipeline._ladder_trades
+
+    def recording(st, *args, **kwargs):
+        calls.append((kwargs.get("near", False), kwargs.get("partners_only", False)))
+        return real(st, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_ladder_trades", recording)
+    # the incremental method after the first pass: a no-op, so that a residue pass surely runs
+    monkeypatch.setattr(pipeline, "_balance_incremental", lambda st, *a, **k: st)
+    pipeline._full_cap_pass(state, budget, 0.005, True, True, True, long_first=None)
+    assert calls[0] == (False, False)  # the first pass: every slot's ladder
+    residue = [c for c in calls[1:] if c[0]]
+    assert residue and all(c[1] is partners_only for c in residue)

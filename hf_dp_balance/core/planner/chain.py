@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
+from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply
 from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _float_order, _rank_starts, _ranges,
                                                     _search_within, _stable_argsort)
@@ -26,32 +26,50 @@ _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token 
 
 
 def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS,
-                   min_rate: float = _MIN_RATE, near: bool = False, idle_rounds: int = 3, few: float = 0.02) -> bool:
+                   min_rate: float = _MIN_RATE, near: bool = False, partners_only: bool = False,
+                   idle_rounds: int = 3, few: float = 0.02) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h to
-    a slot (l, m) of a rank l under budget, alone or in place of a large item `b` of that slot (b
-    takes a's slot), and (l, m) frees what a needs with a prefix of its ladder: the first items move
-    to l's other slots while they hold them, the rest go back to h (a's slot, then h's others).
-    Each round pairs the over-full ranks, most over first, with _BREADTH ranks under budget (the
-    partners shift every round); per h it keeps the option with the most load taken off h per token
-    sent (+ cap x _OVERHEAD), if at least `min_rate` x the mean cost per token (`_round`); each
-    partner takes one trade per round. With `near`, h tries the large items whose surplus just
-    covers its excess (a small excess). A pass ends after `idle_rounds` rounds in a row that trade
-    for at most `few` of the over-full ranks.
+    A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
+    to a slot (l, m) of a rank l under its budget, alone or in place of a large item `b` of that
+    slot (b goes to a's slot), and (l, m) frees what a needs with a prefix of its ladder (its
+    original items, cheapest per token first): the first ones move to l's other slots while they
+    hold them, the rest go back to h (a's slot, then h's other slots). The prefix costs what h
+    should shed as far as l can take it (l within budget x (1 + tolerance / 2)); where h's room
+    allows no more pay-back, l may end over its limit if both end under h's load before. A slot
+    gives back once (its ladder is then stale); an item moves once.
+
+    Every round pairs the over-full ranks, most over first, with _BREADTH ranks under budget each
+    (furthest under first, the partners shifting every round), tries h's _BREADTH large items
+    with the most cost above their tokens at the cheapest density (with `near`: the ones whose
+    such surplus just covers h's excess, for a small excess), into the _BREADTH roomiest slots of each
+    partner and in place of the _BREADTH large items of the partner nearest in cost to what a
+    should leave behind, and keeps per h the trade with the most load taken off h (down to its
+    budget, and to no less than l's load after) per token sent (+ cap x _OVERHEAD), if that is
+    at least `min_rate` x the mean cost per token; each partner takes one trade per round.
 
     Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
     larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
-    `state.min_count` items and a slot with items keeps one; an item moves once, a slot gives back
-    once (its ladder is then stale). Cost: one O(n) radix sort, then per round O(over-full ranks x
-    2 _BREADTH^3) binary searches inside one slot's ladder each and O(items traded) numpy.
+    `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
+    bins, then slots), then per round O(over-full ranks x 2 _BREADTH^3)
+    binary searches (inside one slot's ladder each) and O(items traded) numpy, with a loop over the
+    items of one trade (all trades at once) only for the pay-back items that spill past a's slot and
+    the receiving slot's items that next fit cannot place. A pass ends after
+    `idle_rounds` in a row that trade for at most `few` of the over-full ranks (the partners shift:
+    a round or two may still find trades).
+
+    `partners_only`: the ladders of a round's partner ranks only, built as the rounds first pair them
+    (`_build_partner_ladders`) instead of every slot's at the start: where few ranks are over-full (a
+    residue pass) most ladders are never read. The same ladders, but their prefix sums run over the
+    built ranks only, so costs sum in another order: the last bits differ from the global ladders'
+    (with integer costs and positive integer tokens, the same trades).
     """
     cap = state.cap
     R = state.load.shape[0]
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
-    lad = _make_ladders(state, near)
+    lad = _make_ladders(state, near, partners_only)
     if lad is None:
         return False
     mean_rate = lad.mean_rate
@@ -64,6 +82,8 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
             return True
         if h is None:
             return False
+        if partners_only:
+            _build_partner_ladders(state, lad, np.concatenate((h, l)))
         if _round(state, h, l, budget, limit, lad, overhead, min_rate) > few * over.size:
             idle = 0
         else:
@@ -73,9 +93,10 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     return not np.any(state.load > limit)
 
 
-def _make_ladders(state: _State, near: bool):
+def _make_ladders(state: _State, near: bool, partners_only: bool):
     """What the rounds of `_ladder_trades` read (None without large items): every slot's ladder (items
-    by density, their prefix sums, each item's position); the large items by rank, by surplus and by cost."""
+    by density, their prefix sums, each item's position), or with `partners_only` room for the ranks'
+    ladders as `_build_partner_ladders` adds them; the large items by rank, by surplus and by cost."""
     R, M = state.load.shape[0], state.M
     tok, cost = state.tokens, state.costs
     n = cost.shape[0]
@@ -88,28 +109,108 @@ def _make_ladders(state: _State, near: bool):
     lad = SimpleNamespace(slot_items=slot_items.astype(np.int64),
                           stale=np.zeros(S, dtype=bool),  # slots an original item left: their ladders no longer hold
                           moved=np.zeros(n, dtype=bool))
-    order = _ladders(bins, slot, _by_density(state) if S <= _RADIX else None)
-    starts = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(slot_items, out=starts[1:])
-    # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
-    CT, CC = np.zeros(n + 1), np.zeros(n + 1)
-    np.cumsum(tok[order], out=CT[1:])
-    np.cumsum(cost[order], out=CC[1:])
-    lad.order, lad.CT, lad.CC, lad.lo, lad.hi = order, CT, CC, starts[:-1], starts[1:]
-    lad.rank_of = np.empty(n, dtype=np.int64)
-    lad.rank_of[order] = np.arange(n)  # ladder position of every item
+    if partners_only:
+        # slot s's ladder: order[lo[s]:hi[s]] once its rank is built; prefix sums with one leading 0
+        lad.order, lad.CT, lad.CC = np.zeros(0, dtype=np.int64), np.zeros(1), np.zeros(1)
+        lad.lo, lad.hi = np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64)
+        lad.rank_of = np.zeros(n, dtype=np.int64)
+        lad.built = np.zeros(R, dtype=bool)
+        lad.members, lad.bins = _Members(state.dest, R, state.order_memo), bins
+    else:
+        order = _ladders(bins, slot, _by_density(state) if S <= _RADIX else None)
+        starts = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(slot_items, out=starts[1:])
+        # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
+        CT, CC = np.zeros(n + 1), np.zeros(n + 1)
+        np.cumsum(tok[order], out=CT[1:])
+        np.cumsum(cost[order], out=CC[1:])
+        lad.order, lad.CT, lad.CC, lad.lo, lad.hi = order, CT, CC, starts[:-1], starts[1:]
+        lad.rank_of = np.empty(n, dtype=np.int64)
+        lad.rank_of[order] = np.arange(n)  # ladder position of every item
     # the large items, grouped by rank: most cost above their tokens at the lowest density first
     # (the ones h sends), and by cost (the ones l gives back in a's place)
     lad.surplus_scale, lad.cost_scale, lad.near = scale, cost_scale, near
     ranks = state.dest[large]
-    key = ranks + (1.0 - (surplus + 1.0) * scale)
-    by = _float_order(key)
-    lad.large, lad.surplus_key = large[by], key[by]
-    l_starts = _rank_starts(ranks, R)
-    lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
-    lad.by_cost, _, lad.cost_key, _ = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
+    if partners_only:  # rank r's large items: large[l_lo[r]:l_hi[r]] (and by_cost) once r is built
+        lad.large, lad.surplus_key = np.zeros(0, dtype=np.int64), np.zeros(0)
+        lad.by_cost, lad.cost_key = np.zeros(0, dtype=np.int64), np.zeros(0)
+        lad.l_lo, lad.l_hi = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+        # the largest cost key of the ranks below each rank (what the global keys hold just before its
+        # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
+        top = np.full(R, -np.inf)
+        np.maximum.at(top, ranks, ranks + cost[large] * cost_scale)
+        lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
+    else:
+        key = ranks + (1.0 - (surplus + 1.0) * scale)
+        by = _float_order(key)
+        lad.large, lad.surplus_key = large[by], key[by]
+        l_starts = _rank_starts(ranks, R)
+        lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
+        lad.by_cost, _, lad.cost_key, _ = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
+        lad.below_top = None
     lad.mean_rate = mean_rate
     return lad
+
+
+def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """np.searchsorted(the global cost keys, target) for targets ranks + c x scale (c < 1 / (2 scale)):
+    the answer inside the rank's stretch [lo, hi] of the keys, or, with per-rank stretches appended
+    (`partners_only`), lo - 1 where the global keys below the stretch reach the target (its answer
+    lies below lo: no large item of the rank is near it)."""
+    if lad.below_top is None:
+        return _search_within(lad.cost_key, target, lo, hi)
+    near = _search_within(lad.cost_key, target, lo, hi, clamp="both")
+    return np.where(lad.below_top[ranks] >= target, lo - 1, near)
+
+
+def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
+    """The ladders of the slots of `ranks` not built yet (`_ladder_trades` with `partners_only`), as the
+    global ones hold them: the items of the rank at the start of the pass (`lad.members`) by slot, then
+    density bin, then index, less the items that moved since (they left a slot now stale, whose ladder
+    is never read); appended to `lad.order` with their prefix sums. And the ranks' large items at the
+    start of the pass, by surplus and by cost, appended rank by rank (`lad.l_lo`, `lad.l_hi`)."""
+    new = np.unique(ranks[~lad.built[ranks]])
+    if new.size == 0:
+        return
+    lad.built[new] = True
+    M = state.M
+    per_rank = [lad.members.of(int(r)) for r in new.tolist()]
+    held = np.concatenate(per_rank)  # the ranks' items at the start of the pass, rank by rank, index order
+    held_rank = np.repeat(new, [x.size for x in per_rank])
+    items = held[~lad.moved[held]]
+    slot = state.dest[items] * M + state.micro[items]
+    items = items[np.lexsort((lad.bins[items], slot))]  # (stable: index order among ties)
+    slot = state.dest[items] * M + state.micro[items]
+    at = lad.order.size
+    wanted = (new[:, None] * M + np.arange(M)[None, :]).reshape(-1)
+    lad.lo[wanted] = at + np.searchsorted(slot, wanted, side="left")
+    lad.hi[wanted] = at + np.searchsorted(slot, wanted, side="right")
+    lad.rank_of[items] = at + np.arange(items.size)
+    lad.order = np.concatenate((lad.order, items))
+    lad.CT = np.concatenate((lad.CT, lad.CT[-1] + np.cumsum(state.tokens[items])))
+    lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
+    # their large items as the global orders hold them: by rank, then by key (the same floats), ties by index
+    _, large, surplus, scale, cost_scale, _ = _item_keys(state)
+    big = _is_large(state)[held]  # (index order within a rank; moved ones are filtered where read)
+    mine, ranks = held[big], held_rank[big]
+    at = lad.large.size
+    starts = at + np.searchsorted(ranks, new)  # (`new` ascends, and so do the ranks of `mine`)
+    lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)
+    key = ranks + (1.0 - (surplus[np.searchsorted(large, mine)] + 1.0) * scale)
+    by = _float_order(key)
+    lad.large, lad.surplus_key = np.concatenate((lad.large, mine[by])), np.concatenate((lad.surplus_key, key[by]))
+    key = ranks + state.costs[mine] * cost_scale
+    by = _float_order(key)
+    lad.by_cost, lad.cost_key = np.concatenate((lad.by_cost, mine[by])), np.concatenate((lad.cost_key, key[by]))
+
+
+def _is_large(state: _State) -> np.ndarray:
+    """A mask of the large items (`_item_keys`), once per planning call (`state.item_memo`)."""
+    got = state.item_memo.get("is_large")
+    if got is None:
+        got = state.item_memo["is_large"] = np.zeros(state.costs.shape[0], dtype=bool)
+        got[_item_keys(state)[1]] = True
+    return got
 
 
 def _item_keys(state: _State):
@@ -211,7 +312,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     lo, hi = lad.l_lo[l[pair]], lad.l_hi[l[pair]]
     # (np.searchsorted's answer, searched in l's stretch of the keys first: random queries of the whole
     # array miss the cache at every level)
-    near = _search_within(lad.cost_key, l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
+    near = _cost_search(lad, l[pair], l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
     pb = near[:, None] + np.arange(-(_BREADTH // 2), _BREADTH - _BREADTH // 2)[None, :]
     ok = (pb >= lo[:, None]) & (pb < hi[:, None])
     per_a = ok.sum(axis=1)
@@ -247,11 +348,20 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
 
 def _roomiest(full: np.ndarray, W: int) -> np.ndarray:
     """[P, W]: per row of `full` (tokens per slot, inf where a slot gives back no more) the W least full
-    slots, least first, ties by the lowest slot (all M in index order when W >= M)."""
+    slots, least first, ties by the lowest slot: np.argsort(full, axis=1, kind="stable")[:, :W]. For
+    W = 2 by two argmins (a sort of each row of M costs ~3x more)."""
     P, M = full.shape
     if W >= M:
         return np.broadcast_to(np.arange(M), (P, M))
-    return np.argsort(full, axis=1, kind="stable")[:, :W]
+    if W != 2:
+        return np.argsort(full, axis=1, kind="stable")[:, :W]
+    first = np.argmin(full, axis=1)  # (the first of equal ones, as the stable sort)
+    rest = full.copy()
+    rest[np.arange(P), first] = np.inf
+    second = np.argmin(rest, axis=1)
+    # every other slot at inf: the stable sort's next is the lowest other slot, argmin's may be `first` (0)
+    second[second == first] = 1
+    return np.stack((first, second), axis=1)
 
 
 def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=True):
@@ -383,18 +493,38 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     room = cap - state.slot_tok[h[t]]
     row = np.arange(t.size)
     room[row, ma[t]] += ta[t]
-    for k in range(int(size[t].max()) if t.size else 0):
-        go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
-        t, row = t[go], row[go]
-        p = first[t] + k
+    skip, room[row, ma[t]] = _into_own_slot(room[row, ma[t]], state.tokens, back, first[t], size[t])
+    for k in range(int((size[t] - skip).max()) if t.size else 0):
+        go = np.flatnonzero(size[t] - skip > k)  # trades still placing (a failed one is dropped below)
+        t, row, skip = t[go], row[go], skip[go]
+        p = first[t] + skip + k
         tk = state.tokens[back[p]]
         s = np.where(room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1))
         fits = room[row, s] >= tk
         ok[t[~fits]] = False
-        t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
+        t, row, p, s, tk, skip = t[fits], row[fits], p[fits], s[fits], tk[fits], skip[fits]
         room[row, s] -= tk
         to[p] = s
     return back, to, ok
+
+
+def _into_own_slot(room, tokens, items, first, size):
+    """(how many, the room left): the leading pay-back items of each trade (items[first:first + size])
+    that `_place_back`'s loop puts into a's slot one by one, each while the room left holds it, and
+    that slot's room after them: the loop's own subtractions (a row-wise accumulate, in order), so
+    the loop starts past them with the same floats."""
+    if size.size == 0:
+        return size, room
+    width = int(size.max())
+    k = np.arange(width)
+    valid = k[None, :] < size[:, None]
+    grid = np.zeros((size.size, width + 1))
+    grid[:, 0] = room
+    grid[:, 1:][valid] = tokens[items[(first[:, None] + k[None, :])[valid]]]
+    left = np.subtract.accumulate(grid, axis=1)  # left[:, k]: the room before item k
+    misfit = valid & (left[:, :-1] < grid[:, 1:])
+    skip = np.where(misfit.any(axis=1), np.argmax(misfit, axis=1), size)
+    return skip, left[np.arange(size.size), skip]
 
 
 def _place_intra(state, order, lo, hi, l, m):

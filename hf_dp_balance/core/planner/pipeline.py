@@ -144,7 +144,7 @@ def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocat
             for _ in range(_PASSES):
                 if _fullest(state, budget) <= 1.0 + tolerance:
                     break
-                _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True)
+                _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True, partners_only=True)
                 state = _balance_incremental(state, budget, tolerance, relocate)
             for _ in range(_PASSES):
                 if _fullest(state, budget) <= 1.0 + tolerance:
