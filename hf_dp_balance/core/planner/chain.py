@@ -348,20 +348,11 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
 
 def _roomiest(full: np.ndarray, W: int) -> np.ndarray:
     """[P, W]: per row of `full` (tokens per slot, inf where a slot gives back no more) the W least full
-    slots, least first, ties by the lowest slot: np.argsort(full, axis=1, kind="stable")[:, :W]. For
-    W = 2 by two argmins (a sort of each row of M costs ~3x more)."""
+    slots, least first, ties by the lowest slot (all M in index order when W >= M)."""
     P, M = full.shape
     if W >= M:
         return np.broadcast_to(np.arange(M), (P, M))
-    if W != 2:
-        return np.argsort(full, axis=1, kind="stable")[:, :W]
-    first = np.argmin(full, axis=1)  # (the first of equal ones, as the stable sort)
-    rest = full.copy()
-    rest[np.arange(P), first] = np.inf
-    second = np.argmin(rest, axis=1)
-    # every other slot at inf: the stable sort's next is the lowest other slot, argmin's may be `first` (0)
-    second[second == first] = 1
-    return np.stack((first, second), axis=1)
+    return np.argsort(full, axis=1, kind="stable")[:, :W]
 
 
 def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=True):
@@ -493,38 +484,18 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     room = cap - state.slot_tok[h[t]]
     row = np.arange(t.size)
     room[row, ma[t]] += ta[t]
-    skip, room[row, ma[t]] = _into_own_slot(room[row, ma[t]], state.tokens, back, first[t], size[t])
-    for k in range(int((size[t] - skip).max()) if t.size else 0):
-        go = np.flatnonzero(size[t] - skip > k)  # trades still placing (a failed one is dropped below)
-        t, row, skip = t[go], row[go], skip[go]
-        p = first[t] + skip + k
+    for k in range(int(size[t].max()) if t.size else 0):
+        go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
+        t, row = t[go], row[go]
+        p = first[t] + k
         tk = state.tokens[back[p]]
         s = np.where(room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1))
         fits = room[row, s] >= tk
         ok[t[~fits]] = False
-        t, row, p, s, tk, skip = t[fits], row[fits], p[fits], s[fits], tk[fits], skip[fits]
+        t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
         room[row, s] -= tk
         to[p] = s
     return back, to, ok
-
-
-def _into_own_slot(room, tokens, items, first, size):
-    """(how many, the room left): the leading pay-back items of each trade (items[first:first + size])
-    that `_place_back`'s loop puts into a's slot one by one, each while the room left holds it, and
-    that slot's room after them: the loop's own subtractions (a row-wise accumulate, in order), so
-    the loop starts past them with the same floats."""
-    if size.size == 0:
-        return size, room
-    width = int(size.max())
-    k = np.arange(width)
-    valid = k[None, :] < size[:, None]
-    grid = np.zeros((size.size, width + 1))
-    grid[:, 0] = room
-    grid[:, 1:][valid] = tokens[items[(first[:, None] + k[None, :])[valid]]]
-    left = np.subtract.accumulate(grid, axis=1)  # left[:, k]: the room before item k
-    misfit = valid & (left[:, :-1] < grid[:, 1:])
-    skip = np.where(misfit.any(axis=1), np.argmax(misfit, axis=1), size)
-    return skip, left[np.arange(size.size), skip]
 
 
 def _place_intra(state, order, lo, hi, l, m):

@@ -34,7 +34,7 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
         if fh <= goal or stuck[h]:
             return
         if members is None:
-            members = _Members(state.dest, budget.shape[0], state.order_memo)
+            members = _Members(state.dest, budget.shape[0])
         if batch:
             line = _in_line(full, stuck, goal, min(batch, max_iters - done))
             k = _surely_stuck(state, full, line, members, candidates)

@@ -93,17 +93,12 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
 def _shed_tokens(state: _State) -> np.ndarray:
     """Items to take off every slot over the token cap, few and small; removed from `state`.
 
-    Only needed when the current placement already breaks the cap. Per slot, the
-    same rule as the cost shedding, on tokens, among the items that fit some other
-    slot's room: the item with the fewest tokens that covers the slot's remaining
-    excess on its own, else the item with the most tokens, until the excess is
-    covered. So a slot a few tokens over gives
-    away one small item, which any slot with a little room can take (shedding
-    its largest item first, as before, left a long video that often fitted no
-    other slot and sent the plan to a from-scratch repack). When the items that
-    fit elsewhere cannot cover the excess (a slot of long videos), `_token_swap`
-    trades one of its items for small items of a roomier slot instead. Python over the items of the
-    offending slots.
+    Only needed when the current placement already breaks the cap. Per slot, among the items that
+    fit some other slot's room: the one with the fewest tokens that covers the remaining excess on
+    its own, else the one with the most tokens, until the excess is covered (a slot a few tokens
+    over gives away one small item, which any slot with a little room takes). Where those cannot
+    cover it (a slot of long videos), `_token_swap` trades one of its items for small items of a
+    roomier slot. Python over the items of the offending slots.
     """
     if state.cap is None:
         return np.zeros(0, dtype=np.int64)

@@ -20,23 +20,18 @@ _WINDOW = 4  # large items of h tried per pair: this many each side of the cost 
 def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int | None = None) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    Every round (`rounds`, or _ROUNDS x _BREADTH / partners) pairs the over-full ranks, most
-    over first, with _BREADTH ranks under their budget each (furthest under first; the partners
-    shift every round), or one with more than _FEW_SLOTS micro-batches: a rank's items in that many
-    slots give one pair choice enough, and half the pairs per round halve a round's work (the rounds
-    after trade what is left; the incremental method after them is dearer per rank). A trade sends a large
-    item `a` of h (over cap x _LARGE tokens; first only the _WINDOW each side of the cost h should
-    shed, twice as many each time h found no trade, up to all of them) to l, into l's roomiest
-    slot or in place of a large item `b` of l that comes back; the receiving slot also pays back
-    the fewest of its small items (at most cap x _SMALL tokens each, index order) that make room
-    for `a`. Everything paid back takes a's slot on h, which must hold it. Smaller items of h (at
-    most cap x _LARGE tokens) move alone where they fit, as many nearest in cost. Kept per
-    over-full rank: the trade with the most load taken off h (no more than h is over its budget)
-    per token sent (plus a fixed cap x _OVERHEAD per trade), that does not put l over budget x
-    (1 + tolerance / 2); each rank under budget takes at most one trade per round. Items that
-    moved once stay put.
-    Cost per round: O(items of the pairs' windows x options) numpy, no Python loop over items and
-    no O(n) pass; first one O(n) grouping by slot and by rank and cost (near-linear sorts of runs).
+    Every round pairs the over-full ranks, most over first, with _BREADTH ranks under budget each
+    (the partners shift every round), or with one where ranks have more than _FEW_SLOTS slots (the
+    items of that many slots give one partner choice enough). A trade sends an item `a` of h to l:
+    a large one (over cap x _LARGE tokens; first the _WINDOW each side of the cost h should shed,
+    twice as many each time h found no trade) into l's roomiest slot or in place of a large item
+    `b` of l, the receiving slot paying back the fewest of its small items (at most cap x _SMALL
+    tokens, index order) that make room, all of it into a's slot on h; a smaller one alone where it
+    fits (`_round`). Kept per over-full rank: the trade with the most load taken off h (up to its
+    excess) per token sent (+ cap x _OVERHEAD) that keeps l within budget x (1 + tolerance / 2);
+    each rank under budget takes one trade per round; an item moves once.
+    Cost: one O(n) grouping by slot and by rank and cost, then per round O(items of the pairs'
+    windows x options) numpy, no Python loop over items.
     """
     cap = state.cap
     R, M = state.load.shape[0], state.M
