@@ -239,6 +239,26 @@ def _cut(x: float) -> str:
     return f"{100 * abs(x):.1f}% {'lower' if x >= 0 else 'higher'}"
 
 
+def _pct(x) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{100 * x:.1f}%"
+
+
+def fit_lines(fit_reports: Sequence[dict]) -> List[str]:
+    """One line per cost-model fit of hf_dp_balance: the step, what the gate decided, the held-out errors it
+    compared (the fit's, the model in force's, the token count's) and whether the plans that follow are hedged."""
+    lines = []
+    for r in fit_reports:
+        gate = r.get("gate")
+        if not gate:
+            lines.append(f"fit at step {r['step']}: no gate verdict (the fit failed)")
+            continue
+        verdict = "adopted" if gate["adopt"] else "rejected, the model in force stays"
+        lines.append(f"fit at step {r['step']}: {verdict}; held-out error {_pct(gate['candidate_error'])} "
+                     f"(in force {_pct(gate['in_force_error'])}, tokens {_pct(gate['tokens_error'])}); plans "
+                     f"{'hedged' if r.get('hedged') else 'as fitted'} from then on ({gate['reason']})")
+    return lines
+
+
 def report_lines(result: dict) -> List[str]:
     """What `hf-dp-balance demo` prints after its table. The headline: the slowest rank summed over all steps
     (warm-up included: what a user's run pays) against none and batch_rebalance, with the share of the
@@ -275,6 +295,7 @@ def report_lines(result: dict) -> List[str]:
             lines.append(f"over all {full['steps']} steps: reachable {100 * full['ceiling']:.1f}% below none, "
                          f"hf_dp_balance measured {100 * everything['vs_none']:.1f}% ({100 * got:.0f}% of it); "
                          f"{full['steps_bound_by_one_sample']} steps hold a sample heavier than a rank's share")
+    lines += fit_lines(result["runs"].get("hf_dp_balance", {}).get("fit_reports") or [])
     if inv.get("window", 1) > 1:
         lines.append(f"look-ahead K={inv['window']}: hf_dp_balance may train a sample in another step of its window, "
                      f"so the per-step bound above does not hold for it; same samples in every step before step "

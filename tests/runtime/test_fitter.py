@@ -66,7 +66,10 @@ def _fit_on_ranks(rank, world, timing):
 @pytest.mark.parametrize("timing", ["thread_cpu", "wall"])
 def test_two_ranks_fit_the_same_correct_models(timing):
     r0, r1 = run_ranks(_fit_on_ranks, 2, timing, timeout=180)
-    assert r0["fitted_at"] == r1["fitted_at"] == [6, 10, 14]  # after warm-up, then every refit_every steps
+    # after warm-up, then at 2x the warm-up or refit_every on, whichever comes first, until the held-out error
+    # settles (core.fit_gate.next_fit_step); every rank on the same steps
+    assert r0["fitted_at"] == r1["fitted_at"] and r0["fitted_at"][:2] == [6, 10]
+    assert r0["fitted_at"][2] in (12, 14)
     assert r0["decoder"] == r1["decoder"] and r0["vision"] == r1["vision"]  # bit-identical on every rank
     assert r0["mode"] == ("per_rank" if timing == "thread_cpu" else "step_max")
     assert [r["mode"] for r in r0["reports"]] == [r0["mode"]] * 3
@@ -92,7 +95,8 @@ def test_records_and_window_stay_bounded_when_nothing_logs():
     metrics = fitter.window_metrics()
     assert metrics["slowest_rank_compute_s"] == pytest.approx(0.1 * MAX_WINDOW_STEPS)
     assert len(fitter.window) == 0 and fitter.window_metrics() == {}
-    assert fitter.model_metrics() == {**{f"cost_{k}": v for k, v in DECODER.to_dict().items()}, "fitted": 1.0}
+    assert fitter.model_metrics() == {**{f"cost_{k}": v for k, v in DECODER.to_dict().items()}, "fitted": 1.0,
+                                      "planning_hedged": 0.0}  # a given model is not hedged
 
 
 # --------------------------------------------------------------------------- timing modes, prior, speeds
@@ -264,7 +268,9 @@ def test_a_step_time_fit_waits_for_more_warm_up_steps_unless_told(timing, fit_mo
     rng = np.random.default_rng(1)
     fitter = CostModelFitter(DPBalanceConfig(fit_mode=fit_mode), timing=timing)
     fits = [step for step in range(1, 21) if fitter.end_step(step, *_synthetic_step(rng, 0, step)[:2])]
-    assert fitter.warmup_steps == first_fit and fits == [first_fit] and fitter.decoder is not None
+    # then early refits at 2x and 4x the warm-up while the held-out error moves (16 x 2 is past step 20)
+    assert fitter.warmup_steps == first_fit and fits[0] == first_fit and fitter.decoder is not None
+    assert set(fits[1:]) <= {2 * first_fit, 4 * first_fit} and (first_fit == 16) == (fits == [16])
     assert resolve_warmup_steps(8, "step_max") == resolve_warmup_steps(8, "per_rank") == 8  # set: kept
 
 

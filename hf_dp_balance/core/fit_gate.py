@@ -1,0 +1,166 @@
+"""Whether a new cost model may replace the one in force: judged on steps the new one was not fitted on.
+
+A fit from a short, noisy warm-up can predict worse than the prior it replaces, and a run that adopts it plans
+worse from then on. The gate holds out some recorded steps (`heldout_split`), fits the candidate on the others,
+and scores the candidate, the model in force and the token count alike on the held-out steps
+(`heldout_error`); the candidate is adopted only when its error is at most the model in force's
+(`gate_decision`). The error is the one the planner cares about: after the best non-negative affine
+recalibration fitted on the training steps (`calibrated_error`), since neither a common scale nor a per-rank
+constant changes a plan, so a FLOP prior (in TFLOPs, no constant) and a fitted model (in seconds) are compared
+on their shapes alone. Observations are what was measured: per-rank times, or step times (the slowest rank).
+
+`settled` says when the early refits may stop; `uncertain` when a model's plans are hedged as the prior's are
+(`core.hedge`): while it does not explain held-out steps clearly better than the token count does.
+Pure numpy: no torch import here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from hf_dp_balance.core.cost import N_FEATURES, CostModel
+
+# Fraction of the recorded steps held out (at least one when the rest still determine the fit).
+HOLDOUT_FRACTION = 0.25
+# The candidate's training part keeps at least this many observations per unknown.
+MIN_TRAIN_PER_UNKNOWN = 2
+# Early refits stop once a fit's held-out error moves by less than this share of the previous one's (or less
+# than SETTLE_ABSOLUTE): more warm-up data no longer changes what the model predicts.
+SETTLE_RELATIVE = 0.25
+SETTLE_ABSOLUTE = 0.01
+# A model's plans are hedged while its held-out error is not below this share of the token count's: the
+# tokens then remain a plausible cost, and a plan that is exact for the model can be worse than the
+# token-balanced one under them.
+HEDGE_SHARE = 0.5
+
+TOKENS = CostModel(quadratic=0.0, linear=1.0)
+"""The cost the token-balanced plan (fixed-length packing's stand-in) assumes."""
+
+
+def heldout_split(steps: int, per_step: int, seed: int = 0,
+                  fraction: float = HOLDOUT_FRACTION) -> Tuple[np.ndarray, np.ndarray]:
+    """(training steps, held-out steps), sorted indices of `steps` recorded steps with `per_step`
+    observations each: `fraction` of them held out (a seeded choice, at least one), as long as the training
+    steps keep `MIN_TRAIN_PER_UNKNOWN` observations per unknown; else no step is held out (empty)."""
+    min_train = -(-MIN_TRAIN_PER_UNKNOWN * N_FEATURES // max(int(per_step), 1))
+    n_heldout = min(max(1, int(round(steps * fraction))), steps - min_train)
+    if n_heldout < 1:
+        return np.arange(steps), np.zeros(0, dtype=np.int64)
+    test = np.sort(np.random.default_rng(seed).permutation(steps)[:n_heldout])
+    return np.setdiff1d(np.arange(steps), test), test
+
+
+def _calibration(predicted: np.ndarray, observed: np.ndarray) -> Tuple[float, float]:
+    """(a >= 0, b) minimising sum(((a * predicted + b) - observed) / observed)^2: relative least squares."""
+    w = 1.0 / observed
+    x, y = predicted * w, np.ones_like(observed)  # residual/observed = a*x + b*w - 1
+    A = np.stack([x, w], axis=1)
+    if A.shape[0] >= 2 and np.linalg.matrix_rank(A) == 2:
+        a, b = np.linalg.lstsq(A, y, rcond=None)[0]
+        if a >= 0:
+            return float(a), float(b)
+    # a constant prediction (or a negative slope): the best constant alone
+    return 0.0, float(np.sum(w) / np.sum(w * w))
+
+
+def calibrated_error(predicted_train, observed_train, predicted_test, observed_test) -> float:
+    """Mean relative error on the test observations of `a * predicted + b`, (a >= 0, b) fitted on the
+    training observations (`_calibration`). NaN without test observations."""
+    pt, ot = np.asarray(predicted_train, np.float64).ravel(), np.asarray(observed_train, np.float64).ravel()
+    ph, oh = np.asarray(predicted_test, np.float64).ravel(), np.asarray(observed_test, np.float64).ravel()
+    if not oh.size or not ot.size:
+        return float("nan")
+    a, b = _calibration(pt, ot)
+    return float(np.mean(np.abs(a * ph + b - oh) / oh))
+
+
+def predicted_observations(model: CostModel, features: np.ndarray, observed_ndim: int) -> np.ndarray:
+    """What `model` predicts for observations of shape [S, R] (per-rank times: `features` [S, R, 4]) or [S]
+    (step times: the slowest rank's predicted cost)."""
+    predicted = model.predict(features)
+    return predicted if observed_ndim == 2 else predicted.max(axis=-1)
+
+
+def heldout_error(model: CostModel, features: np.ndarray, times: np.ndarray, train: np.ndarray,
+                  test: np.ndarray) -> float:
+    """`calibrated_error` of `model` on the `test` steps, calibrated on the `train` steps: features
+    [S, R, 4], times [S, R] (per-rank) or [S] (step times); NaN without held-out steps."""
+    features = np.asarray(features, dtype=np.float64)
+    times = np.asarray(times, dtype=np.float64)
+    if not len(test):
+        return float("nan")
+    predicted = predicted_observations(model, features, times.ndim)
+    return calibrated_error(predicted[train], times[train], predicted[test], times[test])
+
+
+class GateDecision(NamedTuple):
+    """One gate's verdict: `adopt` the candidate or keep the model in force, with the held-out errors of the
+    candidate, the model in force (NaN when none) and the token count, and why."""
+
+    adopt: bool
+    candidate_error: float
+    in_force_error: float
+    tokens_error: float
+    reason: str
+
+    def to_dict(self) -> dict:
+        return self._asdict()
+
+
+def gate_decision(candidate_error: float, in_force_error: float, tokens_error: float = float("nan"),
+                  has_model_in_force: bool = True) -> GateDecision:
+    """Adopt when nothing is in force, else only when the candidate's held-out error is finite and at most
+    the model in force's. Without held-out steps (NaN errors) a model in force stays."""
+    if not has_model_in_force:
+        return GateDecision(True, candidate_error, in_force_error, tokens_error, "no model in force")
+    if not math.isfinite(candidate_error):
+        return GateDecision(False, candidate_error, in_force_error, tokens_error,
+                            "too few steps to hold one out: the model in force stays")
+    if not math.isfinite(in_force_error) or candidate_error <= in_force_error:
+        return GateDecision(True, candidate_error, in_force_error, tokens_error,
+                            "predicts the held-out steps at least as well as the model in force")
+    return GateDecision(False, candidate_error, in_force_error, tokens_error,
+                        "predicts the held-out steps worse than the model in force, which stays")
+
+
+def settled(errors: Sequence[float]) -> bool:
+    """Whether the last two held-out errors of a model's successive fits agree (`SETTLE_RELATIVE`,
+    `SETTLE_ABSOLUTE`): early refits may stop."""
+    if len(errors) < 2 or not all(math.isfinite(e) for e in errors[-2:]):
+        return False
+    previous, last = errors[-2], errors[-1]
+    return abs(last - previous) <= max(SETTLE_RELATIVE * previous, SETTLE_ABSOLUTE)
+
+
+def uncertain(error: Optional[float], tokens_error: Optional[float]) -> bool:
+    """Whether a model whose held-out error is `error` is planned hedged: its error is unknown, or not below
+    `HEDGE_SHARE` of the token count's (`tokens_error`) on the same steps."""
+    if error is None or tokens_error is None or not math.isfinite(error):
+        return True
+    if not math.isfinite(tokens_error):
+        return True
+    return error >= HEDGE_SHARE * tokens_error
+
+
+def next_fit_step(step: int, warmup: int, refit_every: int, is_settled: bool,
+                  has_fitted_model: bool) -> Optional[int]:
+    """The step of the next fit after one at `step` (None: no more). While the held-out error has not settled
+    (or no fitted model is in force: the fit was rejected or failed), the next of 2x, 4x, 8x ... the warm-up
+    after `step`, never later than `refit_every` steps on; once settled, `refit_every` steps on. `refit_every`
+    0 (no refits) still retries a rejected or failed first fit on that schedule."""
+    early = 2 * max(int(warmup), 1)
+    while early <= step:
+        early *= 2
+    if refit_every <= 0:
+        return None if has_fitted_model else early
+    if is_settled and has_fitted_model:
+        return step + refit_every
+    return min(early, step + refit_every)
+
+
+__all__ = ["GateDecision", "HEDGE_SHARE", "HOLDOUT_FRACTION", "MIN_TRAIN_PER_UNKNOWN", "SETTLE_ABSOLUTE",
+           "SETTLE_RELATIVE", "TOKENS", "calibrated_error", "gate_decision", "heldout_error", "heldout_split", "next_fit_step",
+           "predicted_observations", "settled", "uncertain"]
