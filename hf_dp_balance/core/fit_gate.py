@@ -17,7 +17,7 @@ Pure numpy: no torch import here.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -25,6 +25,8 @@ from hf_dp_balance.core.cost import N_FEATURES, CostModel
 
 # Fraction of the recorded steps held out (at least one when the rest still determine the fit).
 HOLDOUT_FRACTION = 0.25
+# Folds of the gate's cross-validation (`heldout_folds`): every recorded step is held out once.
+MAX_FOLDS = 4
 # The candidate's training part keeps at least this many observations per unknown.
 MIN_TRAIN_PER_UNKNOWN = 2
 # Early refits stop once a fit's held-out error moves by less than this share of the previous one's (or less
@@ -126,6 +128,55 @@ def gate_decision(candidate_error: float, in_force_error: float, tokens_error: f
                         "predicts the held-out steps worse than the model in force, which stays")
 
 
+def heldout_folds(steps: int, per_step: int, seed: int = 0, folds: int = MAX_FOLDS) -> list:
+    """[(training steps, held-out steps)] over `steps` recorded steps: every step held out once, in up to
+    `folds` groups of `heldout_split`'s size (a seeded order), each fold's training steps keeping
+    `MIN_TRAIN_PER_UNKNOWN` observations per unknown; [] when no step can be held out."""
+    _, first = heldout_split(steps, per_step, seed)
+    if not len(first):
+        return []
+    size = max(len(first), -(-steps // max(int(folds), 1)))
+    order = np.random.default_rng(seed).permutation(steps)
+    min_train = -(-MIN_TRAIN_PER_UNKNOWN * N_FEATURES // max(int(per_step), 1))
+    size = min(size, steps - min_train)
+    out = []
+    for start in range(0, steps, size):
+        test = np.sort(order[start:start + size])
+        out.append((np.setdiff1d(np.arange(steps), test), test))
+    return out
+
+
+def gate_fit(fit: Callable[[np.ndarray], object], features: np.ndarray, observed: np.ndarray, step_of: np.ndarray,
+             n_steps: int, seed: int, in_force: Optional[CostModel], prior_in_force: bool = False) -> GateDecision:
+    """The gate's verdict on a fit: `fit(step indices)` returns (FitResult, ...) fitted on those steps only;
+    `observed` rows (per-rank times [N, R], or step times [N]) of work `features` [N, R, 4], `step_of` the step
+    (0 .. n_steps - 1) of each row. Every step is held out once (`heldout_folds`, seeded by `seed`): in each
+    fold the candidate fitted without the held-out steps, the model in force and the token count are scored
+    on them (`heldout_error`); the errors are the means over the folds, and `gate_decision` rules. With too
+    few steps to hold one out: adopted when nothing or only a FLOP prior (`prior_in_force`) is in force
+    (unverified: its errors are NaN, so `uncertain` hedges its plans and the next fit is gated), else the
+    model in force stays."""
+    observed = np.asarray(observed, dtype=np.float64)
+    step_of = np.asarray(step_of)
+    per_step = len(step_of) // max(int(n_steps), 1) * (observed.shape[1] if observed.ndim == 2 else 1)
+    folds = heldout_folds(int(n_steps), per_step, seed=seed)
+    nan = float("nan")
+    if not folds:
+        if in_force is None or prior_in_force:
+            return GateDecision(True, nan, nan, nan, "too few steps to hold one out: adopted unverified, planned hedged")
+        return gate_decision(nan, nan, nan)
+    sums, count = np.zeros(3), 0
+    for train, test in folds:
+        rows_train, rows_test = np.flatnonzero(np.isin(step_of, train)), np.flatnonzero(np.isin(step_of, test))
+        weight = rows_test.size
+        candidate = fit(train)[0].model
+        sums += weight * np.array([heldout_error(m, features, observed, rows_train, rows_test) if m is not None
+                                   else nan for m in (candidate, in_force, TOKENS)])
+        count += weight
+    errors = sums / count
+    return gate_decision(float(errors[0]), float(errors[1]), float(errors[2]), has_model_in_force=in_force is not None)
+
+
 def settled(errors: Sequence[float]) -> bool:
     """Whether the last two held-out errors of a model's successive fits agree (`SETTLE_RELATIVE`,
     `SETTLE_ABSOLUTE`): early refits may stop."""
@@ -162,5 +213,6 @@ def next_fit_step(step: int, warmup: int, refit_every: int, is_settled: bool,
 
 
 __all__ = ["GateDecision", "HEDGE_SHARE", "HOLDOUT_FRACTION", "MIN_TRAIN_PER_UNKNOWN", "SETTLE_ABSOLUTE",
-           "SETTLE_RELATIVE", "TOKENS", "calibrated_error", "gate_decision", "heldout_error", "heldout_split", "next_fit_step",
+           "SETTLE_RELATIVE", "MAX_FOLDS", "TOKENS", "calibrated_error", "gate_decision", "gate_fit", "heldout_error", "heldout_folds",
+           "heldout_split", "next_fit_step",
            "predicted_observations", "settled", "uncertain"]

@@ -19,8 +19,8 @@ import numpy as np
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
-from hf_dp_balance.core.fit_gate import (TOKENS, GateDecision, gate_decision, heldout_error, heldout_split,
-                                         next_fit_step, settled, uncertain)
+from hf_dp_balance.core.fit_gate import (TOKENS, GateDecision, gate_decision, gate_fit, heldout_error,
+                                         heldout_split, next_fit_step, settled, uncertain)
 from hf_dp_balance.core.fitting import compute_imbalance, fit_cost_model, fit_from_micro_batches, fit_from_records
 from hf_dp_balance.runtime.recorder import (StepClock, StepRecorder, image_patches, micro_batch_lengths,
                                             sharded_units, synchronize, vision_tower)
@@ -404,8 +404,8 @@ class CostModelFitter:
         gated against the model in force on held-out steps (`core.fit_gate`)."""
         try:
             fit, feats, observed, step_of, n_steps = self._decoder_tables(gathered, steps)
-            decision = self._gate(fit, feats, observed, step_of, n_steps, step, self.decoder or self.prior,
-                                  prior_in_force=self.decoder is None)
+            decision = gate_fit(fit, feats, observed, step_of, n_steps, step, self.decoder or self.prior,
+                                prior_in_force=self.decoder is None)
             result, speeds = fit(np.arange(n_steps))
         except (ValueError, RuntimeError, FloatingPointError) as exc:
             return {"error": str(exc)}
@@ -423,27 +423,6 @@ class CostModelFitter:
             except (ValueError, RuntimeError, FloatingPointError) as exc:
                 logger.warning("dp_balance: vision cost model fit failed: %s", exc)
         return payload
-
-    @staticmethod
-    def _gate(fit, feats, observed, step_of: np.ndarray, n_steps: int, step: int, in_force: Optional[CostModel],
-              prior_in_force: bool) -> GateDecision:
-        """The gate's verdict on a fit (`fit(step indices)`) of the observation rows `observed` of work `feats`
-        (`step_of`: each row's step): the candidate fitted without the held-out steps, scored beside `in_force`
-        and the token count. With only a FLOP prior in force and too few steps to hold one out, the fit is
-        adopted unverified: its plans stay hedged as the prior's were (`uncertain`), and the next fit is gated."""
-        per_step = len(step_of) / max(n_steps, 1) * (observed.shape[1] if observed.ndim == 2 else 1)
-        train, test = heldout_split(n_steps, int(per_step), seed=step)
-        if not len(test):
-            nan = float("nan")
-            if in_force is None or prior_in_force:
-                return GateDecision(True, nan, nan, nan, "too few steps to hold one out: adopted unverified, "
-                                                          "planned hedged")
-            return gate_decision(nan, nan, nan)
-        rows_train, rows_test = np.flatnonzero(np.isin(step_of, train)), np.flatnonzero(np.isin(step_of, test))
-        candidate = fit(train)[0].model
-        errors = [heldout_error(m, feats, observed, rows_train, rows_test) if m is not None else float("nan")
-                  for m in (candidate, in_force, TOKENS)]
-        return gate_decision(errors[0], errors[1], errors[2], has_model_in_force=in_force is not None)
 
     def _fit_vision(self, vfeats: np.ndarray, vtimes: np.ndarray, timed: np.ndarray, step: int):
         """(the vision model fitted on every timed (step, rank), the gate's verdict on it): per-rank
