@@ -131,11 +131,11 @@ def _rank(rank, world, place, victim, sig, outdir):
     from hf_dp_balance.runtime.loader import BalancedLoader
     from hf_dp_balance.runtime.vision import balance_vision_encoder
     from hf_dp_balance.runtime.watchdog import training_errors
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
 
     err = os.open(os.path.join(outdir, f"stderr_{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(err, 2)
-    model = data.make_model("qwen2_vl", seed=0)
+    model = models.make_model("qwen2_vl", seed=0)
     model.config.text_config.use_cache = False
     dist.barrier()  # model set-up skews the ranks by seconds on a loaded machine: the side groups' rendezvous
     cfg = DPBalanceConfig(timeout_s=TIMEOUT_S, prefetch_steps=2, min_gain=0.0, vision=place != "forward text",

@@ -128,7 +128,7 @@ PRIOR_STRENGTH = 0.03
 # The same for the noise-aware step-max fit: its likelihood reads every rank of a step (each finished at
 # or before the slowest), so it holds the data more tightly than one residual per step. Measured on
 # bench/cost_fit_synthetic.py's grid against 0.03 and 0.3: the narrowest spread at 128 ranks
-# (docs/benchmarks/cost_fit.md, run 5).
+# (docs/benchmarks/cost_fit.md, the noise-aware step-max fit side by side with the soft-max fit).
 STEP_MAX_PRIOR_STRENGTH = 0.1
 
 

@@ -74,7 +74,7 @@ def _trainer(out_dir, max_steps, save_steps, cost_model=None, **dp_fields):
     from transformers import Trainer
 
     from hf_dp_balance.integrations.arguments import DPBalanceTrainingArguments
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     args = DPBalanceTrainingArguments(
         output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, max_steps=max_steps, logging_steps=1,
@@ -167,7 +167,7 @@ def _prior_warmup(rank, world, out_dir):
 
 
 def test_warm_up_steps_are_planned_with_the_flop_prior(tmp_path):
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     r0, r1 = run_ranks(_prior_warmup, 2, str(tmp_path), timeout=240)
     assert r0["prior"] == CostModel.from_config(tiny_config("text")).to_dict() == r1["prior"]
@@ -246,7 +246,8 @@ def test_lookahead_holds_checkpoints_to_window_ends_so_resume_trains_every_sampl
 
 def _vision_batch():
     from hf_dp_balance.core.packing import PackedCollator
-    from hf_dp_balance.testing.data import make_model, make_samples
+    from hf_dp_balance.testing.data import make_samples
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model("qwen2_vl")
     batch = PackedCollator(model.config)(make_samples("qwen2_vl", ("text", "image", "text")))

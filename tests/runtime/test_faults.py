@@ -223,11 +223,11 @@ def test_a_lookahead_failure_or_differing_window_plan_is_agreed_by_every_rank():
 def _vision_bad_rows(rank, world):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.runtime.vision import balance_vision_encoder
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
     from hf_dp_balance.testing.vision_rows import qwen_row
 
     torch.manual_seed(0)
-    model = balance_vision_encoder(data.make_model("qwen2_vl", seed=0), DPBalanceConfig(vision=True, timeout_s=20))
+    model = balance_vision_encoder(models.make_model("qwen2_vl", seed=0), DPBalanceConfig(vision=True, timeout_s=20))
     model._dp_balance_vision.step_source = lambda: 40 + model._dp_balance_vision.forwards  # as the callback sets it
     batch = qwen_row("qwen2_vl", [("image", 1, 4, 4)] * (1 + 3 * rank), seed=rank)
     model(**batch).loss.backward()  # a healthy forward first
@@ -294,9 +294,9 @@ def _open_close_cycles(rank, world, cycles):
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.runtime.loader import BalancedLoader
     from hf_dp_balance.runtime.vision import balance_vision_encoder
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
 
-    model = data.make_model("qwen2_vl", seed=0)
+    model = models.make_model("qwen2_vl", seed=0)
     counts = []
     for _ in range(cycles):  # one "train()": a loader (exchange + watchdog groups) and a vision balancer
         balance_vision_encoder(model, DPBalanceConfig(vision=True, timeout_s=20))
@@ -363,7 +363,7 @@ def _trainer_peer_stops(rank, world, outdir, signum):
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.core.packing import PackedCollator
     from hf_dp_balance.integrations.callback import DPBalanceCallback
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     err = os.open(os.path.join(outdir, f"stderr_{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(err, 2)

@@ -118,7 +118,7 @@ def test_forward_events_time_the_forwards_only(timing):
     import time
 
     from hf_dp_balance.runtime.recorder import StepRecorder
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model("text", seed=0)
     recorder = StepRecorder(StepClock(timing, "cpu"))
@@ -252,7 +252,7 @@ def test_the_vision_tower_is_fitted_when_some_steps_had_no_images():
 
 def test_priors_from_a_model_config():
     from hf_dp_balance.runtime.fitter import priors_from_config
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     decoder, vision = priors_from_config(tiny_config("qwen2_vl"))
     assert decoder == CostModel.from_config(tiny_config("qwen2_vl"))
@@ -303,7 +303,7 @@ def test_the_wall_clock_times_each_micro_batch(timing):
     import time
 
     from hf_dp_balance.runtime.recorder import StepRecorder
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model("text", seed=0)
     recorder = StepRecorder(StepClock(timing, "cpu"))
