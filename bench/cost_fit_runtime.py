@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
+from hf_dp_balance.testing.mix import draw_mix, pack_fixed_length, truncate
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.hedge import probe_plan
@@ -128,7 +128,23 @@ def main(argv=None) -> int:
     parser.add_argument("--priors", nargs="*", default=list(PRIORS), choices=list(PRIORS))
     parser.add_argument("--steps", type=int, default=32, help="steps run; the model in force after the last is scored")
     parser.add_argument("--draws", type=int, default=4)
+    parser.add_argument("--ungated", action="store_true",
+                        help="adopt every fit (the fitter without the gate), for the side by side")
+    parser.add_argument("--per-sample-sigma", type=float, default=None,
+                        help="the step-time fit's log-normal sigma on the per-sample cost (default: PER_SAMPLE_SIGMA)")
     args = parser.parse_args(argv)
+    if args.ungated:
+        import hf_dp_balance.runtime.fitter as fitter_module
+        from hf_dp_balance.core.fit_gate import GateDecision
+
+        def adopt_all(*_args, **_kwargs):
+            return GateDecision(True, 0.0, 0.0, 1.0, "ungated: adopted, planned as fitted")
+
+        fitter_module.gate_fit = adopt_all
+    if args.per_sample_sigma is not None:
+        import hf_dp_balance.core.fitting as fitting
+
+        fitting.PER_SAMPLE_SIGMA = args.per_sample_sigma
     start = time.process_time()
     print(f"model in force after step {args.steps}: median [worst] share of the true-cost cut / median [worst] "
           f"single-sample error; fits (step: a adopted / r rejected, h hedged after)")

@@ -2,10 +2,14 @@
 
 `runtime.recorder.StepRecorder` measures what this rank computed in one optimizer step and how long it
 took. `CostModelFitter` keeps the bounded timing records, gathers them over a side gloo group, fits on
-rank 0 (`core.fitting`, around the FLOP prior when one is given), estimates each rank's speed from its
-residuals, broadcasts, and refits every `refit_every` steps. Until the first fit it plans with the prior
-(`planning_models`). Guarantees: after `fit(step)` every rank holds the same models and speeds (rank 0's,
-bit for bit); memory is bounded whatever the run length (records, the measured window and the fit reports
+rank 0 (`core.fitting`, around the FLOP prior when one is given), gates the fit against the model in force
+on held-out steps (`core.fit_gate`: adopted only when it predicts them better), estimates each rank's speed
+from its residuals, broadcasts, and refits early (2x, 4x ... the warm-up) until the held-out error settles,
+then every `refit_every` steps. Until a fit is adopted it plans with the prior (`planning_models`), hedged
+(`plans_hedged`) as long as the model in force is uncertain. Guarantees: after `fit(step)` every rank holds the
+same models, speeds, verdicts and schedule (rank 0's, bit for bit); a model in force is replaced only by a fit
+that predicted held-out steps better (or, over a FLOP prior, an unverified one when no step can be held out,
+planned hedged); memory is bounded whatever the run length (records, the measured window and the fit reports
 are capped). `fit` and `window_metrics` are collectives: every rank calls them at the same step.
 Trainer's `DPBalanceCallback` only adapts its events to these objects.
 """
@@ -71,7 +75,7 @@ WARMUP_PER_RANK = 5  # every rank's time is seen: 5 steps pin the four coefficie
 WARMUP_STEP_MAX = 16  # only the slowest rank's: 4 probe cycles (core/hedge.py), 11 of 12 cells >= 95% of the cut
 # Where every micro-batch is a step-max observation of its own (FSDP / ZeRO-3), what the fit needs is about this
 # many of them: M = 2 from 16 steps and M = 4 from 8 met the share of the cut in 12 of 12 bar cells, M = 2 from 8
-# steps (16 observations) in 10 (docs/benchmarks/cost_fit.md, run 12) ...
+# steps (16 observations) in 10 (the cost-fit study at eff4fc4, docs/cost_model.md) ...
 WARMUP_OBSERVATIONS = 32
 # ... and never fewer steps than this: two probe cycles (core/hedge.py), each of its placements twice.
 WARMUP_STEP_MAX_MIN = 8
