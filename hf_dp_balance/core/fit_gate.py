@@ -132,26 +132,28 @@ def gate_decision(candidate_error: float, in_force_error: float, tokens_error: f
                         "predicts the held-out steps no better than the model in force, which stays")
 
 
-def heldout_folds(steps: int, per_step: int, seed: int = 0, folds: int = MAX_FOLDS) -> list:
-    """[(training steps, held-out steps)] over `steps` recorded steps: every step held out once, in up to
-    `folds` groups of `heldout_split`'s size (a seeded order), each fold's training steps keeping
-    `MIN_TRAIN_PER_UNKNOWN` observations per unknown; [] when no step can be held out."""
-    _, first = heldout_split(steps, per_step, seed)
-    if not len(first):
-        return []
-    size = max(len(first), -(-steps // max(int(folds), 1)))
-    order = np.random.default_rng(seed).permutation(steps)
+def heldout_folds(steps: int, per_step: int, seed: int = 0, folds: int = MAX_FOLDS,
+                  eligible: Optional[np.ndarray] = None) -> list:
+    """[(training steps, held-out steps)] over `steps` recorded steps: every `eligible` step (None: all) held
+    out once, in up to `folds` groups (a seeded order) of at least `heldout_split`'s size, each fold's training
+    steps keeping `MIN_TRAIN_PER_UNKNOWN` observations per unknown; [] when no step can be held out."""
+    pool = np.arange(steps) if eligible is None else np.asarray(eligible, dtype=np.int64)
     min_train = -(-MIN_TRAIN_PER_UNKNOWN * N_FEATURES // max(int(per_step), 1))
-    size = min(size, steps - min_train)
+    _, first = heldout_split(steps, per_step, seed)
+    size = min(max(len(first), 1, -(-len(pool) // max(int(folds), 1))), steps - min_train)
+    if size < 1 or not len(pool):
+        return []
+    order = np.random.default_rng(seed).permutation(pool)
     out = []
-    for start in range(0, steps, size):
+    for start in range(0, len(order), size):
         test = np.sort(order[start:start + size])
         out.append((np.setdiff1d(np.arange(steps), test), test))
     return out
 
 
 def gate_fit(fit: Callable[[np.ndarray], object], features: np.ndarray, observed: np.ndarray, step_of: np.ndarray,
-             n_steps: int, seed: int, in_force: Optional[CostModel], prior_in_force: bool = False) -> GateDecision:
+             n_steps: int, seed: int, in_force: Optional[CostModel], prior_in_force: bool = False,
+             unseen: Optional[np.ndarray] = None) -> GateDecision:
     """The gate's verdict on a fit: `fit(step indices)` returns (FitResult, ...) fitted on those steps only;
     `observed` rows (per-rank times [N, R], or step times [N]) of work `features` [N, R, 4], `step_of` the step
     (0 .. n_steps - 1) of each row. Every step is held out once (`heldout_folds`, seeded by `seed`): in each
@@ -159,11 +161,12 @@ def gate_fit(fit: Callable[[np.ndarray], object], features: np.ndarray, observed
     on them (`heldout_error`); the errors are the means over the folds, and `gate_decision` rules. With too
     few steps to hold one out: adopted when nothing or only a FLOP prior (`prior_in_force`) is in force
     (unverified: its errors are NaN, so `uncertain` hedges its plans and the next fit is gated), else the
-    model in force stays."""
+    model in force stays. `unseen`: the steps the model in force was not fitted on (None: every step, as for a
+    prior); only they are held out, so both models are scored on steps neither saw."""
     observed = np.asarray(observed, dtype=np.float64)
     step_of = np.asarray(step_of)
     per_step = len(step_of) // max(int(n_steps), 1) * (observed.shape[1] if observed.ndim == 2 else 1)
-    folds = heldout_folds(int(n_steps), per_step, seed=seed)
+    folds = heldout_folds(int(n_steps), per_step, seed=seed, eligible=unseen)
     nan = float("nan")
     if not folds:
         if in_force is None or prior_in_force:

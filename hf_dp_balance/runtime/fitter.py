@@ -215,6 +215,8 @@ class CostModelFitter:
         self.vision: Optional[CostModel] = vision
         self.fitted_step = fitted_step  # the step of the last fit, adopted or not (-1: none yet)
         self.adopted_step = fitted_step  # the step whose fit is in force (-1: none fitted here)
+        self.given_step = fitted_step if decoder is not None else -2  # a given model's step: not fitted here
+        self.vision_step = -1  # the step whose vision fit is in force (-1: none fitted here)
         # the step of the next fit (`fit_due`): after the warm-up without a model, `refit_every` after a given one
         self.next_fit_step: Optional[int] = None if decoder is None else (
             fitted_step + config.refit_every if config.refit_every > 0 else None)
@@ -350,6 +352,7 @@ class CostModelFitter:
                 self.speeds = np.asarray(payload["speeds"], dtype=np.float64)
         if payload.get("vision") is not None:
             self.vision = CostModel.from_dict(payload["vision"])
+            self.vision_step = step
         if self.last_gate is not None:
             if np.isfinite(self.last_gate.candidate_error):
                 self.heldout_errors = (self.heldout_errors + [self.last_gate.candidate_error])[-MAX_FIT_REPORTS:]
@@ -357,8 +360,9 @@ class CostModelFitter:
             g = self.last_gate
             self.uncertain = uncertain(g.candidate_error if g.adopt else g.in_force_error, g.tokens_error)
         if payload.get("report"):
-            self.fit_reports.append({"step": step, **payload["report"],
-                                     "gate": gate, "vision_gate": vgate, "hedged": self.plans_hedged})
+            # the fit's coefficients whether adopted or not: what the data says, beside what plans
+            self.fit_reports.append({"step": step, **payload["report"], "gate": gate, "vision_gate": vgate,
+                                     "hedged": self.plans_hedged, "fitted": payload.get("fitted")})
         if payload.get("error"):
             logger.warning("dp_balance: cost model fit at step %d failed (%s); keeping the model in force",
                            step, payload["error"])
@@ -403,18 +407,28 @@ class CostModelFitter:
         observed = times if self.fit_mode == "per_rank" else times.max(axis=1)
         return fit_records, feats, observed, np.arange(len(times)), len(times)
 
+    def _unseen(self, step: int, n_steps: int) -> Optional[np.ndarray]:
+        """Indices of the last `n_steps` recorded steps (ending at `step`) that the fitted model in force was not
+        fitted on: those after the step of its fit. None while a prior (fitted on nothing) or a given model
+        (a checkpoint's: its records are not here) is in force: every step is unseen."""
+        if self.decoder is None or self.adopted_step < 0 or self.adopted_step == self.given_step:
+            return None
+        first = step - n_steps + 1  # the step of index 0
+        return np.flatnonzero(np.arange(first, first + n_steps) > self.adopted_step)
+
     def _fit_gathered(self, gathered, steps: int, step: int) -> dict:
         """Rank 0: fit the decoder (and the vision tower, when it was timed) from [steps, ranks] tables, each
         gated against the model in force on held-out steps (`core.fit_gate`)."""
         try:
             fit, feats, observed, step_of, n_steps = self._decoder_tables(gathered, steps)
             decision = gate_fit(fit, feats, observed, step_of, n_steps, step, self.decoder or self.prior,
-                                prior_in_force=self.decoder is None)
+                                prior_in_force=self.decoder is None, unseen=self._unseen(step, n_steps))
             result, speeds = fit(np.arange(n_steps))
         except (ValueError, RuntimeError, FloatingPointError) as exc:
             return {"error": str(exc)}
         payload = {"decoder": result.model.to_dict() if decision.adopt else None, "report": result.report.to_dict(),
-                   "speeds": None if speeds is None else speeds.tolist(), "gate": decision.to_dict()}
+                   "speeds": None if speeds is None else speeds.tolist(), "gate": decision.to_dict(),
+                   "fitted": {"decoder": result.model.to_dict()}}
         vfeats = np.stack([g[2][-steps:] for g in gathered], axis=1)
         vtimes = np.stack([g[3][-steps:] for g in gathered], axis=1)
         timed = vtimes > 0  # a (step, rank) whose tower ran no image is no observation
@@ -422,6 +436,7 @@ class CostModelFitter:
             try:
                 model, vdecision = self._fit_vision(vfeats, vtimes, timed, step)
                 payload["vision_gate"] = vdecision.to_dict()
+                payload["fitted"]["vision"] = model.to_dict()
                 if vdecision.adopt:
                     payload["vision"] = model.to_dict()
             except (ValueError, RuntimeError, FloatingPointError) as exc:
@@ -437,6 +452,10 @@ class CostModelFitter:
 
         in_force = self.vision or self.vision_prior
         train, test = heldout_split(vfeats.shape[0], vfeats.shape[1], seed=step + 1)
+        if self.vision is not None and self.vision_step >= 0:  # a fitted model in force: the steps it never saw
+            first = step - vfeats.shape[0] + 1
+            test = np.flatnonzero(np.arange(first, first + vfeats.shape[0]) > self.vision_step)
+            train = np.setdiff1d(np.arange(vfeats.shape[0]), test)
         train_mask, test_mask = timed.copy(), timed.copy()
         train_mask[test], test_mask[train] = False, False
         model = fit_on(timed)
