@@ -207,14 +207,15 @@ def next_fit_step(step: int, warmup: int, refit_every: int, is_settled: bool,
                   has_fitted_model: bool) -> Optional[int]:
     """The step of the next fit after one at `step` (None: no more). While the held-out error has not settled
     (or no fitted model is in force: the fit was rejected or failed), the next of 2x, 4x, 8x ... the warm-up
-    after `step`, never later than `refit_every` steps on; once settled, `refit_every` steps on. `refit_every`
-    0 (no refits) still retries a rejected or failed first fit on that schedule."""
+    after `step`, never later than `refit_every` steps on; once settled, or where `refit_every` is at most the
+    warm-up (regular refits already as frequent), `refit_every` steps on. `refit_every` 0 (no refits) still
+    retries a rejected or failed first fit on the early schedule."""
     early = 2 * max(int(warmup), 1)
     while early <= step:
         early *= 2
     if refit_every <= 0:
         return None if has_fitted_model else early
-    if is_settled and has_fitted_model:
+    if (is_settled and has_fitted_model) or refit_every <= warmup:
         return step + refit_every
     return min(early, step + refit_every)
 

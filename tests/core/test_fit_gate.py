@@ -61,7 +61,9 @@ def test_the_schedule_refits_early_until_settled_then_every_refit_every():
     assert next_fit_step(5, 5, 100, is_settled=False, has_fitted_model=True) == 10
     assert next_fit_step(10, 5, 100, is_settled=False, has_fitted_model=True) == 20
     assert next_fit_step(20, 5, 100, is_settled=True, has_fitted_model=True) == 120
-    assert next_fit_step(16, 16, 10, is_settled=False, has_fitted_model=True) == 26  # never later than refit_every
+    assert next_fit_step(16, 16, 20, is_settled=False, has_fitted_model=True) == 32
+    assert next_fit_step(32, 16, 20, is_settled=False, has_fitted_model=True) == 52  # never later than refit_every
+    assert next_fit_step(3, 3, 2, is_settled=False, has_fitted_model=True) == 5  # refits as frequent already
     # a rejected first fit waits for the next early step, not the next step
     assert next_fit_step(5, 5, 100, is_settled=False, has_fitted_model=False) == 10
     assert next_fit_step(5, 5, 0, is_settled=False, has_fitted_model=False) == 10

@@ -66,10 +66,8 @@ def _fit_on_ranks(rank, world, timing):
 @pytest.mark.parametrize("timing", ["thread_cpu", "wall"])
 def test_two_ranks_fit_the_same_correct_models(timing):
     r0, r1 = run_ranks(_fit_on_ranks, 2, timing, timeout=180)
-    # after warm-up, then at 2x the warm-up or refit_every on, whichever comes first, until the held-out error
-    # settles (core.fit_gate.next_fit_step); every rank on the same steps
-    assert r0["fitted_at"] == r1["fitted_at"] and r0["fitted_at"][:2] == [6, 10]
-    assert r0["fitted_at"][2] in (12, 14)
+    # after warm-up, then every refit_every steps (4: more often than early refits at 2x the warm-up would be)
+    assert r0["fitted_at"] == r1["fitted_at"] == [6, 10, 14]
     assert r0["decoder"] == r1["decoder"] and r0["vision"] == r1["vision"]  # bit-identical on every rank
     assert r0["mode"] == ("per_rank" if timing == "thread_cpu" else "step_max")
     assert [r["mode"] for r in r0["reports"]] == [r0["mode"]] * 3
