@@ -134,16 +134,17 @@ def gate_decision(candidate_error: float, in_force_error: float, tokens_error: f
 
 def heldout_folds(steps: int, per_step: int, seed: int = 0, folds: int = MAX_FOLDS,
                   eligible: Optional[np.ndarray] = None) -> list:
-    """[(training steps, held-out steps)] over `steps` recorded steps: every `eligible` step (None: all) held
-    out once, in up to `folds` groups (a seeded order) of at least `heldout_split`'s size, each fold's training
-    steps keeping `MIN_TRAIN_PER_UNKNOWN` observations per unknown; [] when no step can be held out."""
+    """[(training steps, held-out steps)] over `steps` recorded steps: the `eligible` steps (None: all) held out
+    once each, in up to `folds` groups (a seeded order) of at least `heldout_split`'s size, each fold's training
+    steps keeping `MIN_TRAIN_PER_UNKNOWN` observations per unknown (where that caps a group's size, only
+    `folds` groups of the eligible steps are held out); [] when no step can be held out."""
     pool = np.arange(steps) if eligible is None else np.asarray(eligible, dtype=np.int64)
     min_train = -(-MIN_TRAIN_PER_UNKNOWN * N_FEATURES // max(int(per_step), 1))
     _, first = heldout_split(steps, per_step, seed)
     size = min(max(len(first), 1, -(-len(pool) // max(int(folds), 1))), steps - min_train)
     if size < 1 or not len(pool):
         return []
-    order = np.random.default_rng(seed).permutation(pool)
+    order = np.random.default_rng(seed).permutation(pool)[:size * max(int(folds), 1)]
     out = []
     for start in range(0, len(order), size):
         test = np.sort(order[start:start + size])
