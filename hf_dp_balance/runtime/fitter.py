@@ -366,7 +366,7 @@ class CostModelFitter:
         if payload.get("error"):
             logger.warning("dp_balance: cost model fit at step %d failed (%s); keeping the model in force",
                            step, payload["error"])
-        elif self.last_gate is not None and not self.last_gate.adopt:
+        elif self.last_gate is not None and not self.last_gate.adopt and self.rank == 0:  # one line per run
             g = self.last_gate
             logger.warning("dp_balance: the cost model fitted at step %d was not adopted (held-out error %.3f against "
                            "%.3f of the model in force); retried at the next fit", step, g.candidate_error,
