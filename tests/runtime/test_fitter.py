@@ -320,3 +320,27 @@ def test_the_wall_clock_times_each_micro_batch(timing):
     lengths, seconds, vision = recorder.micro_batches()
     assert lengths == [[8], [5], [3]] and vision == [0.0] * 3
     assert all(s >= 0.03 for s in seconds) and sum(seconds) <= elapsed
+
+
+def test_a_fit_without_held_out_evidence_plans_hedged_and_the_next_fit_is_gated():
+    # One rank, warm-up 6: 5 timed steps (the first dropped) are too few to hold one out and still fit 4
+    # unknowns twice over, so the first fit replaces the prior unverified and plans hedged; the early refit at 12
+    # is gated on the steps that fit never saw, and its verdict and errors reach the metrics.
+    prior = CostModel(2e-7 * 1e3, 1e-4 * 1e3)
+    fitter = CostModelFitter(DPBalanceConfig(warmup_steps=6), prior=prior)
+    rng = np.random.default_rng(5)
+    fits = []
+    for step in range(1, 13):
+        lengths, seconds, patches, vision_s = _synthetic_step(rng, 0, step)
+        if fitter.end_step(step, lengths, seconds * rng.lognormal(0.0, 0.1), patches, vision_s):
+            fits.append(step)
+            if step == 6:
+                assert fitter.decoder is not None and fitter.plans_hedged and not fitter.planning_with_prior
+                metrics = fitter.model_metrics()
+                assert metrics["planning_hedged"] == 1.0 and metrics["fit_rejected"] == 0.0
+                assert np.isnan(metrics["heldout_error_candidate"])
+    assert fits == [6, 12]
+    gate = fitter.fit_reports[-1]["gate"]
+    assert np.isfinite(gate["candidate_error"]) and np.isfinite(gate["in_force_error"])
+    assert fitter.model_metrics()["fit_rejected"] == float(not gate["adopt"])
+    assert fitter.fit_reports[-1]["fitted"]["decoder"] is not None  # the fit's coefficients, adopted or not
