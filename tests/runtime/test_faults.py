@@ -132,8 +132,9 @@ def _loader_faults(rank, world):
         return _ids(samples)
 
     run("collate", _text_samples(rank, 5, ga), cfg, collator=collator)
-    run("planner raises", _text_samples(rank, 5, ga), cfg, plan_fn=_Planner(1, 2, "raise"))
-    run("plan differs", _text_samples(rank, 5, ga), cfg, plan_fn=_Planner(1, 2, "differ"))
+    # one planning rank (rank 0) plans each step; inside look-ahead windows every rank plans and they compare
+    run("planner raises", _text_samples(rank, 5, ga), cfg, plan_fn=_Planner(0, 2, "raise"))
+    run("plan differs", _text_samples(rank, 5, ga), cfg.replace(lookahead_steps=2), plan_fn=_Planner(1, 2, "differ"))
     return out
 
 
@@ -150,11 +151,11 @@ def test_loader_faults_reach_every_rank_before_the_step_trains():
         steps, msg, elapsed = out["collate"]
         assert len(steps) == 1 and msg is not None and elapsed < 5.0, out["collate"]
         assert "step 1, collate: rank(s) [0]" in msg and "packing exploded" in msg and "micro-batch" in msg
-        # the planner raises on rank 1 at step 2: every rank trains every step, step 2 unbalanced
+        # the planner raises on the planning rank at step 2: every rank trains every step, step 2 unbalanced
         steps, msg, _ = out["planner raises"]
         assert msg is None and len(steps) == 5, out["planner raises"]
-        assert "planner failed on rank(s) [1]" in steps[2][1] and "planner exploded" in steps[2][1]
-        # a plan that differs on rank 1: every rank raises at once, naming rank 1
+        assert "planner failed on rank(s) [0]" in steps[2][1] and "planner exploded" in steps[2][1]
+        # inside a look-ahead window, a plan that differs on rank 1: every rank raises at once, naming rank 1
         steps, msg, elapsed = out["plan differs"]
         assert len(steps) == 2 and msg is not None and elapsed < 5.0, out["plan differs"]
         assert "step 2, plan check: the plan of rank(s) [1] differs" in msg

@@ -196,14 +196,11 @@ def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float) -> list:
     return taken
 
 
-_SWAP_PARTNERS = 16  # slots with the most token room tried by a token swap
-
-
 def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reserved: np.ndarray) -> bool:
     """Repair slot s, `excess` tokens over the cap, by a one-for-many swap; True if done.
 
     One item i of s that covers the excess alone (fewest tokens first) goes to a
-    slot s2 with room (most room first, among the _SWAP_PARTNERS roomiest), which
+    slot s2 with room (most room first, among the 16 roomiest), which
     gives s back its largest items that fit, totalling between t_i - room(s2)
     (so s2 holds i) and t_i - excess (so s ends within the cap). Loads are left to
     the refinement that follows. Moves 1 + a few items. O(items of s x partners). `reserved`: room
@@ -212,7 +209,7 @@ def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reser
     cap, tok, M = state.cap, state.tokens, state.M
     free = cap - state.slot_tok.reshape(-1) - reserved
     free[s] = -np.inf
-    partners = np.lexsort((np.arange(free.size), -free))[:_SWAP_PARTNERS].tolist()
+    partners = np.lexsort((np.arange(free.size), -free))[:16].tolist()
     mine = np.flatnonzero(slot_of == s)
     mine = mine[np.lexsort((mine, tok[mine]))]
     for i in mine[tok[mine] >= excess].tolist():
