@@ -190,7 +190,7 @@ def plot(result: dict, path: str) -> None:
         total.plot(x, summed, "-", color=colors.get(way), label=f"{way}: {summed[-1]:.2f} s over all {x[-1]} steps")
     total.axvspan(0.5, warmup + 0.5, color="0.9")
     ax.axvspan(0.5, warmup + 0.5, color="0.9",
-               label="warm-up (hf_dp_balance: planned with the FLOP prior until its cost model is fitted)")
+               label="warm-up (hf_dp_balance: the FLOP prior plans, hedged, until the gate adopts a fit)")
     total.set_xlabel("optimizer step")
     ax.set_ylabel("rank compute per step (s, thread CPU time)")
     total.set_ylabel("slowest rank, summed from step 1 (s)")
