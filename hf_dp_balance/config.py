@@ -39,17 +39,17 @@ class DPBalanceConfig:
     warmup_steps: Optional[int] = None
     """Optimizer steps timed before the cost model is fitted. None (default): 5 where each rank's compute is
     timed (`fit_mode="per_rank"`: CPU, DDP, ZeRO-1/2, FSDP with `unit_events`), 16 where only step times are
-    (`step_max`: ZeRO-3, and FSDP without visible units, on accelerators), because from fewer step maxima the cost's shape is mostly the prior's (from 5: 6 of 12
-    measured cells reach 95% of the cut; from 16: 11 of 12, docs/benchmarks/cost_fit.md runs 9-11). Under FSDP /
-    ZeRO-3 every micro-batch's maximum is an observation of its own, so with M micro-batches a step the step-time
-    fit waits for 32 of them, between 8 and 16 steps: 16 at M = 1-2, 11 at M = 3, 8 from M = 4 (run 12: M = 4
-    from 8 steps met the cut in 12 of 12 cells; the count is read from the first timed step). The step-time fit
-    also refits once `warmup_steps` after its first fit, on the warm-up and the steps planned since (run 14: video
-    at 128 ranks, prior 2x low, single-sample error 15.2% -> 6.9%), unless `refit_every` is 0. A new
-    model plans from the first step the loader thread cannot have prepared when it lands, a step every
-    process agrees on: with `prior` (the default: the steps before are planned with the model's FLOP prior)
-    that is warmup_steps + prefetch_steps + 2 (+ lookahead_steps - 1), without a prior warmup_steps + 2
-    (until a model is set the loader prepares one step ahead only). Refits follow the same rule."""
+    (`step_max`: ZeRO-3, and FSDP without visible units, on accelerators), because from fewer step maxima the
+    cost's shape is mostly the prior's. Under FSDP / ZeRO-3 every micro-batch's maximum is an observation of its
+    own, so with M micro-batches a step the step-time fit waits for 32 of them, between 8 and 16 steps: 16 at
+    M = 1-2, 11 at M = 3, 8 from M = 4 (the count is read from the first timed step). Every fit is gated on
+    held-out steps (a fit replaces the model in force only when it predicts steps it was not fitted on better:
+    docs/cost_model.md), and refitted early at 2x, 4x ... the warm-up until the held-out error settles (a
+    rejected or failed fit is retried there), then every `refit_every`. A new model plans from the first step
+    the loader thread cannot have prepared when it lands, a step every process agrees on: with `prior` (the
+    default: the steps before are planned with the model's FLOP prior) that is warmup_steps + prefetch_steps
+    + 2 (+ lookahead_steps - 1), without a prior warmup_steps + 2 (until a model is set the loader prepares one
+    step ahead only). Refits follow the same rule."""
 
     max_token_ratio: float = 1.2
     """Hard per-rank (per micro-batch slot) token cap, as a multiple of the mean tokens per slot."""
@@ -77,9 +77,11 @@ class DPBalanceConfig:
     transfers use the node's links). Set it to the GPUs per node / (tp x cp); must not exceed `max_partners`."""
 
     refit_every: int = 100
-    """Refit the cost model every N optimizer steps after the first fit, on the most recent 64 steps (0: never).
-    Keeps up with drift (clocks, kernels warming up, the data mix changing); costs one gather and a fit on
-    rank 0 (0.01 s at 64 ranks, 0.4 s at 4096) that every rank waits for."""
+    """Refit the cost model every N optimizer steps once its held-out error has settled (before that: early refits
+    at 2x, 4x ... `warmup_steps`, never later than N steps apart), on the most recent 64 steps (0: never, except
+    to retry a first fit that was rejected or failed).
+    Keeps up with drift (clocks, kernels warming up, the data mix changing); costs one gather and, on rank 0,
+    the fit and one per held-out fold of the gate (up to five fits) that every rank waits for."""
 
     fit_mode: str = "auto"
     """`per_rank` (clean per-rank compute times), `step_max` (only step times), or `auto`."""

@@ -177,9 +177,9 @@ class BalanceSession:
         for target in ([loader] if loader is not None else self.loaders):
             if decoder is not None and hasattr(target, "set_cost_model"):
                 # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with
-                # decoder + vision; before the fit the models are the prior and the loader hedges its plans.
+                # decoder + vision; the loader hedges its plans while the prior plans or the fit is uncertain.
                 target.set_cost_model(decoder, vision=None if self.config.vision else vision,
-                                      prior=self.fitter.planning_with_prior,
+                                      prior=self.fitter.plans_hedged,
                                       probe=self.fitter.fit_mode == "step_max")
                 if hasattr(target, "set_speed"):
                     target.set_speed(self.speed)

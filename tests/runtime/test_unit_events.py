@@ -231,6 +231,9 @@ def test_the_fitter_fits_unit_events_with_the_prior_as_a_distribution():
     secs = np.asarray(times)[:, None]
     shaped = fit_ranks(feats, secs, "per_rank", prior, estimate_speeds=True, shape_prior=True)[0].model
     penalty = fit_ranks(feats, secs, "per_rank", prior, estimate_speeds=True)[0].model
-    assert fitter.decoder is not None
-    assert np.array_equal(fitter.decoder.coefficients, shaped.coefficients)
+    # the fit the fitter made (whether its gate adopted it over the prior or kept the prior: attention is a few
+    # percent of these packs, so 9 held-out steps barely tell the two apart)
+    fitted = CostModel.from_dict(fitter.fit_reports[-1]["fitted"]["decoder"])
+    assert np.array_equal(fitted.coefficients, shaped.coefficients)
+    assert fitter.decoder is None or np.array_equal(fitter.decoder.coefficients, shaped.coefficients)
     assert not np.array_equal(shaped.coefficients, penalty.coefficients)
