@@ -11,6 +11,7 @@ creation and by the steps, the largest added on any process (rank 0 also serves 
 the slowest process's creation time, with the ratio baseline / ours.
 
 Run:  python bench/side_channel.py --baseline /tmp/main-checkout [--sizes 4 8 16 32] [--steps 20] [--tp 1]
+      [--lazy on] [--max-partners 4]   (a bound below P shows what a rank holds once partners are fixed)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _rank(rank, world, tp, steps):
+def _rank(rank, world, tp, steps, max_partners=None):
     """One process: fds before / after creation / after the steps, creation seconds."""
     import numpy as np
     import torch
@@ -51,7 +52,11 @@ def _rank(rank, world, tp, steps):
     rng = np.random.default_rng(index)
     raw = [[{"input_ids": torch.zeros(int(rng.choice([8, 16, 200, 400])), dtype=torch.int32)}
             for _ in range(int(rng.integers(1, 4)))] for _ in range(steps * GA)]
-    config = DPBalanceConfig(timeout_s=120, min_gain=0.0, warmup_steps=3, refit_every=0, prior=False)
+    import dataclasses
+
+    bound = {"max_partners": max_partners} if max_partners is not None and "max_partners" in {
+        f.name for f in dataclasses.fields(DPBalanceConfig)} else {}  # a baseline without the field: unbounded
+    config = DPBalanceConfig(timeout_s=120, min_gain=0.0, warmup_steps=3, refit_every=0, prior=False, **bound)
     torch.distributed.barrier()  # every process arrived: the time below is creation, not start-up skew
     held = _fds()  # after the barrier: its own connections (lazy) are not the session's
     t0 = time.perf_counter()
@@ -77,17 +82,17 @@ def _rank(rank, world, tp, steps):
 def _worker(args) -> None:
     from hf_dp_balance.testing.spawn import run_ranks
 
-    out = run_ranks(_rank, args.ranks, args.tp, args.steps, timeout=600, pg_timeout_s=300)
+    out = run_ranks(_rank, args.ranks, args.tp, args.steps, args.max_partners, timeout=600, pg_timeout_s=300)
     print("RESULT " + json.dumps(out))
 
 
-def _run(code: str, ranks: int, tp: int, steps: int, lazy: bool):
+def _run(code: str, ranks: int, tp: int, steps: int, lazy: bool, max_partners=None):
     env = {**os.environ, "PYTHONPATH": code, "OMP_NUM_THREADS": "1"}
     env.pop("TORCH_GLOO_LAZY_INIT", None)
     if lazy:
         env["TORCH_GLOO_LAZY_INIT"] = "1"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--ranks", str(ranks), "--tp", str(tp),
-           "--steps", str(steps)]
+           "--steps", str(steps)] + ([] if max_partners is None else ["--max-partners", str(max_partners)])
     proc = subprocess.run(cmd, env=env, cwd=code, capture_output=True, text=True, timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -114,6 +119,7 @@ def main() -> None:
     parser.add_argument("--lazy", choices=["both", "on", "off"], default="both")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--ranks", type=int)
+    parser.add_argument("--max-partners", type=int, help="DPBalanceConfig.max_partners (default: the config's)")
     args = parser.parse_args()
     if args.worker:
         sys.path.insert(0, os.getcwd())
@@ -127,7 +133,7 @@ def main() -> None:
         for lazy in lazies:
             line = [f"P={size:>3} x tp {args.tp} {'lazy ' if lazy else 'eager'}"]
             for name, code in versions:
-                line.append(f"{name}: {_summary(_run(code, size * args.tp, args.tp, args.steps, lazy))}")
+                line.append(f"{name}: {_summary(_run(code, size * args.tp, args.tp, args.steps, lazy, args.max_partners))}")
             print(" | ".join(line), flush=True)
 
 
