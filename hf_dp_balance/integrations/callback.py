@@ -148,7 +148,7 @@ class DPBalanceCallback(TrainerCallback):
             self._active = True
             device_type = torch.device(getattr(args, "device", torch.device("cpu"))).type
             checks = [lambda: _check_sft(args, train_dataloader, model, getattr(trainer, "data_collator", None)),
-                      lambda: check_trainer_loss(args, trainer, self.config),
+                      lambda: check_trainer_loss(args, trainer, self.config, world=data_parallel.size),
                       lambda: _check_data_parallel_sharding(train_dataloader, data_parallel, self._explicit_group)]
             decoder, vision, fitted_step = self._initial_models
             sync = self._sync(trainer)
@@ -259,6 +259,7 @@ class DPBalanceCallback(TrainerCallback):
         """At a training log (every rank logs the same steps): measured imbalance over the window (a
         collective), loader and vision counters, the cost model."""
         take = getattr(self.loader, "pop_stats", None)
+        self.session.measure()  # Trainer logs on every rank at the same step: the collective meets there
         return self.session.metrics(take() if callable(take) else [])
 
     def on_log(self, args, state, control, logs=None, **kwargs):

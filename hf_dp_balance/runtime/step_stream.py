@@ -148,6 +148,9 @@ class StepStream:
                 span = max(1, loader.config.lookahead_steps)  # steps prepared and gathered together
                 if self.step_limit is not None:
                     span = min(span, self.step_limit - (step - first))
+                resumed = loader.resume_window_steps() if step == first and hasattr(loader, "resume_window_steps") else 0
+                if resumed:  # a resume inside a window reads the whole window again, whatever the step limit
+                    span = resumed
                 preps: List[Prepared] = []
                 if pending is None:
                     try:

@@ -277,7 +277,8 @@ def _fits_by_itself(rank, world):
     acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
     shard = prepare_data_loader(torch.utils.data.DataLoader(_TextSamples(48), batch_size=2),
                                 num_processes=2, process_index=mesh["dp"].get_local_rank(), put_on_device=False)
-    cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, max_token_ratio=3.0, warmup_steps=2, refit_every=2)
+    cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, max_token_ratio=3.0, warmup_steps=2, refit_every=2,
+                          metrics_every=1)
     digests, models, metrics = [], [], []
     with DPBalancer(acc, model_config=tiny_config("text"), config=cfg, data_parallel_group=mesh["dp"],
                     id_key="sample_id") as balancer:
@@ -430,8 +431,13 @@ def _resume(rank, world):
 
 def test_state_dict_resumes_after_the_last_completed_step():
     out = run_ranks(_resume, 2, timeout=120, pg_timeout_s=50)
-    assert out[0]["state"] == {"version": 1, "data_parallel_size": 2, "epoch": 0, "steps": 2, "micro_batches": 4,
-                               "window": None}
+    state = out[0]["state"]
+    assert state["version"] == 2 and state["data_parallel_size"] == 2
+    assert state["loaders"] == [{"settings": {"data_parallel_size": 2, "gradient_accumulation_steps": GA,
+                                              "lookahead_steps": 0, "prefetch_steps": 2, "dispatch": False,
+                                              "dataloader_workers": 0},
+                                 "position": {"epoch": 0, "steps": 2, "micro_batches": 4, "window": None}}]
+    assert state["models"]["decoder"] == {**state["models"]["decoder"], "quadratic": 1.0, "linear": 5.0}
     assert out[0]["lengths"] == [7, 7]
     first = [i for o in out for i in o["runs"][0]["ids"]]
     second = [i for o in out for i in o["runs"][1]["ids"]]

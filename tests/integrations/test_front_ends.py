@@ -247,7 +247,7 @@ def _resume_in_window(rank, world):
                     state = loader.state_dict()
                     break
             runs.append([i for s in balancer.step_stats for mb in s.local_ids for i in mb])
-    return {"runs": runs, "window": state["window"] is not None}
+    return {"runs": runs, "window": state["loaders"][0]["position"]["window"] is not None}
 
 
 def test_dpbalancer_resumed_inside_a_lookahead_window_trains_every_sample_once():
