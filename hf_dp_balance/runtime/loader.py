@@ -215,17 +215,6 @@ class BalancedLoader:
     def exchange(self) -> SampleExchange:
         return self._exchange
 
-    def at_window_boundary(self) -> bool:
-        """Whether the steps consumed so far end a look-ahead window (always, without look-ahead).
-
-        With `lookahead_steps` = K > 1 the samples of a window of K steps may train in any of its steps,
-        so a checkpoint inside a window would resume with some samples trained twice and others never
-        (Trainer skips whole sampler steps). Windows start at the first step of each pass over the data.
-        """
-        k = self.config.lookahead_steps
-        stream = self._active
-        return k <= 1 or stream is None or stream.done or stream.consumed % k == 0
-
     def pop_stats(self) -> List[StepStats]:
         """Statistics of the steps consumed since the last call (oldest first)."""
         with self._stats_lock:
@@ -498,6 +487,10 @@ class BalancedLoader:
                                  f"{state['k']} steps (lookahead_steps={state['k']}), this loader has "
                                  f"lookahead_steps={self.config.lookahead_steps}: resume with the same setting")
         self._resume_window = dict(state) if state else None
+
+    def resume_trained_steps(self) -> int:
+        """Steps of the resumed window already trained (their raw batches are read again), 0 without one."""
+        return int(self._resume_window["trained"]) if self._resume_window else 0
 
     def resume_window_steps(self) -> int:
         """Steps of raw data the next pass's first window reads (a resumed window's `k`), 0 without one."""

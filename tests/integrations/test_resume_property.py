@@ -131,7 +131,7 @@ def _accelerate_case(rank, world, case, folder):
         acc.save_state(folder)
     acc.wait_for_everyone()
     refusals = {}
-    if case["check_refusal"]:
+    if case["refuse"]:
         tries = {"gradient_accumulation_steps": dict(ga=case["ga"] % 3 + 1)}
         if not case["dispatch"]:
             tries["lookahead_steps"] = dict(lookahead=(case["lookahead"] + 2) % 4)
@@ -159,7 +159,88 @@ def _accelerate_case(rank, world, case, folder):
     return {"trained": trained, "state": state, "resumed_at": resumed_at, "refusals": refusals}
 
 
-CASES = {"accelerate": _accelerate_case}
+def _trainer_run(case, folder, trained, stop=None, resume=None, **changes):
+    """A Trainer of the tiny text model, 2 epochs of STEPS steps; stops (and saves) after step `stop`."""
+    from transformers import TrainerCallback
+
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from transformers import Trainer
+
+    from hf_dp_balance.integrations.arguments import DPBalanceTrainingArguments
+    from hf_dp_balance.testing.models import make_model
+    from hf_dp_balance.testing.runs import TextSamples, pack_text, sample_index
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == stop:
+                control.should_training_stop = True
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    fields = dict(gradient_accumulation_steps=case["ga"], dataloader_num_workers=case["workers"],
+                  dp_balance_lookahead_steps=case["lookahead"], dp_balance_prefetch_steps=case["prefetch"],
+                  dp_balance_min_gain=0.0, dp_balance_max_token_ratio=3.0, dp_balance_timeout_s=60,
+                  dp_balance_refit_every=0)
+    fields.update(changes)
+    ga = fields["gradient_accumulation_steps"]
+    callback = DPBalanceCallback(cost_model=CostModel(quadratic=1e-6, linear=1e-5, per_sample=0.0, constant=0.0))
+    args = DPBalanceTrainingArguments(
+        output_dir=folder, use_cpu=True, per_device_train_batch_size=BATCH, max_steps=EPOCHS * STEPS,
+        logging_steps=1000, save_strategy="steps", save_steps=stop or 1000, report_to=[], disable_tqdm=True, seed=0,
+        data_seed=0, learning_rate=1e-3, dp_balance=True, **fields)
+    model = make_model("text", seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=TextSamples(world * ga * BATCH * STEPS),
+                      data_collator=pack_text, callbacks=[callback] + ([StopAt()] if stop is not None else []))
+
+    def record(module, args, kwargs):  # (epoch, the packed samples' indices) of every forward
+        ids, pos = kwargs["input_ids"].reshape(-1).tolist(), kwargs["position_ids"].reshape(-1).tolist()
+        starts = [i for i, p in enumerate(pos) if p == 0 and ids[i] == 2 and i + 3 <= len(ids)]  # not padding
+        trained.append((trainer.state.global_step // STEPS, [sample_index(ids[i:i + 3]) for i in starts]))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    trainer.train(resume_from_checkpoint=resume)
+
+
+def _trainer_case(rank, world, case, folder):
+    import json
+
+    import torch.distributed as dist
+
+    from hf_dp_balance.runtime.session import STATE_FILE
+
+    trained = []
+    _trainer_run(case, folder, trained, stop=case["stop"])
+    checkpoint = os.path.join(folder, f"checkpoint-{case['stop']}")
+    with open(os.path.join(checkpoint, STATE_FILE)) as f:
+        state = json.load(f)
+    dist.barrier()
+    refusals = {}
+    if case["refuse"]:
+        tries = {"gradient_accumulation_steps": dict(gradient_accumulation_steps=case["ga"] % 3 + 1),
+                 "lookahead_steps": dict(dp_balance_lookahead_steps=(case["lookahead"] + 2) % 4),
+                 "data_parallel_size": {}}
+        # a Trainer costs seconds: one refusal per case, the drawn one
+        for name, change in [(case["refuse"], tries[case["refuse"]])]:
+            if name == "data_parallel_size" and rank == 0:  # the state of a run with another P
+                with open(os.path.join(checkpoint, STATE_FILE), "w") as f:
+                    json.dump({**state, "data_parallel_size": world + 1}, f)
+            dist.barrier()
+            try:
+                _trainer_run(case, folder, [], resume=checkpoint, **change)
+            except ValueError as exc:
+                refusals[name] = str(exc)
+            dist.barrier()
+        if rank == 0:
+            with open(os.path.join(checkpoint, STATE_FILE), "w") as f:
+                json.dump(state, f)
+        dist.barrier()
+    _trainer_run(case, folder, trained, resume=checkpoint)
+    return {"trained": trained, "state": state, "refusals": refusals}
+
+
+CASES = {"accelerate": _accelerate_case, "trainer": _trainer_case}
 
 
 def _serve(rank, world, jobs, results):
@@ -169,6 +250,7 @@ def _serve(rank, world, jobs, results):
     torch.set_num_threads(1)
     # the spawner's ranks are daemons (they die with the test); DataLoader workers need a parent that may fork
     multiprocessing.current_process()._config["daemon"] = False
+    multiprocessing.set_start_method("fork", force=True)  # DataLoader workers start in ms, not seconds
     while True:
         job = jobs[rank].get(timeout=900)
         if job is None:
@@ -252,7 +334,9 @@ def cases(draw):
     return {"world": world, "front": front, "ga": draw(st.sampled_from([1, 3])),
             "lookahead": draw(st.sampled_from([0, 2, 3])), "prefetch": draw(st.sampled_from([1, 2, 6])),
             "dispatch": dispatch, "workers": draw(st.sampled_from([0, 2])),
-            "stop": draw(st.integers(1, EPOCHS * STEPS - 1)), "check_refusal": draw(st.booleans())}
+            "stop": draw(st.integers(1, EPOCHS * STEPS - 1)),
+            "refuse": draw(st.sampled_from([None, "gradient_accumulation_steps", "lookahead_steps",
+                                            "data_parallel_size"]))}
 
 
 @pytest.mark.dist
@@ -272,13 +356,19 @@ def test_every_sample_trains_exactly_once_per_epoch_across_a_resume(servers, cas
     state = outs[0]["state"]
     assert all(o["state"] == state for o in outs)  # one state on every rank
     (saved,) = state["loaders"]
-    assert saved["position"]["epoch"] == (case["stop"] - 1) // STEPS
+    if case["front"] == "accelerate":
+        assert saved["position"]["epoch"] == (case["stop"] - 1) // STEPS  # dispatch mode counted it too
     assert saved["settings"]["data_parallel_size"] == world and saved["settings"]["dispatch"] == case["dispatch"]
     assert state["models"] is not None  # the cost models travel with the state
-    if case["check_refusal"]:
+    k, in_pass = max(1, case["lookahead"]), (case["stop"] - 1) % STEPS + 1
+    inside = not case["dispatch"] and k > 1 and in_pass % k != 0 and in_pass < STEPS // k * k  # full windows only
+    assert (saved["position"]["window"] is not None) == inside, saved["position"]
+    if case["refuse"]:
+        names = {"gradient_accumulation_steps", "data_parallel_size"} | (
+            set() if case["dispatch"] else {"lookahead_steps"})  # dispatch mode has no look-ahead
+        if case["front"] == "trainer":
+            names = {case["refuse"]}
         for o in outs:
-            names = {"gradient_accumulation_steps", "data_parallel_size"} | (
-                set() if case["dispatch"] else {"lookahead_steps"})
             assert set(o["refusals"]) == names, o["refusals"]
             for name, text in o["refusals"].items():
                 assert name in text
