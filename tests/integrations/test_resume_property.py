@@ -27,6 +27,7 @@ from hf_dp_balance.testing import spawn
 EPOCHS = 2
 BATCH = 2          # samples per raw batch
 STEPS = 4          # optimizer steps per epoch
+_WORKERS = __import__("multiprocessing").get_context("forkserver")  # see _serve
 EXAMPLES = int(os.environ.get("HF_DP_BALANCE_RESUME_EXAMPLES", "50"))
 
 
@@ -97,7 +98,7 @@ def _balancer(acc, case, **changes):
 
 def _loader(balancer, case, world):
     n = world * case["ga"] * BATCH * STEPS
-    workers = dict(num_workers=case["workers"], multiprocessing_context="fork") if case["workers"] else {}
+    workers = dict(num_workers=case["workers"], multiprocessing_context=_WORKERS) if case["workers"] else {}
     plain = torch.utils.data.DataLoader(Samples(n), batch_size=BATCH, sampler=EpochShuffle(n), **workers)
     return balancer.prepare(plain)
 
@@ -250,7 +251,10 @@ def _serve(rank, world, jobs, results):
     torch.set_num_threads(1)
     # the spawner's ranks are daemons (they die with the test); DataLoader workers need a parent that may fork
     multiprocessing.current_process()._config["daemon"] = False
-    multiprocessing.set_start_method("fork", force=True)  # DataLoader workers start in ms, not seconds
+    # DataLoader workers fork from one server per rank that imported torch and this module once: a worker
+    # forked from the rank itself (gloo and exchange threads running) can crash, a spawned one costs seconds
+    _WORKERS.set_forkserver_preload(["torch", Samples.__module__])
+    multiprocessing.set_start_method("forkserver", force=True)  # Trainer's DataLoader workers too
     while True:
         job = jobs[rank].get(timeout=900)
         if job is None:
