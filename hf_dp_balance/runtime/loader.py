@@ -448,8 +448,11 @@ class BalancedLoader:
             self._window_plans[key] = {"k": int(k), "skip": int(skip), "steps": new_step.tolist(),
                                        "rank": start_rank.tolist(), "micro": start_micro.tolist(),
                                        "cap": int(cap), "note": note}
-            for old in [s for s, plan in self._window_plans.items() if s + plan["k"] - plan["skip"] <= consumed]:
-                del self._window_plans[old]  # every step of it was handed out: no resume point lies inside it
+            # a window is dropped once the stream handed out the step after its last: a consumer that takes the
+            # next step before its current one ends (`BalancedDataLoader` reads one step ahead to find the end of
+            # the data) may still save a resume point inside it until then
+            for old in [s for s, plan in self._window_plans.items() if s + plan["k"] - plan["skip"] < consumed]:
+                del self._window_plans[old]
 
     def _resume_in_window(self, step0, window, meta, balance, speeds, resume, t0):
         """The window a resume starts inside: the saved plan (every rank holds the same), its untrained steps."""

@@ -174,6 +174,8 @@ class BalanceSession:
         _, vision = self.fitter.planning_models() if self.fitter is not None else (None, None)
         balance_vision_encoder(model, self.config, group=self.side.vision_group(), cost_model=vision)
         self.vision, self._vision_model = getattr(model, "_dp_balance_vision", None), model
+        if self.fitter is not None:
+            self.publish()  # the tower is balanced on its own now: the loaders plan decoder cost only
         return self.vision
 
     # -- models and speeds ----------------------------------------------------------------------
@@ -190,7 +192,7 @@ class BalanceSession:
             if decoder is not None and hasattr(target, "set_cost_model"):
                 # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with
                 # decoder + vision; before the fit the models are the prior and the loader hedges its plans.
-                target.set_cost_model(decoder, vision=None if self.config.vision else vision,
+                target.set_cost_model(decoder, vision=None if self.vision_balancer is not None else vision,
                                       prior=self.fitter.planning_with_prior,
                                       probe=self.fitter.fit_mode == "step_max")
                 if hasattr(target, "set_speed"):

@@ -6,8 +6,9 @@ Trainer checkpoint for the callback), resumes in fresh objects and trains to the
 exactly once per epoch. A resume with another P, GA or look-ahead is refused naming the setting.
 
 One group of P ranks serves many cases (`_serve`, fed through queues), so a case costs its training, not a
-spawn. CI runs `max_examples` cases on fixed draws (tests/conftest.py's profile); a slow lane runs more:
-`HF_DP_BALANCE_RESUME_EXAMPLES=400 pytest tests/integrations/test_resume_property.py`.
+spawn. CI runs 50 DPBalancer cases and 12 Trainer cases on fixed draws (tests/conftest.py's profile); a slow lane
+runs more: `HF_DP_BALANCE_RESUME_EXAMPLES=400 HF_DP_BALANCE_RESUME_TRAINER_EXAMPLES=100 pytest
+tests/integrations/test_resume_property.py`.
 """
 
 import os
@@ -28,7 +29,10 @@ EPOCHS = 2
 BATCH = 2          # samples per raw batch
 STEPS = 4          # optimizer steps per epoch
 _WORKERS = __import__("multiprocessing").get_context("forkserver")  # see _serve
+# cases per front end: a DPBalancer case costs about a second, a Trainer case (a tiny model, a checkpoint, three
+# train() calls) several
 EXAMPLES = int(os.environ.get("HF_DP_BALANCE_RESUME_EXAMPLES", "50"))
+TRAINER_EXAMPLES = int(os.environ.get("HF_DP_BALANCE_RESUME_TRAINER_EXAMPLES", "12"))
 
 
 class EpochShuffle(torch.utils.data.Sampler):
@@ -97,16 +101,16 @@ def _balancer(acc, case, **changes):
 
 
 def _loader(balancer, case, world):
-    n = world * case["ga"] * BATCH * STEPS
+    n = world * case["ga"] * BATCH * case.get("steps", STEPS)
     workers = dict(num_workers=case["workers"], multiprocessing_context=_WORKERS) if case["workers"] else {}
     plain = torch.utils.data.DataLoader(Samples(n), batch_size=BATCH, sampler=EpochShuffle(n), **workers)
     return balancer.prepare(plain)
 
 
-def _train(loader, ga, trained, stop=None):
-    """Train to the end of epoch EPOCHS - 1, or stop after optimizer step `stop` (counted over epochs from 1):
-    then True. `trained`: (epoch, sample ids) of every micro-batch this rank trained."""
-    step = loader.epoch * STEPS + loader.position()["steps"]
+def _train(loader, ga, trained, stop=None, steps=STEPS):
+    """Train to the end of epoch EPOCHS - 1, or stop after optimizer step `stop` (counted over epochs from 1,
+    `steps` an epoch): then True. `trained`: (epoch, sample ids) of every micro-batch this rank trained."""
+    step = loader.epoch * steps + loader.position()["steps"]
     for epoch in range(loader.epoch, EPOCHS):
         loader.set_epoch(epoch)
         batches = iter(loader)
@@ -127,7 +131,7 @@ def _accelerate_case(rank, world, case, folder):
     acc = _accelerator(case)
     with _balancer(acc, case) as balancer:
         loader = _loader(balancer, case, world)
-        assert _train(loader, case["ga"], trained, stop=case["stop"])
+        assert _train(loader, case["ga"], trained, stop=case["stop"], steps=case.get("steps", STEPS))
         state = loader.state_dict()
         acc.save_state(folder)
     acc.wait_for_everyone()
@@ -331,9 +335,8 @@ def servers():
 
 
 @st.composite
-def cases(draw):
+def cases(draw, front):
     world = draw(st.sampled_from([2, 3, 4]))
-    front = draw(st.sampled_from(sorted(CASES)))
     dispatch = draw(st.booleans()) if front == "accelerate" else False
     return {"world": world, "front": front, "ga": draw(st.sampled_from([1, 3])),
             "lookahead": draw(st.sampled_from([0, 2, 3])), "prefetch": draw(st.sampled_from([1, 2, 6])),
@@ -344,16 +347,44 @@ def cases(draw):
 
 
 @pytest.mark.dist
+@pytest.mark.timeout(900)
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(case=cases())
-def test_every_sample_trains_exactly_once_per_epoch_across_a_resume(servers, case):
+@given(case=cases("accelerate"))
+def test_dpbalancer_trains_every_sample_exactly_once_per_epoch_across_a_resume(servers, case):
+    _check_case(servers, case)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+@settings(max_examples=TRAINER_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=cases("trainer"))
+def test_trainer_trains_every_sample_exactly_once_per_epoch_across_a_resume(servers, case):
+    _check_case(servers, case)
+
+
+def _check_case(servers, case):
+    _run_and_check(lambda job: servers(job["world"]).run_case(job), case)
+
+
+def test_a_state_taken_windows_behind_the_thread_resumes_every_sample_once():
+    # the thread runs prefetch_steps steps plus a window ahead of the loop (here 3 windows of 2 steps): the plan
+    # of the window the loop is in must still be there when the state is taken after step 5
+    case = {"world": 2, "front": "accelerate", "ga": 2, "lookahead": 2, "prefetch": 6, "dispatch": False,
+            "workers": 0, "stop": 5, "refuse": None, "steps": 16}
+    _run_and_check(lambda job: spawn.run_ranks(_accelerate_case, 2, job, job["folder"], timeout=240,
+                                               pg_timeout_s=60), case)
+
+
+def _run_and_check(run, case):
     folder = tempfile.mkdtemp(prefix="resume_case_")
     try:
-        outs = servers(case["world"]).run_case({**case, "folder": folder})
+        outs = run({**case, "folder": folder})
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    world, n = case["world"], case["world"] * case["ga"] * BATCH * STEPS
+    steps = case.get("steps", STEPS)  # optimizer steps an epoch
+    world, n = case["world"], case["world"] * case["ga"] * BATCH * steps
     for epoch in range(EPOCHS):
         trained = sorted(i for o in outs for e, ids in o["trained"] if e == epoch for i in ids)
         assert trained == list(range(n)), (epoch, case)
@@ -361,11 +392,11 @@ def test_every_sample_trains_exactly_once_per_epoch_across_a_resume(servers, cas
     assert all(o["state"] == state for o in outs)  # one state on every rank
     (saved,) = state["loaders"]
     if case["front"] == "accelerate":
-        assert saved["position"]["epoch"] == (case["stop"] - 1) // STEPS  # dispatch mode counted it too
+        assert saved["position"]["epoch"] == (case["stop"] - 1) // steps  # dispatch mode counted it too
     assert saved["settings"]["data_parallel_size"] == world and saved["settings"]["dispatch"] == case["dispatch"]
     assert state["models"] is not None  # the cost models travel with the state
-    k, in_pass = max(1, case["lookahead"]), (case["stop"] - 1) % STEPS + 1
-    inside = not case["dispatch"] and k > 1 and in_pass % k != 0 and in_pass < STEPS // k * k  # full windows only
+    k, in_pass = max(1, case["lookahead"]), (case["stop"] - 1) % steps + 1
+    inside = not case["dispatch"] and k > 1 and in_pass % k != 0 and in_pass < steps // k * k  # full windows only
     assert (saved["position"]["window"] is not None) == inside, saved["position"]
     if case["refuse"]:
         names = {"gradient_accumulation_steps", "data_parallel_size"} | (
