@@ -161,7 +161,9 @@ class DPBalanceCallback(TrainerCallback):
             if train_dataloader is not None and data_parallel.size > 1:
                 self.loader = self.session.add_loader(self._install_loader(train_dataloader, model, args))
                 self._track_loader(args, state)
-                self.session.load_state_dict(self._read_state(args, state) if self.session.rank == 0 else None)
+                # the cost models came with the checkpoint's model file (`start`, counted as fitted at this step)
+                self.session.load_state_dict(self._read_state(args, state) if self.session.rank == 0 else None,
+                                             models=False)
             if self.config.vision and model is not None:
                 self.session.install_vision(model)
                 # errors name the optimizer step the user sees (1-based, as Trainer logs)

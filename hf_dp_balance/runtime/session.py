@@ -277,11 +277,12 @@ class BalanceSession:
                             for settings, position, _ in self._tracked],
                 "models": self.model_state()}
 
-    def load_state_dict(self, state: Optional[dict]) -> None:
+    def load_state_dict(self, state: Optional[dict], models: bool = True) -> None:
         """Resume from `state` (`state_dict`'s): data-parallel rank 0's state is broadcast (every rank calls this
-        at once; other ranks may pass None), checked (`check_resume_state`), its cost models put in force, and
-        every loader's position restored, now or when the loader is tracked. A setting that orders the samples
-        differently from the saved run raises naming it, on every rank alike."""
+        at once; other ranks may pass None), checked (`check_resume_state`), its cost models put in force (unless
+        `models` is False: `start` read them already) and every loader's position restored, now or when the
+        loader is tracked. A setting that orders the samples differently from the saved run raises naming it, on
+        every rank alike."""
         state = self._agree_state(state)
         if state is None:
             return
@@ -291,7 +292,8 @@ class BalanceSession:
                 self._restore_loader(index, saved["settings"], saved["position"])
             else:
                 self._pending_positions.append((index, saved["settings"], saved["position"]))
-        self.restore_models(state.get("models"))
+        if models:
+            self.restore_models(state.get("models"))
 
     def _agree_state(self, state: Optional[dict]) -> Optional[dict]:
         if self.world == 1:
