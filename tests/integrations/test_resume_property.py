@@ -6,7 +6,7 @@ Trainer checkpoint for the callback), resumes in fresh objects and trains to the
 exactly once per epoch. A resume with another P, GA or look-ahead is refused naming the setting.
 
 One group of P ranks serves many cases (`_serve`, fed through queues), so a case costs its training, not a
-spawn. CI runs 50 DPBalancer cases and 12 Trainer cases on fixed draws (tests/conftest.py's profile); a slow lane
+spawn. CI runs 51 DPBalancer cases and 12 Trainer cases (a third at each P) on fixed draws (tests/conftest.py's profile); a slow lane
 runs more: `HF_DP_BALANCE_RESUME_EXAMPLES=400 HF_DP_BALANCE_RESUME_TRAINER_EXAMPLES=100 pytest
 tests/integrations/test_resume_property.py`.
 """
@@ -31,6 +31,7 @@ STEPS = 4          # optimizer steps per epoch
 _WORKERS = __import__("multiprocessing").get_context("forkserver")  # see _serve
 # cases per front end: a DPBalancer case costs about a second, a Trainer case (a tiny model, a checkpoint, three
 # train() calls) several
+WORLDS = (2, 3, 4)  # P: data-parallel ranks
 EXAMPLES = int(os.environ.get("HF_DP_BALANCE_RESUME_EXAMPLES", "50"))
 TRAINER_EXAMPLES = int(os.environ.get("HF_DP_BALANCE_RESUME_TRAINER_EXAMPLES", "12"))
 
@@ -335,8 +336,7 @@ def servers():
 
 
 @st.composite
-def cases(draw, front):
-    world = draw(st.sampled_from([2, 3, 4]))
+def cases(draw, front, world):
     dispatch = draw(st.booleans()) if front == "accelerate" else False
     return {"world": world, "front": front, "ga": draw(st.sampled_from([1, 3])),
             "lookahead": draw(st.sampled_from([0, 2, 3])), "prefetch": draw(st.sampled_from([1, 2, 6])),
@@ -346,22 +346,23 @@ def cases(draw, front):
                                             "data_parallel_size"]))}
 
 
+# One test per P: its cases run on one group of P ranks (a group starts once, not at every change of P).
 @pytest.mark.dist
-@pytest.mark.timeout(900)
-@settings(max_examples=EXAMPLES, deadline=None,
+@pytest.mark.parametrize("world", WORLDS)
+@settings(max_examples=-(-EXAMPLES // len(WORLDS)), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(case=cases("accelerate"))
-def test_dpbalancer_trains_every_sample_exactly_once_per_epoch_across_a_resume(servers, case):
-    _check_case(servers, case)
+@given(data=st.data())
+def test_dpbalancer_trains_every_sample_exactly_once_per_epoch_across_a_resume(servers, world, data):
+    _check_case(servers, data.draw(cases("accelerate", world), label="case"))
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(900)
-@settings(max_examples=TRAINER_EXAMPLES, deadline=None,
+@pytest.mark.parametrize("world", WORLDS)
+@settings(max_examples=-(-TRAINER_EXAMPLES // len(WORLDS)), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(case=cases("trainer"))
-def test_trainer_trains_every_sample_exactly_once_per_epoch_across_a_resume(servers, case):
-    _check_case(servers, case)
+@given(data=st.data())
+def test_trainer_trains_every_sample_exactly_once_per_epoch_across_a_resume(servers, world, data):
+    _check_case(servers, data.draw(cases("trainer", world), label="case"))
 
 
 def _check_case(servers, case):
