@@ -40,9 +40,9 @@ class DPBalanceConfig:
     (`step_max`: ZeRO-3, and FSDP without visible units, on accelerators), because from fewer step maxima the cost's shape is mostly the prior's (from 5: 6 of 12
     measured cells reach 95% of the cut; from 16: 11 of 12, docs/benchmarks/cost_fit.md runs 9-11). Under FSDP /
     ZeRO-3 every micro-batch's maximum is an observation of its own, so with M micro-batches a step the step-time
-    fit waits for 32 of them, between 8 and 16 steps: 16 at M = 1-2, 11 at M = 3, 8 from M = 4 (run 12: M = 4
+    fit waits for 32 of them, between 8 and 16 steps: 16 at M = 1-2, 11 at M = 3, 8 from M = 4 (docs/benchmarks/cost_fit.md: M = 4
     from 8 steps met the cut in 12 of 12 cells; the count is read from the first timed step). The step-time fit
-    also refits once `warmup_steps` after its first fit, on the warm-up and the steps planned since (run 14: video
+    also refits once `warmup_steps` after its first fit, on the warm-up and the steps planned since (docs/benchmarks/cost_fit.md: video
     at 128 ranks, prior 2x low, single-sample error 15.2% -> 6.9%), unless `refit_every` is 0. A new
     model plans from the first step the loader thread cannot have prepared when it lands, a step every
     process agrees on: with `prior` (the default: the steps before are planned with the model's FLOP prior)
