@@ -1,6 +1,6 @@
 """From step times alone (FSDP / ZeRO-3): does a plan made from the fitted model cut what the true costs cut?
 
-Held-out mixes (`hf_dp_balance.apps.mixes`: long-tail text, Qwen2-VL SFT with video and a long tail, the same
+Held-out mixes (`hf_dp_balance.testing.mix`: long-tail text, Qwen2-VL SFT with video and a long tail, the same
 with images bounded at 8K tokens), one fixed-length pack of PACK tokens per rank as the start placement, 3%
 multiplicative rank noise, only the slowest rank's time observed per step. The truth is the Qwen2-7B FLOP prior
 at a fixed throughput (`cost_fit_synthetic.true_model`: a per-sample cost of 0.1% of a pack and a per-step
@@ -64,7 +64,7 @@ import time
 import numpy as np
 
 from cost_fit_synthetic import qwen2_7b_prior, true_model  # bench/ (run as a script: its folder is on sys.path)
-from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
+from hf_dp_balance.testing.mix import draw_mix, pack_fixed_length, truncate
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model, fit_from_micro_batches
 from hf_dp_balance.core.hedge import hedged_plan, probe_plan

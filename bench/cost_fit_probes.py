@@ -1,5 +1,5 @@
 """Warm-up placements for the step-time fit, side by side on the same draws: can another placement let the fit
-correct a prior 2x off in the cells where `core.hedge.probe_plan` misses (docs/benchmarks/cost_fit.md, run 11)?
+correct a prior 2x off in the cells where `core.hedge.probe_plan` misses (the cost-fit study at eff4fc4)?
 
 Same setup, draws and measures as `bench/cost_fit_plans.py`'s "prior" column: every variant's warm-up draws
 the same samples and rank noise from the same generator state, and the evaluation steps and single samples
@@ -19,7 +19,7 @@ follow as in that bench, so "current" reproduces its column. Only the warm-up pl
                  x0.6 of the truth's): a bound for any rule that chooses among these plans
   lone-pair      not hedged: the rank of the step's longest sample gets (step % 4) x --lone-pair short samples
                  (< 512 tokens) beside it, so its companions' cost shows in the step maximum
-  cap-fill       (run 14) the cycle's second token step (position `--fill-step`) replaced by the token plan with
+  cap-fill       the cycle's second token step (position `--fill-step`) replaced by the token plan with
                  the quarter of the ranks of least attention per token filled with other ranks' shortest samples
                  up to the highest FILL_LEVELS x the mean tokens that keeps probe_plan's guarantee;
                  cap-fill-both also at position 0; fill-medium with the samples nearest the median length
@@ -29,7 +29,7 @@ follow as in that bench, so "current" reproduces its column. Only the warm-up pl
   refit          after REFIT_FROM probe steps, each step planned with the fit of the steps LAG before
   refit-once     after REFIT_FROM probe steps, the steps from LAG later planned with the fit of those steps (the
                  runtime's first fit); that fit is also scored ("refit-once @first")
-  active         (run 15, not kept) after --active-from probe steps a provisional fit; from LAG later each step
+  active         (not kept) after --active-from probe steps a provisional fit; from LAG later each step
                  (--token-steps: only the cycle's token-balanced ones) is the token plan with receiver slots
                  (`_receivers`: heavy / light / lone) filled with short samples (`fill_slots`) up to (1 + --slowdown)
                  x the token plan's slowest slot under every bound hypothesis (--active-bound: the probe hull with
@@ -125,7 +125,7 @@ def _hedged_pick(plan_costs, hull, probe_costs, tokens, ranks):
     return probe[0] if keep else token_plan[0]
 
 
-# Active warm-up (run 15, not kept): once a provisional step-time fit exists, a warm-up step placed to tell apart
+# Active warm-up (not kept): once a provisional step-time fit exists, a warm-up step placed to tell apart
 # two attention ratios that fit cannot, at a bounded slowdown.
 ACTIVE_SHARES = (0.0625, 0.125, 0.25)  # receiving ranks tried, as a share of the slots
 

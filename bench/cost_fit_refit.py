@@ -1,4 +1,4 @@
-"""The runtime's first step-time fit and one refit at twice the warm-up, on the bar's cells (issue 23, run 14).
+"""The runtime's first step-time fit and one refit at twice the warm-up, on the bar's cells (the cost-fit study at eff4fc4).
 
 `bench/cost_fit_probes.py`'s draws and measures, variant "refit-once": warm-up steps placed by `probe_plan`, the
 first fit on the first `--first` steps, the steps after it (LAG later) planned with that fit as the runtime plans

@@ -45,7 +45,7 @@ SECONDS_PER_COST = 0.25 / (PACK * 1.05)  # a pack of 2048 tokens computes in abo
 
 def rank_packs(rank: int, steps: int, seed: int):
     """Deterministic packs of one rank: list of micro-batches, each a list of (text_tokens, vision_tokens)."""
-    from hf_dp_balance.testing.data import plan_samples
+    from hf_dp_balance.testing.mix import plan_samples
 
     plans = plan_samples(steps * GA * 40, seed=seed * 1000 + rank, mix="long_tail", scale=1 / 16)
     packs, cur, used, k = [], [], 0, 0

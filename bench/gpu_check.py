@@ -35,7 +35,7 @@ from tqdm import tqdm
 import gpu_calibrate
 import gpu_host
 import gpu_methods
-from hf_dp_balance.apps.mixes import mix_names
+from hf_dp_balance.testing.mix import mix_names
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny configs, float32: checks the code path")
     parser.add_argument("--json", metavar="PATH", help="also write the table and the per-step numbers as JSON")
-    parser.add_argument("--mix", default="qwen2vl-sft", help="a mix of hf_dp_balance.apps.mixes (default long tail)")
+    parser.add_argument("--mix", default="qwen2vl-sft", help="a mix of hf_dp_balance.testing.mix (default long tail)")
     parser.add_argument("--pack", type=int, default=None, help="pack tokens (default 8192, --tiny 256)")
     parser.add_argument("--ga", type=int, default=1, help="gradient-accumulation micro-batches per step")
     parser.add_argument("--steps", type=int, default=None, help="steps per P (default 4, --tiny 2; fewer when "

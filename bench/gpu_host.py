@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import gpu_methods
-from hf_dp_balance.apps.mixes import SampleShapes
+from hf_dp_balance.testing.mix import SampleShapes
 from hf_dp_balance.apps.sim_runs import draw_packed
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.codec import decode_sample, encode_sample

@@ -1,7 +1,7 @@
 """The virtual data-parallel steps of bench/gpu_check.py and each method's micro-batches (pure numpy, no device).
 
 A step is the samples of `ranks * ga` consecutive fixed-length packs of a long-tail multimodal mix (the
-simulator's `apps.mixes`, drawn at its published sizes and scaled to the pack). Every method gives each rank
+simulator's `testing.mix`, drawn at its published sizes and scaled to the pack). Every method gives each rank
 its `ga` micro-batches of those samples, as lists of sample ids:
 
   none             the fixed-length packs themselves (pack j: rank j % ranks, micro-batch j // ranks)
@@ -20,7 +20,7 @@ from typing import Callable, List, Sequence
 
 import numpy as np
 
-from hf_dp_balance.apps.mixes import SampleShapes, draw_mix, pack_fixed_length, truncate
+from hf_dp_balance.testing.mix import SampleShapes, draw_mix, pack_fixed_length, truncate
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.costing import planning_costs
 from hf_dp_balance.core.planner import plan_step

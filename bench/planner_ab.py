@@ -9,7 +9,7 @@ micro-batches, the loads after, path, reason and moved count): a speed-only chan
 same plans. `--phases`: CPU time per phase of the call instead (each planner function's own time,
 not its callees'; wrapping costs ~1-2%), minimum over the calls.
 
-    python bench/planner_ab.py --baseline cbd1de7 [--sizes 512x4,2048x4,4096x8] [--repeats 7] [--phases]
+    python bench/planner_ab.py --baseline eff4fc4 [--sizes 512x4,2048x4,4096x8] [--repeats 7] [--phases]
 
 Instances, costs and cap as `bench/planner.py --full-cap` (32K packs, max_tokens = 32768, min_gain=0,
 cost q*L^2 + L with q/l = 1.9e-5 or 1.4e-4, mixes long-tail and qwen2vl-sft, seed 0).
@@ -35,20 +35,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import planner as bench_planner  # noqa: E402  (the instances of bench/planner.py --full-cap)
 
 BASE = "hf_dp_balance_base"
-# phase -> planner functions ("module.function") whose own CPU time counts toward it
+# phase -> planner functions ("module.function", as this checkout names them) whose own CPU time counts
+# toward it; a baseline that keeps one under another module is searched by the function's name
+# (`resolve`); a name this checkout lacks stops the run (a renamed function must not read 0 silently),
+# one the baseline lacks is named on stderr (its time counts in "plan_step itself" there)
 PHASES = {
     "input checks": ["validation._as_item_values", "validation._as_index_array", "validation._check_tokens",
                      "validation._per_rank", "validation._check_count", "validation._check_fraction"],
     "step loads, bound, cap check": ["steps.slot_loads", "steps.step_makespan", "api._step_bound",
                                      "api._step_violation", "bounds._lower_bound"],
     "working state (build, copies)": ["state._State.__init__", "state._copy_state"],
-    "path choice (_trades_first, _lumpy)": ["repack._trades_first", "repack._lumpy"],
+    "pipeline: driver, path choice": ["pipeline._balance", "pipeline._full_cap_trades", "pipeline._full_cap_pass",
+                                      "pipeline._trades_first", "pipeline._lumpy", "pipeline._choose"],
     "trades: set-up and round loop": ["trade._trade"],
     "trades: index sorts (by rank and cost)": ["trade_index._by_rank_and_cost"],
     "trades: rounds": ["trade._round", "trade._worth_searching", "trade._first_best", "trade._apply",
                        "trade_index._PayBack.search", "trade_index._PayBack.paid", "trade_index._ranges"],
     "ladder trades (chain.py)": ["chain._ladder_trades"],
+    "long items first (assign.py)": ["assign._assign_long", "assign._long_first"],
     "incremental method, polish": ["passes._balance_incremental", "passes._polish", "passes._extra_passes"],
+    "one-for-many exchanges (eject.py)": ["eject._eject"],
+    "sending home (home.py)": ["home._send_home"],
+    "repack fallback": ["repack._repack"],
 }
 
 
@@ -104,22 +112,44 @@ def instrument(package: str):
     modules["steps"] = importlib.import_module(package + ".core.steps")
     wrapped = {}
     for qualified in (q for names in PHASES.values() for q in names):
-        module_name, *attr = qualified.split(".")
-        module = modules.get(module_name)
-        if module is None:
+        try:
+            owner, attr = resolve(modules, qualified, strict=package != BASE)
+        except KeyError as missing:
+            if package != BASE:
+                raise
+            print(f"{missing.args[0]}: not timed in the baseline", file=sys.stderr)
             continue
-        owner = getattr(module, attr[0], None) if len(attr) == 2 else module
-        fn = getattr(owner, attr[-1], None) if owner is not None else None
-        if fn is None:
-            continue
+        fn = getattr(owner, attr)
         wrapped[id(fn)] = wrap(qualified, fn)
-        setattr(owner, attr[-1], wrapped[id(fn)])
+        setattr(owner, attr, wrapped[id(fn)])
     # the names imported into other modules (from x import f) point at the same function objects
     for module in modules.values():
         for key, value in list(vars(module).items()):
             if id(value) in wrapped and callable(value):
                 setattr(module, key, wrapped[id(value)])
     return own_time
+
+
+def resolve(modules: dict, qualified: str, strict: bool):
+    """(owner, attribute) of "module.function" or "module.Class.method" among `modules`; unless `strict`
+    (a baseline), a function not in that module is looked up by its name in every module (one match).
+    Raises KeyError naming the function when it is not found (or found more than once)."""
+    module_name, *attr = qualified.split(".")
+    module = modules.get(module_name)
+    owner = module if module is None or len(attr) == 1 else getattr(module, attr[0], None)
+    if owner is not None and callable(getattr(owner, attr[-1], None)):
+        return owner, attr[-1]
+    if not strict:
+        found = []
+        for m in modules.values():
+            o = m if len(attr) == 1 else getattr(m, attr[0], None)
+            fn = getattr(o, attr[-1], None) if o is not None else None
+            if callable(fn) and getattr(fn, "__module__", None) == m.__name__:
+                found.append((o, attr[-1]))
+        if len(found) == 1:
+            return found[0]
+    raise KeyError(f"--phases: {qualified} is not a planner function of {next(iter(modules.values())).__name__}"
+                   " (renamed or moved? update PHASES)")
 
 
 def main(argv=None) -> int:

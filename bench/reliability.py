@@ -5,9 +5,10 @@ Each run: 3 ranks train a tiny Qwen2-VL through `BalancedLoader` (real samples, 
 the default group's timeout is 300 s, as a long `ddp_timeout`); the step runs inside
 `runtime.watchdog.training_errors`, as Trainer's `training_step` and DPBalancer's `accelerator.backward`
 do. At step FAULT_STEP one fault is injected: SIGKILL / SIGSTOP of a rank (0 = the store's host, 2 = a
-plain peer) in the forward, in the exchange thread (inside the planner) or inside the vision tower; a
-dataset item raising; a sample over the hard cap; a planner raising on one rank; a plan that differs on
-one rank; with `lookahead_steps=3`, the look-ahead planner raising or planning another window on one rank
+plain peer) in the forward, in the exchange thread (inside the collator) or inside the vision tower; a
+dataset item raising; a sample over the hard cap; the planner raising on the planning rank (rank 0: a step's
+plan is made there once and sent, so no rank can follow another plan); with `lookahead_steps=3`, where
+every rank plans the window, the look-ahead planner raising or planning another window on one rank
 (the window of steps FAULT_STEP..FAULT_STEP+2). For every surviving rank the table gives how it ended,
 the seconds from the fault to its end and the first line of its message.
 
@@ -37,8 +38,7 @@ def _faults():
             for victim, sig in ((0, "SIGSTOP"), (2, "SIGSTOP"), (0, "SIGKILL"), (2, "SIGKILL"))]
     return kills + text + [("dataset __getitem__ raises on rank 1", "getitem", 1, None),
                     ("sample over the cap on rank 1", "cap", 1, None),
-                    ("planner raises on rank 1", "planner raises", 1, None),
-                    ("plan differs on rank 1", "plan differs", 1, None),
+                    ("planner raises on rank 0 (the planning rank)", "planner raises", 0, None),
                     ("look-ahead planner raises on rank 1", "look-ahead raises", 1, None),
                     ("look-ahead plan differs on rank 1", "look-ahead differs", 1, None)]
 
@@ -77,28 +77,36 @@ class _Samples:
             yield mb
 
 
-def _planner(rank, place, outdir, victim, sig):
+def _planner(rank, place, outdir):
     from hf_dp_balance.core.planner import plan_step
 
     calls = [0]
 
     def plan_fn(costs, owners, micro, world, num_micro, **kw):
-        import numpy as np
-
         plan = plan_step(costs, owners, micro, world, num_micro, **kw)
         calls[0] += 1
-        if calls[0] - 1 == FAULT_STEP:  # the planner runs in the exchange thread, one step ahead
-            if place == "exchange thread" and rank == victim:
-                _hit(outdir, victim, sig)
-            if place == "planner raises" and rank == 1:
-                _mark(outdir)
-                raise RuntimeError("planner exploded")
-            if place == "plan differs" and rank == 1:
-                _mark(outdir)
-                plan.dest_rank[:] = (np.asarray(owners) + 1) % world
+        # the planner runs in the planning rank's exchange thread, one step ahead
+        if calls[0] - 1 == FAULT_STEP and place == "planner raises" and rank == 0:
+            _mark(outdir)
+            raise RuntimeError("planner exploded")
         return plan
 
     return plan_fn
+
+
+def _collator(model_config, max_tokens, rank, place, outdir, victim, sig):
+    """`PackedCollator`, killing the victim in its exchange thread when it packs step FAULT_STEP."""
+    from hf_dp_balance.core.packing import PackedCollator
+
+    collate, calls = PackedCollator(model_config, max_tokens=max_tokens), [0]
+
+    def collator(samples):
+        calls[0] += 1
+        if place == "exchange thread" and rank == victim and calls[0] - 1 == FAULT_STEP * 2:  # GA 2
+            _hit(outdir, victim, sig)
+        return collate(samples)
+
+    return collator
 
 
 def _patch_lookahead(rank, place, outdir):
@@ -131,11 +139,11 @@ def _rank(rank, world, place, victim, sig, outdir):
     from hf_dp_balance.runtime.loader import BalancedLoader
     from hf_dp_balance.runtime.vision import balance_vision_encoder
     from hf_dp_balance.runtime.watchdog import training_errors
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
 
     err = os.open(os.path.join(outdir, f"stderr_{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(err, 2)
-    model = data.make_model("qwen2_vl", seed=0)
+    model = models.make_model("qwen2_vl", seed=0)
     model.config.text_config.use_cache = False
     dist.barrier()  # model set-up skews the ranks by seconds on a loaded machine: the side groups' rendezvous
     cfg = DPBalanceConfig(timeout_s=TIMEOUT_S, prefetch_steps=2, min_gain=0.0, vision=place != "forward text",
@@ -151,7 +159,8 @@ def _rank(rank, world, place, victim, sig, outdir):
         model.model.visual.register_forward_pre_hook(pre_hook, with_kwargs=True)
     loader = BalancedLoader(_Samples(rank, 8, 2, place, outdir), cfg, gradient_accumulation_steps=2,
                             model_config=model.config, cost_model=CostModel(1.0, 1.0),
-                            plan_fn=_planner(rank, place, outdir, victim, sig))
+                            collator=_collator(model.config, cfg.max_tokens, rank, place, outdir, victim, sig),
+                            plan_fn=_planner(rank, place, outdir))
     loader.set_step_offset(100)
     if balancer is not None:
         balancer.step_source = lambda: 100 + max(0, loader._active.consumed - 1) if loader._active else 100

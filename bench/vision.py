@@ -61,9 +61,9 @@ def skewed_mix(step: int, ranks: int, seed: int):
 def _make_batch(family, items, seed):
     import torch
 
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
 
-    cfg = data.tiny_config(family).vision_config
+    cfg = models.tiny_config(family).vision_config
     width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
     gen = torch.Generator().manual_seed(seed)
     batch = {}
@@ -123,12 +123,12 @@ def _bench_rank(rank, world, family, steps, seed):
     import torch
     import torch.distributed as dist
 
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.runtime.vision import balance_vision_encoder
 
-    model = data.make_model(family, seed=0, vision_config=TOWER[family])
+    model = models.make_model(family, seed=0, vision_config=TOWER[family])
     inner = model.model
     vc = inner.config.vision_config
     width = getattr(vc, "embed_dim", None) if family == "qwen2_vl" else vc.hidden_size

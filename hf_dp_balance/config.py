@@ -10,6 +10,8 @@ constructor), then the defaults below.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional
@@ -37,17 +39,17 @@ class DPBalanceConfig:
     warmup_steps: Optional[int] = None
     """Optimizer steps timed before the cost model is fitted. None (default): 5 where each rank's compute is
     timed (`fit_mode="per_rank"`: CPU, DDP, ZeRO-1/2, FSDP with `unit_events`), 16 where only step times are
-    (`step_max`: ZeRO-3, and FSDP without visible units, on accelerators), because from fewer step maxima the cost's shape is mostly the prior's (from 5: 6 of 12
-    measured cells reach 95% of the cut; from 16: 11 of 12, docs/benchmarks/cost_fit.md runs 9-11). Under FSDP /
-    ZeRO-3 every micro-batch's maximum is an observation of its own, so with M micro-batches a step the step-time
-    fit waits for 32 of them, between 8 and 16 steps: 16 at M = 1-2, 11 at M = 3, 8 from M = 4 (docs/benchmarks/cost_fit.md: M = 4
-    from 8 steps met the cut in 12 of 12 cells; the count is read from the first timed step). The step-time fit
-    also refits once `warmup_steps` after its first fit, on the warm-up and the steps planned since (docs/benchmarks/cost_fit.md: video
-    at 128 ranks, prior 2x low, single-sample error 15.2% -> 6.9%), unless `refit_every` is 0. A new
-    model plans from the first step the loader thread cannot have prepared when it lands, a step every
-    process agrees on: with `prior` (the default: the steps before are planned with the model's FLOP prior)
-    that is warmup_steps + prefetch_steps + 2 (+ lookahead_steps - 1), without a prior warmup_steps + 2
-    (until a model is set the loader prepares one step ahead only). Refits follow the same rule."""
+    (`step_max`: ZeRO-3, and FSDP without visible units, on accelerators), because from fewer step maxima the
+    cost's shape is mostly the prior's. Under FSDP / ZeRO-3 every micro-batch's maximum is an observation of its
+    own, so with M micro-batches a step the step-time fit waits for 32 of them, between 8 and 16 steps: 16 at
+    M = 1-2, 11 at M = 3, 8 from M = 4 (the count is read from the first timed step). Every fit is gated on
+    held-out steps (a fit replaces the model in force only when it predicts steps it was not fitted on better:
+    docs/cost_model.md), and refitted early at 2x, 4x ... the warm-up until the held-out error settles (a
+    rejected or failed fit is retried there), then every `refit_every`. A new model plans from the first step
+    the loader thread cannot have prepared when it lands, a step every process agrees on: with `prior` (the
+    default: the steps before are planned with the model's FLOP prior) that is warmup_steps + prefetch_steps
+    + 2 (+ lookahead_steps - 1), without a prior warmup_steps + 2 (until a model is set the loader prepares one
+    step ahead only). Refits follow the same rule."""
 
     max_token_ratio: float = 1.2
     """Hard per-rank (per micro-batch slot) token cap, as a multiple of the mean tokens per slot."""
@@ -64,10 +66,22 @@ class DPBalanceConfig:
     sync: str = "auto"
     """`step` (DDP: ranks meet once per optimizer step), `micro_batch` (FSDP / ZeRO-3), or `auto`."""
 
+    max_partners: int = 64
+    """Partners per rank for the whole run: each data-parallel rank sends samples to and receives them from at
+    most this many fixed peers (`core.partners.partner_sets`), so connections made on first use stay few.
+    0: unbounded (the planner picks any peer each step). The default changes nothing below 66 data-parallel
+    ranks; what it costs in balance, tokens sent and CPU at 512 and 4,096 ranks: docs/benchmarks/partners.md."""
+
+    ranks_per_node: int = 1
+    """Consecutive data-parallel ranks that share a node: they are always partners of each other (their
+    transfers use the node's links). Set it to the GPUs per node / (tp x cp); must not exceed `max_partners`."""
+
     refit_every: int = 100
-    """Refit the cost model every N optimizer steps after the first fit, on the most recent 64 steps (0: never).
-    Keeps up with drift (clocks, kernels warming up, the data mix changing); costs one gather and a fit on
-    rank 0 (0.01 s at 64 ranks, 0.4 s at 4096) that every rank waits for."""
+    """Refit the cost model every N optimizer steps once its held-out error has settled (before that: early refits
+    at 2x, 4x ... `warmup_steps`, never later than N steps apart), on the most recent 64 steps (0: never, except
+    to retry a first fit that was rejected or failed).
+    Keeps up with drift (clocks, kernels warming up, the data mix changing); costs one gather and, on rank 0,
+    the fit and one per held-out fold of the gate (up to five fits) that every rank waits for."""
 
     fit_mode: str = "auto"
     """`per_rank` (clean per-rank compute times), `step_max` (only step times), or `auto`."""
@@ -157,6 +171,13 @@ class DPBalanceConfig:
             bad("min_gain", self.min_gain, "must be in [0, 1)")
         if not 0.0 <= self.move_tolerance < 1.0:
             bad("move_tolerance", self.move_tolerance, "must be in [0, 1)")
+        if self.max_partners < 0:
+            bad("max_partners", self.max_partners, "must be >= 0 (0: unbounded)")
+        if self.ranks_per_node < 1:
+            bad("ranks_per_node", self.ranks_per_node, "must be >= 1")
+        if 0 < self.max_partners < max(self.ranks_per_node, 2):
+            bad("max_partners", self.max_partners, f"must be 0 or at least {max(self.ranks_per_node, 2)} (the "
+                f"ranks_per_node={self.ranks_per_node} ranks of a node and one partner outside it)")
         if self.sync not in SYNC_CHOICES:
             bad("sync", self.sync, f"must be one of {SYNC_CHOICES}")
         if self.fit_mode not in FIT_MODES:
@@ -228,4 +249,24 @@ def config_field_names() -> tuple:
     return tuple(f.name for f in fields(DPBalanceConfig))
 
 
-__all__ = ["DPBalanceConfig", "ENV_PREFIX", "FATAL_CHOICES", "config_field_names"]
+# Fields that may differ between processes: only rank 0 reads the cost model file, and logging is local.
+RANK_LOCAL_FIELDS = ("cost_model_path", "verbose")
+
+
+def config_digest(config: DPBalanceConfig) -> str:
+    """A short hex digest of every field's value but `RANK_LOCAL_FIELDS`: equal on two processes exactly when
+    their configs agree on everything that decides the groups, the collectives and the plans."""
+    shared = {k: v for k, v in config.to_dict().items() if k not in RANK_LOCAL_FIELDS}
+    text = json.dumps(shared, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def config_differences(mine: Mapping, theirs: Mapping) -> tuple:
+    """The field names (but `RANK_LOCAL_FIELDS`) whose values differ between two `DPBalanceConfig.to_dict()`
+    results, in field order."""
+    return tuple(name for name in config_field_names()
+                 if name not in RANK_LOCAL_FIELDS and mine.get(name) != theirs.get(name))
+
+
+__all__ = ["DPBalanceConfig", "ENV_PREFIX", "FATAL_CHOICES", "RANK_LOCAL_FIELDS", "config_differences", "config_digest",
+           "config_field_names"]

@@ -49,7 +49,7 @@ def load_model(name: str, dtype):
 
     attn = "flash_attention_2" if torch.cuda.is_available() and _has_flash_attn() else register_varlen_attention()
     if name.startswith("tiny:"):
-        from hf_dp_balance.testing.data import make_model
+        from hf_dp_balance.testing.models import make_model
 
         return make_model(name.split(":", 1)[1], seed=0, attn_implementation=attn)
     from transformers import AutoModelForImageTextToText

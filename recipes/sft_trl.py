@@ -64,7 +64,7 @@ def is_text_model(name: str) -> bool:
 def text_model(name: str, attn: str, dtype):
     """A causal LM and its tokenizer (`tiny:text`: a tiny random model and tokenizer)."""
     if name == "tiny:text":
-        from hf_dp_balance.testing.data import build_tokenizer, make_model
+        from hf_dp_balance.testing.models import build_tokenizer, make_model
 
         return make_model("text", seed=0, attn_implementation=attn), build_tokenizer("text")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
     else:
         model, processor = load_model(script.model, attn, dtype)
         if processor is None:
-            from hf_dp_balance.testing.data import build_tokenizer
+            from hf_dp_balance.testing.models import build_tokenizer
 
             processor = build_tokenizer(model.config.model_type)
         # the samples are tokenized here: TRL's preparation would truncate input_ids, not the images

@@ -91,7 +91,7 @@ def load_model(name: str, attn: str, dtype, weights: Optional[str] = None):
     keeps the fresh weights; huggingface/transformers#43701); `from_pretrained` does map them.
     """
     if name.startswith("tiny:"):
-        from hf_dp_balance.testing.data import make_model
+        from hf_dp_balance.testing.models import make_model
 
         model = make_model(name.split(":", 1)[1], seed=0, attn_implementation=attn)
         if weights:

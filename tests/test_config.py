@@ -10,6 +10,9 @@ def test_env_values_parse_by_field_type():
         "HF_DP_BALANCE_MAX_TOKENS": "none", "HF_DP_BALANCE_SYNC": "micro_batch", "HF_DP_BALANCE_TIMING": "wall"})
     assert cfg.vision is True and cfg.warmup_steps == 7 and cfg.max_token_ratio == 1.5
     assert cfg.max_tokens is None and cfg.sync == "micro_batch" and cfg.timing == "wall"
+    bounded = DPBalanceConfig.from_env(environ={"HF_DP_BALANCE_MAX_PARTNERS": "32", "HF_DP_BALANCE_RANKS_PER_NODE": "8"})
+    assert (bounded.max_partners, bounded.ranks_per_node) == (32, 8)
+    assert (DPBalanceConfig().max_partners, DPBalanceConfig().ranks_per_node) == (64, 1)
 
 
 def test_env_bad_value_names_the_variable():
@@ -23,6 +26,8 @@ def test_env_bad_value_names_the_variable():
     ({"max_token_ratio": 0.9}, "max_token_ratio"), ({"sync": "ddp"}, "sync"),
     ({"min_gain": -0.1}, "min_gain"), ({"timeout_s": 0}, "timeout_s"), ({"max_tokens": 0}, "max_tokens"),
     ({"fit_mode": "median"}, "fit_mode"), ({"timing": "gpu"}, "timing"),
+    ({"max_partners": -1}, "max_partners"), ({"max_partners": 4, "ranks_per_node": 8}, "max_partners"),
+    ({"ranks_per_node": 0}, "ranks_per_node"),
     ({"heartbeat_s": 0}, "heartbeat_s"), ({"error_grace_s": -1}, "error_grace_s"), ({"on_fatal": "ignore"}, "on_fatal"),
 ])
 def test_invalid_settings_are_rejected_by_name(kwargs, name):

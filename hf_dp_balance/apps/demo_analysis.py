@@ -190,7 +190,7 @@ def plot(result: dict, path: str) -> None:
         total.plot(x, summed, "-", color=colors.get(way), label=f"{way}: {summed[-1]:.2f} s over all {x[-1]} steps")
     total.axvspan(0.5, warmup + 0.5, color="0.9")
     ax.axvspan(0.5, warmup + 0.5, color="0.9",
-               label="warm-up (hf_dp_balance: planned with the FLOP prior until its cost model is fitted)")
+               label="warm-up (hf_dp_balance: the FLOP prior plans, hedged, until the gate adopts a fit)")
     total.set_xlabel("optimizer step")
     ax.set_ylabel("rank compute per step (s, thread CPU time)")
     total.set_ylabel("slowest rank, summed from step 1 (s)")
@@ -203,22 +203,33 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def pricing_models(hf: dict):
+    """(decoder, vision) coefficient dicts that price the demo's reachable cut: of each module, the last fit
+    on the run's timings (the most data), whether the gate adopted it or kept the model in force; the models in
+    force where no fit is reported. None for a module never fitted."""
+    decoder, vision = hf.get("cost_model"), hf.get("vision_cost_model")
+    for report in hf.get("fit_reports") or []:
+        fitted = report.get("fitted") or {}
+        decoder = fitted.get("decoder") or decoder
+        vision = fitted.get("vision") or vision
+    return decoder, vision
+
+
 def _placement_summary(by_rank: Dict[int, dict], runs: Dict[str, dict], ranks: int, warmup: int) -> Optional[dict]:
     """placement_bound of demo.json: per-step excess of the best placement, the reachable cut over the
-    compared steps and (`all_steps`) over every step, priced by the fitted models of hf_dp_balance (None
-    before both were fitted)."""
+    compared steps and (`all_steps`) over every step, priced by `pricing_models` (None before both were
+    fitted)."""
     tokens = np.asarray(by_rank[0]["tokens"])
-    hf = by_rank[0]["hf_dp_balance"]
-    if not (hf.get("cost_model") and hf.get("vision_cost_model") and "patches" in by_rank[0]):
+    decoder, vision = pricing_models(by_rank[0]["hf_dp_balance"])
+    if decoder is None or vision is None or "patches" not in by_rank[0]:
         return None
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.core.costing import planning_costs
 
-    costs = planning_costs(tokens, by_rank[0]["patches"], CostModel.from_dict(hf["cost_model"]),
-                           CostModel.from_dict(hf["vision_cost_model"]))
+    costs = planning_costs(tokens, by_rank[0]["patches"], CostModel.from_dict(decoder), CostModel.from_dict(vision))
     per_step = placement_bound(costs, runs["none"]["samples_per_step"], ranks)
     excess = np.asarray(per_step)
-    constant = hf["cost_model"].get("constant", 0.0) + hf["vision_cost_model"].get("constant", 0.0)
+    constant = decoder.get("constant", 0.0) + vision.get("constant", 0.0)
     none_rank_samples = [[by_rank[r]["none"]["samples"][k] for r in range(ranks)] for k in range(len(per_step))]
     # the fitted costs price every step's samples alike, warm-up steps included
     all_steps = {"steps": int(excess.size), "steps_bound_by_one_sample": int((excess > 0.02).sum()),
@@ -237,6 +248,26 @@ def _share(gain: float, bound: Optional[dict]) -> str:
 
 def _cut(x: float) -> str:
     return f"{100 * abs(x):.1f}% {'lower' if x >= 0 else 'higher'}"
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{100 * x:.1f}%"
+
+
+def fit_lines(fit_reports: Sequence[dict]) -> List[str]:
+    """One line per cost-model fit of hf_dp_balance: the step, what the gate decided, the held-out errors it
+    compared (the fit's, the model in force's, the token count's) and whether the plans that follow are hedged."""
+    lines = []
+    for r in fit_reports:
+        gate = r.get("gate")
+        if not gate:
+            lines.append(f"fit at step {r['step']}: no gate verdict (the fit failed)")
+            continue
+        verdict = "adopted" if gate["adopt"] else "rejected, the model in force stays"
+        lines.append(f"fit at step {r['step']}: {verdict}; held-out error {_pct(gate['candidate_error'])} "
+                     f"(in force {_pct(gate['in_force_error'])}, tokens {_pct(gate['tokens_error'])}); plans "
+                     f"{'hedged' if r.get('hedged') else 'as fitted'} from then on ({gate['reason']})")
+    return lines
 
 
 def report_lines(result: dict) -> List[str]:
@@ -275,6 +306,7 @@ def report_lines(result: dict) -> List[str]:
             lines.append(f"over all {full['steps']} steps: reachable {100 * full['ceiling']:.1f}% below none, "
                          f"hf_dp_balance measured {100 * everything['vs_none']:.1f}% ({100 * got:.0f}% of it); "
                          f"{full['steps_bound_by_one_sample']} steps hold a sample heavier than a rank's share")
+    lines += fit_lines(result.get("runs", {}).get("hf_dp_balance", {}).get("fit_reports") or [])
     if inv.get("window", 1) > 1:
         lines.append(f"look-ahead K={inv['window']}: hf_dp_balance may train a sample in another step of its window, "
                      f"so the per-step bound above does not hold for it; same samples in every step before step "

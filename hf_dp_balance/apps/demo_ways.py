@@ -15,7 +15,7 @@ from typing import List, Sequence
 import numpy as np
 
 _BATCH_REBALANCE_SEED = 42  # transformers' BatchRebalanceSampler default (Trainer does not pass one)
-# The demo's decoder: bigger than `data.tiny_config`'s (hidden 64, 2 layers), so that a step's compute is
+# The demo's decoder: bigger than `models.tiny_config`'s (hidden 64, 2 layers), so that a step's compute is
 # dominated by the model (dense layers ~ L, attention ~ sum(L^2), ViT ~ patches) rather than by fixed
 # per-step Python work (Trainer, hooks, gloo calls), as on a real cluster where a step takes seconds.
 # head_dim 32: the 16 rotary frequencies split t/h/w as 4/6/6. The vision merger outputs the decoder width.
@@ -231,7 +231,7 @@ def train_way(way: str, rank: int, world: int, ds, key_to_id: dict, tokens: np.n
     from hf_dp_balance.core.packing import PackedCollator
     from hf_dp_balance.integrations.callback import DPBalanceCallback
     from hf_dp_balance.runtime.attention import register_varlen_attention
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model("qwen2_vl", seed=opts["seed"], attn_implementation=register_varlen_attention(),
                        text_config=DEMO_TEXT_CONFIG, vision_config=DEMO_VISION_CONFIG)

@@ -13,7 +13,7 @@ import numpy as np
 
 from hf_dp_balance.core.cost import CostModel
 from hf_dp_balance.core.costing import sample_costs
-from hf_dp_balance.apps.mixes import SampleShapes
+from hf_dp_balance.testing.mix import SampleShapes
 
 # Effective throughput the FLOP presets assume: H100 SXM bf16 dense peak 989 TFLOP/s at
 # about 40% MFU. Only ratios matter for the gain; absolute TGS scales with this number.

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from hf_dp_balance.apps.mixes import SampleShapes, draw_mix, mix_names, pack_fixed_length, truncate
+from hf_dp_balance.testing.mix import SampleShapes, draw_mix, mix_names, pack_fixed_length, truncate
 from hf_dp_balance.apps.sim_model import BYTES_PER_PATCH, BYTES_PER_TOKEN, DEFAULT_BANDWIDTH_GBS, SampleCost, load_cost
 from hf_dp_balance.apps.sim_price import StepPrice
 from hf_dp_balance.apps.sim_step import METHODS, Tally, run_steps

@@ -9,14 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from typing import List
 
-from hf_dp_balance.apps.mixes import load_lengths, mix_names
+import numpy as np
+
 from hf_dp_balance.apps.sim_model import COST_PRESETS, DEFAULT_BANDWIDTH_GBS, load_cost
 from hf_dp_balance.apps.sim_plot import plot_results
 from hf_dp_balance.apps.sim_price import (ADAM_BYTES_PER_PARAM, GPUS_PER_NODE, GRAD_BYTES, HBM_GBPS, INTER_NODE_GBPS,
                                           INTRA_NODE_GBPS, StepPrice)
 from hf_dp_balance.apps.sim_runs import simulate
+from hf_dp_balance.testing.mix import mix_names
 
 # Setups: defaults for the flags a user did not give. "published": the published system's cluster as far as
 # its blog states it (DP 32..512, 32K packs, all-reduce not overlapped) with its measured gains of the
@@ -200,3 +203,75 @@ def format_table(result: dict) -> str:
             )
         lines.append(line)
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- user lengths
+
+
+def load_lengths(spec: str) -> np.ndarray:
+    """A user's own sample lengths (tokens), as int64.
+
+    ``spec`` is ``dataset:PATH:COLUMN`` (a `datasets` dataset saved with
+    ``save_to_disk`` at PATH, or a local data file / folder that ``load_dataset``
+    reads, with COLUMN holding lengths, or token lists whose lengths are taken)
+    or the path of a text file with one length per line. Loads from disk only.
+    """
+    if spec.startswith("dataset:"):
+        rest = spec[len("dataset:"):]
+        path, sep, column = rest.rpartition(":")
+        if not sep or not path or not column:
+            raise ValueError(f"--lengths-from {spec!r}: expected dataset:PATH_OR_NAME:COLUMN")
+        values = _dataset_column(path, column)
+        source = f"column {column!r} of {path}"
+    else:
+        if not os.path.isfile(spec):
+            raise ValueError(f"--lengths-from {spec!r}: no such file (or use dataset:PATH:COLUMN)")
+        values = []
+        with open(spec, "r", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                try:
+                    values.append(float(line))
+                except ValueError:
+                    raise ValueError(f"--lengths-from {spec}: line {lineno} is not a number: {line!r}") from None
+        source = spec
+    lengths = np.asarray(values, dtype=np.float64)
+    if lengths.size == 0:
+        raise ValueError(f"--lengths-from: {source} holds no lengths")
+    bad = np.flatnonzero(~np.isfinite(lengths) | (lengths < 1) | (lengths != np.round(lengths)))
+    if bad.size:
+        raise ValueError(f"--lengths-from: {source}, sample {int(bad[0])} has length {lengths[bad[0]]:g} (need an integer >= 1)")
+    return lengths.astype(np.int64)
+
+
+def _dataset_column(path: str, column: str):
+    import datasets  # imported here: the simulator's other paths need no `datasets`
+
+    if os.path.isdir(path) and (
+        os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(os.path.join(path, "state.json"))
+        or os.path.exists(os.path.join(path, "dataset_dict.json"))
+    ):
+        ds = datasets.load_from_disk(path)
+    elif os.path.exists(path):
+        ds = datasets.load_dataset(path) if os.path.isdir(path) else datasets.load_dataset(
+            _builder_for(path), data_files=path
+        )
+    else:
+        raise ValueError(f"--lengths-from dataset:{path}:{column}: no such path (datasets are loaded from disk only)")
+    if isinstance(ds, datasets.DatasetDict):
+        split = "train" if "train" in ds else sorted(ds)[0]
+        ds = ds[split]
+    if column not in ds.column_names:
+        raise ValueError(f"--lengths-from dataset:{path}:{column}: no column {column!r}; columns are {ds.column_names}")
+    values = ds[column]
+    values = list(values) if not isinstance(values, list) else values
+    if values and isinstance(values[0], (list, tuple, np.ndarray)):
+        return [len(v) for v in values]  # token lists: their lengths
+    return values
+
+
+def _builder_for(path: str) -> str:
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    return {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet", "txt": "text", "arrow": "arrow"}.get(ext, ext)

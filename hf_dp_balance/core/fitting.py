@@ -128,7 +128,7 @@ PRIOR_STRENGTH = 0.03
 # The same for the noise-aware step-max fit: its likelihood reads every rank of a step (each finished at
 # or before the slowest), so it holds the data more tightly than one residual per step. Measured on
 # bench/cost_fit_synthetic.py's grid against 0.03 and 0.3: the narrowest spread at 128 ranks
-# (docs/benchmarks/cost_fit.md, run 5).
+# (docs/benchmarks/cost_fit.md, the noise-aware step-max fit side by side with the soft-max fit).
 STEP_MAX_PRIOR_STRENGTH = 0.1
 
 
@@ -413,16 +413,17 @@ def fit_each_rank(features, times, prior: Optional[CostModel] = None, seed: int 
 
 
 def fit_from_records(features, times, mode: str, prior: Optional[CostModel] = None,
-                     shape_prior: bool = False) -> FitResult:
+                     shape_prior: bool = False, drop_first: bool = True) -> FitResult:
     """Fit the decoder cost model from gathered records: features [steps, ranks, 4], times [steps, ranks].
 
     The first recorded step is dropped when there are at least 3 (allocator warm-up,
-    lazy initialisation); `step_max` fits the slowest rank of each step only; `prior` as in
-    `fit_cost_model`; `shape_prior` (per_rank only): every rank's time an observation of `fit_each_rank`.
+    lazy initialisation; `drop_first=False` keeps it: the caller dropped it); `step_max` fits the slowest
+    rank of each step only; `prior` as in `fit_cost_model`; `shape_prior` (per_rank only): every rank's time
+    an observation of `fit_each_rank`.
     """
     features = np.asarray(features, dtype=np.float64)
     times = np.asarray(times, dtype=np.float64)
-    if features.shape[0] >= 3:
+    if drop_first and features.shape[0] >= 3:
         features, times = features[1:], times[1:]
     if mode == "step_max":
         return fit_cost_model(features, times.max(axis=1), mode="step_max", prior=prior)

@@ -22,7 +22,7 @@ prior; under the true cost the slowest rank has a different composition in each.
 placement's worst excess over `probe_hypotheses` (the tokens, the prior, the extrapolated costs) is at most
 the token-balanced plan's, so for every cost in that wider hull (attention from none up to PROBE_FACTOR
 times the prior's share over the tokens) it is no worse than fixed-length packing's stand-in. Measured:
-bench/cost_fit_plans.py (docs/benchmarks/cost_fit.md, run 9).
+bench/cost_fit_plans.py (docs/benchmarks/cost_fit.md, warm-up steps placed to inform the fit).
 """
 
 from __future__ import annotations

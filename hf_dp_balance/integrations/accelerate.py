@@ -11,8 +11,8 @@ Only the data-parallel dimension is balanced: the group comes from the accelerat
 (dp_replicate x dp_shard) or `data_parallel_group=` (a plain DataLoader is then sharded by
 data-parallel index, so tp / cp peers read the same samples). An adapter over one
 `runtime.session.BalanceSession`, as the Trainer callback is: its `SideChannel` makes every side group
-(one exchange group, one more per further loader, the main thread's control group, the fit group over
-every process when the group is one slice of a mesh, the one watchdog's heartbeat group), its fitter
+(one exchange group, one more per further loader, the main thread's control group, the one watchdog's
+heartbeat group, each over the data-parallel slice), its fitter
 times each rank's steps between the loader's own step boundaries and fits, broadcasts and refits the
 cost model, unless it is given one (`cost_model=`, or `config.cost_model_path`, read on rank 0 and
 broadcast). Until a model is fitted it plans with the FLOP prior of the model's config (`config.prior`).

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import time
 
-IGNORE_INDEX = -100
+from hf_dp_balance.core.families import IGNORE_INDEX
 
 
 def target_tokens(batch: dict) -> int:

@@ -68,6 +68,12 @@ class DPBalanceArguments:
     dp_balance_sync: str = field(default="auto", metadata=_help(
         "Where ranks meet: step (DDP, once per optimizer step), micro_batch (FSDP / ZeRO-3), or auto from the Trainer",
         "sync", SYNC_CHOICES))
+    dp_balance_max_partners: int = field(default=64, metadata=_help(
+        "Partners per rank for the whole run: each data-parallel rank trades samples with at most this many "
+        "fixed peers; 0 = unbounded (changes nothing below 66 data-parallel ranks)", "max_partners"))
+    dp_balance_ranks_per_node: int = field(default=1, metadata=_help(
+        "Consecutive data-parallel ranks that share a node: always partners of each other (GPUs per node / "
+        "(tp x cp))", "ranks_per_node"))
     dp_balance_refit_every: int = field(default=100, metadata=_help(
         "Refit the cost model every N optimizer steps after the first fit, on the latest 64 steps (0: never)",
         "refit_every"))

@@ -162,7 +162,7 @@ class DPBalanceCallback(TrainerCallback):
                 self.loader = self.session.add_loader(self._install_loader(train_dataloader, model, args))
                 self._track_loader(args, state)
                 # the cost models came with the checkpoint's model file (`start`, counted as fitted at this step)
-                self.session.load_state_dict(self._read_state(args, state) if self.session.rank == 0 else None,
+                self.session.load_state_dict(self._read_state(args, state),
                                              models=False)
             if self.config.vision and model is not None:
                 self.session.install_vision(model)
@@ -220,7 +220,7 @@ class DPBalanceCallback(TrainerCallback):
 
     @staticmethod
     def _read_state(args, state) -> Optional[dict]:
-        """The session state of the checkpoint Trainer resumes from (rank 0 reads it; the session broadcasts)."""
+        """The session state of the checkpoint Trainer resumes from (the data-parallel slice's first rank's is used)."""
         for folder in DPBalanceCallback._checkpoint_folders(args, state):
             path = os.path.join(folder, STATE_FILE)
             if os.path.isfile(path):

@@ -1,14 +1,20 @@
-"""Cross-rank sample exchange over a side gloo process group: metadata gather and payload all_to_all.
+"""Cross-rank sample exchange over a side gloo process group: metadata, agreements, payloads.
 
 `SampleExchange` owns one side gloo group (never the training group, so it may run in a background
-thread); its metadata gather carries a failure flag, so a rank that failed locally makes every rank raise
-`ExchangeError` at once, and any collective that fails or times out raises `ExchangeError` naming the step,
-the phase and the ranks that reported a failure. Encoding and split sizes: `core.codec`. Details:
-docs/exchange.md.
+thread). Per step: every rank sends its metadata rows to one planning rank (`send_rows` / `collect_rows`),
+which sends each rank only its own orders (`send_orders` / `receive_orders`); payloads travel point to
+point between the pairs that trade (`exchange_payloads`); whether every rank packed its step is agreed
+through the planning rank (`raise_if_failed`), plan digests with one fixed-size `all_reduce` (`agree`).
+Look-ahead windows still gather every rank's rows to every rank (`gather_metadata`). A rank that failed
+locally makes every rank raise `ExchangeError` at once, and any transfer that fails or times out raises
+`ExchangeError` naming the step, the phase and the ranks that reported a failure. Encoding and split
+sizes: `core.codec`. Details: docs/exchange.md.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -32,7 +38,16 @@ def failure_detail(failed: Mapping[int, str]) -> str:
 # Fixed header every rank contributes to the first gather of a step.
 H_STATUS, H_NUM_SAMPLES, H_NUM_MICRO, H_FLAGS, H_SPEED, H_WIDTH = range(6)
 _MSG_BYTES = 512
-_STORE_PREFIX = "exchange_failed/"
+# The rank of the exchange group that plans each step (`collect_rows` / `send_orders`).
+PLANNER = 0
+# Point-to-point tags: gloo keys collectives by their own prefixed slots, so these never meet a collective.
+(TAG_HEADER, TAG_ROWS, TAG_MESSAGE, TAG_ORDERS_HEAD, TAG_ORDERS_BODY, TAG_PAYLOAD, TAG_FLAG, TAG_FLAG_MESSAGE,
+ TAG_VERDICT, TAG_VERDICT_BODY) = range(1, 11)
+# Orders header (float64, exact for integers below 2**53) the planning rank sends each rank per step.
+(O_STATUS, O_NUM_MICRO, O_NUM_SAMPLES, O_OFFSET, O_N_IN, O_N_OUT, O_N_RECV, O_TEXT, O_APPLIED, O_BEFORE, O_AFTER,
+ O_MOVED, O_MOVED_BYTES, O_WIDTH) = range(14)
+STATUS_OK, STATUS_END, STATUS_FAILED = 0, 1, 2
+_STORE_PREFIX = "exchange_failed"  # one key per run: every failed rank appends its line
 _STORE_DEADLINE_S = 2.0  # the failure notes are best effort: a stopped store host must not hold the error
 
 
@@ -108,28 +123,35 @@ class SampleExchange:
             return None
 
     def report_failure(self, step: int, message: str) -> None:
-        """Leave a note in the rendezvous store so that peers stuck in a collective can name this rank."""
+        """Leave a note in the rendezvous store so that peers stuck in a collective can name this rank.
+
+        Every note of the run goes into one key (one append: a line of [global rank, note]), so reading
+        them all is one round trip whatever the number of ranks."""
         store = self._store()
         if store is not None:  # the store may be gone or stopped with its host: a deadline, never a hang
-            note = f"step {step}: {message[:300]}"
-            key = f"{self._store_prefix}{self._global_ranks[self.rank]}"  # global: several subgroups share one store
-            call_with_deadline(lambda: store.set(key, note), _STORE_DEADLINE_S)
+            line = json.dumps([int(self._global_ranks[self.rank]), f"step {step}: {message[:300]}"]) + "\n"
+            call_with_deadline(lambda: store.append(self._store_prefix, line.encode("utf-8")), _STORE_DEADLINE_S)
 
     def reported_failures(self) -> Dict[int, str]:
-        """Ranks that left a failure note (best effort: empty when the store is unreachable or stopped).
-
-        Waits at most `_STORE_DEADLINE_S` in all, whatever the store does.
-        """
+        """Ranks of this group that left a failure note ({group rank: note}; best effort: empty when the store
+        is unreachable or stopped). Two store round trips (check, get) whatever the group's size; waits at most
+        `_STORE_DEADLINE_S` in all, whatever the store does."""
         store = self._store()
         if store is None:
             return {}
+        position = {int(g): r for r, g in enumerate(self._global_ranks)}
 
         def lookup():
+            if not store.check([self._store_prefix]):
+                return {}
             found = {}
-            for r in range(self.world_size):
-                key = f"{self._store_prefix}{self._global_ranks[r]}"
-                if store.check([key]):
-                    found[r] = store.get(key).decode("utf-8", "replace")
+            for line in store.get(self._store_prefix).decode("utf-8", "replace").splitlines():
+                try:
+                    global_rank, note = json.loads(line)
+                except ValueError:
+                    continue
+                if int(global_rank) in position:  # notes of other slices share the key
+                    found[position[int(global_rank)]] = str(note)
             return found
 
         return call_with_deadline(lookup, _STORE_DEADLINE_S, default={})
@@ -175,7 +197,7 @@ class SampleExchange:
 
         failed = np.flatnonzero(headers[:, H_STATUS] != 0)
         if failed.size:
-            detail = failure_detail(self._gather_messages(step, failed, error))
+            detail = failure_detail(self._gather_failures(step, error))
             raise ExchangeError(f"hf_dp_balance sample exchange, step {step}: rank(s) {failed.tolist()} failed "
                                 f"before the exchange: {detail}")
 
@@ -192,69 +214,292 @@ class SampleExchange:
         owners = np.repeat(np.arange(self.world_size, dtype=np.int64), counts)
         return GatheredMetadata(headers, all_rows, owners)
 
-    def _gather_messages(self, step: int, failed: np.ndarray, error: Optional[str]) -> Dict[int, str]:
-        """{rank: message} of the `failed` ranks (one all_gather of fixed-size text; every rank calls it)."""
-        msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
-        text = (error or "").encode("utf-8", "replace")[:_MSG_BYTES]
-        if text:
-            msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        msgs = [torch.empty_like(msg) for _ in range(self.world_size)]
-        self._run(step, "failure message all_gather", lambda: self._dist.all_gather(msgs, msg, group=self.group))
-        return {int(r): msgs[r].numpy().tobytes().rstrip(b"\x00").decode("utf-8", "replace") for r in failed}
+    def agree(self, step: int, phase: str, value: int = 0, error: Optional[str] = None) -> Tuple[bool, Dict[int, str]]:
+        """(whether every rank passed the same int64 `value`, {rank: message} of the ranks that passed `error`).
 
-    def agree(self, step: int, phase: str, value: int = 0, error: Optional[str] = None) -> Tuple[np.ndarray, Dict[int, str]]:
-        """(every rank's int64 `value`, {rank: message} of the ranks that passed `error`), equal on every rank.
-
-        One all_gather of two int64 per rank; one more fetches the messages only when some rank failed.
-        A rank's local failure in `phase` thus reaches every peer before the step goes on (no timeout).
+        One `all_reduce` (MAX) of three int64 per rank, whatever the number of ranks: [failed, value, -value];
+        equal values make max(value) == -max(-value). One all_gather fetches the messages only when some rank
+        failed. A rank's local failure in `phase` thus reaches every peer before the step goes on (no timeout).
         """
-        mine = torch.tensor([1 if error is not None else 0, int(value)], dtype=torch.int64)
+        value = int(value)
+        vec = torch.tensor([1 if error is not None else 0, value, -value], dtype=torch.int64)
+        self._run(step, f"{phase} all_reduce", lambda: self._dist.all_reduce(vec, op=self._dist.ReduceOp.MAX,
+                                                                             group=self.group))
+        failed = self._gather_failures(step, error) if int(vec[0]) else {}
+        return int(vec[1]) == -int(vec[2]), failed
+
+    def all_values(self, step: int, phase: str, value: int) -> np.ndarray:
+        """Every rank's int64 `value` (one all_gather): only on the error path, to name the ranks that differ."""
+        mine = torch.tensor([int(value)], dtype=torch.int64)
         both = [torch.empty_like(mine) for _ in range(self.world_size)]
         self._run(step, f"{phase} all_gather", lambda: self._dist.all_gather(both, mine, group=self.group))
-        table = torch.stack(both).numpy()
-        failed = np.flatnonzero(table[:, 0] != 0)
-        return table[:, 1].copy(), (self._gather_messages(step, failed, error) if failed.size else {})
+        return torch.cat(both).numpy()
+
+    def _gather_failures(self, step: int, error: Optional[str]) -> Dict[int, str]:
+        """{rank: message} of every rank that passed `error` (one all_gather of fixed-size text, first byte a flag)."""
+        msg = torch.zeros(_MSG_BYTES + 1, dtype=torch.uint8)
+        if error is not None:
+            msg[0] = 1
+            text = error.encode("utf-8", "replace")[:_MSG_BYTES]
+            if text:
+                msg[1: 1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        msgs = [torch.empty_like(msg) for _ in range(self.world_size)]
+        self._run(step, "failure message all_gather", lambda: self._dist.all_gather(msgs, msg, group=self.group))
+        return {r: m[1:].numpy().tobytes().rstrip(b"\x00").decode("utf-8", "replace")
+                for r, m in enumerate(msgs) if int(m[0])}
 
     def raise_if_failed(self, step: int, phase: str, error: Optional[str] = None) -> None:
-        """`agree` on a local failure: when any rank passes `error`, every rank raises `ExchangeError` naming them."""
-        _, failed = self.agree(step, phase, error=error)
-        if failed:
-            detail = failure_detail(failed)
-            raise ExchangeError(f"hf_dp_balance, step {step}, {phase}: rank(s) {sorted(failed)} failed "
+        """When any rank passes `error`, every rank raises `ExchangeError` naming them and their messages.
+
+        Through the planning rank: every other rank sends it a fixed-size flag (and its message when it
+        failed), the planning rank answers every rank with the failed ranks and their messages. Two hops per
+        rank whatever the number of ranks (a ring all_reduce takes 2 (P - 1)); 2 (P - 1) on the planning rank.
+        """
+        dist = self._dist
+        text = (error or "").encode("utf-8", "replace")[:_MSG_BYTES]
+        if self.rank != PLANNER:
+            flag = torch.tensor([1 if error is not None else 0, len(text)], dtype=torch.int64)
+            works = [dist.isend(flag, group=self.group, group_dst=PLANNER, tag=TAG_FLAG)]
+            if text:
+                works.append(dist.isend(torch.frombuffer(bytearray(text), dtype=torch.uint8), group=self.group,
+                                        group_dst=PLANNER, tag=TAG_FLAG_MESSAGE))
+            self._wait(step, f"{phase} agreement send to the planning rank", works)
+            verdict = torch.empty(2, dtype=torch.int64)
+            self._wait(step, f"{phase} agreement receive from the planning rank",
+                       [dist.irecv(verdict, group=self.group, group_src=PLANNER, tag=TAG_VERDICT)])
+            body = torch.empty(8 * int(verdict[0]) + int(verdict[1]), dtype=torch.uint8)
+            if body.numel():
+                self._wait(step, f"{phase} agreement receive from the planning rank",
+                           [dist.irecv(body, group=self.group, group_src=PLANNER, tag=TAG_VERDICT_BODY)])
+            raw = body.numpy().tobytes()
+            failed_ranks = np.frombuffer(raw[: 8 * int(verdict[0])], dtype=np.int64).tolist()
+            detail = raw[8 * int(verdict[0]):].decode("utf-8", "replace")
+        else:
+            failed_ranks, detail = self._judge(step, phase, error)
+        if failed_ranks:
+            raise ExchangeError(f"hf_dp_balance, step {step}, {phase}: rank(s) {failed_ranks} failed "
                                 f"(raised on rank {self.rank}): {detail}")
+
+    def _judge(self, step: int, phase: str, error: Optional[str]) -> Tuple[List[int], str]:
+        """The planning rank's side of `raise_if_failed`: collect every flag, answer every rank alike."""
+        dist = self._dist
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        flags = {r: torch.empty(2, dtype=torch.int64) for r in peers}
+        self._wait(step, f"{phase} agreement receive on the planning rank",
+                   [dist.irecv(flags[r], group=self.group, group_src=r, tag=TAG_FLAG) for r in peers])
+        texts = {r: torch.empty(int(flags[r][1]), dtype=torch.uint8) for r in peers if int(flags[r][1])}
+        self._wait(step, f"{phase} agreement receive on the planning rank",
+                   [dist.irecv(t, group=self.group, group_src=r, tag=TAG_FLAG_MESSAGE) for r, t in texts.items()])
+        failed = {r: texts[r].numpy().tobytes().decode("utf-8", "replace") if r in texts else ""
+                  for r in peers if int(flags[r][0])}
+        if error is not None:
+            failed[self.rank] = error[:_MSG_BYTES]
+        ranks, detail = sorted(failed), failure_detail(failed)
+        body = np.asarray(ranks, dtype=np.int64).tobytes() + detail.encode("utf-8", "replace")
+        verdict = torch.tensor([len(ranks), len(body) - 8 * len(ranks)], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else None
+        works = []
+        for r in peers:
+            works.append(dist.isend(verdict, group=self.group, group_dst=r, tag=TAG_VERDICT))
+            if payload is not None:
+                works.append(dist.isend(payload, group=self.group, group_dst=r, tag=TAG_VERDICT_BODY))
+        self._wait(step, f"{phase} agreement send from the planning rank", works)
+        return ranks, detail
+
+    # -- point to point ----------------------------------------------------------------------
+    def _wait(self, step: int, phase: str, works) -> None:
+        """Wait for every posted send / receive, each at most the group's timeout (`_run` names the failure)."""
+        limit = datetime.timedelta(seconds=self.timeout_s)
+
+        def wait_all():
+            for work in works:
+                work.wait(limit)
+
+        self._run(step, phase, wait_all)
+
+    def send_rows(self, step: int, rows: Optional[np.ndarray], header: np.ndarray, error: Optional[str]) -> None:
+        """A non-planning rank's side of `collect_rows`: its header, its rows, its failure message."""
+        dist = self._dist
+        head, rows_t, msg = _rows_message(rows, header, error)
+        works = [dist.isend(head, group=self.group, group_dst=PLANNER, tag=TAG_HEADER)]
+        if rows_t.numel():
+            works.append(dist.isend(rows_t, group=self.group, group_dst=PLANNER, tag=TAG_ROWS))
+        if msg.numel():
+            works.append(dist.isend(msg, group=self.group, group_dst=PLANNER, tag=TAG_MESSAGE))
+        self._wait(step, "metadata send to the planning rank", works)
+
+    def collect_rows(self, step: int, rows: Optional[np.ndarray], header: np.ndarray, error: Optional[str],
+                     num_fields: int) -> Tuple[GatheredMetadata, Dict[int, str]]:
+        """The planning rank's side: (every rank's header and rows, rank-major; {rank: message} of failed ranks).
+
+        Two receives per rank (a fixed-size header, then the rows it announces) and a third from a rank that
+        failed (its message): no rank receives any other rank's rows.
+        """
+        dist = self._dist
+        heads, bodies, msgs = [None] * self.world_size, [None] * self.world_size, {}
+        own = _rows_message(rows, header, error)
+        heads[self.rank], bodies[self.rank] = own[0], own[1]
+        if error is not None:
+            msgs[self.rank] = error
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        for r in peers:
+            heads[r] = torch.empty(H_WIDTH + 2, dtype=torch.float64)
+        self._wait(step, "metadata receive on the planning rank",
+                   [dist.irecv(heads[r], group=self.group, group_src=r, tag=TAG_HEADER) for r in peers])
+        works, texts = [], {}
+        for r in peers:
+            n, text_len = int(heads[r][H_WIDTH]), int(heads[r][H_WIDTH + 1])
+            bodies[r] = torch.empty((n, num_fields), dtype=torch.float64)
+            if n:
+                works.append(dist.irecv(bodies[r], group=self.group, group_src=r, tag=TAG_ROWS))
+            if text_len:
+                texts[r] = torch.empty(text_len, dtype=torch.uint8)
+                works.append(dist.irecv(texts[r], group=self.group, group_src=r, tag=TAG_MESSAGE))
+        self._wait(step, "metadata receive on the planning rank", works)
+        for r, t in texts.items():
+            msgs[r] = t.numpy().tobytes().decode("utf-8", "replace")
+        headers = torch.stack([h[:H_WIDTH] for h in heads]).numpy()
+        for r in np.flatnonzero(headers[:, H_STATUS] != 0):
+            msgs.setdefault(int(r), "")
+        counts = headers[:, H_NUM_SAMPLES].astype(np.int64)
+        all_rows = np.concatenate([b.reshape(-1, num_fields).numpy() for b in bodies], axis=0) \
+            if counts.sum() else np.zeros((0, num_fields))
+        owners = np.repeat(np.arange(self.world_size, dtype=np.int64), counts)
+        return GatheredMetadata(headers, all_rows, owners), msgs
+
+    def send_orders(self, step: int, orders: Sequence["StepOrders"]) -> None:
+        """The planning rank sends every other rank its orders: a fixed-size header, then a body it announces."""
+        dist = self._dist
+        works = []
+        for r, order in enumerate(orders):
+            if r == self.rank:
+                continue
+            head, body = order.encode()
+            works.append(dist.isend(head, group=self.group, group_dst=r, tag=TAG_ORDERS_HEAD))
+            if body.numel():
+                works.append(dist.isend(body, group=self.group, group_dst=r, tag=TAG_ORDERS_BODY))
+        self._wait(step, "orders send from the planning rank", works)
+
+    def receive_orders(self, step: int) -> "StepOrders":
+        """A non-planning rank's orders for `step` from the planning rank."""
+        dist = self._dist
+        head = torch.empty(O_WIDTH, dtype=torch.float64)
+        self._wait(step, "orders receive from the planning rank",
+                   [dist.irecv(head, group=self.group, group_src=PLANNER, tag=TAG_ORDERS_HEAD)])
+        body = torch.empty(StepOrders.body_nbytes(head.numpy()), dtype=torch.uint8)
+        if body.numel():
+            self._wait(step, "orders receive from the planning rank",
+                       [dist.irecv(body, group=self.group, group_src=PLANNER, tag=TAG_ORDERS_BODY)])
+        return StepOrders.decode(head.numpy().copy(), body)
 
     def exchange_payloads(self, step: int, local_samples: Sequence[Mapping[str, Any]], local_offset: int,
                           layout: TransferLayout, entries: Optional[Sequence[List[SampleEntry]]] = None
                           ) -> Dict[int, Dict[str, Any]]:
         """Send this rank's moving samples and receive the ones moving here: {global index: sample}.
 
-        `local_samples[i]` is the sample of global index `local_offset + i`.
-        One `all_to_all_single` over uint8 with uneven splits; skipped entirely
-        (on every rank alike) when no sample moves anywhere.
+        `local_samples[i]` is the sample of global index `local_offset + i`. One send per destination and one
+        receive per source with a non-empty split, and nothing else: a rank touches only the peers it trades
+        with (a rank that trades with no one sends and receives nothing). Both ends know every split size
+        beforehand (the layout), so no size message precedes the payload. A peer that fails or dies makes
+        this rank's receive from it (or the step's next agreement) raise within the timeout.
         """
         dist = self._dist
-        chunks, expected = [], []
+        sends: Dict[int, torch.Tensor] = {}
         for r in range(self.world_size):
+            if not layout.send_splits[r]:
+                continue
+            chunks = []
             for g in layout.send_index[r]:
                 i = int(g) - local_offset
                 where = f"step {step}, rank {self.rank}, sample {i} (global {int(g)})"
                 ent = entries[i] if entries is not None else sample_entries(local_samples[i], where)
                 chunks.append(encode_sample(local_samples[i], where, ent))
-            expected.append(layout.send_splits[r])
-        send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-        if send.numel() != sum(expected):
-            msg = f"encoded {send.numel()} bytes but the gathered sizes promise {sum(expected)}"
-            self.report_failure(step, msg)
-            raise ExchangeError(f"hf_dp_balance sample exchange, step {step}, rank {self.rank}: {msg}")
-        recv = torch.empty(layout.bytes_received, dtype=torch.uint8)
-        self._run(step, "payload all_to_all", lambda: dist.all_to_all_single(
-            recv, send, output_split_sizes=list(layout.recv_splits), input_split_sizes=list(expected),
-            group=self.group))
+            sends[r] = torch.cat(chunks)
+            if sends[r].numel() != layout.send_splits[r]:
+                msg = (f"payload point to point: encoded {sends[r].numel()} bytes for rank {r} but the metadata "
+                       f"promises {layout.send_splits[r]}")
+                self.report_failure(step, msg)
+                raise ExchangeError(f"hf_dp_balance sample exchange, step {step}, rank {self.rank}: {msg}")
+        recvs = {r: torch.empty(layout.recv_splits[r], dtype=torch.uint8)
+                 for r in range(self.world_size) if layout.recv_splits[r]}
+        works = [dist.irecv(buf, group=self.group, group_src=r, tag=TAG_PAYLOAD) for r, buf in recvs.items()]
+        works += [dist.isend(buf, group=self.group, group_dst=r, tag=TAG_PAYLOAD) for r, buf in sends.items()]
+        self._wait(step, "payload point to point", works)
+        recv = torch.cat([recvs[r] for r in sorted(recvs)]) if recvs else torch.empty(0, dtype=torch.uint8)
         try:
             return decode_received(recv, layout, step)
         except PayloadError as exc:
             raise ExchangeError(str(exc)) from exc
 
 
-__all__ = ["ExchangeError", "failure_detail", "SampleExchange", "GatheredMetadata", "H_STATUS", "H_NUM_SAMPLES", "H_NUM_MICRO",
+def _rows_message(rows: Optional[np.ndarray], header: np.ndarray, error: Optional[str]):
+    """(header + [row count, message length] float64, rows float64, message uint8) of one rank's metadata."""
+    rows_t = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float64)) if rows is not None and rows.size \
+        else torch.empty(0, dtype=torch.float64)
+    text = (error or "").encode("utf-8", "replace")[:_MSG_BYTES] if error is not None else b""
+    head = np.zeros(H_WIDTH + 2, dtype=np.float64)
+    head[:H_WIDTH] = header
+    head[H_WIDTH] = rows.shape[0] if rows is not None and rows.size else 0
+    head[H_WIDTH + 1] = len(text)
+    msg = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
+    return torch.from_numpy(head), rows_t, msg
+
+
+@dataclass
+class StepOrders:
+    """What one rank needs of a step's plan, and nothing about other ranks' samples.
+
+    `head` (float64 [O_WIDTH]): status, micro-batches, the step's sample count, this rank's first global
+    index (`offset`), entry counts and the step's global statistics. Global indices are rank-major by
+    holder. `in_index` / `in_slot`: the samples this rank trains and their micro-batch slot (ascending
+    index); `out_index` / `out_dest`: its samples that leave and where to; `recv_index` / `recv_src` /
+    `recv_bytes`: the samples that arrive, their holder and encoded size. `text`: plan hash and reason
+    ("hash\nreason"), or the error every rank raises when the status is failed.
+    """
+
+    head: np.ndarray
+    in_index: np.ndarray
+    in_slot: np.ndarray
+    out_index: np.ndarray
+    out_dest: np.ndarray
+    recv_index: np.ndarray
+    recv_src: np.ndarray
+    recv_bytes: np.ndarray
+    text: str
+
+    @staticmethod
+    def body_nbytes(head: np.ndarray) -> int:
+        return 8 * int(2 * head[O_N_IN] + 2 * head[O_N_OUT] + 3 * head[O_N_RECV]) + int(head[O_TEXT])
+
+    @classmethod
+    def failed(cls, text: str, status: int = STATUS_FAILED) -> "StepOrders":
+        head = np.zeros(O_WIDTH, dtype=np.float64)
+        head[O_STATUS] = status
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(head, empty, empty, empty, empty, empty, empty, empty, text)
+
+    def encode(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        text = self.text.encode("utf-8", "replace")
+        head = self.head.copy()
+        head[O_N_IN], head[O_N_OUT], head[O_N_RECV], head[O_TEXT] = (self.in_index.size, self.out_index.size,
+                                                                     self.recv_index.size, len(text))
+        ints = np.concatenate([self.in_index, self.in_slot, self.out_index, self.out_dest, self.recv_index,
+                               self.recv_src, self.recv_bytes]).astype(np.int64)
+        body = ints.tobytes() + text
+        return (torch.from_numpy(head),
+                torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8))
+
+    @classmethod
+    def decode(cls, head: np.ndarray, body: torch.Tensor) -> "StepOrders":
+        n_in, n_out, n_recv = int(head[O_N_IN]), int(head[O_N_OUT]), int(head[O_N_RECV])
+        raw = body.numpy().tobytes()
+        n_ints = 2 * n_in + 2 * n_out + 3 * n_recv
+        ints = np.frombuffer(raw[: 8 * n_ints], dtype=np.int64)
+        parts = np.split(ints, np.cumsum([n_in, n_in, n_out, n_out, n_recv, n_recv]))
+        return cls(head, *parts, raw[8 * n_ints:].decode("utf-8", "replace"))
+
+
+__all__ = ["ExchangeError", "failure_detail", "SampleExchange", "GatheredMetadata", "StepOrders", "PLANNER", "O_STATUS",
+           "O_NUM_MICRO", "O_NUM_SAMPLES", "O_OFFSET", "O_APPLIED", "O_BEFORE", "O_AFTER", "O_MOVED", "O_MOVED_BYTES",
+           "O_WIDTH", "STATUS_OK", "STATUS_END", "STATUS_FAILED", "H_STATUS", "H_NUM_SAMPLES", "H_NUM_MICRO",
            "H_FLAGS", "H_SPEED", "H_WIDTH"]

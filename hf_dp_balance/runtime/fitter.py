@@ -2,10 +2,14 @@
 
 `runtime.recorder.StepRecorder` measures what this rank computed in one optimizer step and how long it
 took. `CostModelFitter` keeps the bounded timing records, gathers them over a side gloo group, fits on
-rank 0 (`core.fitting`, around the FLOP prior when one is given), estimates each rank's speed from its
-residuals, broadcasts, and refits every `refit_every` steps. Until the first fit it plans with the prior
-(`planning_models`). Guarantees: after `fit(step)` every rank holds the same models and speeds (rank 0's,
-bit for bit); memory is bounded whatever the run length (records, the measured window and the fit reports
+rank 0 (`core.fitting`, around the FLOP prior when one is given), gates the fit against the model in force
+on held-out steps (`core.fit_gate`: adopted only when it predicts them better), estimates each rank's speed
+from its residuals, broadcasts, and refits early (2x, 4x ... the warm-up) until the held-out error settles,
+then every `refit_every` steps. Until a fit is adopted it plans with the prior (`planning_models`), hedged
+(`plans_hedged`) as long as the model in force is uncertain. Guarantees: after `fit(step)` every rank holds the
+same models, speeds, verdicts and schedule (rank 0's, bit for bit); a model in force is replaced only by a fit
+that predicted held-out steps better (or, over a FLOP prior, an unverified one when no step can be held out,
+planned hedged); memory is bounded whatever the run length (records, the measured window and the fit reports
 are capped). `fit` and `window_metrics` are collectives: every rank calls them at the same step.
 Trainer's `DPBalanceCallback` only adapts its events to these objects.
 """
@@ -19,6 +23,8 @@ import numpy as np
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
+from hf_dp_balance.core.fit_gate import (TOKENS, GateDecision, gate_decision, gate_fit, heldout_error,
+                                         heldout_split, next_fit_step, settled, uncertain)
 from hf_dp_balance.core.fitting import compute_imbalance, fit_cost_model, fit_from_micro_batches, fit_from_records
 from hf_dp_balance.runtime.recorder import (StepClock, StepRecorder, image_patches, micro_batch_lengths,
                                             sharded_units, synchronize, vision_tower)
@@ -69,7 +75,7 @@ WARMUP_PER_RANK = 5  # every rank's time is seen: 5 steps pin the four coefficie
 WARMUP_STEP_MAX = 16  # only the slowest rank's: 4 probe cycles (core/hedge.py), 11 of 12 cells >= 95% of the cut
 # Where every micro-batch is a step-max observation of its own (FSDP / ZeRO-3), what the fit needs is about this
 # many of them: M = 2 from 16 steps and M = 4 from 8 met the share of the cut in 12 of 12 bar cells, M = 2 from 8
-# steps (16 observations) in 10 (docs/benchmarks/cost_fit.md, run 12) ...
+# steps (16 observations) in 10 (the cost-fit study at eff4fc4, docs/cost_model.md) ...
 WARMUP_OBSERVATIONS = 32
 # ... and never fewer steps than this: two probe cycles (core/hedge.py), each of its placements twice.
 WARMUP_STEP_MAX_MIN = 8
@@ -126,16 +132,19 @@ def rank_speeds(model: CostModel, features: np.ndarray, times: np.ndarray) -> np
 
 
 def fit_ranks(features: np.ndarray, times: np.ndarray, fit_mode: str, prior: Optional[CostModel] = None,
-              estimate_speeds: bool = False, shape_prior: bool = False):
+              estimate_speeds: bool = False, shape_prior: bool = False, drop_first: bool = True):
     """(FitResult, speeds or None) of gathered records [steps, ranks, 4] / [steps, ranks] (`fit_from_records`).
     With `estimate_speeds` and the per-rank fit: each rank's speed from the residuals, and the fit redone on
     speed-corrected times, so a slow rank does not bend the shared model toward it."""
-    result = fit_from_records(features, times, fit_mode, prior=prior, shape_prior=shape_prior)
+    result = fit_from_records(features, times, fit_mode, prior=prior, shape_prior=shape_prior, drop_first=drop_first)
     speeds = None
     if estimate_speeds and fit_mode == "per_rank":
+        if drop_first and features.shape[0] >= 3:
+            features, times = features[1:], times[1:]
         speeds = rank_speeds(result.model, features, times)
         if np.any(speeds != 1.0):
-            result = fit_from_records(features, times * speeds, fit_mode, prior=prior, shape_prior=shape_prior)
+            result = fit_from_records(features, times * speeds, fit_mode, prior=prior, shape_prior=shape_prior,
+                                      drop_first=False)
             speeds = rank_speeds(result.model, features, times)
     return result, speeds
 
@@ -179,8 +188,10 @@ class CostModelFitter:
 
     Args:
         config: `warmup_steps` (first fit; None: by the fit mode, `resolve_warmup_steps`), `refit_every`, `fit_mode`, `verbose` are read.
-        rank, world, group: this process in the data-parallel group and the side (gloo) group that
-            carries records and coefficients (None with world 1).
+        rank, world, group: this process in the data-parallel group and the side (gloo) group over that
+            slice that carries records and coefficients (None with world 1); its rank 0 fits.
+        relay: under a dp x tp / cp mesh, what carries the fitting slice's models to the other slices (a
+            `runtime.side_channel.StoreRelay`); only the slice of global rank 0 gathers records and fits.
         timing: the resolved clock (`thread_cpu`, `wall`, `forward_events`, `unit_events`); `fit_mode="auto"`
             follows it.
         decoder, vision, fitted_step: models to start from (a checkpoint, `cost_model_path`).
@@ -194,9 +205,10 @@ class CostModelFitter:
                  timing: str = "thread_cpu", decoder: Optional[CostModel] = None,
                  vision: Optional[CostModel] = None, fitted_step: int = -1,
                  prior: Optional[CostModel] = None, vision_prior: Optional[CostModel] = None,
-                 sync: Optional[str] = None):
+                 sync: Optional[str] = None, relay=None):
         self.config = config
         self.rank, self.world, self.group = rank, world, group
+        self.relay = relay  # models between data-parallel slices (`runtime.side_channel.StoreRelay`; None: one slice)
         self.timing = timing
         self.sync = config.sync if sync is None else sync
         self.fit_mode = resolve_fit_mode(config.fit_mode, timing)
@@ -204,8 +216,18 @@ class CostModelFitter:
         self.warmup_steps = resolve_warmup_steps(config.warmup_steps, self.fit_mode)
         self.decoder: Optional[CostModel] = decoder
         self.vision: Optional[CostModel] = vision
-        self.fitted_step = fitted_step
-        self.early_refit_step = -1  # the step-time fit's one refit a warm-up after its first fit (`fit`)
+        self.fitted_step = fitted_step  # the step of the last fit, adopted or not (-1: none yet)
+        self.adopted_step = fitted_step  # the step whose fit is in force (-1: none fitted here)
+        self.given_step = fitted_step if decoder is not None else -2  # a given model's step: not fitted here
+        self.vision_step = -1  # the step whose vision fit is in force (-1: none fitted here)
+        # the step of the next fit (`fit_due`): after the warm-up without a model, `refit_every` after a given one
+        self.next_fit_step: Optional[int] = None if decoder is None else (
+            fitted_step + config.refit_every if config.refit_every > 0 else None)
+        self.heldout_errors: list = []  # the candidate's held-out error at every gated fit (`settled`)
+        self.last_gate: Optional[GateDecision] = None  # the decoder gate's last verdict
+        self.last_vision_gate: Optional[GateDecision] = None
+        # a fitted model whose held-out error is unknown or not clearly below the tokens' is planned hedged
+        self.uncertain = False
         self.prior, self.vision_prior = (prior, vision_prior) if config.prior else (None, None)
         self.speeds = np.ones(world)  # relative speed of every rank (1: nominal), from the last fit
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
@@ -232,6 +254,13 @@ class CostModelFitter:
     def planning_with_prior(self) -> bool:
         """Whether the loader plans with the FLOP prior (no model fitted or given yet): its plans are hedged."""
         return self.decoder is None and self.prior is not None
+
+    @property
+    def plans_hedged(self) -> bool:
+        """Whether the loader plans as it plans the prior (`core.hedge`: no worse than the token-balanced plan
+        under the model and the tokens): with the prior, or with a fitted model that is `uncertain`
+        (`core.fit_gate`: its held-out error is unknown or not clearly below the token count's)."""
+        return self.planning_with_prior or (self.decoder is not None and self.uncertain)
 
     def planning_models(self) -> Tuple[Optional[CostModel], Optional[CostModel]]:
         """(decoder, vision) the loader plans with: the fitted models, else the priors. The vision prior
@@ -261,12 +290,12 @@ class CostModelFitter:
         self.window.append(elapsed_s)
 
     def fit_due(self, step: int) -> bool:
-        """The first fit after `warmup_steps` steps (when no model is given), then every `refit_every`; the
-        step-time fit also refits once `warmup_steps` after its first fit (`early_refit_step`)."""
-        first = self.decoder is None and step >= max(self.warmup_steps, 1)
-        refit = self.config.refit_every > 0 and self.fitted_step >= 0 and step - self.fitted_step >= self.config.refit_every
-        early = self.config.refit_every > 0 and 0 <= self.early_refit_step <= step
-        return first or refit or early
+        """The first fit after `warmup_steps` steps (when no model is given); then the steps `core.fit_gate.
+        next_fit_step` names: early refits at 2x, 4x ... the warm-up until the held-out error settles (or
+        while every fit so far was rejected or failed), then every `refit_every`."""
+        if self.fitted_step < 0 and self.decoder is None:
+            return step >= max(self.warmup_steps, 1)
+        return self.next_fit_step is not None and step >= self.next_fit_step
 
     def end_step(self, step: int, lengths: Sequence[int], elapsed_s: float, patches: Sequence[int] = (),
                  vision_s: float = 0.0, micro: Optional[MicroBatches] = None) -> bool:
@@ -279,83 +308,184 @@ class CostModelFitter:
 
     # -- collectives --------------------------------------------------------------------
 
-    def _gather(self, obj) -> list:
-        """All ranks' `obj`, in rank order (side group); [obj] on a single process."""
+    def _gather(self, obj, to: Optional[int] = None) -> Optional[list]:
+        """All ranks' `obj` in rank order (side group): on every rank (`to` None), or on rank `to` only, the
+        others getting None (a gather, not an all-gather: one rank fits). A slice that does not fit (under a
+        mesh the models come from the slice of global rank 0, `relay`) gathers nothing for `to`."""
+        if to is not None and self.relay is not None and not self.relay.sends:
+            return None
         if self.world == 1:
             return [obj]
         import torch.distributed as dist
 
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        if to is None:
+            out = [None] * self.world
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+        out = [None] * self.world if self.rank == to else None
+        dist.gather_object(obj, out, group=self.group, group_dst=to)
         return out
 
     def _broadcast(self, obj):
-        if self.world == 1:
+        """Rank 0's `obj` (the group's first rank fits) on every rank; under a mesh, from the fitting slice's
+        first process to every slice (`runtime.side_channel.share_from_first`)."""
+        if self.world == 1 and self.relay is None:
             return obj
-        import torch.distributed as dist
+        from hf_dp_balance.runtime.side_channel import share_from_first
 
-        box = [obj]
-        dist.broadcast_object_list(box, group_src=0, group=self.group)  # the group's first rank fits
-        return box[0]
+        return share_from_first(obj, self.group, self.rank, self.world, self.relay)
 
     def fit(self, step: int) -> None:
-        """Gather every rank's records, fit on rank 0, broadcast: every rank holds the same models after."""
+        """Gather every rank's records, fit and gate on rank 0, broadcast: every rank holds the same models,
+        verdicts and schedule after. A new model replaces the one in force only when the gate adopts it
+        (`core.fit_gate`); otherwise the model in force stays and the next scheduled fit tries again."""
         records = list(self.records)
         mine = tuple(np.array([r[i] for r in records]) for i in range(4))
         if self.fits_micro_batches:
             mine += ([None if r.micro_s is None else (r.micro_features, r.micro_s) for r in records],)
-        gathered = self._gather(mine)
-        steps = min(len(g[1]) for g in gathered)
-        payload = self._fit_gathered(gathered, steps) if self.rank == 0 else None
+        gathered = self._gather(mine, to=0)  # None on every rank but the fitting one
+        payload = None
+        if gathered is not None:
+            payload = self._fit_gathered(gathered, min(len(g[1]) for g in gathered), step)
         payload = self._broadcast(payload)
+        self._apply(step, payload)
+
+    def _apply(self, step: int, payload: dict) -> None:
+        """Install what rank 0 decided (every rank alike) and schedule the next fit."""
+        self.fitted_step = step
+        gate = payload.get("gate")
+        self.last_gate = None if gate is None else GateDecision(**gate)
+        vgate = payload.get("vision_gate")
+        self.last_vision_gate = None if vgate is None else GateDecision(**vgate)
         if payload.get("decoder") is not None:
-            # The step-time fit's first model comes from a warm-up whose slowest ranks say little about attention
-            # where it is a small share (a prior 2x high kept 1.2-1.4x); the steps planned with it change which
-            # rank is slowest, and one refit a warm-up later on both met the cut in every measured cell
-            # (docs/benchmarks/cost_fit.md, run 14). Per-rank fits see every rank and wait for `refit_every`.
-            first_from_warmup = self.decoder is None and self.fit_mode == "step_max"
-            self.early_refit_step = step + max(self.warmup_steps, 1) if first_from_warmup else -1
             self.decoder = CostModel.from_dict(payload["decoder"])
-            self.fitted_step = step
+            self.adopted_step = step
+            if payload.get("speeds") is not None:
+                self.speeds = np.asarray(payload["speeds"], dtype=np.float64)
         if payload.get("vision") is not None:
             self.vision = CostModel.from_dict(payload["vision"])
-        if payload.get("speeds") is not None:
-            self.speeds = np.asarray(payload["speeds"], dtype=np.float64)
+            self.vision_step = step
+        if self.last_gate is not None:
+            if np.isfinite(self.last_gate.candidate_error):
+                self.heldout_errors = (self.heldout_errors + [self.last_gate.candidate_error])[-MAX_FIT_REPORTS:]
+            # the error of the model that now plans, measured on the steps just held out
+            g = self.last_gate
+            self.uncertain = uncertain(g.candidate_error if g.adopt else g.in_force_error, g.tokens_error)
         if payload.get("report"):
-            self.fit_reports.append({"step": step, **payload["report"]})
+            # the fit's coefficients whether adopted or not: what the data says, beside what plans
+            self.fit_reports.append({"step": step, **payload["report"], "gate": gate, "vision_gate": vgate,
+                                     "hedged": self.plans_hedged, "fitted": payload.get("fitted")})
         if payload.get("error"):
-            logger.warning("dp_balance: cost model fit at step %d failed (%s); keeping the previous model",
+            logger.warning("dp_balance: cost model fit at step %d failed (%s); keeping the model in force",
                            step, payload["error"])
-            self.fitted_step = step  # retry at the next refit, not at every step
-            self.early_refit_step = -1
+        elif self.last_gate is not None and not self.last_gate.adopt and self.rank == 0:  # one line per run
+            g = self.last_gate
+            logger.warning("dp_balance: the cost model fitted at step %d was not adopted (held-out error %.3f against "
+                           "%.3f of the model in force); retried at the next fit", step, g.candidate_error,
+                           g.in_force_error)
+        # settled: two successive fits predicted their held-out steps alike, adopted or not (more data no longer
+        # changes the fit); a rejected or failed fit is tried again at the next scheduled step either way
+        is_settled = self.last_gate is not None and settled(self.heldout_errors)
+        self.next_fit_step = next_fit_step(step, self.warmup_steps, self.config.refit_every, is_settled,
+                                           self.adopted_step >= 0 and self.decoder is not None)
         if self.config.verbose and self.rank == 0 and payload.get("report"):
-            logger.info("dp_balance: fitted at step %d: %s", step, payload["report"])
+            logger.info("dp_balance: fitted at step %d: %s; gate: %s", step, payload["report"], gate)
 
-    def _fit_gathered(self, gathered, steps: int) -> dict:
-        """Rank 0: fit the decoder (and the vision tower, when it was timed) from [steps, ranks] tables."""
+    def _decoder_tables(self, gathered, steps: int):
+        """What the decoder's fit reads and the gate scores, from the last `steps` records (the first recorded
+        step dropped from 3 on): (fit(step indices) -> (FitResult, speeds), features [N, ranks, 4], observed
+        times [N, ranks] (per-rank) or [N] (step times, or each micro-batch's maximum), the recorded step of
+        each of the N rows, the number of steps)."""
         feats = np.stack([g[0][-steps:] for g in gathered], axis=1)
         times = np.stack([g[1][-steps:] for g in gathered], axis=1)
         micro = micro_table([g[4] for g in gathered], steps) if len(gathered[0]) > 4 else None
+        drop = 1 if steps >= 3 else 0
+        if micro is not None:  # one step-max observation per micro-batch: the model FSDP / ZeRO-3 runs
+            mfeats, msecs = micro[0][drop:], micro[1][drop:]
+
+            def fit_micro(idx):
+                return fit_from_micro_batches([mfeats[i] for i in idx], [msecs[i] for i in idx],
+                                              prior=self.prior, drop_first=False), None
+
+            step_of = np.concatenate([np.full(len(t), s) for s, t in enumerate(msecs)])
+            return (fit_micro, np.concatenate(mfeats), np.concatenate([t.max(axis=1) for t in msecs]), step_of,
+                    len(mfeats))
+        feats, times = feats[drop:], times[drop:]
+
+        def fit_records(idx):
+            return fit_ranks(feats[idx], times[idx], self.fit_mode, self.prior, self.config.estimate_speeds,
+                             shape_prior=self.shape_prior, drop_first=False)
+
+        observed = times if self.fit_mode == "per_rank" else times.max(axis=1)
+        return fit_records, feats, observed, np.arange(len(times)), len(times)
+
+    def _unseen(self, step: int, n_steps: int) -> Optional[np.ndarray]:
+        """Indices of the last `n_steps` recorded steps (ending at `step`) that the fitted model in force was not
+        fitted on: those after the step of its fit. None while a prior (fitted on nothing) or a given model
+        (a checkpoint's: its records are not here) is in force: every step is unseen."""
+        if self.decoder is None or self.adopted_step < 0 or self.adopted_step == self.given_step:
+            return None
+        first = step - n_steps + 1  # the step of index 0
+        return np.flatnonzero(np.arange(first, first + n_steps) > self.adopted_step)
+
+    def _fit_gathered(self, gathered, steps: int, step: int) -> dict:
+        """Rank 0: fit the decoder (and the vision tower, when it was timed) from [steps, ranks] tables, each
+        gated against the model in force on held-out steps (`core.fit_gate`)."""
         try:
-            if micro is not None:  # one step-max observation per micro-batch: the model FSDP / ZeRO-3 runs
-                result, speeds = fit_from_micro_batches(*micro, prior=self.prior), None
-            else:
-                result, speeds = fit_ranks(feats, times, self.fit_mode, self.prior, self.config.estimate_speeds,
-                                           shape_prior=self.shape_prior)
+            fit, feats, observed, step_of, n_steps = self._decoder_tables(gathered, steps)
+            decision = gate_fit(fit, feats, observed, step_of, n_steps, step, self.decoder or self.prior,
+                                prior_in_force=self.decoder is None, unseen=self._unseen(step, n_steps))
+            result, speeds = fit(np.arange(n_steps))
         except (ValueError, RuntimeError, FloatingPointError) as exc:
             return {"error": str(exc)}
-        payload = {"decoder": result.model.to_dict(), "report": result.report.to_dict(),
-                   "speeds": None if speeds is None else speeds.tolist()}
+        payload = {"decoder": result.model.to_dict() if decision.adopt else None, "report": result.report.to_dict(),
+                   "speeds": None if speeds is None else speeds.tolist(), "gate": decision.to_dict(),
+                   "fitted": {"decoder": result.model.to_dict()}}
         vfeats = np.stack([g[2][-steps:] for g in gathered], axis=1)
         vtimes = np.stack([g[3][-steps:] for g in gathered], axis=1)
         timed = vtimes > 0  # a (step, rank) whose tower ran no image is no observation
         if timed.sum() >= _MIN_VISION_OBSERVATIONS:  # the tower was timed: fit it
             try:
-                payload["vision"] = fit_cost_model(vfeats[timed][:, None, :], vtimes[timed][:, None], mode="per_rank",
-                                                   prior=self.vision_prior).model.to_dict()
+                model, vdecision = self._fit_vision(vfeats, vtimes, timed, step)
+                payload["vision_gate"] = vdecision.to_dict()
+                payload["fitted"]["vision"] = model.to_dict()
+                if vdecision.adopt:
+                    payload["vision"] = model.to_dict()
             except (ValueError, RuntimeError, FloatingPointError) as exc:
                 logger.warning("dp_balance: vision cost model fit failed: %s", exc)
         return payload
+
+    def _fit_vision(self, vfeats: np.ndarray, vtimes: np.ndarray, timed: np.ndarray, step: int):
+        """(the vision model fitted on every timed (step, rank), the gate's verdict on it): per-rank
+        observations of the tower, steps held out as for the decoder."""
+        def fit_on(mask):
+            return fit_cost_model(vfeats[mask][:, None, :], vtimes[mask][:, None], mode="per_rank",
+                                  prior=self.vision_prior).model
+
+        in_force = self.vision or self.vision_prior
+        train, test = heldout_split(vfeats.shape[0], vfeats.shape[1], seed=step + 1)
+        if self.vision is not None and self.vision_step >= 0:  # a fitted model in force: the steps it never saw
+            first = step - vfeats.shape[0] + 1
+            test = np.flatnonzero(np.arange(first, first + vfeats.shape[0]) > self.vision_step)
+            train = np.setdiff1d(np.arange(vfeats.shape[0]), test)
+        train_mask, test_mask = timed.copy(), timed.copy()
+        train_mask[test], test_mask[train] = False, False
+        model = fit_on(timed)
+        if in_force is None:
+            return model, gate_decision(float("nan"), float("nan"), has_model_in_force=False)
+        if train_mask.sum() < _MIN_VISION_OBSERVATIONS or not test_mask.any():
+            nan = float("nan")
+            if self.vision is None:  # only the prior in force: adopted unverified, as the decoder's first fit
+                return model, GateDecision(True, nan, nan, nan, "too few timed steps to hold one out: adopted "
+                                                                "unverified")
+            return model, gate_decision(nan, nan, nan)
+        candidate = fit_on(train_mask)
+        f = np.concatenate([vfeats[train_mask], vfeats[test_mask]])[:, None, :]
+        t = np.concatenate([vtimes[train_mask], vtimes[test_mask]])[:, None]
+        n_train = int(train_mask.sum())
+        tr, te = np.arange(n_train), np.arange(n_train, len(t))
+        errors = [heldout_error(m, f, t, tr, te) for m in (candidate, in_force, TOKENS)]
+        return model, gate_decision(errors[0], errors[1], errors[2])
 
     def window_metrics(self) -> Dict[str, float]:
         """Measured compute since the last call (a collective): `compute_imbalance` (mean over steps of
@@ -380,6 +510,12 @@ class CostModelFitter:
         out["fitted"] = float(self.decoder is not None)
         if self.prior is not None:
             out["planning_with_prior"] = float(self.planning_with_prior)
+        out["planning_hedged"] = float(self.plans_hedged)
+        if self.last_gate is not None:  # the last fit: rejected or not, and the two held-out errors it compared
+            out["fit_rejected"] = float(not self.last_gate.adopt)
+            out["heldout_error_candidate"] = self.last_gate.candidate_error
+            out["heldout_error_in_force"] = self.last_gate.in_force_error
+            out["heldout_error_tokens"] = self.last_gate.tokens_error
         if self.config.estimate_speeds and self.world > 1:
             out.update({f"speed_rank_{k}": float(v) for k, v in enumerate(self.speeds)})
         return out

@@ -1,6 +1,7 @@
 """`BalancedLoader`: plan and exchange each optimizer step's samples one step ahead, in a thread.
 
-Every rank plans from the same gathered numbers, so every rank computes the same plan; a
+One planning rank plans each step and sends every rank its orders (inside look-ahead windows every rank
+plans from the same gathered numbers and they compare digests), so every rank follows the same plan; a
 planner failure keeps every sample in place on every rank alike (planning never stops training); a plan
 changes where a sample is computed, never which samples a step trains; every rank yields the same number of
 micro-batches per step. The per-step pipeline and look-ahead: docs/exchange.md.
@@ -19,13 +20,17 @@ from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.codec import transfer_layout
 from hf_dp_balance.core.costing import planning_costs, sample_grids
 from hf_dp_balance.core.steps import plan_hash, slot_loads, step_imbalance
-from hf_dp_balance.runtime.exchange import H_NUM_MICRO, SampleExchange
+from hf_dp_balance.runtime.exchange import (H_NUM_MICRO, O_APPLIED, O_BEFORE, O_AFTER, O_MOVED, O_MOVED_BYTES,
+                                            O_NUM_MICRO, O_NUM_SAMPLES, O_OFFSET, O_STATUS, PLANNER, STATUS_END,
+                                            STATUS_FAILED, ExchangeError, SampleExchange, StepOrders, failure_detail)
 from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.step_rows import (F_COST, F_MICRO, F_NBYTES, F_STEP, F_TOKENS, F_VISION, F_WIDTH, Prepared,
                                              StepStats, StepWork, agree_lookahead, agree_plan, check_cap, collate_slots,
                                              cost_rows, describe_samples, gather_step, list_collate,
-                                             pull_micro_batches, slot_members, validate_plan)
-from hf_dp_balance.runtime.step_plan import plan_work, token_cap
+                                             pull_micro_batches, slot_members, slot_samples, step_decision,
+                                             step_header, validate_plan)
+from hf_dp_balance.runtime.planned_step import local_layout, orders_for_ranks, slots_of
+from hf_dp_balance.runtime.step_plan import plan_work, planner_for, token_cap
 from hf_dp_balance.runtime.step_stream import StepStream
 
 logger = get_logger(__name__)
@@ -53,7 +58,7 @@ class BalancedLoader:
     lists the sample's vision items as (t, h, w) grids or patch counts of one-frame
     items (`core.costing.item_grids`), or is just their count (an int: then no
     vision cost can be planned); default `sample_features` and the sample's grids),
-    `plan_fn` (default `planner.plan_step`). `packed_input` (a `runtime.packed_input.PackedInput`): the
+    `plan_fn` (default `planner.plan_step`, within fixed partners beyond `config.max_partners + 1` ranks). `packed_input` (a `runtime.packed_input.PackedInput`): the
     micro-batches are the user's packed rows; they are split into samples before planning, every slot goes
     back in their layout, and without `config.max_tokens` the cap is the step's longest row (ratio 1.0).
     `on_fatal` (message -> None: what the watchdog does when a peer stops answering while training;
@@ -97,7 +102,6 @@ class BalancedLoader:
                     return int(f.tokens), sample_grids(sample, f.vision_items)  # grids: per-frame costing
         self.collator = collator
         self.features_fn = features_fn
-        self.plan_fn = plan_fn
         sync = sync or self.config.sync
         self.sync = "step" if sync == "auto" else sync  # `auto` without a framework to ask: DDP semantics
         self.id_key = id_key
@@ -124,6 +128,7 @@ class BalancedLoader:
         self.side_channel = side_channel
         self._exchange = exchange if exchange is not None else side_channel.exchange()
         self._watchdog = side_channel.watchdog if side_channel is not None and self.config.watchdog else None
+        self.plan_fn = planner_for(self._exchange.world_size, self.config, plan_fn)  # partners bounded at scale
         self.step_offset = 0  # the user's step of the next stream's first step (errors name it)
         self._stats: List[StepStats] = []
         self._stats_lock = threading.Lock()
@@ -310,24 +315,110 @@ class BalancedLoader:
         return plan_work(work, balance, speeds, self._exchange.world_size, self.config, self.sync, self.plan_fn, hedge,
                          probe=self._probe)
 
-    def _gather(self, step: int, prep: Optional[Prepared], error: Optional[str]):
+    def _asks(self, prep: Optional[Prepared]) -> Tuple[bool, bool, float]:
+        """(whether this rank asks to balance the step, whether its models are a prior, its speed)."""
         # Balance only when every rank's rows were costed by a model: a model that lands while a rank is
         # preparing must not mix its costs with another rank's token stand-ins in one plan.
         wants = prep is not None and prep.model_version is not None and self._balancing and self.config.enabled
         prior = prep is not None and prep.model_version in self._prior_versions
         speed = self._speeds.get(prep.model_version, self._speed) if prep is not None else self._speed
+        return wants, prior, speed
+
+    def _gather(self, step: int, prep: Optional[Prepared], error: Optional[str]):
+        """Every rank's rows on every rank (look-ahead windows): `gather_step`."""
+        wants, prior, speed = self._asks(prep)
         return gather_step(self._exchange, step, prep, error, wants, speed, prior)
 
     def run_step(self, step: int, prep: Optional[Prepared], error: Optional[str]):
-        """Collective part of a step. Returns (packed micro-batches, stats) or None at the end of the data."""
+        """Collective part of a step. Returns (packed micro-batches, stats) or None at the end of the data.
+
+        Every rank sends its metadata rows to the planning rank, which plans once and sends each rank its
+        orders (`runtime.planned_step`); samples move point to point between the pairs that trade; every
+        rank packs its slots and tells the planning rank, which answers every rank whether all packed.
+        Every rank follows the one plan, so a planner failure keeps every sample in place on every rank alike.
+        """
+        ex = self._exchange
         t0 = time.perf_counter()
-        meta, balance, speeds, hedge = self._gather(step, prep, error)
+        wants, prior, speed = self._asks(prep)
+        header = step_header(prep, error, wants, speed, prior)
+        rows = prep.rows if prep is not None else None
+        if ex.rank == PLANNER:
+            orders, plan_s = self._plan_for_every_rank(step, prep, header, error)
+        else:
+            ex.send_rows(step, rows, header, error)
+            orders, plan_s = ex.receive_orders(step), 0.0
+        status = int(orders.head[O_STATUS])
+        if status == STATUS_FAILED:
+            raise ExchangeError(f"{orders.text} (raised on rank {ex.rank})")
+        if status == STATUS_END:
+            return None
+        t1 = time.perf_counter()
+        num_micro, offset, n_local = int(orders.head[O_NUM_MICRO]), int(orders.head[O_OFFSET]), len(prep.samples)
+        layout = local_layout(orders, prep.rows[:, F_NBYTES].astype(np.int64), ex.world_size)
+        received = ex.exchange_payloads(step, prep.samples, offset, layout, prep.entries)
+        t2 = time.perf_counter()
+        by_slot = slots_of(orders, num_micro)
+
+        def samples_of(members):
+            return [prep.samples[g - offset] if offset <= g < offset + n_local else received[g] for g in members]
+
+        batches, ids = collate_slots(ex, self.collator, step, by_slot, samples_of, self.id_key)
+        t3 = time.perf_counter()
+        head = orders.head
+        digest, _, reason = orders.text.partition("\n")
+        stats = StepStats(
+            step=step, num_micro_batches=num_micro, num_samples=int(head[O_NUM_SAMPLES]),
+            applied=bool(head[O_APPLIED]), reason=reason, imbalance_before=float(head[O_BEFORE]),
+            imbalance_after=float(head[O_AFTER]), moved_samples=int(head[O_MOVED]),
+            moved_bytes=int(head[O_MOVED_BYTES]), bytes_sent=layout.bytes_sent, bytes_received=layout.bytes_received,
+            plan_hash=digest, gather_s=t1 - t0 - plan_s, plan_s=plan_s, exchange_s=t2 - t1, collate_s=t3 - t2,
+            local_samples=[len(s) for s in by_slot], local_ids=ids)
+        return batches, stats
+
+    def _plan_for_every_rank(self, step: int, prep: Optional[Prepared], header: np.ndarray, error: Optional[str]):
+        """The planning rank: collect every rank's rows, plan the step once, send every rank its orders.
+
+        Returns (this rank's orders, seconds spent planning). A failure reported by any rank, or a sample over
+        the hard cap, becomes failed orders for every rank (each raises the same error); a planner failure
+        keeps the start placement for every rank (planning never stops training).
+        """
+        ex = self._exchange
+        world = ex.world_size
+        meta, failed = ex.collect_rows(step, prep.rows if prep is not None else None, header, error, F_WIDTH)
+        t0 = time.perf_counter()
+
+        def send_all(orders):
+            ex.send_orders(step, orders)
+            return orders[ex.rank], time.perf_counter() - t0
+
+        if failed:
+            text = (f"hf_dp_balance sample exchange, step {step}: rank(s) {sorted(failed)} failed before the "
+                    f"exchange: {failure_detail(failed)}")
+            return send_all([StepOrders.failed(text)] * world)
         num_micro = int(meta.headers[:, H_NUM_MICRO].max())
         if num_micro == 0:
-            return None
-        micro = meta.rows[:, F_MICRO].astype(np.int64)
-        work = StepWork(step, meta.rows, meta.owners, meta.owners, micro, num_micro, prep.samples, prep.entries)
-        return self._finish_step(work, balance, speeds, t0, time.perf_counter(), hedge)
+            return send_all([StepOrders.failed("end of data", STATUS_END)] * world)
+        balance, speeds, hedge = step_decision(meta.headers)
+        rows, owners = meta.rows, meta.owners
+        micro = rows[:, F_MICRO].astype(np.int64)
+        work = StepWork(step, rows, owners, owners, micro, num_micro, prep.samples, prep.entries)
+        try:
+            check_cap(work, self.config.max_tokens, ex.rank)
+        except ExchangeError as exc:
+            return send_all([StepOrders.failed(str(exc))] * world)
+        dest_rank, dest_micro, applied, reason, failure = self._plan(work, balance, speeds, hedge)
+        if failure is not None:  # only this rank plans: every rank follows its start placement
+            detail = failure_detail({ex.rank: failure})
+            logger.warning("hf_dp_balance: step %d: planning failed on rank %d (the planning rank); every rank "
+                           "keeps its samples this step: %s", step, ex.rank, detail)
+            reason = f"planner failed on rank(s) [{ex.rank}]: {detail}"
+        costs = rows[:, F_COST]
+        before = step_imbalance(slot_loads(costs, owners, micro, world, num_micro), self.sync, speeds)
+        after = step_imbalance(slot_loads(costs, dest_rank, dest_micro, world, num_micro), self.sync, speeds)
+        applied = applied or bool(np.any(owners != dest_rank))
+        text = f"{plan_hash(dest_rank, dest_micro)}\n{reason}"
+        return send_all(orders_for_ranks(owners, dest_rank, dest_micro, rows[:, F_NBYTES], world, num_micro,
+                                         (applied, before, after), text))
 
     def _finish_step(self, work: StepWork, balance: bool, speeds: np.ndarray, t0: float, t1: float,
                      hedge: bool = False):
@@ -349,7 +440,8 @@ class BalancedLoader:
         received = ex.exchange_payloads(work.step, work.samples, offset, layout, work.entries) if moved.any() else {}
         t3 = time.perf_counter()
         by_slot = slot_members(dest_rank, dest_micro, ex.rank, work.num_micro)
-        batches, ids = collate_slots(ex, self.collator, work, by_slot, received, self.id_key)
+        batches, ids = collate_slots(ex, self.collator, work.step, by_slot,
+                                     lambda members: slot_samples(work, members, received, ex.rank), self.id_key)
         t4 = time.perf_counter()
 
         costs = rows[:, F_COST]

@@ -5,14 +5,16 @@ context or sequence parallel dimensions, the processes of one tp/cp/sp slice for
 group; each slice runs its own exchange over its own group, and since the plan is a pure function of
 the gathered metadata, peers that share a data-parallel index receive byte-identical batches.
 
-`DataParallelGroup.from_mesh` reads every group from the mesh itself (no communication);
-`from_process_group` takes one explicit group. The side groups over it are made by
-`runtime.side_channel.SideChannel` (with local synchronisation: each slice makes its own).
+`DataParallelGroup.from_mesh` reads every group from the mesh itself (no communication), so it also
+knows every other slice (`slices`); `from_process_group` takes one explicit group and knows only its
+own. The side groups over it are made by `runtime.side_channel.SideChannel`: where every slice is known,
+every process takes part in making each slice's group (names that never repeat in a process); where
+not, each slice makes its own with local synchronisation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence, Tuple
 
 # Mesh dimensions that carry data parallelism (accelerate's ParallelismConfig names, plus the
@@ -27,6 +29,9 @@ class DataParallelGroup:
 
     ranks: Tuple[int, ...]   # global ranks, index = data-parallel index
     index: int               # this process's data-parallel index
+    # Every data-parallel group of the job (this one included), in an order every process derives alike;
+    # empty where only this group is known (an explicit process group that is not the whole world).
+    slices: Tuple[Tuple[int, ...], ...] = field(default=(), compare=False)
 
     @property
     def size(self) -> int:
@@ -38,8 +43,9 @@ class DataParallelGroup:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            return cls((0,), 0)
-        return cls(tuple(range(dist.get_world_size())), dist.get_rank())
+            return cls((0,), 0, ((0,),))
+        ranks = tuple(range(dist.get_world_size()))
+        return cls(ranks, dist.get_rank(), (ranks,))
 
     @classmethod
     def from_ranks(cls, ranks: Sequence[int], rank: int) -> "DataParallelGroup":
@@ -66,7 +72,8 @@ class DataParallelGroup:
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         grid = mesh.mesh
         if grid.dim() == 1:
-            return cls.from_ranks(grid.tolist(), dist.get_rank())
+            group = cls.from_ranks(grid.tolist(), dist.get_rank())
+            return cls(group.ranks, group.index, (group.ranks,) if group.size == dist.get_world_size() else ())
         dims = tuple(dims) or data_parallel_dims(names)
         if not dims:
             raise ValueError(f"device mesh with dimensions {names} has no data-parallel dimension "
@@ -78,10 +85,24 @@ class DataParallelGroup:
             dp_size *= int(grid.shape[a])
         rows = grid.permute(*rest, *axes).reshape(-1, dp_size)  # one row per data-parallel group
         me = dist.get_rank()
-        for row in rows.tolist():
+        slices = tuple(tuple(int(r) for r in row) for row in rows.tolist())
+        for row in slices:
             if me in row:
-                return cls.from_ranks(row, me)
+                return cls(row, row.index(me), slices)
         raise ValueError(f"rank {me} is not in the device mesh {grid.tolist()}")
+
+
+def _from_sub_mesh(sub) -> DataParallelGroup:
+    """The group of a 1-D mesh; when it was sliced from a larger mesh (`mesh["dp"]`), read along that dimension
+    of the root mesh, so every slice is known (`DataParallelGroup.slices`)."""
+    root = sub._get_root_mesh() if hasattr(sub, "_get_root_mesh") else None
+    names = tuple(getattr(sub, "mesh_dim_names", None) or ())
+    if root is not None and root is not sub and root.mesh.dim() > 1 and names and \
+            all(n in (getattr(root, "mesh_dim_names", None) or ()) for n in names):
+        group = DataParallelGroup.from_mesh(root, names)
+        if group.ranks == tuple(int(r) for r in sub.mesh.tolist()):
+            return group
+    return DataParallelGroup.from_mesh(sub)
 
 
 def data_parallel_dims(names: Sequence[str]) -> Tuple[str, ...]:
@@ -103,7 +124,7 @@ def resolve_data_parallel_group(accelerator: Any = None, explicit: Any = None) -
             if explicit.mesh.dim() != 1:
                 raise ValueError(f"data_parallel_group: a {explicit.mesh.dim()}-D DeviceMesh; pass its data-parallel "
                                  f"dimension (mesh['dp']) or a ProcessGroup")
-            return DataParallelGroup.from_mesh(explicit)
+            return _from_sub_mesh(explicit)
         return DataParallelGroup.from_process_group(explicit)
     mesh = getattr(accelerator, "torch_device_mesh", None) if accelerator is not None else None
     if mesh is not None:

@@ -2,14 +2,16 @@
 
 A session owns everything a run creates and keeps the rules every front end must follow alike:
 
-- the `SideChannel` (side groups in one fixed order, the one watchdog, the run's failure-note namespace);
+- the `SideChannel` (side groups over the data-parallel slice in one fixed order, the one watchdog, the
+  run's store namespace, the config agreed on every process; made on every process or on none);
 - the model state: the cost models to start from are read on ONE process (global rank 0) and
-  broadcast, so every rank plans with the same models or every rank raises naming the file and the
-  rank; the fitter (`CostModelFitter`: gather, fit on rank 0, broadcast, refit) and whether the
+  shared (`SideChannel.from_rank0`: the store between slices), so every rank plans with the same models or
+  every rank raises naming the file and the rank; the fitter (`CostModelFitter`: records gathered to the
+  first process of global rank 0's slice, fitted there, shared the same way, refit) and whether the
   planner hedges (the prior flag travels with the models, the same on every rank);
 - the recorder (`StepRecorder`) hooked on the model, and the vision balancer when asked for;
 - the loaders it builds and the rule for publishing models and speeds to them: tp / cp peers of one
-  data-parallel index plan with one speed (the slowest of them), or their batches would differ;
+  data-parallel index plan with one speed (the fitting slice's, for that index), or their batches would differ;
 - `state_dict` / `load_state_dict` of the resume point, versioned and checked against the data-parallel
   size; and `close()`, which undoes all of it in reverse.
 
@@ -86,10 +88,10 @@ class BalanceSession:
         import torch.distributed as dist
 
         self.config = config
+        # All or nothing on every process (`SideChannel`); nothing below communicates or can fail on one rank.
         self.side = SideChannel(data_parallel, config, on_fatal=on_fatal)
         self.data_parallel = self.side.data_parallel
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.side.distributed else (0, 1)
-        self.speed_peers = self._peers_of_my_index()
         self.fitter: Optional[CostModelFitter] = None
         self.recorder: Optional[StepRecorder] = None
         self.loaders: List[Any] = []
@@ -103,16 +105,6 @@ class BalanceSession:
         self._pending_positions: List[Tuple[int, dict, dict]] = []  # loaded before their loader was tracked
         self._measured: Dict[str, float] = {}  # the last `measure`, reported once by `metrics`
         self._closed = False
-
-    def _peers_of_my_index(self) -> List[int]:
-        """The processes of this data-parallel index (tp / cp peers; just this process without a mesh)."""
-        if self.side.spans_world:
-            return [self.rank]
-        import torch.distributed as dist
-
-        indices: List[Any] = [None] * self.world
-        dist.all_gather_object(indices, self.data_parallel.index, group=self.side.fit_group)
-        return [p for p, i in enumerate(indices) if i == self.data_parallel.index]
 
     # -- start -----------------------------------------------------------------------------------
     def start(self, *, model=None, model_config=None, timing: str = "thread_cpu", device_type: str = "cpu",
@@ -129,13 +121,17 @@ class BalanceSession:
         `sync` is the loader's resolved sync (`step` / `micro_batch`): a step-time fit reads each micro-batch's
         maximum only where micro-batches meet across ranks (None: `config.sync`).
         """
+        import torch.distributed as dist
+
         for check in checks:  # the user's setup, checked on every rank before training starts
             check()
         decoder, vision, fitted_step = self._agree_start_models(checkpoints, decoder, vision, fitted_step, file_step)
         prior, vision_prior = priors_from_config(model_config) if self.config.prior else (None, None)
-        self.fitter = CostModelFitter(self.config, rank=self.rank, world=self.world, group=self.side.fit_group,
-                                      timing=timing, sync=sync, decoder=decoder, vision=vision, fitted_step=fitted_step,
-                                      prior=prior, vision_prior=vision_prior)
+        group = self.side.control_group
+        self.fitter = CostModelFitter(self.config, rank=dist.get_rank(group) if group is not None else 0,
+                                      world=self.data_parallel.size if group is not None else 1, group=group,
+                                      relay=self.side.relay("models"), timing=timing, sync=sync, decoder=decoder,
+                                      vision=vision, fitted_step=fitted_step, prior=prior, vision_prior=vision_prior)
         if self.recorder is not None:
             self.recorder.remove()
         self.recorder = StepRecorder(StepClock(timing, device_type), micro_batches=self.fitter.fits_micro_batches)
@@ -143,13 +139,8 @@ class BalanceSession:
             self.recorder.install(model)
 
     def _agree_start_models(self, checkpoints, decoder, vision, fitted_step, file_step):
-        import torch.distributed as dist
-
-        box = [read_start_models(checkpoints, self.config.cost_model_path, decoder is not None)
-               if self.rank == 0 else None]
-        if self.world > 1:
-            dist.broadcast_object_list(box, group_src=0, group=self.side.fit_group)
-        found = box[0] or {}
+        found = self.side.from_rank0(read_start_models(checkpoints, self.config.cost_model_path, decoder is not None)
+                                     if self.rank == 0 else None, "start_models") or {}
         if "error" in found:
             raise ValueError(f"hf_dp_balance: rank {self.rank}: {found['error']}")
         if "decoder" in found:
@@ -181,8 +172,10 @@ class BalanceSession:
     # -- models and speeds ----------------------------------------------------------------------
     @property
     def speed(self) -> float:
-        """The speed this process plans with: the slowest of its data-parallel index's processes."""
-        return float(min(self.fitter.speeds[p] for p in self.speed_peers))
+        """The speed this process plans with: its data-parallel index's, as fitted. Under a mesh the fitting
+        slice's process of that index measured it (its step includes waiting for its tp / cp peers in their
+        collectives on an accelerator), and every slice reads the same value, so peers plan alike."""
+        return float(self.fitter.speeds[self.fitter.rank])
 
     def publish(self, loader=None) -> None:
         """The current models (the fitted ones, else the FLOP priors) and speed to the loaders and the vision
@@ -191,9 +184,9 @@ class BalanceSession:
         for target in ([loader] if loader is not None else self.loaders):
             if decoder is not None and hasattr(target, "set_cost_model"):
                 # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with
-                # decoder + vision; before the fit the models are the prior and the loader hedges its plans.
+                # decoder + vision; the loader hedges its plans while the prior plans or the fit is uncertain.
                 target.set_cost_model(decoder, vision=None if self.vision_balancer is not None else vision,
-                                      prior=self.fitter.planning_with_prior,
+                                      prior=self.fitter.plans_hedged,
                                       probe=self.fitter.fit_mode == "step_max")
                 if hasattr(target, "set_speed"):
                     target.set_speed(self.speed)
@@ -296,12 +289,14 @@ class BalanceSession:
             self.restore_models(state.get("models"))
 
     def _agree_state(self, state: Optional[dict]) -> Optional[dict]:
-        if self.world == 1:
+        """The state of the data-parallel slice's first rank, on every rank of the slice."""
+        group = self.side.control_group
+        if group is None or self.data_parallel.size == 1:
             return state
         import torch.distributed as dist
 
-        box = [state if self.rank == 0 else None]
-        dist.broadcast_object_list(box, group_src=0, group=self.side.fit_group)
+        box = [state if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(box, group_src=0, group=group)
         return box[0]
 
     def _restore_loader(self, index: int, saved: dict, position: dict) -> None:

@@ -22,6 +22,22 @@ def token_cap(tokens: np.ndarray, num_slots: int, config: DPBalanceConfig, large
     return step_maths.token_cap(tokens, num_slots, config.max_tokens, config.max_token_ratio, largest_slot)
 
 
+def planner_for(world: int, config: DPBalanceConfig, plan_fn: Optional[Callable] = None) -> Callable:
+    """The step planner of a run over `world` data-parallel ranks: `plan_fn` when the user gave one, else
+    `plan_step`, bounded to fixed partners (`core.partners`) when `config.max_partners` is smaller than the
+    world: connections made on first use then stay at most `max_partners` per rank for the whole run."""
+    if plan_fn is not None:
+        return plan_fn
+    if not config.max_partners or world <= config.max_partners + 1:
+        return default_plan_fn()
+    from functools import partial
+
+    from hf_dp_balance.core.partners import partner_sets, plan_step_with_partners
+
+    partners = partner_sets(world, config.max_partners, ranks_per_node=config.ranks_per_node)
+    return partial(plan_step_with_partners, partners=partners)
+
+
 def plan_work(work: StepWork, balance: bool, speeds: np.ndarray, world: int, config: DPBalanceConfig, sync: str,
               plan_fn: Optional[Callable] = None, hedge: bool = False, probe: bool = False):
     """(dest_rank, dest_micro, applied, reason, failure) from the work's start placement.
@@ -73,4 +89,4 @@ def plan_work(work: StepWork, balance: bool, speeds: np.ndarray, world: int, con
         return owners, micro, False, f"planner failed: {exc!r}", f"{type(exc).__name__}: {exc}"
 
 
-__all__ = ["plan_work", "token_cap"]
+__all__ = ["plan_work", "planner_for", "token_cap"]

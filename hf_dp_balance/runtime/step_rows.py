@@ -16,7 +16,8 @@ import numpy as np
 
 from hf_dp_balance.core.codec import encoded_nbytes, sample_entries
 from hf_dp_balance.core.costing import item_grids, planning_costs
-from hf_dp_balance.runtime.exchange import H_FLAGS, H_SPEED, ExchangeError, SampleExchange, failure_detail
+from hf_dp_balance.runtime.exchange import (H_FLAGS, H_NUM_MICRO, H_NUM_SAMPLES, H_SPEED, H_STATUS, H_WIDTH,
+                                            ExchangeError, SampleExchange, failure_detail)
 from hf_dp_balance.runtime.logs import get_logger
 
 logger = get_logger(__name__)
@@ -182,26 +183,44 @@ def cost_rows(prep: Prepared, grids: Sequence[np.ndarray], models: Tuple[Any, An
     return prep
 
 
-def gather_step(exchange: SampleExchange, step: int, prep: Optional[Prepared], error: Optional[str],
-                wants_balance: bool, speed: float, prior: bool = False):
-    """(metadata of every rank, whether to balance, each rank's speed, whether to hedge): one metadata gather.
-
-    Balance only when every rank asks for it and every rank's rows were costed by the same
-    `set_cost_model` call's models (a refit can land while ranks prepare this step). Hedge when any rank's
-    models are a prior: decided from the gathered flags, so every rank decides alike.
-    """
+def step_header(prep: Optional[Prepared], error: Optional[str], wants_balance: bool, speed: float,
+                prior: bool = False) -> np.ndarray:
+    """This rank's fixed header of a step (status, sample count, micro-batches, flags, speed): float64 [H_WIDTH]."""
     flags = (FLAG_BALANCE | (prep.model_version << MODEL_VERSION_SHIFT)) if wants_balance else 0
     if wants_balance and prior:
         flags |= FLAG_PRIOR
-    meta = exchange.gather_metadata(
-        step, prep.rows if prep is not None else None,
-        num_micro_batches=len(prep.micro_batches) if prep is not None else 0,
-        flags=flags, speed=speed, error=error, num_fields=F_WIDTH)
-    gathered = meta.headers[:, H_FLAGS].astype(np.int64)
+    header = np.zeros(H_WIDTH, dtype=np.float64)
+    header[H_STATUS] = 1.0 if error is not None else 0.0
+    header[H_NUM_SAMPLES] = prep.rows.shape[0] if prep is not None else 0
+    header[H_NUM_MICRO] = len(prep.micro_batches) if prep is not None else 0
+    header[H_FLAGS] = flags
+    header[H_SPEED] = speed
+    return header
+
+
+def step_decision(headers: np.ndarray) -> Tuple[bool, np.ndarray, bool]:
+    """(whether to balance, each rank's speed, whether to hedge) from every rank's header.
+
+    Balance only when every rank asks for it and every rank's rows were costed by the same
+    `set_cost_model` call's models (a refit can land while ranks prepare this step). Hedge when any rank's
+    models are a prior.
+    """
+    gathered = headers[:, H_FLAGS].astype(np.int64)
     versions = set((gathered >> MODEL_VERSION_SHIFT).tolist())
     balance = bool(np.all(gathered & FLAG_BALANCE)) and len(versions) == 1
     hedge = balance and bool(np.any(gathered & FLAG_PRIOR))
-    return meta, balance, meta.headers[:, H_SPEED].astype(np.float64), hedge
+    return balance, headers[:, H_SPEED].astype(np.float64), hedge
+
+
+def gather_step(exchange: SampleExchange, step: int, prep: Optional[Prepared], error: Optional[str],
+                wants_balance: bool, speed: float, prior: bool = False):
+    """(metadata of every rank, whether to balance, each rank's speed, whether to hedge): one metadata gather
+    to every rank (look-ahead windows); `step_decision` decides from the gathered flags, alike on every rank."""
+    header = step_header(prep, error, wants_balance, speed, prior)
+    meta = exchange.gather_metadata(
+        step, prep.rows if prep is not None else None, num_micro_batches=int(header[H_NUM_MICRO]),
+        flags=int(header[H_FLAGS]), speed=speed, error=error, num_fields=F_WIDTH)
+    return (meta, *step_decision(meta.headers))
 
 
 def validate_plan(dest_rank, dest_micro, n: int, num_ranks: int, num_micro: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -248,15 +267,17 @@ def agree_digests(ex: SampleExchange, step: int, where: str, phase: str, digest:
                   failure: Optional[str]) -> Dict[int, str]:
     """{rank: message} of the ranks whose planner failed (equal on every rank; empty: every plan agreed).
 
-    One small gather of every rank's digest and failed flag (`SampleExchange.agree`). Digests that differ
-    while no planner failed raise `ExchangeError` on every rank, naming the ranks whose plan differs from
-    the majority's (a tie: rank 0's). `where` names the step(s) in the message ("step 7", "steps 7..9").
+    One fixed-size `all_reduce` of every rank's digest and failed flag (`SampleExchange.agree`). Digests
+    that differ while no planner failed raise `ExchangeError` on every rank, naming the ranks whose plan
+    differs from the majority's (a tie: rank 0's; one all_gather on that error path only). `where` names
+    the step(s) in the message ("step 7", "steps 7..9").
     """
-    digests, failed = ex.agree(step, phase, digest, failure)
+    same, failed = ex.agree(step, phase, digest, failure)
     if failed:
         return failed
-    values, counts = np.unique(digests, return_counts=True)
-    if values.size > 1:
+    if not same:
+        digests = ex.all_values(step, phase, digest)
+        values, counts = np.unique(digests, return_counts=True)
         top = np.flatnonzero(counts == counts.max())
         reference = values[top[0]] if top.size == 1 else digests[0]  # a tie: rank 0's plan is the reference
         odd = np.flatnonzero(digests != reference).tolist()
@@ -323,32 +344,32 @@ def check_cap(work: StepWork, cap: Optional[int], rank: int) -> None:
         f"hf_dp_balance, step {work.step}, token cap: rank {holder}, micro-batch {m}, sample {int(same.sum())} "
         f"has {int(rows[g, F_TOKENS])} tokens, over the hard cap max_tokens={cap} on its own"
         + (f" ({over.size - 1} more samples over the cap)" if over.size > 1 else "")
-        + f"; raised on every rank before any sample moved (this is rank {rank})")
+        + f"; raised on every rank before any sample moved (checked on rank {rank})")
 
 
-def collate_slots(ex: SampleExchange, collator: Callable, work: StepWork, by_slot: List[List[int]],
-                  received: Dict[int, dict], id_key: Optional[str]):
-    """(packed batch of each slot, `id_key` values per slot or None).
+def collate_slots(ex: SampleExchange, collator: Callable, step: int, by_slot: List[List[int]],
+                  samples_of: Callable[[List[int]], List[dict]], id_key: Optional[str]):
+    """(packed batch of each slot, `id_key` values per slot or None); `samples_of(members)`: a slot's dicts.
 
     A collate failure on any rank raises `ExchangeError` on every rank, naming the rank, the slot and the
-    cause, before any rank hands the step to training (one small gather per step).
+    cause, before any rank hands the step to training (`SampleExchange.raise_if_failed`: two hops per rank).
     """
     rank = ex.rank
     batches, ids = [], [] if id_key else None
     error, cause = None, None
     for m, members in enumerate(by_slot):
-        slot = slot_samples(work, members, received, rank)
+        slot = samples_of(members)
         if ids is not None:
             ids.append([s.get(id_key) for s in slot])
         try:
             batches.append(collator(slot))
         except Exception as exc:  # noqa: BLE001 - told to every rank below
-            error = (f"step {work.step}, rank {rank}, micro-batch {m}: collating samples {members} "
+            error = (f"step {step}, rank {rank}, micro-batch {m}: collating samples {members} "
                      f"(global indices) failed: {type(exc).__name__}: {exc}")
             cause = exc
             break
     try:
-        ex.raise_if_failed(work.step, "collate", error)
+        ex.raise_if_failed(step, "collate", error)
     except ExchangeError as exc:
         raise exc from cause
     return batches, ids
@@ -356,5 +377,6 @@ def collate_slots(ex: SampleExchange, collator: Callable, work: StepWork, by_slo
 
 __all__ = ["F_MICRO", "F_TOKENS", "F_VISION", "F_COST", "F_NBYTES", "F_STEP", "F_WIDTH", "FLAG_BALANCE", "FLAG_PRIOR",
            "MODEL_VERSION_SHIFT", "StepStats", "list_collate", "Prepared", "StepWork", "pull_micro_batches",
-           "describe_samples", "cost_rows", "gather_step", "validate_plan", "default_plan_fn", "slot_members",
+           "describe_samples", "cost_rows", "step_header", "step_decision",
+           "gather_step", "validate_plan", "default_plan_fn", "slot_members",
            "slot_samples", "plan_digest", "agree_digests", "failure_detail", "agree_plan", "agree_lookahead", "check_cap", "collate_slots"]

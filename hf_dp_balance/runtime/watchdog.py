@@ -48,7 +48,7 @@ def end_process(message: str) -> None:
 class Watchdog:
     """Heartbeat rounds on its own gloo group while a stream is open; `on_fatal(message)` when a peer is gone.
 
-    `group`: the heartbeat group (every process; made by `runtime.side_channel.SideChannel`, which owns it).
+    `group`: the heartbeat group (the data-parallel slice; made by `runtime.side_channel.SideChannel`, which owns it).
     `describe()` gives the message's context: ("step S, rank R", the exchange thread's error or "");
     `taken()` tells whether the main thread has taken an error (then nothing is ended here).
     `on_fatal`: a callable, None (log and end the process: `end_process`) or "raise" (keep the message:

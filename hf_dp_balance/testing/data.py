@@ -2,8 +2,7 @@
 
 Sample shapes come from the starting mix (`hf_dp_balance.testing.mix`); images are drawn with Pillow and
 passed through the family's real `*ImageProcessorPil`, videos are frame stacks in the video processor's
-layout. The tiny models and tokenizer (`hf_dp_balance.testing.models`) are re-exported here. Details:
-docs/data.md.
+layout. The tiny models and tokenizer are in `hf_dp_balance.testing.models`. Details: docs/data.md.
 """
 
 from __future__ import annotations
@@ -14,18 +13,13 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from hf_dp_balance.testing.models import (  # noqa: F401  (re-exported: tests and recipes import them from here)
-    BOS_ID, EOS_ID, FAMILIES, IMAGE_PAD_ID, IMG_CONTEXT_ID, IMG_END_ID, IMG_START_ID, INTERNVL_PATCH, INTERNVL_TILE,
-    INTERNVL_TOKENS_PER_TILE, PAD_ID, SPECIAL_TOKENS, TOKEN_IDS, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID,
-    VOCAB_SIZE, check_family, build_tokenizer, make_model, model_class, random_text, tiny_config,
-)
-from hf_dp_balance.testing.mix import (  # noqa: F401  (re-exported: the dataset's mix)
-    BOUNDED_MAX, DEFAULT_SCALE, IMAGE_MAX, LONG_TAIL_FRACTION, MIX_FRACTIONS, PACK_TOKENS, REGIMES, pack_and_cap,
-    plan_samples,
-)
+from hf_dp_balance.testing.mix import DEFAULT_SCALE, IMAGE_MAX, MIX_FRACTIONS, pack_and_cap, plan_samples
+from hf_dp_balance.testing.models import (BOS_ID, EOS_ID, IMAGE_PAD_ID, IMG_CONTEXT_ID, IMG_END_ID, IMG_START_ID,
+                                          INTERNVL_TILE, INTERNVL_TOKENS_PER_TILE, VIDEO_PAD_ID, VISION_END_ID,
+                                          VISION_START_ID, build_tokenizer, check_family, random_text, tiny_config)
 
 # ---------------------------------------------------------------- synthetic dataset
-# The mix's figures and each sample's shape: `hf_dp_balance.testing.mix` (re-exported here).
+# The mix's figures and each sample's shape: `hf_dp_balance.testing.mix`.
 
 
 def _draw_image(rng: np.random.Generator, width: int, height: int, base=None, shift: int = 0):

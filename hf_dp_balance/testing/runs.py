@@ -82,7 +82,7 @@ def text_trainer(out_dir: str, *, max_steps: int, save_steps: int = 1000, n: int
     from transformers import Trainer
 
     from hf_dp_balance.integrations.arguments import DPBalanceTrainingArguments
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     args = DPBalanceTrainingArguments(
         output_dir=out_dir, use_cpu=True, per_device_train_batch_size=batch_size, max_steps=max_steps,

@@ -216,3 +216,21 @@ def test_demo_runs_three_ways_on_two_ranks(tmp_path):
     # step is applied depends on its gain: tests/integrations/test_callback.py checks the prior's warm-up)
     assert [r["step"] for r in ours["fit_reports"]][:1] == [2]
     assert len(ours["applied_steps"]) == 4
+
+
+def test_the_report_says_what_the_gate_decided_and_a_rejected_fit_still_prices_the_bound():
+    from hf_dp_balance.apps.demo_analysis import fit_lines, pricing_models
+
+    decoder = {"quadratic": 1e-7, "linear": 1e-4, "per_sample": 0.0, "constant": 0.01}
+    vision = {"quadratic": 1e-8, "linear": 1e-5, "per_sample": 0.0, "constant": 0.0}
+    reports = [{"step": 5, "fitted": {"decoder": decoder, "vision": vision}, "hedged": True,
+                "gate": {"adopt": False, "candidate_error": 0.036, "in_force_error": 0.029, "tokens_error": 0.185,
+                         "reason": "predicts the held-out steps no better than the model in force, which stays"}},
+               {"step": 10, "fitted": None, "hedged": True, "gate": None}]
+    lines = fit_lines(reports)
+    assert lines[0].startswith("fit at step 5: rejected, the model in force stays; held-out error 3.6% "
+                               "(in force 2.9%, tokens 18.5%); plans hedged")
+    assert lines[1] == "fit at step 10: no gate verdict (the fit failed)"
+    # the prior stayed in force (no cost_model in the record): the reachable cut is priced by the last fit
+    assert pricing_models({"cost_model": None, "vision_cost_model": None, "fit_reports": reports}) == (decoder, vision)
+    assert pricing_models({"cost_model": None, "vision_cost_model": None}) == (None, None)

@@ -7,7 +7,8 @@ import pytest
 
 from hf_dp_balance.apps.cli import main as cli_main
 from hf_dp_balance.core.cost import CostModel
-from hf_dp_balance.apps.mixes import SampleShapes, draw_mix, load_lengths, mix_names, pack_fixed_length, truncate
+from hf_dp_balance.apps.simulate import load_lengths
+from hf_dp_balance.testing.mix import SampleShapes, draw_mix, mix_names, pack_fixed_length, truncate
 from hf_dp_balance.apps.sim_model import BYTES_PER_TOKEN, SampleCost, load_cost
 from hf_dp_balance.apps.sim_runs import simulate, simulate_packed
 

@@ -80,7 +80,8 @@ def test_sample_costs_adds_each_frames_vision_cost_to_its_sample():
 
 def test_sample_grids_of_a_qwen_video_sample_and_of_tiles():
     from hf_dp_balance.core.packing import sample_features
-    from hf_dp_balance.testing.data import make_samples, tiny_config
+    from hf_dp_balance.testing.data import make_samples
+    from hf_dp_balance.testing.models import tiny_config
 
     cfg = tiny_config("qwen2_vl")
     (video,) = make_samples("qwen2_vl", ("video",), seed=0)

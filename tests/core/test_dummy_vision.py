@@ -11,7 +11,8 @@ import torch
 from hf_dp_balance.core.dummy_vision import dummy_vision_sample
 from hf_dp_balance.core.families import IGNORE_INDEX
 from hf_dp_balance.core.packing import PackedCollator, family_of
-from hf_dp_balance.testing.data import make_model, make_samples
+from hf_dp_balance.testing.data import make_samples
+from hf_dp_balance.testing.models import make_model
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ rank's time), 3% rank noise, 16 ranks x 8 steps: the regime of bench/cost_fit_pl
 import numpy as np
 import pytest
 
-from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
+from hf_dp_balance.testing.mix import draw_mix, pack_fixed_length, truncate
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import MAX_RANK_OBSERVATIONS, fit_cost_model, fit_each_rank, fit_from_records
 
@@ -18,7 +18,7 @@ TRUTH = CostModel(quadratic=1.9e-9, linear=1e-4, per_sample=1.6e-3, constant=0.0
 
 
 def _packs(rng, count):
-    """`count` fixed-length packs of the long-tail text mix (`apps.mixes`), in arrival order."""
+    """`count` fixed-length packs of the long-tail text mix (`testing.mix`), in arrival order."""
     lengths = truncate(draw_mix("text-sft", 64 * count, rng), PACK).tokens
     lengths = lengths[lengths > 0]
     pack = pack_fixed_length(lengths, PACK)

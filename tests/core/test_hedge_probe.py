@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
+from hf_dp_balance.testing.mix import draw_mix, pack_fixed_length, truncate
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model
 from hf_dp_balance.core.hedge import PROBE_FACTOR, PROBES, extrapolate, probe_hypotheses, probe_plan, worst_excess

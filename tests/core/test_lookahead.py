@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_dp_balance.core.lookahead import assign_slots, plan_lookahead
-from hf_dp_balance.apps.mixes import SampleShapes
+from hf_dp_balance.testing.mix import SampleShapes
 from hf_dp_balance.apps.sim_model import SampleCost
 from hf_dp_balance.apps.sim_runs import simulate_packed
 from hf_dp_balance.core.cost import CostModel

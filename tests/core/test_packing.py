@@ -5,7 +5,8 @@ import warnings
 import pytest
 import torch
 
-from hf_dp_balance.testing.data import FAMILIES, IMAGE_PAD_ID, make_model, make_samples
+from hf_dp_balance.testing.data import make_samples
+from hf_dp_balance.testing.models import FAMILIES, IMAGE_PAD_ID, make_model
 from hf_dp_balance.core.families import IGNORE_INDEX
 from hf_dp_balance.core.packing import (
     PackedCollator,

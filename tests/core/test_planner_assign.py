@@ -3,9 +3,9 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from hf_dp_balance.core.planner import assign, plan_step, repack
+from hf_dp_balance.core.planner import assign, pipeline, plan_step, repack
 from hf_dp_balance.core.planner.assign import _fix_slots
-from hf_dp_balance.core.planner.state import _State, _smallest_room
+from hf_dp_balance.core.planner.state import _State, _fullest, _smallest_room
 from test_planner_chain import _long_tail
 
 
@@ -29,7 +29,7 @@ def test_long_items_first_send_fewer_tokens_than_the_trades_alone(monkeypatch):
         assert plan.makespan_after <= 1.01 * plan.lower_bound
         new.append(sent)
         with monkeypatch.context() as m:
-            m.setattr(repack, "_long_first", lambda *a, **k: None)
+            m.setattr(pipeline, "_long_first", lambda *a, **k: None)
             plan_old, sent_old = _plan(tokens, owners, mbs, R, M, pack)
         assert plan.makespan_after <= max(plan_old.makespan_after, 1.0025 * plan.lower_bound) * (1 + 1e-9)
         old.append(sent_old)
@@ -78,14 +78,14 @@ def test_full_cap_plans_with_long_items_first_keep_the_cap_the_slots_and_never_s
 
 
 def test_the_search_estimate_decides_which_pass_runs_first_and_alone(monkeypatch):
-    # 64 x 4 full 32K packs (136 long items > _FEW_LONG): at q/l 1.4e-4 the search's estimate is ~15% of the
-    # tokens (trusted), so long items first run alone; at q/l 1e-3 the start's estimate is ~700% (> 4 x _TRUST),
-    # so no search is made and the trades run alone (both plans end within the trades' limit)
+    # 64 x 4 full 32K packs: at q/l 1.4e-4 the search's estimate is ~15% of the tokens (at most _TRUST), so
+    # long items first run alone; at q/l 1e-3 it is several times the step's tokens (not trusted), so the
+    # trades run alone (both plans end within the trades' limit)
     R, M, pack = 64, 4, 32768
     tokens, owners, mbs = _long_tail(0, R, M, pack)
-    for q, want_long_first, want_search in ((1.4e-4, True, True), (1e-3, False, False)):
+    for q, want_long_first, want_search in ((1.4e-4, True, True), (1e-3, False, True)):
         passes, searched = [], []
-        real_pass, real_assign = repack._full_cap_pass, repack._assign_long
+        real_pass, real_assign = pipeline._full_cap_pass, pipeline._assign_long
 
         def spy_pass(*a, **k):
             passes.append(k["long_first"] is not None)
@@ -97,8 +97,8 @@ def test_the_search_estimate_decides_which_pass_runs_first_and_alone(monkeypatch
             return items, ranks, estimate
 
         with monkeypatch.context() as m:
-            m.setattr(repack, "_full_cap_pass", spy_pass)
-            m.setattr(repack, "_assign_long", spy_assign)
+            m.setattr(pipeline, "_full_cap_pass", spy_pass)
+            m.setattr(pipeline, "_assign_long", spy_assign)
             costs = q * tokens ** 2 + tokens + 64.0
             plan = plan_step(costs, owners, mbs, R, M, tokens=tokens, max_tokens=pack, min_gain=0.0)
         assert plan.makespan_after <= 1.0025 * plan.lower_bound * (1 + 1e-9)
@@ -152,8 +152,7 @@ def test_the_long_item_search_is_the_same_in_any_block_of_candidates(monkeypatch
     budget = np.full(R, costs.sum() / R)
     items, ranks, estimate = assign._assign_long(state, budget, 0.005)
     assert np.count_nonzero(ranks != state.dest[items]) > 0  # the search moved some: the blocks were used
-    monkeypatch.setattr(assign, "_BLOCK", 3)
-    items3, ranks3, estimate3 = assign._assign_long(state, budget, 0.005)
+    items3, ranks3, estimate3 = assign._assign_long(state, budget, 0.005, block=3)
     assert np.array_equal(items, items3) and np.array_equal(ranks, ranks3) and estimate == estimate3
 
 
@@ -228,7 +227,7 @@ def test_no_taker_is_the_one_rank_at_a_time_test():
 def test_three_micro_batches_end_within_the_bar_where_the_residue_left_all_free_tokens_on_full_ranks():
     # 48 x 3 full 32K packs, q/l 1.4e-4: the largest item costs about one rank's mean load, so the
     # residue ends with the free tokens on the ranks at or over the limit and the load room on token-full
-    # ranks (no move fits). Before the roomy ladder trades (repack._roomy_trades) these seeds ended at
+    # ranks (no move fits). Before the roomy ladder trades (pipeline._roomy_trades) these seeds ended at
     # 1.0127 x and 1.0104 x the bound; now 1.0087 x and 1.0085 x
     R, M, pack = 48, 3, 32768
     for seed in (3, 4):
@@ -237,27 +236,29 @@ def test_three_micro_batches_end_within_the_bar_where_the_residue_left_all_free_
         assert plan.makespan_after <= 1.01 * plan.lower_bound, (seed, plan.makespan_after / plan.lower_bound)
 
 
-def test_repacks_after_ladder_trades_stop_once_one_does_not_beat_them(monkeypatch):
-    # 256 x 3, seed 2: both full-cap passes end above twice the tolerance (~1.011 x), so repacks run; a capped
-    # LPT repack of 2 x (ranks over) + 8 ranks ends worse there (~1.02 x, ~80% of the tokens sent), and the
-    # doubling stops after it (before: a second repack of twice the ranks, also worse)
-    R, M, pack = 256, 3, 32768
+def test_repacks_double_until_the_goal_and_stop_once_one_does_not_beat_the_trades(monkeypatch):
+    # the repack fallback (repack._repack_until) on a full-cap start above the goal: with nothing to beat it
+    # doubles the ranks it takes until the goal or every rank; with the trades' plan to beat (stop_at) a
+    # repack that ends no lower ends the doubling after one
+    from test_planner_chain import _state
+
+    R, M, pack = 64, 3, 32768
     tokens, owners, mbs = _long_tail(2, R, M, pack)
+    state, budget = _state(tokens, owners, mbs, R, M, pack, 1.4e-4)
     made = []
     real = repack._repack
-
-    def spy(*a, **k):
-        out = real(*a, **k)
-        made.append(out)
-        return out
-
-    with monkeypatch.context() as m:
-        m.setattr(repack, "_repack", spy)
-        plan, _ = _plan(tokens, owners, mbs, R, M, pack)
-    assert plan.makespan_after > 1.01 * plan.lower_bound  # the case this test is about: repacks run
-    assert len(made) == 1
-    assert plan.path == "trades"
-    assert max(plan.loads_after.sum(axis=1)) < max(st.load.max() for st in made)
+    monkeypatch.setattr(repack, "_repack", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    plans = repack._repack_until(state, state, budget, 0.0, state.dest.copy(), -np.inf, none_yet=True)
+    assert len(plans) == len(made) == 1
+    made.clear()
+    plans = repack._repack_until(state, state, budget, 0.005, state.dest.copy(), np.inf, none_yet=True)
+    assert len(made) == len(plans) >= 1
+    assert all(_fullest(p, budget) > 1.005 for p in plans[:-1])  # it doubles only while above the goal
+    assert _fullest(plans[-1], budget) <= 1.005 or len(plans) > 1
+    for plan in plans:
+        slot = plan.dest * M + plan.micro
+        assert np.bincount(slot, weights=tokens, minlength=R * M).max() <= pack
+        assert np.all(np.bincount(plan.dest, minlength=R) >= M)
 
 
 def test_the_search_windows_span_the_same_share_of_the_ranks_at_any_size():

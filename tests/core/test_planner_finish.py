@@ -3,7 +3,7 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from hf_dp_balance.core.planner.finish import _swap_down
+from hf_dp_balance.core.planner.refine import _swap_down
 from hf_dp_balance.core.planner.state import _State
 
 

@@ -1,43 +1,12 @@
-"""Orders read from an earlier placement's (core/planner/state.py `_Members`, core/planner/eject.py `_pool`) and
-sorted as packed integers (core/planner/trade_index.py `_stable_argsort`, the ladders of chain.py): the same
+"""Orders sorted as packed integers (core/planner/trade_index.py `_stable_argsort`, the ladders of chain.py): the same
 arrays as the plain stable sorts they replace."""
 
 import numpy as np
 
 from hf_dp_balance.core.planner.chain import _by_density, _ladder_trades, _ladders
-from hf_dp_balance.core.planner.state import _Members, _copy_state
+from hf_dp_balance.core.planner.state import _copy_state
 from hf_dp_balance.core.planner.trade_index import _stable_argsort
 from test_planner_chain import _long_tail, _state
-
-
-def _groups(members, R):
-    return [members.of(r).tolist() for r in range(R)]
-
-
-def test_members_from_a_shared_base_equal_a_fresh_build_after_moves():
-    rng = np.random.default_rng(1)
-    for seed in range(8):
-        R, M = 5 + seed, (1, 2, 4, 8)[seed % 4]
-        tokens, owners, mbs = _long_tail(seed, R, M, 32768)
-        state, _ = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
-        first = _Members(state.dest, R, state.order_memo)
-        assert first.touched is None and "members" in state.order_memo  # the base: a fresh sort
-        n = state.dest.size
-        for step in range(3):
-            twin = _copy_state(state)  # copies share the memo; each build diffs against the same base
-            for item in rng.choice(n, size=max(1, n // 100), replace=False).tolist():
-                twin.move(item, int(rng.integers(0, R)), int(rng.integers(0, M)))
-            patched = _Members(twin.dest, R, twin.order_memo)
-            assert patched.touched is not None  # the patched path ran (few items moved)
-            assert _groups(patched, R) == _groups(_Members(twin.dest, R), R), (seed, step)
-            # and later moves patch it as they patch a fresh one
-            fresh = _Members(twin.dest, R)
-            for item in rng.choice(n, size=5, replace=False).tolist():
-                frm, to = int(twin.dest[item]), int(rng.integers(0, R))
-                twin.move(item, to, 0)
-                patched.moved(item, frm, to)
-                fresh.moved(item, frm, to)
-            assert _groups(patched, R) == _groups(fresh, R), (seed, step)
 
 
 def test_the_ladders_are_the_items_by_slot_then_density_bin_then_index():
@@ -66,44 +35,6 @@ def test_the_ladders_past_16_bit_slots_keep_the_packed_sort():
         slot[0] = top - 1
         want = np.lexsort((np.arange(bins.size), bins, slot))
         np.testing.assert_array_equal(_ladders(bins, slot, np.argsort(bins, kind="stable")), want)
-
-
-def test_an_exchange_reading_the_pool_of_its_twin_moves_as_one_made_afresh():
-    """`_polish` tries both variants of `_eject` on copies of one state: the second reads the pool the
-    first kept (`eject._pool`); it must move exactly as `_eject` on a state with no memo, and a state
-    that changed since must not read it."""
-    from hf_dp_balance.core.planner.eject import _eject, _pool
-    from hf_dp_balance.core.planner.state import _State
-
-    def fresh(st):  # the same placement, nothing kept
-        return _State(st.costs, st.tokens, st.cap, st.speeds, st.dest, st.micro, st.M, st.load, st.min_count,
-                      slot_tok=st.slot_tok)
-
-    checked = 0
-    for seed in range(8):
-        R, M = 6 + seed, (2, 4, 8)[seed % 3]
-        tokens, owners, mbs = _long_tail(seed, R, M, 32768)
-        state, budget = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
-        limit = budget * 1.0025
-        for wide in (False, True):
-            twin, alone = _copy_state(state), fresh(state)
-            assert _eject(twin, budget, limit, wide) == _eject(alone, budget, limit, wide)
-            np.testing.assert_array_equal(twin.dest, alone.dest)
-            np.testing.assert_array_equal(twin.micro, alone.micro)
-            checked += int(not np.array_equal(twin.dest, state.dest))
-        # a changed placement (an item of the pool moved within its rank): the kept pool is stale for it
-        moved = _copy_state(state)
-        h = int(np.argmax(moved.load / budget))
-        recv = np.argmin(moved.slot_tok, axis=1)
-        _pool(moved, h, recv)
-        item = int(np.flatnonzero((moved.dest != h) & (moved.micro == recv[moved.dest]))[0])
-        moved.micro[item] = (moved.micro[item] + 1) % M
-        for st in (moved, _copy_state(state)):  # stale, then the same placement again
-            got = _pool(st, h, recv)
-            want = np.flatnonzero((st.dest != h) & (st.micro == recv[st.dest]))
-            want = want[np.lexsort((want, -st.costs[want], st.dest[want]))]
-            np.testing.assert_array_equal(got, want)
-    assert checked > 0  # some exchanges did move items
 
 
 def test_the_packed_sort_of_integer_keys_is_the_stable_argsort():

@@ -38,20 +38,19 @@ def test_the_scan_of_the_sorted_rooms_places_as_the_numpy_search(monkeypatch, lp
             st.load -= np.bincount(st.dest[pool], weights=st.costs[pool], minlength=R)
             np.subtract.at(st.slot_tok, (st.dest[pool], st.micro[pool]), st.tokens[pool])
             st.count -= np.bincount(st.dest[pool], minlength=R)
-        monkeypatch.setattr(place, "_HOST_SCAN", 0)  # every host from the numpy search
+        real = place._FullSearch._scan
+        monkeypatch.setattr(place._FullSearch, "_scan", lambda self, *a: real(self, *a, reach=0))  # numpy's search
         try:
             _place_best_fit(plain, pool, limit, lpt_host=lpt_host)
         except place._Infeasible:
             continue
         calls = []
-        real = place._FullSearch._scan
 
         def counting(self, *args):
             got = real(self, *args)
             calls.append(got is not None)
             return got
 
-        monkeypatch.setattr(place, "_HOST_SCAN", 256)
         monkeypatch.setattr(place._FullSearch, "_scan", counting)
         _place_best_fit(fast, pool, limit, lpt_host=lpt_host)
         monkeypatch.setattr(place._FullSearch, "_scan", real)

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from hf_dp_balance.core.cost import CostModel
 from hf_dp_balance.core.prior import ATTENTION_FWD_BWD, DENSE_FWD_BWD, decoder_flops, vision_flops
 from hf_dp_balance.testing.cost_steps import fixed_length_steps, published_configs
-from hf_dp_balance.testing.data import FAMILIES, make_model
+from hf_dp_balance.testing.models import FAMILIES, make_model
 
 
 def _counted(fn) -> int:

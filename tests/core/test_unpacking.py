@@ -9,7 +9,8 @@ from hf_dp_balance.core.boundaries import segment_boundaries
 from hf_dp_balance.core.padded_rows import padded_output
 from hf_dp_balance.core.unpacking import (INPUT_CU_SEQ_LENS, INPUT_PADDED, INPUT_POSITIONS, INPUT_SAMPLES, detect_input,
                                           fill_rows, layout_of, repack, split_packed)
-from hf_dp_balance.testing.data import FAMILIES, make_samples, tiny_config
+from hf_dp_balance.testing.data import make_samples
+from hf_dp_balance.testing.models import FAMILIES, tiny_config
 from hf_dp_balance.testing.packed_users import pad_to, with_cu_seq_lens
 
 KINDS = ("text", "image", "multi_image", "video", "text", "image")
@@ -251,7 +252,7 @@ def test_padded_rows_packed_padding_free_give_the_padded_loss_and_gradients(setu
     """The varlen choice for padded input: one packed row of the step's samples, same summed loss and gradient."""
     from transformers import DataCollatorForLanguageModeling
 
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
     from hf_dp_balance.testing.models import build_tokenizer
 
     config, collator, samples = _short_text_samples(setup, lengths=(12, 30, 7, 21))

@@ -59,7 +59,7 @@ def _sync_pattern(rank, world, how):
 
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
     model = acc.prepare(_EmbeddingSum())
@@ -126,7 +126,7 @@ def _train(acc, family, samples, balanced: bool, steps_seen):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.integrations.accelerate import DPBalancer
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model(family, seed=0, dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -167,7 +167,7 @@ def _reference_first_step(family, samples, ids, world):
     """The first step's gradient from one process: every sample alone, summed token loss / the step's
     target tokens, over `world` (DDP averages the ranks' gradients) and GA (`accelerator.backward` divides)."""
     from hf_dp_balance.core.packing import PackedCollator
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model(family, seed=0, dtype=torch.float64)
     collate = PackedCollator(model.config)
@@ -222,7 +222,7 @@ def _tp_pairs(rank, world):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.integrations.accelerate import DPBalancer
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_index = mesh["dp"].get_local_rank()
@@ -271,7 +271,7 @@ def _fits_by_itself(rank, world):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.integrations.accelerate import DPBalancer
     from hf_dp_balance.runtime.fitter import micro_batch_lengths
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
@@ -340,7 +340,7 @@ def _dispatched(rank, world, kind, log):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.integrations.accelerate import DPBalancer
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     n = 28
     if kind in ("to_iterable", "dispatcher"):
@@ -400,7 +400,7 @@ def _resume(rank, world):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.integrations.accelerate import DPBalancer
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
     model = acc.prepare(_EmbeddingSum())
@@ -457,7 +457,7 @@ def _one_bad_sample(rank, world):
 
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.integrations.accelerate import DPBalancer
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     samples = _TextSamples(28).items
     samples[9] = {**samples[9], "labels": samples[9]["labels"][:-1]}  # one label short: cannot be packed

@@ -74,7 +74,7 @@ def _trainer(out_dir, max_steps, save_steps, cost_model=None, **dp_fields):
     from transformers import Trainer
 
     from hf_dp_balance.integrations.arguments import DPBalanceTrainingArguments
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     args = DPBalanceTrainingArguments(
         output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, max_steps=max_steps, logging_steps=1,
@@ -94,8 +94,9 @@ def _train_save_resume(rank, world, out_dir):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    # Without the FLOP prior (the no-prior path): nothing is planned before the fit.
-    first, cb1, seen1 = _trainer(out_dir, max_steps=8, save_steps=4, dp_balance_prior=False)
+    # Without the FLOP prior (the no-prior path): nothing is planned before the fit. No refits (the early refit at
+    # 2x the warm-up would replace the model the checkpoint at step 4 holds): this test is about saving and resuming.
+    first, cb1, seen1 = _trainer(out_dir, max_steps=8, save_steps=4, dp_balance_prior=False, dp_balance_refit_every=0)
     first.train()
     saved_path = os.path.join(out_dir, "checkpoint-4", CHECKPOINT_FILE)
     dist.barrier()
@@ -167,7 +168,7 @@ def _prior_warmup(rank, world, out_dir):
 
 
 def test_warm_up_steps_are_planned_with_the_flop_prior(tmp_path):
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     r0, r1 = run_ranks(_prior_warmup, 2, str(tmp_path), timeout=240)
     assert r0["prior"] == CostModel.from_config(tiny_config("text")).to_dict() == r1["prior"]
@@ -246,7 +247,8 @@ def test_a_checkpoint_inside_a_lookahead_window_resumes_training_every_sample_on
 
 def _vision_batch():
     from hf_dp_balance.core.packing import PackedCollator
-    from hf_dp_balance.testing.data import make_model, make_samples
+    from hf_dp_balance.testing.data import make_samples
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model("qwen2_vl")
     batch = PackedCollator(model.config)(make_samples("qwen2_vl", ("text", "image", "text")))

@@ -37,7 +37,7 @@ def test_a_reporter_listed_first_sees_the_keys_even_with_the_callback_before_the
     from transformers import Trainer, TrainingArguments
 
     from hf_dp_balance.core.packing import PackedCollator
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model("text", seed=0)
     samples = [{"input_ids": torch.arange(2, 2 + n) % 500, "labels": torch.arange(2, 2 + n) % 500}

@@ -57,7 +57,7 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(run_dir):
     """family -> (final weights of the uninterrupted run, its step-2 checkpoint dir, fresh weights); run once."""
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     runs = {}
 
@@ -73,7 +73,7 @@ def uninterrupted(run_dir):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_from_checkpoint_then_resume_continues_the_uninterrupted_run(family, run_dir, uninterrupted):
-    from hf_dp_balance.testing.data import model_class
+    from hf_dp_balance.testing.models import model_class
 
     ref, checkpoint, fresh = uninterrupted(family)
     assert all(torch.isfinite(v).all() for v in ref.values())
@@ -90,7 +90,7 @@ def test_model_from_checkpoint_then_resume_continues_the_uninterrupted_run(famil
     if f in BROKEN_IN_TRANSFORMERS else f
     for f in FAMILIES])
 def test_plain_resume_restores_the_checkpoint_weights(family, run_dir, uninterrupted):
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     ref, checkpoint, _ = uninterrupted(family)
     resumed = _train(make_model(family, seed=0), f"{run_dir}/{family}_plain", resume=checkpoint)

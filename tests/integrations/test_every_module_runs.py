@@ -49,7 +49,8 @@ def _fsdp_family(rank, world, family, dummy_vision):
 
 def _batch_of_rank(rank, family, dummy_vision):
     from hf_dp_balance.core.packing import PackedCollator
-    from hf_dp_balance.testing.data import make_model, make_samples
+    from hf_dp_balance.testing.data import make_samples
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model(family, seed=0)
     samples = make_samples(family, ("image", "text", "text", "text"), seed=5)
@@ -137,7 +138,8 @@ def _vision_balanced_ddp_family(rank, world, family):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.packing import PackedCollator
     from hf_dp_balance.runtime.vision import balance_vision_encoder
-    from hf_dp_balance.testing.data import make_model, make_samples
+    from hf_dp_balance.testing.data import make_samples
+    from hf_dp_balance.testing.models import make_model
 
     samples = make_samples(family, ("image", "multi_image", "image", "text"), seed=7, vision_tokens=96)
     samples = [{k: (v.double() if v.is_floating_point() else v) for k, v in s.items()} for s in samples]

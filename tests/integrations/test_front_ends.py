@@ -71,7 +71,7 @@ def _balancer_tp(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from hf_dp_balance.integrations.accelerate import DPBalancer
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
     from hf_dp_balance.testing.runs import TextSamples, digest
 
     torch.set_num_threads(1)
@@ -197,7 +197,7 @@ def _model_on_one_rank(rank, world, out_dir, holder, front):
             from accelerate import Accelerator
 
             from hf_dp_balance.integrations.accelerate import DPBalancer
-            from hf_dp_balance.testing.data import tiny_config
+            from hf_dp_balance.testing.models import tiny_config
             from hf_dp_balance.testing.runs import TextSamples
 
             with DPBalancer(Accelerator(cpu=True), model_config=tiny_config("text"), config=cfg) as balancer:
@@ -229,7 +229,7 @@ def _resume_in_window(rank, world):
     from accelerate import Accelerator
 
     from hf_dp_balance.integrations.accelerate import DPBalancer
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
     from hf_dp_balance.testing.runs import TextSamples
 
     torch.set_num_threads(1)

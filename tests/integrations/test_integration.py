@@ -28,7 +28,7 @@ def _trainer(out_dir, callbacks):
     import transformers
     from transformers import Trainer, TrainingArguments
 
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
     from hf_dp_balance.core.packing import PackedCollator
 
     transformers.logging.set_verbosity_error()

@@ -23,7 +23,7 @@ def test_a_per_rank_mean_is_refused_naming_the_setting_unless_opted_in():
 
 
 def test_a_loop_whose_model_takes_num_items_in_batch_is_exact_else_it_is_told_what_to_divide_by():
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     assert loop_normalisation(make_model("text").forward).kind == GLOBAL_TOKEN_MEAN
     plain = loop_normalisation(lambda input_ids, labels: None)

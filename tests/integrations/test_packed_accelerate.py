@@ -14,7 +14,7 @@ def _train(acc, family, samples, balanced, hook, layout):
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.integrations.accelerate import DPBalancer
     from hf_dp_balance.runtime.packed_input import PackedInput
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
     from hf_dp_balance.testing.packed_users import UserCollator
 
     model = make_model(family, seed=0, dtype=torch.float64)

@@ -13,7 +13,8 @@ def _train(rank, world, outdir, family, layout, extra=None):
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.runtime.packed_input import PackedInput
     from hf_dp_balance.testing.callbacks import StatsKeepingCallback
-    from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
+    from hf_dp_balance.testing.data import build_synthetic_dataset, to_sample
+    from hf_dp_balance.testing.models import make_model
     from hf_dp_balance.testing.packed_users import UserCollator
 
     torch.set_num_threads(1)
@@ -99,7 +100,8 @@ def _per_rank_mean(rank, world, outdir):
 
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.integrations.callback import DPBalanceCallback
-    from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
+    from hf_dp_balance.testing.data import build_synthetic_dataset, to_sample
+    from hf_dp_balance.testing.models import make_model
     from hf_dp_balance.testing.packed_users import UserCollator
 
     from hf_dp_balance.integrations import loss_contract
@@ -147,7 +149,8 @@ def _cap_below_rows(rank, world, outdir):
 
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.integrations.callback import DPBalanceCallback
-    from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
+    from hf_dp_balance.testing.data import build_synthetic_dataset, to_sample
+    from hf_dp_balance.testing.models import make_model
     from hf_dp_balance.testing.packed_users import UserCollator
 
     torch.set_num_threads(1)

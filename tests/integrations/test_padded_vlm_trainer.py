@@ -74,7 +74,7 @@ def _train(rank, world, outdir, side):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.testing.callbacks import StatsKeepingCallback
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
@@ -199,7 +199,8 @@ def _train_without_unused_parameters(rank, world, outdir):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.integrations.callback import DPBalanceCallback
-    from hf_dp_balance.testing.data import make_model, make_samples
+    from hf_dp_balance.testing.data import make_samples
+    from hf_dp_balance.testing.models import make_model
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()

@@ -40,7 +40,7 @@ def _max_rel_diff(a, b):
 def test_recipe_trains_on_two_cpu_ranks_and_resumes_from_the_checkpoint_s_weights(tmp_path):
     import json
 
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
     _torchrun(full)

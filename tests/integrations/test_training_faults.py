@@ -36,7 +36,7 @@ def _trainer_rank(rank, world, outdir):
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.core.packing import PackedCollator
     from hf_dp_balance.integrations.callback import DPBalanceCallback
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     transformers.logging.set_verbosity_error()
     model = make_model("text", seed=0)
@@ -69,7 +69,7 @@ def _accelerate_rank(rank, world, outdir):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.integrations.accelerate import DPBalancer
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
     model = make_model("text", seed=0)

@@ -24,7 +24,7 @@ def _sft_trainer(out_dir, balanced: bool, dataset, **overrides):
     from hf_dp_balance.core.packing import PackedCollator
     from hf_dp_balance.integrations.callback import DPBalanceCallback
     from hf_dp_balance.integrations.trl import sft_config
-    from hf_dp_balance.testing.data import build_tokenizer, make_model
+    from hf_dp_balance.testing.models import build_tokenizer, make_model
 
     transformers.logging.set_verbosity_error()
     model = make_model("qwen2_vl", seed=0, dtype=torch.float64)
@@ -47,7 +47,7 @@ def _update(model, initial):
 
 
 def _balanced_and_unbalanced(rank, world, out_dir):
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     torch.set_num_threads(1)
     dataset = _dataset(16)
@@ -94,7 +94,7 @@ def test_sft_trainer_with_trl_s_defaults_is_refused_naming_the_settings(tmp_path
 def test_sft_config_sets_only_what_balancing_needs_and_checks_refuse_only_packed_collator_breakage():
     from hf_dp_balance.core.packing import PackedCollator
     from hf_dp_balance.integrations.trl import is_sft_config, sft_config, sft_setup_problems
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     args = sft_config(output_dir="/tmp/unused", use_cpu=True, report_to=[], dataset_kwargs={"other": 1})
     assert is_sft_config(args) and args.remove_unused_columns is False
@@ -145,7 +145,8 @@ def _text_datasets(n: int):
     """Raw text (TRL tokenizes) and the same samples pre-tokenized, python format (TRL's collator takes lists)."""
     import datasets
 
-    from hf_dp_balance.testing.data import build_synthetic_dataset, build_tokenizer, to_sample
+    from hf_dp_balance.testing.data import build_synthetic_dataset, to_sample
+    from hf_dp_balance.testing.models import build_tokenizer
 
     tok = build_tokenizer("text")
     samples = [to_sample(r) for r in build_synthetic_dataset("text", n, seed=1, scale=1 / 16)]
@@ -165,7 +166,7 @@ def _trl_own_preparation(rank, world, out_dir):
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.integrations.callback import DPBalanceCallback
     from hf_dp_balance.integrations.trl import sft_config
-    from hf_dp_balance.testing.data import build_tokenizer, make_model
+    from hf_dp_balance.testing.models import build_tokenizer, make_model
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()

@@ -132,8 +132,9 @@ def _loader_faults(rank, world):
         return _ids(samples)
 
     run("collate", _text_samples(rank, 5, ga), cfg, collator=collator)
-    run("planner raises", _text_samples(rank, 5, ga), cfg, plan_fn=_Planner(1, 2, "raise"))
-    run("plan differs", _text_samples(rank, 5, ga), cfg, plan_fn=_Planner(1, 2, "differ"))
+    # one planning rank (rank 0) plans each step; inside look-ahead windows every rank plans and they compare
+    run("planner raises", _text_samples(rank, 5, ga), cfg, plan_fn=_Planner(0, 2, "raise"))
+    run("plan differs", _text_samples(rank, 5, ga), cfg.replace(lookahead_steps=2), plan_fn=_Planner(1, 2, "differ"))
     return out
 
 
@@ -150,11 +151,11 @@ def test_loader_faults_reach_every_rank_before_the_step_trains():
         steps, msg, elapsed = out["collate"]
         assert len(steps) == 1 and msg is not None and elapsed < 5.0, out["collate"]
         assert "step 1, collate: rank(s) [0]" in msg and "packing exploded" in msg and "micro-batch" in msg
-        # the planner raises on rank 1 at step 2: every rank trains every step, step 2 unbalanced
+        # the planner raises on the planning rank at step 2: every rank trains every step, step 2 unbalanced
         steps, msg, _ = out["planner raises"]
         assert msg is None and len(steps) == 5, out["planner raises"]
-        assert "planner failed on rank(s) [1]" in steps[2][1] and "planner exploded" in steps[2][1]
-        # a plan that differs on rank 1: every rank raises at once, naming rank 1
+        assert "planner failed on rank(s) [0]" in steps[2][1] and "planner exploded" in steps[2][1]
+        # inside a look-ahead window, a plan that differs on rank 1: every rank raises at once, naming rank 1
         steps, msg, elapsed = out["plan differs"]
         assert len(steps) == 2 and msg is not None and elapsed < 5.0, out["plan differs"]
         assert "step 2, plan check: the plan of rank(s) [1] differs" in msg
@@ -223,11 +224,11 @@ def test_a_lookahead_failure_or_differing_window_plan_is_agreed_by_every_rank():
 def _vision_bad_rows(rank, world):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.runtime.vision import balance_vision_encoder
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
     from hf_dp_balance.testing.vision_rows import qwen_row
 
     torch.manual_seed(0)
-    model = balance_vision_encoder(data.make_model("qwen2_vl", seed=0), DPBalanceConfig(vision=True, timeout_s=20))
+    model = balance_vision_encoder(models.make_model("qwen2_vl", seed=0), DPBalanceConfig(vision=True, timeout_s=20))
     model._dp_balance_vision.step_source = lambda: 40 + model._dp_balance_vision.forwards  # as the callback sets it
     batch = qwen_row("qwen2_vl", [("image", 1, 4, 4)] * (1 + 3 * rank), seed=rank)
     model(**batch).loss.backward()  # a healthy forward first
@@ -294,9 +295,9 @@ def _open_close_cycles(rank, world, cycles):
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.runtime.loader import BalancedLoader
     from hf_dp_balance.runtime.vision import balance_vision_encoder
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
 
-    model = data.make_model("qwen2_vl", seed=0)
+    model = models.make_model("qwen2_vl", seed=0)
     counts = []
     for _ in range(cycles):  # one "train()": a loader (exchange + watchdog groups) and a vision balancer
         balance_vision_encoder(model, DPBalanceConfig(vision=True, timeout_s=20))
@@ -363,7 +364,7 @@ def _trainer_peer_stops(rank, world, outdir, signum):
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.core.packing import PackedCollator
     from hf_dp_balance.integrations.callback import DPBalanceCallback
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     err = os.open(os.path.join(outdir, f"stderr_{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(err, 2)

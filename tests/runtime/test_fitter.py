@@ -66,7 +66,8 @@ def _fit_on_ranks(rank, world, timing):
 @pytest.mark.parametrize("timing", ["thread_cpu", "wall"])
 def test_two_ranks_fit_the_same_correct_models(timing):
     r0, r1 = run_ranks(_fit_on_ranks, 2, timing, timeout=180)
-    assert r0["fitted_at"] == r1["fitted_at"] == [6, 10, 14]  # after warm-up, then every refit_every steps
+    # after warm-up, then every refit_every steps (4: more often than early refits at 2x the warm-up would be)
+    assert r0["fitted_at"] == r1["fitted_at"] == [6, 10, 14]
     assert r0["decoder"] == r1["decoder"] and r0["vision"] == r1["vision"]  # bit-identical on every rank
     assert r0["mode"] == ("per_rank" if timing == "thread_cpu" else "step_max")
     assert [r["mode"] for r in r0["reports"]] == [r0["mode"]] * 3
@@ -92,7 +93,8 @@ def test_records_and_window_stay_bounded_when_nothing_logs():
     metrics = fitter.window_metrics()
     assert metrics["slowest_rank_compute_s"] == pytest.approx(0.1 * MAX_WINDOW_STEPS)
     assert len(fitter.window) == 0 and fitter.window_metrics() == {}
-    assert fitter.model_metrics() == {**{f"cost_{k}": v for k, v in DECODER.to_dict().items()}, "fitted": 1.0}
+    assert fitter.model_metrics() == {**{f"cost_{k}": v for k, v in DECODER.to_dict().items()}, "fitted": 1.0,
+                                      "planning_hedged": 0.0}  # a given model is not hedged
 
 
 # --------------------------------------------------------------------------- timing modes, prior, speeds
@@ -114,7 +116,7 @@ def test_forward_events_time_the_forwards_only(timing):
     import time
 
     from hf_dp_balance.runtime.recorder import StepRecorder
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model("text", seed=0)
     recorder = StepRecorder(StepClock(timing, "cpu"))
@@ -248,7 +250,7 @@ def test_the_vision_tower_is_fitted_when_some_steps_had_no_images():
 
 def test_priors_from_a_model_config():
     from hf_dp_balance.runtime.fitter import priors_from_config
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     decoder, vision = priors_from_config(tiny_config("qwen2_vl"))
     assert decoder == CostModel.from_config(tiny_config("qwen2_vl"))
@@ -264,7 +266,9 @@ def test_a_step_time_fit_waits_for_more_warm_up_steps_unless_told(timing, fit_mo
     rng = np.random.default_rng(1)
     fitter = CostModelFitter(DPBalanceConfig(fit_mode=fit_mode), timing=timing)
     fits = [step for step in range(1, 21) if fitter.end_step(step, *_synthetic_step(rng, 0, step)[:2])]
-    assert fitter.warmup_steps == first_fit and fits == [first_fit] and fitter.decoder is not None
+    # then early refits at 2x and 4x the warm-up while the held-out error moves (16 x 2 is past step 20)
+    assert fitter.warmup_steps == first_fit and fits[0] == first_fit and fitter.decoder is not None
+    assert set(fits[1:]) <= {2 * first_fit, 4 * first_fit} and (first_fit == 16) == (fits == [16])
     assert resolve_warmup_steps(8, "step_max") == resolve_warmup_steps(8, "per_rank") == 8  # set: kept
 
 
@@ -297,7 +301,7 @@ def test_the_wall_clock_times_each_micro_batch(timing):
     import time
 
     from hf_dp_balance.runtime.recorder import StepRecorder
-    from hf_dp_balance.testing.data import make_model
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model("text", seed=0)
     recorder = StepRecorder(StepClock(timing, "cpu"))
@@ -316,3 +320,27 @@ def test_the_wall_clock_times_each_micro_batch(timing):
     lengths, seconds, vision = recorder.micro_batches()
     assert lengths == [[8], [5], [3]] and vision == [0.0] * 3
     assert all(s >= 0.03 for s in seconds) and sum(seconds) <= elapsed
+
+
+def test_a_fit_without_held_out_evidence_plans_hedged_and_the_next_fit_is_gated():
+    # One rank, warm-up 6: 5 timed steps (the first dropped) are too few to hold one out and still fit 4
+    # unknowns twice over, so the first fit replaces the prior unverified and plans hedged; the early refit at 12
+    # is gated on the steps that fit never saw, and its verdict and errors reach the metrics.
+    prior = CostModel(2e-7 * 1e3, 1e-4 * 1e3)
+    fitter = CostModelFitter(DPBalanceConfig(warmup_steps=6), prior=prior)
+    rng = np.random.default_rng(5)
+    fits = []
+    for step in range(1, 13):
+        lengths, seconds, patches, vision_s = _synthetic_step(rng, 0, step)
+        if fitter.end_step(step, lengths, seconds * rng.lognormal(0.0, 0.1), patches, vision_s):
+            fits.append(step)
+            if step == 6:
+                assert fitter.decoder is not None and fitter.plans_hedged and not fitter.planning_with_prior
+                metrics = fitter.model_metrics()
+                assert metrics["planning_hedged"] == 1.0 and metrics["fit_rejected"] == 0.0
+                assert np.isnan(metrics["heldout_error_candidate"])
+    assert fits == [6, 12]
+    gate = fitter.fit_reports[-1]["gate"]
+    assert np.isfinite(gate["candidate_error"]) and np.isfinite(gate["in_force_error"])
+    assert fitter.model_metrics()["fit_rejected"] == float(not gate["adopt"])
+    assert fitter.fit_reports[-1]["fitted"]["decoder"] is not None  # the fit's coefficients, adopted or not

@@ -37,7 +37,7 @@ GA = 3
 
 
 def _lengths(num_samples, seed):
-    from hf_dp_balance.testing.data import plan_samples
+    from hf_dp_balance.testing.mix import plan_samples
 
     return [p["text_tokens"] + sum(p["vision_tokens"]) for p in plan_samples(num_samples, seed=seed, mix="long_tail")]
 
@@ -264,7 +264,8 @@ def _train_qwen2_vl(rank, world, outdir):
     from transformers import Qwen2VLForConditionalGeneration, Trainer, TrainerCallback, TrainingArguments
 
     from hf_dp_balance.core.cost import CostModel
-    from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
+    from hf_dp_balance.testing.data import build_synthetic_dataset, to_sample
+    from hf_dp_balance.testing.models import make_model
     from hf_dp_balance.integrations.install import install_balanced_loader, uninstall_balanced_loader
     from hf_dp_balance.core.packing import PackedCollator
 
@@ -353,7 +354,8 @@ def test_trainer_gradients_equal_with_and_without_balancing(tmp_path):
 def _prepared_costs(rank, world):
     """Real Qwen2-VL samples through the loader's default features: the cost column it gathers."""
     from hf_dp_balance.core.cost import CostModel
-    from hf_dp_balance.testing.data import make_samples, tiny_config
+    from hf_dp_balance.testing.data import make_samples
+    from hf_dp_balance.testing.models import tiny_config
     from hf_dp_balance.runtime.loader import F_COST, F_VISION, BalancedLoader
     from hf_dp_balance.core.costing import item_costs, sample_grids
     from hf_dp_balance.core.packing import sample_features

@@ -6,7 +6,7 @@ import torch
 from hf_dp_balance.core.families import IGNORE_INDEX
 from hf_dp_balance.core.unpacking import INPUT_CU_SEQ_LENS, INPUT_POSITIONS, split_packed
 from hf_dp_balance.runtime.packed_input import PackedInput
-from hf_dp_balance.testing.data import tiny_config
+from hf_dp_balance.testing.models import tiny_config
 from hf_dp_balance.testing.spawn import run_ranks
 from hf_dp_balance.testing.packed_users import UserCollator
 
@@ -36,7 +36,8 @@ def _case(rank, world, family, layout):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel
     from hf_dp_balance.runtime.loader import BalancedLoader
-    from hf_dp_balance.testing.data import build_synthetic_dataset, make_model, to_sample
+    from hf_dp_balance.testing.data import build_synthetic_dataset, to_sample
+    from hf_dp_balance.testing.models import make_model
 
     def group_sum(t):
         dist.all_reduce(t)
@@ -131,7 +132,7 @@ def test_packed_input_for_tells_the_users_packing_from_the_defaults():
     from hf_dp_balance.core.packing import PackedCollator
     from hf_dp_balance.runtime.packed_input import PackedInput, packed_input_for
     from hf_dp_balance.runtime.step_rows import list_collate
-    from hf_dp_balance.testing.data import tiny_config
+    from hf_dp_balance.testing.models import tiny_config
 
     config = tiny_config("text")
 

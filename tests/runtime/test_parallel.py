@@ -61,3 +61,21 @@ def test_groups_from_meshes_and_process_groups_on_four_ranks():
     # (cp, dp_shard): cp peers 0/2 and 1/3 share an index; each cp slice is a dp group
     assert [o["cp_outer"].ranks for o in out] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [o["sum"] for o in out] == [2.0, 4.0, 2.0, 4.0]
+
+
+def _sub_mesh_slices(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    group = resolve_data_parallel_group(None, mesh["dp"])
+    return group.ranks, group.index, group.slices
+
+
+def test_a_sliced_mesh_dimension_knows_every_slice():
+    from hf_dp_balance.testing.spawn import run_ranks
+
+    out = run_ranks(_sub_mesh_slices, 4, timeout=90)
+    assert [o[:2] for o in out] == [((0, 2), 0), ((1, 3), 0), ((0, 2), 1), ((1, 3), 1)]
+    assert all(o[2] == ((0, 2), (1, 3)) for o in out)  # so every process can take part in every slice's group

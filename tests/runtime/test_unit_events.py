@@ -141,7 +141,8 @@ def _vision_parts_under_fsdp(rank, world):
     from hf_dp_balance.runtime.fitter import CostModelFitter
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.runtime.recorder import StepClock, StepRecorder
-    from hf_dp_balance.testing.data import make_model, make_samples
+    from hf_dp_balance.testing.data import make_samples
+    from hf_dp_balance.testing.models import make_model
 
     model = make_model("qwen2_vl", seed=0)
     batch = PackedCollator(model.config)(make_samples("qwen2_vl", ("image", "text"), seed=5))
@@ -209,7 +210,7 @@ def test_the_fitter_fits_unit_events_with_the_prior_as_a_distribution():
     not on the penalty-row fit's."""
     import numpy as np
 
-    from hf_dp_balance.apps.mixes import draw_mix, pack_fixed_length, truncate
+    from hf_dp_balance.testing.mix import draw_mix, pack_fixed_length, truncate
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.core.cost import CostModel, features_of
     from hf_dp_balance.runtime.fitter import CostModelFitter, fit_ranks
@@ -230,6 +231,9 @@ def test_the_fitter_fits_unit_events_with_the_prior_as_a_distribution():
     secs = np.asarray(times)[:, None]
     shaped = fit_ranks(feats, secs, "per_rank", prior, estimate_speeds=True, shape_prior=True)[0].model
     penalty = fit_ranks(feats, secs, "per_rank", prior, estimate_speeds=True)[0].model
-    assert fitter.decoder is not None
-    assert np.array_equal(fitter.decoder.coefficients, shaped.coefficients)
+    # the fit the fitter made (whether its gate adopted it over the prior or kept the prior: attention is a few
+    # percent of these packs, so 9 held-out steps barely tell the two apart)
+    fitted = CostModel.from_dict(fitter.fit_reports[-1]["fitted"]["decoder"])
+    assert np.array_equal(fitted.coefficients, shaped.coefficients)
+    assert fitter.decoder is None or np.array_equal(fitter.decoder.coefficients, shaped.coefficients)
     assert not np.array_equal(shaped.coefficients, penalty.coefficients)

@@ -55,12 +55,12 @@ def _equivalence_rank(rank, world, family, scenarios):
     """
     import torch
 
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.runtime.vision import balance_vision_encoder
 
     torch.manual_seed(0)
-    model = data.make_model(family, seed=0, dtype=torch.float64)
+    model = models.make_model(family, seed=0, dtype=torch.float64)
     results = []
     for items_by_rank, config_kwargs in scenarios:
         batch = vision_row(family, items_by_rank[rank], seed=100 + rank)
@@ -126,11 +126,11 @@ def _ddp_rank(rank, world, family, items_by_rank):
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.runtime.vision import balance_vision_encoder
 
-    model = balance_vision_encoder(data.make_model(family, seed=0, dtype=torch.float64), DPBalanceConfig(vision=True))
+    model = balance_vision_encoder(models.make_model(family, seed=0, dtype=torch.float64), DPBalanceConfig(vision=True))
     # find_unused_parameters: a rank without images leaves the tower unused, with or without balancing
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     batch = vision_row(family, items_by_rank[rank], seed=100 + rank)
@@ -208,10 +208,10 @@ def test_without_process_group_the_wrapper_changes_nothing():
     """No initialised group (or eval mode): the model runs exactly as before, no collective is attempted."""
     import torch
 
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
     from hf_dp_balance.runtime.vision import balance_vision_encoder
 
-    model = data.make_model("qwen2_vl", seed=0, dtype=torch.float64)
+    model = models.make_model("qwen2_vl", seed=0, dtype=torch.float64)
     batch = vision_row("qwen2_vl", SKEWED["qwen2_vl"][0][:2], seed=1)
     before = model(**batch).loss.item()
     assert balance_vision_encoder(model) is model
@@ -223,12 +223,12 @@ def test_without_process_group_the_wrapper_changes_nothing():
 def test_bad_inputs_name_what_is_wrong():
     import torch
 
-    from hf_dp_balance.testing import data
+    from hf_dp_balance.testing import models
     from hf_dp_balance.runtime.vision import balance_vision_encoder
 
     with pytest.raises(ValueError, match="no supported vision-language base model"):
-        balance_vision_encoder(data.make_model("text", seed=0))
-    model = balance_vision_encoder(data.make_model("qwen2_vl", seed=0))
+        balance_vision_encoder(models.make_model("text", seed=0))
+    model = balance_vision_encoder(models.make_model("qwen2_vl", seed=0))
     tower = model._dp_balance_vision.tower
     rows = torch.zeros(16, tower.row_width)
     with pytest.raises(ValueError, match="rank 3: pixel_values has shape"):

@@ -5,19 +5,9 @@ import pytest
 import torch
 
 from hf_dp_balance.testing import data
-from hf_dp_balance.testing.data import (
-    BOUNDED_MAX,
-    FAMILIES,
-    MIX_FRACTIONS,
-    PACK_TOKENS,
-    SPECIAL_TOKENS,
-    build_synthetic_dataset,
-    build_tokenizer,
-    make_model,
-    plan_samples,
-    tiny_config,
-    to_sample,
-)
+from hf_dp_balance.testing.data import build_synthetic_dataset, to_sample
+from hf_dp_balance.testing.mix import BOUNDED_MAX, DEFAULT_SCALE, MIX_FRACTIONS, PACK_TOKENS, plan_samples
+from hf_dp_balance.testing.models import FAMILIES, SPECIAL_TOKENS, build_tokenizer, make_model, tiny_config
 from hf_dp_balance.core.packing import PackedCollator, sample_features
 
 torch.set_num_threads(1)
@@ -77,7 +67,7 @@ def test_mix_proportions_follow_the_spec():
     kinds = np.array([p["kind"] for p in plans])
     for kind, frac in MIX_FRACTIONS.items():
         assert abs((kinds == kind).mean() - frac) < 0.015, kind
-    scale = data.DEFAULT_SCALE
+    scale = DEFAULT_SCALE
     text = np.array([p["text_tokens"] for p in plans if not p["long_tail"]])
     assert np.median(text) == pytest.approx(300 * scale, rel=0.1)
     one_image = np.array([p["vision_tokens"][0] for p in plans if p["kind"] == "image" and not p["long_tail"]])
@@ -124,7 +114,7 @@ def test_dataset_is_deterministic_by_seed(family, mix, datasets_of):
     c = datasets_of(family, n=16, seed=8, mix=mix)
     assert a["input_ids"] != c["input_ids"] and not _same_rows(a, c)
     if mix == "bounded":
-        assert max(len(x) for x in list(a["input_ids"]) + list(c["input_ids"])) <= BOUNDED_MAX * data.DEFAULT_SCALE
+        assert max(len(x) for x in list(a["input_ids"]) + list(c["input_ids"])) <= BOUNDED_MAX * DEFAULT_SCALE
 
 
 @pytest.mark.parametrize("family", FAMILIES)

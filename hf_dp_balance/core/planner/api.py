@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.bounds import _lower_bound
-from hf_dp_balance.core.planner.repack import _balance
+from hf_dp_balance.core.planner.pipeline import _balance
 from hf_dp_balance.core.planner.results import Plan, StepPlan, _cap_error, _first, _slot_error, _verdict
 from hf_dp_balance.core.planner.slots import _plan_step_slots
 from hf_dp_balance.core.planner.state import _Infeasible, _State

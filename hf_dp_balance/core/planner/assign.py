@@ -19,28 +19,21 @@ plan is made in the order the cost of it is decided:
    the ranks with load and token room, densest to the ranks shortest of tokens; slots over the cap
    are mended inside their rank (`_fix_slots`).
 
-The incremental method and the full-cap trades then finish what is left. core/planner/repack.py
-(`_full_cap_trades`) runs this first where the search's estimate is at most _TRUST of the step's
-tokens, else only where the trades alone end above their limit, and keeps the better plan.
+The incremental method and the full-cap trades then finish what is left (core/planner/pipeline.py,
+stage 2, says when this runs).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _State, _smallest_room
+from hf_dp_balance.core.planner.state import _FEW_SLOTS, _State, _smallest_room
 
 _LONG = 0.25  # items over this share of the cap are assigned first (8192 tokens at 32K packs)
 _DENSITY = 1.5  # cost per token at which the estimate has short items carry a rank's excess
-_DEAD = 3.0  # tokens per unit of a deficit that no free tokens can take in short items
-_DEAD_TOKENS = 6.0  # per token a rank over M x cap must send beyond what its load excess carries
-_SWEEPS = 128  # local-search sweeps at most (each applies one move or swap per rank at most)
-_FULL_EVERY = 8  # every this many sweeps, all long items of ranks with a charge are scored
-_STOP = 1e-4  # the search stops when a full sweep gains less than this share of the step's tokens
+_DEAD = 3.0  # tokens charged per unit of a load deficit no free tokens can fill (a trade between full ranks)
+_DEAD_TOKENS = 6.0  # tokens charged per token over M x cap that the rank's load excess does not carry out
 _NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
-_SPAN_RANKS = 512  # above this many ranks the _NEAR candidates are every (R // this)-th: the windows widen with R
-_MAX_SLOTS = 4  # runs with at most this many micro-batches (at 4096 x 8 the trades alone send 9%; not measured there)
-_SMALL = 0.25  # the short flow sends items of at most this share of the cap
 
 
 def _move_long(item: int, src: int, dst: int, cost: list, tokens: list, CL, TL, dest, used_item) -> None:
@@ -81,17 +74,19 @@ def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.n
     return charge
 
 
-def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = _SWEEPS,
-                 give_up: float = np.inf):
-    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a long item to another rank) and swaps
+def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = 128, full_every: int = 8,
+                 stop_share: float = 1e-4, block: int = 256):
+    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a long
+    item to another rank) and swaps
     (two long items of two ranks), minimising the long items' tokens away from their rank now plus
     `_rank_charge` summed over the ranks. Each sweep scores, for every long item on a rank with a
     charge, the _NEAR ranks on either side of its best fit in load room and the _NEAR long items on
-    either side of the cost that would leave its rank at the limit (every (R // _SPAN_RANKS)-th above
-    _SPAN_RANKS ranks: `_offsets`), then applies the improving
-    ones, best first, each rank at most once. Where the estimate at the start exceeds `give_up`
-    tokens, no search: the items stay (repack.py then trusts the trades). The state is not
-    changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop over the improving
+    either side of the cost that would leave its rank at the limit (spread wider above 512
+    ranks: `_offsets`), then applies the improving
+    ones, best first, each rank at most once; at most `sweeps` sweeps, a full one every `full_every`
+    (between them only the items of ranks that changed), until a full sweep gains less than `stop_share`
+    of the step's tokens. Scores in blocks of `block` candidates (arrays that stay in cache). The state
+    is not changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop over the improving
     candidates; O(n) before the first."""
     cap, M = state.cap, state.M
     R = state.load.shape[0]
@@ -113,16 +108,12 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     cl_list, tl_list = cl.tolist(), tl.tolist()
     off = _offsets(R)
     # after a full sweep, only the long items of ranks that changed and those whose improving option
-    # lost to another one are scored, with a full sweep every _FULL_EVERY (and whenever that finds none)
+    # lost to another one are scored, with a full sweep every `full_every` (and whenever that finds none)
     watch = np.ones(lg.size, dtype=bool)
     dirty = np.zeros(R, dtype=bool)
     full = True
     since_full = 0
-    stop = _STOP * float(tok.sum())
-    gained = 0.0
-    at_start = float(_rank_charge(base_x + CL, base_room - TL).sum())
-    if at_start > give_up:
-        return lg, d, at_start
+    stop = stop_share * float(tok.sum())
     for _ in range(sweeps):
         fr = _rank_charge(base_x + CL, base_room - TL)
         pick = fr[d] > 0
@@ -134,29 +125,8 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
                 break
             full = True
             continue
-        r = d[act]
-        ca, ta = cl[act], tl[act]
-        away_now = (r != home[act]).astype(np.float64)
-        f_left = _rank_charge(base_x[r] + CL[r] - ca, base_room[r] - TL[r] + ta) - fr[r]
-        # moves: receivers nearest the best fit in load room (x + c_a just under 0)
-        x_all = base_x + CL
-        room_all = base_room - TL
-        by_x = np.argsort(x_all, kind="stable")
-        x_sorted = x_all[by_x]
-        at_m = np.searchsorted(x_sorted, -ca)
-        # swaps: partners nearest the cost that leaves r at its limit
-        # partners: long items of ranks under the limit (they take c_a - c_b), by cost
-        want = ca - np.maximum(x_all[r], 0.0)
-        at_s = np.searchsorted(cost_sorted, want)
-        gm, gs = np.empty(act.size), np.empty(act.size)
-        move_to = np.empty(act.size, dtype=np.int64)  # per candidate: its best move's receiver
-        partner_at = np.empty(act.size, dtype=np.int64)  # its best swap's partner, as a place in cost order
-        sorted_ = (x_sorted, room_all[by_x], fr[by_x], by_x, d[by_cost])
-        for lo in range(0, act.size, _BLOCK):  # in row blocks that stay in cache (same values per row)
-            b = slice(lo, lo + _BLOCK)
-            _score_block(sorted_, (x_all, room_all, fr), (cost_sorted, tok_sorted, home_sorted), off,
-                         (r[b], ca[b], ta[b], away_now[b], f_left[b], home[act[b]], at_m[b], at_s[b]),
-                         (gm[b], gs[b], move_to[b], partner_at[b]))
+        gm, gs, move_to, partner_at = _score_sweep(act, d, home, cl, tl, base_x + CL, base_room - TL, fr, by_cost,
+                                                   (cost_sorted, tok_sorted, home_sorted), off, block)
         g = np.minimum(gm, gs)
         good = np.flatnonzero(g < -1e-6)
         if good.size == 0:
@@ -165,53 +135,79 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
             full = True
             continue
         good = good[np.argsort(g[good], kind="stable")]
-        # each candidate's items and ranks read before any is applied: an item applied earlier
-        # (whose rank has changed) marks its later candidates used, so the stale ranks never count
-        is_move = gm[good] <= gs[good]
-        partner = by_cost[partner_at[good]]
-        item_a = act[good]
-        rank_a = d[item_a]
-        rank_b = np.where(is_move, move_to[good], d[partner])
-        partner = np.where(is_move, -1, partner)
-        used = bytearray(R)
-        used_item = bytearray(lg.size)
-        made = 0
-        if full:
-            gained = 0.0
-        for i, j, a_rank, b_rank, gk in zip(item_a.tolist(), partner.tolist(), rank_a.tolist(), rank_b.tolist(),
-                                            g[good].tolist()):
-            if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
-                continue
-            used[a_rank] = used[b_rank] = True
-            _move_long(i, a_rank, b_rank, cl_list, tl_list, CL, TL, d, used_item)
-            if j >= 0:  # a swap: the partner goes the other way
-                _move_long(j, b_rank, a_rank, cl_list, tl_list, CL, TL, d, used_item)
-            made += 1
-            gained -= gk
-        used_item = np.frombuffer(used_item, dtype=bool)
+        gained, used_item, dirty = _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, lg.size,
+                                                cl_list, tl_list, CL, TL)
         watch[:] = False
         watch[act[good]] = True
         watch[used_item] = False  # applied: their ranks are dirty anyway
-        dirty = np.frombuffer(used, dtype=bool)
         since_full = 0 if full else since_full + 1
         if full and gained < stop and _ > 0:
             break  # a full sweep gained too little to go on
-        full = since_full + 1 >= _FULL_EVERY
+        full = since_full + 1 >= full_every
     estimate = float(tl[d != home].sum() + _rank_charge(base_x + CL, base_room - TL).sum())
     return lg, d, estimate
 
 
-def _offsets(num_ranks: int) -> np.ndarray:
+def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, by_cost, by_cost_arrays, off, block):
+    """One sweep's scores of the long items `act` (on ranks d[act]): (best move's gain, best swap's
+    gain, the move's receiver, the swap partner's place in cost order) each, in blocks of `block`
+    rows that stay in cache (`_score_block`). Receivers: nearest the best fit in load room (x + c_a
+    just under 0); partners: long items nearest the cost that leaves the rank at its limit."""
+    r = d[act]
+    ca, ta = cl[act], tl[act]
+    cost_sorted = by_cost_arrays[0]
+    away_now = (r != home[act]).astype(np.float64)
+    f_left = _rank_charge(x_all[r] - ca, room_all[r] + ta) - fr[r]
+    # moves: receivers nearest the best fit in load room (x + c_a just under 0)
+    by_x = np.argsort(x_all, kind="stable")
+    x_sorted = x_all[by_x]
+    at_m = np.searchsorted(x_sorted, -ca)
+    want = ca - np.maximum(x_all[r], 0.0)
+    at_s = np.searchsorted(cost_sorted, want)
+    gm, gs = np.empty(act.size), np.empty(act.size)
+    move_to = np.empty(act.size, dtype=np.int64)  # per candidate: its best move's receiver
+    partner_at = np.empty(act.size, dtype=np.int64)  # its best swap's partner, as a place in cost order
+    sorted_ = (x_sorted, room_all[by_x], fr[by_x], by_x, d[by_cost])
+    for lo in range(0, act.size, block):  # in row blocks that stay in cache (same values per row)
+        b = slice(lo, lo + block)
+        _score_block(sorted_, (x_all, room_all, fr), by_cost_arrays, off,
+                     (r[b], ca[b], ta[b], away_now[b], f_left[b], home[act[b]], at_m[b], at_s[b]),
+                     (gm[b], gs[b], move_to[b], partner_at[b]))
+    return gm, gs, move_to, partner_at
+
+
+def _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, n_long, cl_list, tl_list, CL, TL):
+    """Apply the improving candidates `good` of a sweep, best first, each rank and long item at most
+    once: (the gain, the long items applied, the ranks changed)."""
+    # each candidate's items and ranks read before any is applied: an item applied earlier
+    # (whose rank has changed) marks its later candidates used, so the stale ranks never count
+    is_move = gm[good] <= gs[good]
+    partner = by_cost[partner_at[good]]
+    item_a = act[good]
+    rank_a = d[item_a]
+    rank_b = np.where(is_move, move_to[good], d[partner])
+    partner = np.where(is_move, -1, partner)
+    used = bytearray(R)
+    used_item = bytearray(n_long)
+    gained = 0.0
+    for i, j, a_rank, b_rank, gk in zip(item_a.tolist(), partner.tolist(), rank_a.tolist(), rank_b.tolist(),
+                                        g[good].tolist()):
+        if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
+            continue
+        used[a_rank] = used[b_rank] = True
+        _move_long(i, a_rank, b_rank, cl_list, tl_list, CL, TL, d, used_item)
+        if j >= 0:  # a swap: the partner goes the other way
+            _move_long(j, b_rank, a_rank, cl_list, tl_list, CL, TL, d, used_item)
+        gained -= gk
+    return gained, np.frombuffer(used_item, dtype=bool), np.frombuffer(used, dtype=bool)
+
+
+def _offsets(num_ranks: int, span: int = 512) -> np.ndarray:
     """The search's candidate window around a best fit: _NEAR places on either side, every
-    (R // _SPAN_RANKS)-th above _SPAN_RANKS ranks, so that it spans the same share of the ranks (and of
-    the long items, about proportional to R) at any R, for the same work. Long-tail, q/l 1.4e-4, 2048 x 4,
-    seed 0: the search's estimate 14.6% of the tokens against 16.8% with the 32 nearest (13.9% with the
-    128 nearest, at 4 x the search's time); the plans: docs/benchmarks/planner.md."""
-    step = max(1, num_ranks // _SPAN_RANKS)
+    (R // span)-th above `span` ranks, so that it spans the same share of the ranks (and of
+    the long items, about proportional to R) at any R, for the same work."""
+    step = max(1, num_ranks // span)
     return np.arange(-_NEAR * step, _NEAR * step, step)
-
-
-_BLOCK = 256  # candidates scored per block (x 2 _NEAR each: arrays of 128 KiB, in cache: ~4x faster than one block)
 
 
 def _score_block(by_x_arrays, rank_arrays, by_cost_arrays, off, rows, out) -> None:
@@ -295,8 +291,8 @@ def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
 
 
 def _long_first_applies(state: _State) -> bool:
-    """A token cap, tokens, and 2 to _MAX_SLOTS micro-batches."""
-    return state.cap is not None and state.tokens is not None and 2 <= state.M <= _MAX_SLOTS
+    """A token cap, tokens, and 2 to _FEW_SLOTS micro-batches."""
+    return state.cap is not None and state.tokens is not None and 2 <= state.M <= _FEW_SLOTS
 
 
 def _long_first(state: _State, budget: np.ndarray, tolerance: float, assigned=None) -> None:
@@ -308,7 +304,7 @@ def _long_first(state: _State, budget: np.ndarray, tolerance: float, assigned=No
     if items.size == 0:
         return
     _place_long(state, items, ranks)
-    _short_flow(state, budget, tolerance, state.cap * _SMALL)
+    _short_flow(state, budget, tolerance, state.cap * _LONG)
 
 
 def _make_room(state: _State, r: int, m: int, need: float, members=None) -> bool:
@@ -350,7 +346,7 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
     token first), each to the rank with load and token room whose load room per token of room is
     nearest the item's cost per token (dense items to ranks short of tokens), into its best-fitting
     slot; then a rank with a slot over the cap mends it inside the rank (`_fix_slots`). Returns the
-    moves. Cost: O(R) numpy per item tried (at most _TRIES failures in a row per rank)."""
+    moves. Cost: O(R) numpy per item tried (at most 32 failures in a row per rank: `_send_from`)."""
     cap, M = state.cap, state.M
     limit = budget * (1.0 + tolerance / 2.0)
     tok, cost = state.tokens, state.costs
@@ -370,9 +366,6 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
         for h in np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M).tolist():
             made += _send_from(state, view, order[bounds[h]:bounds[h + 1]], h, limit, band, small, dens,
                                over_shoot, tokens_only=True)
-        over_tok = np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M)
-        if over_tok.size:
-            made += _denser_back(state, view, over_tok, order, bounds, small, dens)
         bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
         if bad.size:
             order = np.argsort(state.dest, kind="stable")
@@ -422,112 +415,6 @@ def _spill(state: _State, limit: np.ndarray) -> int:
     return made
 
 
-_WORST = 5.0  # tokens sent per token freed that a one-for-many exchange may cost at most
-_HOSTS = 256  # ranks with the most free tokens whose items a one-for-many exchange tries
-_FREE = 1024.0  # free tokens a rank needs to take part in one (fewer free no exchange worth its sends)
-
-
-def _denser_back(state, view, over, order, bounds, small, dens) -> int:
-    """Ranks over M x cap tokens whose items no rank can take for its load: one-for-many exchanges.
-    Rank h sends its cheapest-per-token short items S (a prefix, by cost about c_j) to a rank r
-    with free tokens and takes back one denser item j of r of about that cost, so both loads stay
-    within their limits (h's load room, r's load room) while t_S - t_j tokens leave h. Per exchange:
-    the fewest tokens sent per token freed among all j, if at most _WORST. Returns the exchanges.
-    Cost: O(dense short items) numpy per exchange tried."""
-    cap, M = state.cap, state.M
-    tok, cost = state.tokens, state.costs
-    made = 0
-    taken = np.zeros(tok.shape[0], dtype=bool)
-    dense = (tok <= small) & (dens > 1.2)  # what may come back: dense short items
-    # of ranks that may host (free tokens >= _FREE: that set only loses ranks, but for an h after its exchange)
-    pool = np.flatnonzero(dense & (view.tok >= _FREE)[state.dest])
-    is_host = np.zeros(state.load.shape[0], dtype=bool)
-    cached = None  # (hosts, their dense short items not taken, those items' ranks) while nothing changed
-    for h in over.tolist():
-        for _ in range(8):  # exchanges per rank at most
-            need = float(state.slot_tok[h].sum() - cap * M)
-            if need <= 0:
-                break
-            mine = order[bounds[h]:bounds[h + 1]]
-            mine = mine[(state.dest[mine] == h) & (tok[mine] <= small) & ~taken[mine]]
-            if mine.size < 2:
-                break
-            mine = mine[np.argsort(dens[mine], kind="stable")]
-            if state.count is not None:
-                mine = mine[:max(int(state.count[h]) - state.min_count, 0) + 1]
-            ct = np.concatenate(([0.0], np.cumsum(cost[mine])))
-            tt = np.concatenate(([0.0], np.cumsum(tok[mine])))
-            # candidates j: the dense short items of the _HOSTS ranks with the most free tokens
-            if cached is None:  # the view or `taken` changed: the hosts and their items again
-                hosts = np.flatnonzero(view.tok >= _FREE)
-                if hosts.size > _HOSTS:
-                    hosts = hosts[np.argpartition(-view.tok[hosts], _HOSTS)[:_HOSTS]]
-                is_host[:] = False
-                is_host[hosts] = True
-                r = state.dest[pool]
-                keep = is_host[r] & ~taken[pool]
-                j, r = pool[keep], r[keep]
-                # what the tests below read of j and r (fixed while the cache lives: the view changes
-                # only with an exchange), and the cost that bounds S: c_j + r's load room
-                c_j, t_j = cost[j], tok[j]
-                cached = hosts, j, r, c_j, t_j, c_j + np.maximum(view.load[r], 0.0), view.tok[r], view.slot[r]
-            hosts, j, r, c_j, t_j, bound, tok_r, slot_r = cached
-            if not (hosts != h).any():
-                break
-            # only candidates that may pass the tests (necessary conditions: the others score inf, and
-            # the first of the lowest scores stays first): another rank, a slot for h's first item,
-            # a prefix S of at least one item (k >= 1) with more tokens than j
-            may = (r != h) & (slot_r >= tok[mine[0]]) & (bound >= ct[1]) & (t_j < tt[-1])
-            at = np.flatnonzero(may)
-            if at.size == 0:
-                break
-            c_at, t_at, tok_at = c_j[at], t_j[at], tok_r[at]
-            # the longest prefix S that r can take for the load j leaves: c_S <= c_j + r's load room
-            k = np.searchsorted(ct, bound[at], side="right") - 1
-            c_s, t_s = ct[k], tt[k]
-            freed = t_s - t_at
-            ok = ((k >= 1) & (c_at - c_s <= view.load[h]) & (freed > 0) & (tok_at >= freed))
-            if not ok.any():
-                break
-            score = np.where(ok, (t_s + t_at) / np.minimum(np.maximum(freed, 1e-9), need), np.inf)
-            b = int(np.argmin(score))
-            if not score[b] <= _WORST:
-                break
-            jb, rb, kb = int(j[at[b]]), int(r[at[b]]), int(k[b])
-            # S into r's slots (best fit, largest first); j into the slot of h that S leaves most room in
-            room = cap - state.slot_tok[rb].astype(np.float64)
-            room[state.micro[jb]] += tok[jb]
-            room = room.tolist()
-            plan = []
-            for i in sorted(mine[:kb].tolist(), key=lambda i: -tok[i]):
-                t = float(tok[i])
-                s = _smallest_room(room, t)
-                if s < 0:
-                    plan = None
-                    break
-                room[s] -= t
-                plan.append((i, s))
-            if plan is None:
-                taken[jb] = True  # its rank's slots cannot hold S: not this one again
-                cached = None
-                continue
-            to_h = int(state.micro[mine[0]])
-            for i, s in plan:
-                state.move(i, rb, s)
-            state.move(jb, h, to_h)
-            taken[mine[:kb]] = True
-            taken[jb] = True
-            view.update(state, np.array([h, rb]))
-            made += 1
-            cached = None
-            if view.tok[h] >= _FREE:  # h may host now
-                pool = np.flatnonzero(dense & (view.tok >= _FREE)[state.dest])
-    return made
-
-
-_TRIES = 32  # items in a row that find no receiver end a rank's turn in the short flow
-
-
 class _Rooms:
     """Per rank: load room under the limit, free tokens, the roomiest slot's room, and the log of
     load room per free token (what a receiver needs per token); updated per rank on every move."""
@@ -567,7 +454,7 @@ class _Rooms:
         self.fit[h], self.fit[r] = min(s_h, t_h), min(s_r, t_r)
 
 
-def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only) -> int:
+def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only, tries: int = 32) -> int:
     """One rank's part of `_short_flow`: its small items `mine` (those still on h) out until its
     tokens (`tokens_only`) or its load are within bounds; returns the moves."""
     cap, M = state.cap, state.M
@@ -589,7 +476,7 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
     e, t_over = over_load, over_tok  # h's excesses change only when it sends an item
     no_taker = None  # per item of `mine`: no rank can take it (while the view is unchanged)
     for k, i in enumerate(mine.tolist()):
-        if ((t_over <= 0) if tokens_only else (e <= 0)) or misses >= _TRIES:
+        if ((t_over <= 0) if tokens_only else (e <= 0)) or misses >= tries:
             break
         ci, ti = costs[k], tokens[k]
         if not tokens_only and ci > e + slack and ci > 2.0 * e:
@@ -639,7 +526,7 @@ def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
     """Mend rank r's slots over the cap by moves and swaps of its items between its own slots (they
     send nothing): the most over slot o passes the item, or swaps the pair, whose tokens just cover
     o's excess (else the largest part of it) into a slot with room. True when no slot is over."""
-    cap, M = state.cap, state.M
+    cap = state.cap
     tok = state.tokens
     items = np.flatnonzero(state.dest == r) if members is None else members[state.dest[members] == r]
     # the rank's items' tokens and slots, kept here (the moves below stay inside r)

@@ -17,26 +17,17 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _Members, _State
+from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _float_order, _rank_starts, _ranges,
+from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _float_order, _rank_starts, _ranges,
                                                     _search_within, _stable_argsort)
 
-_ROUNDS = 32  # trade rounds at most (every round: at most one trade per over-full rank)
-_IDLE = 3  # rounds in a row with few trades (at most _FEW of the over-full ranks) that end the pass
-_FEW = 0.02
-_LARGE = 1.0 / 16.0  # items above this share of the cap are the ones sent
-_CHOICES = 2  # large items of h tried per round: those whose cost most exceeds what their tokens cost back
-_SWAPS = 2  # large items of a partner tried in place of a: those nearest in cost to what a should leave
-_SLOTS = 2  # slots of a partner tried for a large item alone: the roomiest ones (least pay-back)
-_PARTNERS = 2  # ranks under budget each over-full rank considers per round
-_OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer trades)
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
-_DENSITY_BINS = 1 << 16  # cost per token is ordered on this many log-spaced bins (a radix sort)
 
 
 def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS,
-                   min_rate: float = _MIN_RATE, near: bool = False, partners_only: bool = False) -> bool:
+                   min_rate: float = _MIN_RATE, near: bool = False, partners_only: bool = False,
+                   idle_rounds: int = 3, few: float = 0.02) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
     A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
@@ -48,11 +39,11 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     allows no more pay-back, l may end over its limit if both end under h's load before. A slot
     gives back once (its ladder is then stale); an item moves once.
 
-    Every round pairs the over-full ranks, most over first, with _PARTNERS ranks under budget each
-    (furthest under first, the partners shifting every round), tries h's _CHOICES large items
+    Every round pairs the over-full ranks, most over first, with _BREADTH ranks under budget each
+    (furthest under first, the partners shifting every round), tries h's _BREADTH large items
     with the most cost above their tokens at the cheapest density (with `near`: the ones whose
-    such surplus just covers h's excess, for a small excess), into the _SLOTS roomiest slots of each
-    partner and in place of the _SWAPS large items of the partner nearest in cost to what a
+    such surplus just covers h's excess, for a small excess), into the _BREADTH roomiest slots of each
+    partner and in place of the _BREADTH large items of the partner nearest in cost to what a
     should leave behind, and keeps per h the trade with the most load taken off h (down to its
     budget, and to no less than l's load after) per token sent (+ cap x _OVERHEAD), if that is
     at least `min_rate` x the mean cost per token; each partner takes one trade per round.
@@ -60,11 +51,12 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
     larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
     `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
-    bins, then slots), then per round O(over-full ranks x _PARTNERS x _CHOICES x (_SLOTS + _SWAPS))
+    bins, then slots), then per round O(over-full ranks x 2 _BREADTH^3)
     binary searches (inside one slot's ladder each) and O(items traded) numpy, with a loop over the
     items of one trade (all trades at once) only for the pay-back items that spill past a's slot and
     the receiving slot's items that next fit cannot place. A pass ends after
-    _IDLE rounds in a row that trade for at most _FEW of the over-full ranks.
+    `idle_rounds` in a row that trade for at most `few` of the over-full ranks (the partners shift:
+    a round or two may still find trades).
 
     `partners_only`: the ladders of a round's partner ranks only, built as the rounds first pair them
     (`_build_partner_ladders`) instead of every slot's at the start: where few ranks are over-full (a
@@ -73,7 +65,7 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     (with integer costs and positive integer tokens, the same trades).
     """
     cap = state.cap
-    R, M = state.load.shape[0], state.M
+    R = state.load.shape[0]
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
@@ -85,26 +77,18 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     min_rate = min_rate * mean_rate
     idle = 0
     for k in range(rounds):
-        over = np.flatnonzero(state.load > limit)
+        over, h, l = _pair_ranks(state, budget, limit, state.load - budget, _BREADTH, k)
         if over.size == 0:
             return True
-        under = np.flatnonzero(state.load < budget)
-        if under.size == 0:
+        if h is None:
             return False
-        over = over[np.lexsort((over, budget[over] - state.load[over]))]
-        under = under[np.lexsort((under, state.load[under] - budget[under]))]
-        P = min(over.size, under.size)
-        K = min(_PARTNERS, under.size)
-        h = np.repeat(over[:P], K)
-        # the partners shift from round to round: a pair that found no trade meets new ranks
-        l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
         if partners_only:
-            _build_partner_ladders(state, lad, np.concatenate((over[:P], l)))
-        if _round(state, h, l, budget, limit, lad, overhead, min_rate) > _FEW * over.size:
+            _build_partner_ladders(state, lad, np.concatenate((h, l)))
+        if _round(state, h, l, budget, limit, lad, overhead, min_rate) > few * over.size:
             idle = 0
         else:
             idle += 1  # the partners shift: the next round may still find (more) trades
-            if idle >= _IDLE:
+            if idle >= idle_rounds:
                 return False
     return not np.any(state.load > limit)
 
@@ -133,7 +117,7 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         lad.built = np.zeros(R, dtype=bool)
         lad.members, lad.bins = _Members(state.dest, R, state.order_memo), bins
     else:
-        order = _ladders(bins, slot, _by_density(state) if S <= _RADIX_SLOTS else None)
+        order = _ladders(bins, slot, _by_density(state) if S <= _RADIX else None)
         starts = np.zeros(S + 1, dtype=np.int64)
         np.cumsum(slot_items, out=starts[1:])
         # prefix sums along the ladders (one leading 0): a prefix of slot s is CT[starts[s] + k] - CT[starts[s]]
@@ -247,7 +231,7 @@ def _item_keys(state: _State):
             d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny))) if cost.size else 0.0
         lo, hi = float(dens.min()), float(dens.max())
         dens -= lo  # (in place: `dens` is this call's own array; the same floats as (dens - lo) * step)
-        dens *= (_DENSITY_BINS - 1) / max(hi - lo, 1e-12)
+        dens *= (_RADIX - 1) / max(hi - lo, 1e-12)
         bins = dens.astype(np.uint16)
         large = np.flatnonzero(tok > state.cap * _LARGE)
         if large.size == 0:
@@ -260,7 +244,6 @@ def _item_keys(state: _State):
     return got
 
 
-_RADIX_SLOTS = 1 << 16  # up to this many slots a slot fits 16 bits: the ladders are two radix passes
 
 
 def _by_density(state: _State) -> np.ndarray:
@@ -275,21 +258,20 @@ def _by_density(state: _State) -> np.ndarray:
 def _ladders(bins: np.ndarray, slot: np.ndarray, by_density=None) -> np.ndarray:
     """Items grouped by slot, cheapest per token first within a slot (density `bins`, `_item_keys`;
     ties: index). With `by_density` (the stable order of `bins`, `_by_density`) and every slot under
-    2^16: a stable radix sort of the slots in that order (numpy sorts 16-bit keys by radix, O(n); at
-    550k items ~2.3x faster than the packed sort, docs/benchmarks/planner.md "speed7"); else one sort
-    of slot x 2^16 + bin (`_stable_argsort`)."""
-    if by_density is not None and (slot.size == 0 or int(slot.max()) < _RADIX_SLOTS):
+    2^16: a stable radix sort of the slots in that order (numpy sorts 16-bit keys by radix, O(n): at
+    550k items ~2.3x faster than the packed sort); else one sort of slot x 2^16 + bin (`_stable_argsort`)."""
+    if by_density is not None and (slot.size == 0 or int(slot.max()) < _RADIX):
         # (narrowed before the gather: a random read of 1 MB, not 4 MB)
         return by_density[np.argsort(slot.astype(np.uint16)[by_density], kind="stable")]
-    wide = slot.size and int(slot.max()) >= _DENSITY_BINS
-    return _stable_argsort((slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _DENSITY_BINS + bins)
+    wide = slot.size and int(slot.max()) >= _RADIX
+    return _stable_argsort((slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _RADIX + bins)
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     """One trade per over-full rank h of the pairs (h[i], l[i]) (each h in one run of adjacent pairs),
     every l in at most one; applies them; returns how many.
 
-    Options: a large item `a` of h into the _SLOTS roomiest slots of l, or in place of one of the _SWAPS large
+    Options: a large item `a` of h into the _BREADTH roomiest slots of l, or in place of one of the _BREADTH large
     items `b` of l nearest in cost to what a should leave behind (b goes to a's slot); either way
     topped up with a ladder prefix of the receiving slot (`_evaluate`)."""
     M = state.M
@@ -303,15 +285,15 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
         # an answer below h's first key is raised to it here anyway)
         at = _search_within(lad.surplus_key, h + (1.0 - (state.load[h] - budget[h] + 1.0) * lad.surplus_scale),
                             first, lad.l_hi[h], clamp="both")
-        first = np.maximum(at - _CHOICES, first)
-    pos = first[:, None] + np.arange(2 * _CHOICES)[None, :]
+        first = np.maximum(at - _BREADTH, first)
+    pos = first[:, None] + np.arange(2 * _BREADTH)[None, :]
     inside = pos < lad.l_hi[h][:, None]
     pair = np.repeat(np.arange(P), inside.sum(axis=1))  # (the rows of `inside`, in order)
     a = lad.large[pos[inside]]
     keep = ~lad.moved[a]
     a, pair = a[keep], pair[keep]
     rank_in_pair = np.arange(a.size) - np.searchsorted(pair, pair)
-    a, pair = a[rank_in_pair < _CHOICES], pair[rank_in_pair < _CHOICES]
+    a, pair = a[rank_in_pair < _BREADTH], pair[rank_in_pair < _BREADTH]
     excess = state.load - budget
     # any trade of a scores at most h's excess per token of a (`_evaluate`): an a under min_rate by
     # that bound has no option that can score (late in a pass, most of them: h's excess is small)
@@ -320,8 +302,8 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     if a.size == 0:
         return 0
     want = np.minimum(excess[h], limit[l] - state.load[l])  # what a trade of pair i should move
-    # a into the _SLOTS roomiest slots of l that still give back, no b
-    W = min(_SLOTS, M)
+    # a into the _BREADTH roomiest slots of l that still give back, no b
+    W = min(_BREADTH, M)
     slots = _roomiest(np.where(lad.stale.reshape(-1, M)[l], np.inf, state.slot_tok[l]), W)
     a1 = np.repeat(a, W)
     p1 = np.repeat(pair, W)
@@ -331,7 +313,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     # (np.searchsorted's answer, searched in l's stretch of the keys first: random queries of the whole
     # array miss the cache at every level)
     near = _cost_search(lad, l[pair], l[pair] + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
-    pb = near[:, None] + np.arange(-(_SWAPS // 2), _SWAPS - _SWAPS // 2)[None, :]
+    pb = near[:, None] + np.arange(-(_BREADTH // 2), _BREADTH - _BREADTH // 2)[None, :]
     ok = (pb >= lo[:, None]) & (pb < hi[:, None])
     per_a = ok.sum(axis=1)
     a2, p2 = np.repeat(a, per_a), np.repeat(pair, per_a)
@@ -366,20 +348,11 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
 
 def _roomiest(full: np.ndarray, W: int) -> np.ndarray:
     """[P, W]: per row of `full` (tokens per slot, inf where a slot gives back no more) the W least full
-    slots, least first, ties by the lowest slot: np.argsort(full, axis=1, kind="stable")[:, :W]. For
-    W = 2 by two argmins (a sort of each row of M costs ~3x more)."""
+    slots, least first, ties by the lowest slot (all M in index order when W >= M)."""
     P, M = full.shape
     if W >= M:
         return np.broadcast_to(np.arange(M), (P, M))
-    if W != 2:
-        return np.argsort(full, axis=1, kind="stable")[:, :W]
-    first = np.argmin(full, axis=1)  # (the first of equal ones, as the stable sort)
-    rest = full.copy()
-    rest[np.arange(P), first] = np.inf
-    second = np.argmin(rest, axis=1)
-    # every other slot at inf: the stable sort's next is the lowest other slot, argmin's may be `first` (0)
-    second[second == first] = 1
-    return np.stack((first, second), axis=1)
+    return np.argsort(full, axis=1, kind="stable")[:, :W]
 
 
 def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=True):
@@ -511,38 +484,18 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     room = cap - state.slot_tok[h[t]]
     row = np.arange(t.size)
     room[row, ma[t]] += ta[t]
-    skip, room[row, ma[t]] = _into_own_slot(room[row, ma[t]], state.tokens, back, first[t], size[t])
-    for k in range(int((size[t] - skip).max()) if t.size else 0):
-        go = np.flatnonzero(size[t] - skip > k)  # trades still placing (a failed one is dropped below)
-        t, row, skip = t[go], row[go], skip[go]
-        p = first[t] + skip + k
+    for k in range(int(size[t].max()) if t.size else 0):
+        go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
+        t, row = t[go], row[go]
+        p = first[t] + k
         tk = state.tokens[back[p]]
         s = np.where(room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1))
         fits = room[row, s] >= tk
         ok[t[~fits]] = False
-        t, row, p, s, tk, skip = t[fits], row[fits], p[fits], s[fits], tk[fits], skip[fits]
+        t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
         room[row, s] -= tk
         to[p] = s
     return back, to, ok
-
-
-def _into_own_slot(room, tokens, items, first, size):
-    """(how many, the room left): the leading pay-back items of each trade (items[first:first + size])
-    that `_place_back`'s loop puts into a's slot one by one, each while the room left holds it, and
-    that slot's room after them: the loop's own subtractions (a row-wise accumulate, in order), so
-    the loop starts past them with the same floats."""
-    if size.size == 0:
-        return size, room
-    width = int(size.max())
-    k = np.arange(width)
-    valid = k[None, :] < size[:, None]
-    grid = np.zeros((size.size, width + 1))
-    grid[:, 0] = room
-    grid[:, 1:][valid] = tokens[items[(first[:, None] + k[None, :])[valid]]]
-    left = np.subtract.accumulate(grid, axis=1)  # left[:, k]: the room before item k
-    misfit = valid & (left[:, :-1] < grid[:, 1:])
-    skip = np.where(misfit.any(axis=1), np.argmax(misfit, axis=1), size)
-    return skip, left[np.arange(size.size), skip]
 
 
 def _place_intra(state, order, lo, hi, l, m):

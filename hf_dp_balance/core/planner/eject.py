@@ -68,17 +68,11 @@ def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> 
 
 def _pool(state: _State, h: int, recv_slot: np.ndarray) -> np.ndarray:
     """The items that could shed: not on h, in the slot of their rank that would receive `a`, by rank,
-    heaviest first (ties: index). Kept in `state.order_memo` with the placement it was made of: `_polish`
-    tries both variants of an exchange on copies of one state, and the second reads the first's."""
-    memo = state.order_memo.get("eject_pool")
-    if (memo is not None and memo[0] == h and np.array_equal(memo[1], recv_slot)
-            and np.array_equal(memo[2], state.dest) and np.array_equal(memo[3], state.micro)):
-        return memo[4]
+    heaviest first (ties: index)."""
     pool = np.flatnonzero((state.dest != h) & (state.micro == recv_slot[state.dest]))
     # by rank, heaviest first (ties: index; `pool` ascends): two stable sorts, the ranks' a radix sort
     pool = pool[np.argsort(-state.costs[pool], kind="stable")]
     pool = pool[_stable_order(state.dest[pool], state.load.shape[0])]
-    state.order_memo["eject_pool"] = (h, recv_slot, state.dest.copy(), state.micro.copy(), pool)
     return pool
 
 

@@ -12,27 +12,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.refine import _swap_fits
+from hf_dp_balance.core.planner.state import _BREADTH, _State
 from hf_dp_balance.core.planner.trade import _apply
 from hf_dp_balance.core.planner.trade_index import _float_order
 
-_ROUNDS = 4  # rounds at most; every round each rank takes part in at most one redirection (later ones save little)
-_NEAR = 2  # items y tried per item x: this many nearest in cost on x's home rank
-_WORTH = 0.05  # runs only when the plan sends at least this share of the tokens: it saves ~2-3% of what
-# is sent for O(items away) work (4096 x 8, 3.5% sent: 0.1% saved for ~20 ms)
+_WORTH = 0.05  # runs only where the plan sends at least this share of the tokens (below, little to save)
 
 
-def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: int = _ROUNDS) -> int:
+def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: int = 4) -> int:
     """Redirect pairs (x away from its home A, now on B; y now on A, from C != A): y -> (B, x's slot),
     x -> (A, y's slot), when both slots hold their new item, A and B end at or under `ceiling` and
     the tokens sent fall (by x's tokens, plus y's when B is y's home); only when at least _WORTH of
     the tokens are away from home. Per round, in vectorised numpy:
-    every x's _NEAR candidates y nearest in cost, each x's best, then a set of pairs that touch every
+    every x's _BREADTH candidates y nearest in cost, each x's best, then a set of pairs that touch every
     rank at most once, most tokens saved first. Returns the tokens saved.
 
     Guarantees: no slot goes over the cap; every rank and slot keeps its item count; no rank ends
     above max(its load now, `ceiling`). Cost per round: O(m log m) for the m items away from home."""
-    cap, M, R = state.cap, state.M, state.load.shape[0]
+    cap, R = state.cap, state.load.shape[0]
     tok, cost = state.tokens, state.costs
     if cap is None or tok is None or R < 2:
         return 0
@@ -47,7 +45,7 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     bounds = np.searchsorted(state.dest[ys], np.arange(R + 1))
     home = start[away]
     at = np.searchsorted(key, home + cost[away] * scale)
-    pos = at[:, None] + np.arange(-(_NEAR // 2), _NEAR - _NEAR // 2)[None, :]
+    pos = at[:, None] + np.arange(-(_BREADTH // 2), _BREADTH - _BREADTH // 2)[None, :]
     ok = (pos >= bounds[home][:, None]) & (pos < bounds[home + 1][:, None])
     x = np.broadcast_to(away[:, None], pos.shape)[ok]
     y = ys[pos[ok]]
@@ -57,20 +55,17 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     # (candidates were made in (x, y position) order: ties keep it)
     o = _float_order(saving, descending=True)
     x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
-    # what x and y cost and weigh, gathered once (not every round): the same values in the same sums
-    tx, ty = tok[x], tok[y]
-    dc = cost[x] - cost[y]
+    dc = cost[x] - cost[y]  # gathered once, not every round
     saved_total = 0.0
     good = np.zeros(x.size, dtype=bool)
     rows = np.arange(x.size)  # the candidates whose test may have changed: all, then those on the ranks changed
     for _ in range(rounds):
-        xr, yr, Ar, Br, txr, tyr, dcr = (v[rows] for v in (x, y, A, B, tx, ty, dc))
+        xr, yr, Ar, Br, dcr = (v[rows] for v in (x, y, A, B, dc))
         load_A, load_B = state.load[Ar], state.load[Br]
         good[rows] = ((state.dest[xr] == Br) & (state.dest[yr] == Ar)
                       & (load_A + dcr <= np.maximum(ceiling[Ar], load_A))
                       & (load_B - dcr <= np.maximum(ceiling[Br], load_B))
-                      & (state.slot_tok[Br, state.micro[xr]] - txr + tyr <= cap)
-                      & (state.slot_tok[Ar, state.micro[yr]] - tyr + txr <= cap))
+                      & _swap_fits(state, Ar, yr, xr, Br))  # a one-for-one swap of y on A and x on B
         g = np.flatnonzero(good)
         if g.size == 0:
             break
@@ -89,6 +84,6 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
         changed[B[win]] = True
         keep = np.ones(x.size, dtype=bool)
         keep[win] = False
-        x, y, A, B, saving, tx, ty, dc, good = (v[keep] for v in (x, y, A, B, saving, tx, ty, dc, good))
+        x, y, A, B, saving, dc, good = (v[keep] for v in (x, y, A, B, saving, dc, good))
         rows = np.flatnonzero(changed[A] | changed[B])
     return saved_total

@@ -8,9 +8,7 @@ from hf_dp_balance.core.planner.eject import _eject
 from hf_dp_balance.core.planner.place import _place_best_fit
 from hf_dp_balance.core.planner.refine import _fill_empty_slots, _fill_short_ranks, _refine
 from hf_dp_balance.core.planner.shed import _shed_rounds, _shed_tokens
-from hf_dp_balance.core.planner.state import _Infeasible, _State, _copy_state, _fullest
-
-_EXTRA_PASSES = 2  # shed / place passes after the first, before the (slower) pairwise refinement
+from hf_dp_balance.core.planner.state import _PASSES, _Infeasible, _State, _copy_state, _fullest
 
 
 def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
@@ -18,7 +16,7 @@ def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, re
     """Shed, place, refine (docs/planner.md) toward per-rank `budget` loads, then the
     item-count fixes; returns the final state. Raises _Infeasible. `deep` False: no one-for-many
     exchanges; `refine` False (with `deep` False): no refinement either, shed and place only (where
-    ladder trades follow that do that work, core/planner/repack.py `_full_cap_pass`).
+    ladder trades follow that do that work, core/planner/pipeline.py `_full_cap_pass`).
 
     When the placement breaks the token cap and shedding for cost takes an item that
     no slot can hold any more, the cap is repaired alone (token shedding, then
@@ -84,8 +82,8 @@ def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, toleranc
 
 
 def _extra_passes(state: _State, budget: np.ndarray, slack: np.ndarray, limit: np.ndarray) -> None:
-    """Up to _EXTRA_PASSES more shed / place passes while some rank is over budget + slack."""
-    for _ in range(_EXTRA_PASSES):
+    """Up to _PASSES more shed / place passes while some rank is over budget + slack."""
+    for _ in range(_PASSES):
         if not np.any(state.load > budget + slack):
             return
         # shed again what the placement could not fit (e.g. the rank that took a long sample)

@@ -8,9 +8,6 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _Infeasible, _State
 
-_SCAN = 16  # best-fit positions tried before a full search for token room
-
-
 def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host: bool = False) -> None:
     """Place pooled items by best-fit decreasing on the ranks' rooms (limit - load).
 
@@ -175,15 +172,15 @@ class _FullSearch:
         return r0, float(room_arr[r0])
 
 
-    def _scan(self, rooms: list, ranks: list, free: list, c: float, t: float):
-        """`host`'s answer found in the sorted rooms within _HOST_SCAN positions (None past them): the
+    def _scan(self, rooms: list, ranks: list, free: list, c: float, t: float, reach: int = 256):
+        """`host`'s answer found in the sorted rooms within `reach` positions (None past them): the
         first rank from the best fit up with t tokens of room (the smallest room that holds c), else,
         when no room from there up has the tokens, the first one down from the best fit (the roomiest
         with token room; not with `lpt_host`); among equal rooms the lowest rank, as numpy's argmin /
         argmax of `host` picks it. (Those searches cost ~40 us each at 4096 ranks, this ~1-5 us.)"""
         last = len(rooms) - 1
         j = bisect_left(rooms, c)
-        end = min(last, j + _HOST_SCAN - 1)
+        end = min(last, j + reach - 1)
         p = j
         while p <= end and free[ranks[p]] < t:
             p += 1
@@ -191,7 +188,7 @@ class _FullSearch:
             return _lowest_rank_of_equal(rooms, ranks, free, t, p)
         if end < last or self.lpt_host:
             return None
-        stop = max(j - (_HOST_SCAN - (last - j + 1)), 0)  # the scan's positions left, downward
+        stop = max(j - (reach - (last - j + 1)), 0)  # the scan's positions left, downward
         p = j - 1
         while p >= stop and free[ranks[p]] < t:
             p -= 1
@@ -200,9 +197,6 @@ class _FullSearch:
         r0, room = _lowest_rank_of_equal(rooms, ranks, free, t, p)
         self.claimed[r0] += c
         return r0, room
-
-
-_HOST_SCAN = 256  # positions of the sorted rooms `_FullSearch._scan` reads before the numpy search
 
 
 def _lowest_rank_of_equal(rooms: list, ranks: list, free: list, t: float, p: int):
@@ -219,12 +213,12 @@ def _lowest_rank_of_equal(rooms: list, ranks: list, free: list, t: float, p: int
     return best, room
 
 
-def _scan_token_room(free: list, ranks: list, j: int, t: float, downward: bool):
+def _scan_token_room(free: list, ranks: list, j: int, t: float, downward: bool, reach: int = 16):
     """The next position from j (up: larger rooms; or down from the roomiest) whose rank has
-    `t` tokens of room, within _SCAN steps; None if none."""
+    `t` tokens of room, within `reach` steps (then a full search); None if none."""
     step = -1 if downward else 1
     end = len(ranks)
-    for _ in range(_SCAN):
+    for _ in range(reach):
         j += step
         if j < 0 or j >= end:
             return None
@@ -250,56 +244,3 @@ def _position(rooms: list, ranks: list, room: float, rank: int) -> int:
     while ranks[j] != rank:
         j += 1
     return j
-
-
-def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.ndarray) -> None:
-    """Heaviest first (ties: lowest index) onto the least full rank (load / budget) whose
-    emptiest slot holds the item's tokens; a heap of ranks, O(log R) per item plus the ranks
-    skipped for token room. No rank with room -> _Infeasible."""
-    import heapq
-
-    costs, cap = state.costs, state.cap
-    pool = pool[np.lexsort((pool, -costs[pool]))]
-    safe = np.maximum(budget, np.finfo(np.float64).tiny)
-    R = state.load.shape[0]
-    inv = (1.0 / safe).tolist()
-    load = state.load.tolist()
-    heap = [(load[r] * inv[r], r) for r in ranks.tolist()]
-    heapq.heapify(heap)
-    tracked = state.slot_tok is not None
-    slot_tok = state.slot_tok.tolist() if tracked else None
-    tok = state.tokens[pool].tolist() if tracked else None
-    dest, slots = [0] * pool.size, [0] * pool.size
-    for k, c in enumerate(costs[pool].tolist()):
-        aside = []
-        chosen = None
-        while heap:
-            entry = heapq.heappop(heap)
-            r = entry[1]
-            if cap is None or min(slot_tok[r]) + tok[k] <= cap:
-                chosen = r
-                break
-            aside.append(entry)
-        for entry in aside:
-            heapq.heappush(heap, entry)
-        if chosen is None:
-            emptiest = min(min(slot_tok[r]) for r in ranks.tolist())
-            raise _Infeasible(f"item {int(pool[k])} ({tok[k]:.0f} tokens) has no room: every rank's emptiest "
-                              f"slot already holds >= {emptiest:.0f} tokens, cap {cap:.0f}")
-        load[chosen] += c
-        heapq.heappush(heap, (load[chosen] * inv[chosen], chosen))
-        dest[k] = chosen
-        if tracked:
-            row = slot_tok[chosen]
-            m = row.index(min(row))
-            row[m] += tok[k]
-            slots[k] = m
-    dest_arr = np.asarray(dest, dtype=np.int64)
-    state.load += np.bincount(dest_arr, weights=costs[pool], minlength=R)
-    if tracked:
-        state.slot_tok[:] = slot_tok
-        state.micro[pool] = slots
-    if state.count is not None:
-        state.count += np.bincount(dest_arr, minlength=R)
-    state.dest[pool] = dest_arr
-

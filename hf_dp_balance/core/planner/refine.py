@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _Infeasible, _Members, _State
+from hf_dp_balance.core.planner.state import _ROUNDS, _Infeasible, _Members, _State
 
 
-def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2) -> None:
+def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2,
+            screen: int = 16) -> None:
     """Best single move or swap between the fullest rank and the emptiest ranks, until `goal`.
 
     Fullness is load / budget. Each iteration takes the fullest rank h and the
@@ -33,7 +34,7 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
         if fh <= goal or stuck[h]:
             return
         if members is None:
-            members = _Members(state.dest, budget.shape[0], state.order_memo)
+            members = _Members(state.dest, budget.shape[0])
         if batch:
             line = _in_line(full, stuck, goal, min(batch, max_iters - done))
             k = _surely_stuck(state, full, line, members, candidates)
@@ -47,7 +48,7 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
         mine = members.of(h)
         if mine.size == 0:
             stuck[h] = True
-            batch = _SCREEN
+            batch = screen
             continue
         cand = _emptiest(full, h, candidates)
         if cand.size == 0:
@@ -56,7 +57,7 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
         swap = _best_swap(state, budget, h, mine, cand, members)
         if not min(move[0], swap[0]) < fh:
             stuck[h] = True
-            batch = _SCREEN
+            batch = screen
             continue
         if move[0] <= swap[0]:
             _, item, l, slot = move
@@ -69,9 +70,6 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
             state.move(item_a, l, slot_b)
             members.moved(item_b, l, h)
             members.moved(item_a, h, l)
-
-
-_SCREEN = 16  # ranks in line screened together after a skipped one (doubled while all are skipped)
 
 
 def _in_line(full: np.ndarray, stuck: np.ndarray, goal: float, k: int) -> np.ndarray:
@@ -154,7 +152,7 @@ def _best_move(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
 def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand: np.ndarray, members):
     """(larger fullness after, item of h, item of a candidate, that candidate) of the best 1-for-1
     swap, each item taking the other's slot, within the cap; (inf, ...) when the candidates are empty."""
-    costs, tokens, cap = state.costs, state.tokens, state.cap
+    costs, cap = state.costs, state.cap
     groups = [members.of(int(l)) for l in cand]
     theirs = np.concatenate(groups)
     if not theirs.size:
@@ -166,13 +164,19 @@ def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
     worst = np.maximum((state.load[h] - delta) / budget[h],
                        (state.load[col_rank][None, :] + delta) / budget[col_rank][None, :])
     if cap is not None:
-        ta, tb = tokens[mine][:, None], tokens[theirs][None, :]
-        into_l = state.slot_tok[col_rank, state.micro[theirs]][None, :] - tb + ta
-        into_h = state.slot_tok[h, state.micro[mine]][:, None] - ta + tb
-        worst = np.where((into_l <= cap) & (into_h <= cap), worst, np.inf)
+        worst = np.where(_swap_fits(state, h, mine[:, None], theirs[None, :], col_rank[None, :]), worst, np.inf)
     k = int(np.argmin(worst))
     a, j = divmod(k, theirs.size)
     return float(worst.flat[k]), int(mine[a]), int(theirs[j]), int(col_rank[j])
+
+
+def _swap_fits(state: _State, h: int, a, b, l) -> np.ndarray:
+    """The one-for-one swap's cap test, shared by `_best_swap`, `_swap_down` and `home`: item a of rank h
+    and item b of rank l (arrays broadcast) trade slots, and both slots stay within the cap."""
+    ta, tb = state.tokens[a], state.tokens[b]
+    into_l = state.slot_tok[l, state.micro[b]] - tb + ta
+    into_h = state.slot_tok[h, state.micro[a]] - ta + tb
+    return (into_l <= state.cap) & (into_h <= state.cap)
 
 
 def _swap_may_fit(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.ndarray) -> bool:
@@ -246,3 +250,55 @@ def _fill_empty_slots(state: _State) -> None:
             row[donor] -= 1
             row[m] += 1
 
+
+def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int = _ROUNDS) -> int:
+    """One-for-one swaps for a rank a few tenths over the trades' limit that holds little but its own long
+    items, one per micro-batch (which the item count keeps there), after long items first.
+    While the fullest rank h (load / limit) is over `limit`: the swap of an item a of h with an
+    item b of another rank l that leaves both at or under their limits and both slots within the
+    cap, the fewest tokens newly sent (against `start`) first, then the lowest (a, b) indexes. Stops at
+    the first h with no such swap. Item counts never change. Returns the swaps made. Cost per
+    swap: O(n) numpy (the items of h, and the items whose cost is within the largest load room of
+    each item of h)."""
+    tok, cost = state.tokens, state.costs
+    by_cost = np.argsort(cost, kind="stable")
+    cost_sorted = cost[by_cost]
+    made = 0
+    scale = np.maximum(limit, np.finfo(np.float64).tiny)
+    for _ in range(rounds):
+        h = int(np.argmax(state.load / scale))
+        excess = float(state.load[h] - limit[h])
+        if excess <= 0:
+            break
+        room = limit - state.load  # load room per rank (h's is negative)
+        most = float(room.max())
+        if most <= 0:
+            break
+        best = None
+        for a in np.flatnonzero(state.dest == h).tolist():
+            ca, ta = float(cost[a]), float(tok[a])
+            # b: c_a - c_b in [excess, most], b on another rank whose load room takes c_a - c_b
+            lo = np.searchsorted(cost_sorted, ca - most, side="left")
+            hi = np.searchsorted(cost_sorted, ca - excess, side="right")
+            if hi <= lo:
+                continue
+            b = by_cost[lo:hi]
+            l = state.dest[b]
+            diff = ca - cost[b]
+            ok = (l != h) & (diff <= room[l]) & (diff >= excess) & _swap_fits(state, h, a, b, l)
+            if not ok.any():
+                continue
+            b, l = b[ok], l[ok]
+            sent = ta * ((l != start[a]).astype(np.float64) - float(h != start[a]))
+            sent += tok[b] * ((start[b] != h).astype(np.float64) - (start[b] != l))
+            k = int(np.lexsort((b, sent))[0])
+            if best is None or (sent[k], a, int(b[k])) < best[:3]:
+                best = (float(sent[k]), a, int(b[k]), int(l[k]))
+        if best is None:
+            break
+        _, a, b, l = best
+        ma, mb = int(state.micro[a]), int(state.micro[b])
+        state.move(a, l, mb)
+        state.move(b, h, ma)
+        made += 1
+    return made

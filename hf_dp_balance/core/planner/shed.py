@@ -93,17 +93,12 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
 def _shed_tokens(state: _State) -> np.ndarray:
     """Items to take off every slot over the token cap, few and small; removed from `state`.
 
-    Only needed when the current placement already breaks the cap. Per slot, the
-    same rule as the cost shedding, on tokens, among the items that fit some other
-    slot's room: the item with the fewest tokens that covers the slot's remaining
-    excess on its own, else the item with the most tokens, until the excess is
-    covered. So a slot a few tokens over gives
-    away one small item, which any slot with a little room can take (shedding
-    its largest item first, as before, left a long video that often fitted no
-    other slot and sent the plan to a from-scratch repack). When the items that
-    fit elsewhere cannot cover the excess (a slot of long videos), `_token_swap`
-    trades one of its items for small items of a roomier slot instead. Python over the items of the
-    offending slots.
+    Only needed when the current placement already breaks the cap. Per slot, among the items that
+    fit some other slot's room: the one with the fewest tokens that covers the remaining excess on
+    its own, else the one with the most tokens, until the excess is covered (a slot a few tokens
+    over gives away one small item, which any slot with a little room takes). Where those cannot
+    cover it (a slot of long videos), `_token_swap` trades one of its items for small items of a
+    roomier slot. Python over the items of the offending slots.
     """
     if state.cap is None:
         return np.zeros(0, dtype=np.int64)
@@ -196,14 +191,11 @@ def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float) -> list:
     return taken
 
 
-_SWAP_PARTNERS = 16  # slots with the most token room tried by a token swap
-
-
 def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reserved: np.ndarray) -> bool:
     """Repair slot s, `excess` tokens over the cap, by a one-for-many swap; True if done.
 
     One item i of s that covers the excess alone (fewest tokens first) goes to a
-    slot s2 with room (most room first, among the _SWAP_PARTNERS roomiest), which
+    slot s2 with room (most room first, among the 16 roomiest), which
     gives s back its largest items that fit, totalling between t_i - room(s2)
     (so s2 holds i) and t_i - excess (so s ends within the cap). Loads are left to
     the refinement that follows. Moves 1 + a few items. O(items of s x partners). `reserved`: room
@@ -212,7 +204,7 @@ def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reser
     cap, tok, M = state.cap, state.tokens, state.M
     free = cap - state.slot_tok.reshape(-1) - reserved
     free[s] = -np.inf
-    partners = np.lexsort((np.arange(free.size), -free))[:_SWAP_PARTNERS].tolist()
+    partners = np.lexsort((np.arange(free.size), -free))[:16].tolist()
     mine = np.flatnonzero(slot_of == s)
     mine = mine[np.lexsort((mine, tok[mine]))]
     for i in mine[tok[mine] >= excess].tolist():

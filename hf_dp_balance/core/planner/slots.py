@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.bounds import _fill_time
-from hf_dp_balance.core.planner.repack import _balance
+from hf_dp_balance.core.planner.pipeline import _balance
 from hf_dp_balance.core.planner.state import _State
 
 

@@ -12,6 +12,14 @@ import numpy as np
 
 from hf_dp_balance.core.planner.trade_index import _rank_starts, _stable_order
 
+# what every stage reads; sizes as shares of the token cap
+_LARGE = 1.0 / 16.0  # items above this are the ones traded: a few per slot, each worth a trade's sends
+_OVERHEAD = 1.0 / 64.0  # tokens counted per trade on top of what it sends: fewer, larger trades
+_BREADTH = 2  # candidates of each kind a round tries per rank (partners, items, slots): a second rescues most misses
+_ROUNDS = 32  # rounds at most of a trade or swap pass (each round: at most one or two moves per over-full rank)
+_PASSES = 2  # more passes of a kind after the first (shed / place, ladder residue, roomy): later ones gain little
+_FEW_SLOTS = 4  # up to this many micro-batches a rank's slots give a trade little choice (long items go first)
+
 
 class _Infeasible(Exception):
     """No placement found that meets the token cap / item counts; `where` says where it failed."""
@@ -107,6 +115,31 @@ def _smallest_room(room: list, t: float) -> int:
     return at
 
 
+def _sent(state: _State, start: np.ndarray) -> float:
+    """What a plan sends over the side network: tokens of the items that change rank (items when no
+    tokens are given)."""
+    away = state.dest != start
+    return float(state.tokens[away].sum()) if state.tokens is not None else float(np.count_nonzero(away))
+
+
+def _pair_ranks(state: _State, budget: np.ndarray, limit: np.ndarray, under_key: np.ndarray, partners: int, k: int):
+    """(over-full ranks, h, l) of round k of a trade pass: every rank over `limit`, most over its
+    budget first, meets `partners` ranks under budget (lowest `under_key` first; ties: lowest index),
+    from its own place in that order, shifted every round so that a pair that found no trade meets
+    new ranks. h and l are None when no rank is under budget."""
+    over = np.flatnonzero(state.load > limit)
+    under = np.flatnonzero(state.load < budget)
+    if over.size == 0 or under.size == 0:
+        return over, None, None
+    over = over[np.argsort(budget[over] - state.load[over], kind="stable")]
+    under = under[np.argsort(under_key[under], kind="stable")]
+    P = min(over.size, under.size)
+    K = min(partners, under.size)
+    h = np.repeat(over[:P], K)
+    l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
+    return over, h, l
+
+
 def _fullest(state: _State, budget: np.ndarray) -> float:
     return float(np.max(state.load / np.maximum(budget, np.finfo(np.float64).tiny)))
 
@@ -118,9 +151,6 @@ def _group_starts(keys: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
 
 
-_REBASE = 16  # a new base for `_Members` once more than 1 / _REBASE of the items changed rank since the last
-
-
 class _Members:
     """Items of each rank (index order), built once per `_refine` and patched on every move.
 
@@ -130,13 +160,13 @@ class _Members:
     reads, its base items that are still there plus those that arrived, in index order: the same
     arrays as a fresh sort, for O(n) comparisons instead of a sort and a gather of the step."""
 
-    def __init__(self, dest: np.ndarray, num_ranks: int, memo: dict | None = None):
+    def __init__(self, dest: np.ndarray, num_ranks: int, memo: dict | None = None, rebase: int = 16):
         self.cache = {}
         self.touched = None  # ranks whose base items are not exactly theirs now (None: a fresh sort)
         base = None if memo is None else memo.get("members")
         if base is not None and base[0].shape == dest.shape and base[2].size == num_ranks + 1:
             changed = np.flatnonzero(dest != base[0])
-            if changed.size * _REBASE <= dest.size:
+            if changed.size * rebase <= dest.size:  # a new base once more than 1 / rebase of the items moved
                 self.order, self.bounds = base[1], base[2]
                 self.now = dest.copy()  # dest at the build: later moves patch the cache (`moved`)
                 arrived = changed[np.argsort(self.now[changed], kind="stable")]  # by rank, index order

@@ -10,90 +10,48 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _State
+from hf_dp_balance.core.planner.state import _BREADTH, _FEW_SLOTS, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _PayBack, _ranges, _uint_key
 
-_ROUNDS = 24  # trade rounds at most with _PARTNERS partners (every round: at most two trades per over-full rank)
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
-_LARGE = 1.0 / 16.0  # items above this share of the cap are the ones traded
-_PARTNERS = 2  # ranks under budget each over-full rank considers per round
-_SLOTS_FOR_ONE = 8  # with this many micro-batches or more, one partner per round has choice enough
-# (and it gets _ROUNDS x _PARTNERS rounds: the pairs scored at most stay the same)
 _WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
-_OVERHEAD = 1.0 / 64.0  # tokens of cap counted per trade on top of the tokens it sends (favours fewer, larger trades)
 
 
 def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int | None = None) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    Every round (`rounds`, or _ROUNDS x _PARTNERS / partners) pairs the over-full ranks, most
-    over first, with _PARTNERS ranks under their budget each (furthest under first; the partners
-    shift every round), or one with _SLOTS_FOR_ONE micro-batches or more: a rank's items in 8
-    slots give one pair choice enough, and half the pairs per round halve a round's work (the rounds
-    after trade what is left; the incremental method after them is dearer per rank). A trade sends a large
-    item `a` of h (over cap x _LARGE tokens; first only the _WINDOW each side of the cost h should
-    shed, twice as many each time h found no trade, up to all of them) to l, into l's roomiest
-    slot or in place of a large item `b` of l that comes back; the receiving slot also pays back
-    the fewest of its small items (at most cap x _SMALL tokens each, index order) that make room
-    for `a`. Everything paid back takes a's slot on h, which must hold it. Smaller items of h (at
-    most cap x _LARGE tokens) move alone where they fit, as many nearest in cost. Kept per
-    over-full rank: the trade with the most load taken off h (no more than h is over its budget)
-    per token sent (plus a fixed cap x _OVERHEAD per trade), that does not put l over budget x
-    (1 + tolerance / 2); each rank under budget takes at most one trade per round. Items that
-    moved once stay put.
-    Cost per round: O(items of the pairs' windows x options) numpy, no Python loop over items and
-    no O(n) pass; first one O(n) grouping by slot and by rank and cost (near-linear sorts of runs).
+    Every round pairs the over-full ranks, most over first, with _BREADTH ranks under budget each
+    (the partners shift every round), or with one where ranks have more than _FEW_SLOTS slots (the
+    items of that many slots give one partner choice enough). A trade sends an item `a` of h to l:
+    a large one (over cap x _LARGE tokens; first the _WINDOW each side of the cost h should shed,
+    twice as many each time h found no trade) into l's roomiest slot or in place of a large item
+    `b` of l, the receiving slot paying back the fewest of its small items (at most cap x _SMALL
+    tokens, index order) that make room, all of it into a's slot on h; a smaller one alone where it
+    fits (`_round`). Kept per over-full rank: the trade with the most load taken off h (up to its
+    excess) per token sent (+ cap x _OVERHEAD) that keeps l within budget x (1 + tolerance / 2);
+    each rank under budget takes one trade per round; an item moves once.
+    Cost: one O(n) grouping by slot and by rank and cost, then per round O(items of the pairs'
+    windows x options) numpy, no Python loop over items.
     """
     cap = state.cap
     R, M = state.load.shape[0], state.M
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
-    tok, cost = state.tokens, state.costs
-    slot = state.dest * M + state.micro
-    S = R * M
-    order = np.argsort(_uint_key(slot, S), kind="stable")  # items grouped by slot, so by rank
-    slot_starts = np.zeros(S + 1, dtype=np.int64)  # where each slot's items begin along `order`
-    np.cumsum(np.bincount(slot, minlength=S), out=slot_starts[1:])
-    moved = np.zeros(cost.shape[0], dtype=bool)
-    scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
-    # the large items of every rank, and the items a move may take (at most cap x _LARGE tokens) of
-    # the ranks over the limit (no other rank ever sheds: a trade never puts one over), both grouped
-    # by rank, cheapest first within a rank: one sorted key each, rank + cost x scale
-    is_large = tok[order] > cap * _LARGE
-    # with the tokens, costs and slots of their items (a round reads these short arrays, not the step's)
-    large = _by_rank_and_cost(order[np.flatnonzero(is_large)], state.dest, cost, scale, R)
-    large += (tok[large[0]], cost[large[0]], state.micro[large[0]])
-    over_start = np.flatnonzero(state.load > limit)
-    rank_starts = slot_starts[::M]  # `order` is rank-major: a rank's items are one stretch of it
-    at, _ = _ranges(rank_starts[over_start], rank_starts[over_start + 1])
-    rest_items = _by_rank_and_cost(order[at[np.flatnonzero(~is_large[at])]], state.dest, cost, scale, R)
-    rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
-    pay_back = _PayBack(order, slot_starts, tok, cost, cap * _SMALL, moved)
+    moved = np.zeros(state.costs.shape[0], dtype=bool)
+    order, slot_starts, large, rest_items = _trade_index(state, limit)
+    pay_back = _PayBack(order, slot_starts, state.tokens, state.costs, cap * _SMALL, moved)
     overhead = cap * _OVERHEAD
     reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
     failed_before = np.zeros(R, dtype=bool)
     R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max())) if R else 0
-    partners = _PARTNERS if M < _SLOTS_FOR_ONE else 1
-    for k in range(_ROUNDS * _PARTNERS // partners if rounds is None else rounds):
-        over = np.flatnonzero(state.load > limit)
+    partners = _BREADTH if M <= _FEW_SLOTS else 1
+    for k in range(_ROUNDS * _BREADTH // partners if rounds is None else rounds):
+        over, h, l = _pair_ranks(state, budget, limit, state.load - limit, partners, k)
         if over.size == 0:
             return True
-        under = np.flatnonzero(state.load < budget)
-        if under.size == 0:
+        if h is None:
             return False
-        excess = state.load[over] - budget[over]
-        # most over first (ties: lowest rank; `over` and `under` ascend, so a stable sort keeps that)
-        over = over[np.argsort(-excess, kind="stable")]
-        room_under = limit[under] - state.load[under]
-        under = under[np.argsort(-room_under, kind="stable")]
-        P = min(over.size, under.size)
-        # every over-full rank looks at _PARTNERS ranks under budget, from its own place in that order
-        K = min(partners, under.size)
-        idx = np.arange(P)
-        h = np.repeat(over[:P], K)
-        # the partners shift from round to round: a pair that found no trade meets new ranks
-        l = under[(np.repeat(idx, K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
         # a rank that found no trade among its items nearest what it should shed tries twice as many next
         window = reach[h]
         traded = _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead)
@@ -105,6 +63,31 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int | No
         failed_before[failed] = True
         reach[failed] = np.minimum(reach[failed] * 2, R_items)
     return not np.any(state.load > limit)
+
+
+def _trade_index(state: _State, limit: np.ndarray):
+    """What the rounds of `_trade` read: the items grouped by slot (`order`, where each slot's begin),
+    the large items of every rank and the items a move may take (at most cap x _LARGE tokens) of the
+    ranks over `limit` (no other rank ever sheds: a trade never puts one over), both grouped by rank,
+    cheapest first within a rank (one sorted key each, rank + cost x scale), with their tokens, costs
+    and slots (a round reads these short arrays, not the step's)."""
+    cap, R, M = state.cap, state.load.shape[0], state.M
+    tok, cost = state.tokens, state.costs
+    slot = state.dest * M + state.micro
+    S = R * M
+    order = np.argsort(_uint_key(slot, S), kind="stable")  # items grouped by slot, so by rank
+    slot_starts = np.zeros(S + 1, dtype=np.int64)  # where each slot's items begin along `order`
+    np.cumsum(np.bincount(slot, minlength=S), out=slot_starts[1:])
+    scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
+    is_large = tok[order] > cap * _LARGE
+    large = _by_rank_and_cost(order[np.flatnonzero(is_large)], state.dest, cost, scale, R)
+    large += (tok[large[0]], cost[large[0]], state.micro[large[0]])
+    over_start = np.flatnonzero(state.load > limit)
+    rank_starts = slot_starts[::M]  # `order` is rank-major: a rank's items are one stretch of it
+    at, _ = _ranges(rank_starts[over_start], rank_starts[over_start + 1])
+    rest_items = _by_rank_and_cost(order[at[np.flatnonzero(~is_large[at])]], state.dest, cost, scale, R)
+    rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
+    return order, slot_starts, large, rest_items
 
 
 def _first_best(idx: np.ndarray, group: np.ndarray, score: np.ndarray) -> np.ndarray:
@@ -145,32 +128,10 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     ok = np.flatnonzero(~moved[l_order[pos]])
     pa, ga = pos[ok], ga[ok]  # positions of the items a in `large`
     recv = np.argmin(state.slot_tok[l], axis=1)
-    # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
-    first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
-    movable, movable_starts, movable_key, mv_scale, mv_tok, mv_cost, mv_micro = rest_items
-    hf, lf = h[first_partner], l[first_partner]
-    room = cap - state.slot_tok[lf, recv[first_partner]]
-    # as for the large items: the `window` each side of the cost h should shed (for a cost that grows
-    # with the tokens, the best move is the cheapest that covers it, or the dearest one short of it)
-    near = np.searchsorted(movable_key, hf + np.minimum(want[first_partner] * mv_scale, 0.5))
-    wf = window[first_partner]
-    lo = np.maximum(near - wf, movable_starts[hf])
-    pos, gi = _ranges(lo, np.maximum(np.minimum(near + wf, movable_starts[hf + 1]), lo))
-    ok = np.flatnonzero(~moved[movable[pos]] & (mv_tok[pos] <= room[gi]))
-    pos, go = pos[ok], first_partner[gi[ok]]
-    if pa.size + pos.size == 0:
+    moves = _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead)
+    if pa.size + moves[0].size == 0:
         return h[:0]
-    # moves need no pay-back (a fits l's roomiest slot as it is): scored without the segments below
-    mv_h, mv_l = h[go], l[go]
-    t_mv, c_mv = mv_tok[pos], mv_cost[pos]
-    ok = (c_mv > 0) & (state.load[mv_l] + c_mv <= limit[mv_l])
-    if state.count is not None:
-        ok &= (state.count[mv_h] - 1 >= state.min_count) & (state.count[mv_l] + 1 >= state.min_count)
-    mv_score = np.minimum(c_mv, excess[mv_h]) / (t_mv + overhead)
-    # only a pair's best move can win (ties: the first), so only those go on
-    keep = _first_best(np.flatnonzero(ok), go, mv_score)
-    pos, go, c_mv, mv_score = pos[keep], go[keep], c_mv[keep], mv_score[keep]
-    rest = movable[pos]
+    rest, go, c_mv, mv_score, mv_ma = moves
     # a large a scores at most min(c_a, what h sheds, room of l) / (t_a + overhead) whatever comes
     # back: one below its pair's best move cannot win
     best_move = np.full(P, -np.inf)
@@ -178,29 +139,9 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     ll_a = l[ga]
     bound = np.minimum(np.minimum(l_cost[pa], excess[h[ga]]), limit[ll_a] - state.load[ll_a]) / (l_tok[pa] + overhead)
     ok = np.flatnonzero(bound >= best_move[ga])
-    pa, ga, ll_a = pa[ok], ga[ok], ll_a[ok]
-    # for a large a, the b of l whose cost is nearest below and above c_a - want, if it never
-    # moved, and no b
-    p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
-    lo_b, hi_b = l_starts[ll_a], l_starts[ll_a + 1]
-    a_opts, g_opts, b_opts = [pa], [ga], [np.full(pa.size, -1, dtype=np.int64)]
-    for p_b in (p_hi - 1, p_hi):
-        inside = np.flatnonzero((p_b >= lo_b) & (p_b < hi_b))
-        inside = inside[np.flatnonzero(~moved[l_order[p_b[inside]]])]
-        a_opts.append(pa[inside])
-        g_opts.append(ga[inside])
-        b_opts.append(p_b[inside])
-    alone = pa.size  # the options without a b come first
-    pa, g, pb = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
-    has_b = pb >= 0
-    pbs = np.maximum(pb, 0)
-    b_pos = pb[alone:]
-    m = np.concatenate((recv[g[:alone]], l_micro[b_pos]))
-    tb = np.concatenate((np.zeros(alone), l_tok[b_pos]))
-    cb = np.concatenate((np.zeros(alone), l_cost[b_pos]))
-    ta, ca, ma = l_tok[pa], l_cost[pa], l_micro[pa]
-    hl, ll = h[g], l[g]
-    need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
+    pa, ga = pa[ok], ga[ok]
+    g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need = _large_options(state, h, l, pa, ga, want, recv, large,
+                                                                            moved)
     # only a pair's best can win: a candidate that needs no pay-back and scores below the pair's best
     # move or such candidate, or one that needs a pay-back and scores at most min(c_a - c_b, what h
     # sheds, room of l) / (t_a + t_b + need + overhead) below it, goes no further (no search)
@@ -224,17 +165,86 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     useful = np.minimum(delta, excess[hl])
     score = np.where(feasible, useful / (ta + back_tok + overhead), -np.inf)
     # every candidate, the moves first (as they were tried first)
-    lo = np.concatenate((np.zeros(go.size, dtype=np.int64), lo))  # a move pays nothing back
-    j = np.concatenate((np.full(go.size, -1, dtype=np.int64), j))
     a, g, b = np.concatenate((rest, a)), np.concatenate((go, g)), np.concatenate((np.full(rest.size, -1), b))
-    m = np.concatenate((recv[go], m))
-    score = np.concatenate((mv_score, score))
-    delta = np.concatenate((c_mv, delta))
-    has_b = b >= 0
-    ma = np.concatenate((mv_micro[pos], ma))
-    hl, ll = np.concatenate((h[go], hl)), np.concatenate((l[go], ll))
+    score, delta = np.concatenate((mv_score, score)), np.concatenate((c_mv, delta))
     if not np.isfinite(score).any():
         return h[:0]
+    lo = np.concatenate((np.zeros(go.size, dtype=np.int64), lo))  # a move pays nothing back
+    j = np.concatenate((np.full(go.size, -1, dtype=np.int64), j))
+    m, ma = np.concatenate((recv[go], m)), np.concatenate((mv_ma, ma))
+    hl, ll = np.concatenate((h[go], hl)), np.concatenate((l[go], ll))
+    return _choose_and_apply(state, P, budget, pay_back, moved, a, g, b, m, ma, hl, ll, score, delta, lo, j)
+
+
+def _large_options(state, h, l, pa, ga, want, recv, large, moved):
+    """The large-item options of `_round`: each a (position `pa` in `large`, pair `ga`) into l's
+    roomiest slot `recv`, and in place of the b of l whose cost is nearest below and above c_a - want
+    (never moved): (pair, has b, a's and b's positions, receiving slot, b's tokens and cost, a's
+    tokens, cost and slot, h, l, tokens a small pay-back must free), the options without b first."""
+    cap = state.cap
+    l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large
+    ll_a = l[ga]
+    p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
+    lo_b, hi_b = l_starts[ll_a], l_starts[ll_a + 1]
+    a_opts, g_opts, b_opts = [pa], [ga], [np.full(pa.size, -1, dtype=np.int64)]
+    for p_b in (p_hi - 1, p_hi):
+        inside = np.flatnonzero((p_b >= lo_b) & (p_b < hi_b))
+        inside = inside[np.flatnonzero(~moved[l_order[p_b[inside]]])]
+        a_opts.append(pa[inside])
+        g_opts.append(ga[inside])
+        b_opts.append(p_b[inside])
+    alone = pa.size  # the options without a b come first
+    pa, g, pb = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
+    has_b = pb >= 0
+    pbs = np.maximum(pb, 0)
+    b_pos = pb[alone:]
+    m = np.concatenate((recv[g[:alone]], l_micro[b_pos]))
+    tb = np.concatenate((np.zeros(alone), l_tok[b_pos]))
+    cb = np.concatenate((np.zeros(alone), l_cost[b_pos]))
+    ta, ca, ma = l_tok[pa], l_cost[pa], l_micro[pa]
+    hl, ll = h[g], l[g]
+    need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
+    return g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need
+
+
+def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead):
+    """The moves of `_round`: per pair, the best other item of h (the `window` each side of the cost
+    h should shed, never moved) that fits l's roomiest slot `recv` (h's first partner only):
+    (items, pair, cost, score, slot on h) of each pair's best."""
+    cap = state.cap
+    # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
+    first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
+    movable, movable_starts, movable_key, mv_scale, mv_tok, mv_cost, mv_micro = rest_items
+    hf, lf = h[first_partner], l[first_partner]
+    room = cap - state.slot_tok[lf, recv[first_partner]]
+    # as for the large items: the `window` each side of the cost h should shed (for a cost that grows
+    # with the tokens, the best move is the cheapest that covers it, or the dearest one short of it)
+    near = np.searchsorted(movable_key, hf + np.minimum(want[first_partner] * mv_scale, 0.5))
+    wf = window[first_partner]
+    lo = np.maximum(near - wf, movable_starts[hf])
+    pos, gi = _ranges(lo, np.maximum(np.minimum(near + wf, movable_starts[hf + 1]), lo))
+    ok = np.flatnonzero(~moved[movable[pos]] & (mv_tok[pos] <= room[gi]))
+    pos, go = pos[ok], first_partner[gi[ok]]
+    # moves need no pay-back (a fits l's roomiest slot as it is): scored without the segments below
+    mv_h, mv_l = h[go], l[go]
+    t_mv, c_mv = mv_tok[pos], mv_cost[pos]
+    ok = (c_mv > 0) & (state.load[mv_l] + c_mv <= limit[mv_l])
+    if state.count is not None:
+        ok &= (state.count[mv_h] - 1 >= state.min_count) & (state.count[mv_l] + 1 >= state.min_count)
+    mv_score = np.minimum(c_mv, excess[mv_h]) / (t_mv + overhead)
+    # only a pair's best move can win (ties: the first), so only those go on
+    keep = _first_best(np.flatnonzero(ok), go, mv_score)
+    pos, go, c_mv, mv_score = pos[keep], go[keep], c_mv[keep], mv_score[keep]
+    return movable[pos], go, c_mv, mv_score, mv_micro[pos]
+
+
+def _choose_and_apply(state, P, budget, pay_back, moved, a, g, b, m, ma, hl, ll, score, delta, lo, j):
+    """Of `_round`'s scored candidates (pair g, item a, item b or -1 sent back, into slot m of l, a's slot
+    ma on h, the pay-back's positions lo..j): the best of every pair (ties: the first); per over-full
+    rank its best, and its second best too when the best does not cover its excess and the two share
+    no item and no slot of h; every rank under budget trades once, the most over first. Applied;
+    returns the ranks h that traded."""
+    has_b = b >= 0
     # the best trade of every pair (ties: the first candidate); per over-full rank its best one,
     # and its second best too when the best does not cover its excess and the two share no item
     # and no slot of h; every rank under budget trades once, the most over first

@@ -75,10 +75,13 @@ def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     return pos
 
 
+_RADIX = 1 << 16  # keys below this sort as 16 bits: numpy's stable sort of them is a radix sort (O(n))
+
+
 def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
     """`values` (non-negative integers < `below`) as the narrowest unsigned type: numpy's stable sort
     of 8- / 16-bit keys is a radix sort (O(n)), much faster than its merge sort of wider ones."""
-    if below <= 1 << 16:
+    if below <= _RADIX:
         return values.astype(np.uint16)
     return values.astype(np.int64)
 

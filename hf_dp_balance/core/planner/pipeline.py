@@ -1,0 +1,207 @@
+"""The planning pipeline of `plan_balance` and `plan_step(sync="step")`: which stage runs when.
+
+Every stage works on one `_State` (the working placement) toward per-rank budgets (`lower_bound x
+speed`); the goal is the fullest rank (load / budget) at or under 1 + tolerance, the trades' limit
+1 + tolerance / 2. Every stage keeps the token cap of every slot and places every item exactly once.
+
+1. Incremental method (`passes._balance_incremental`), from the current placement: a cap repair
+   (tokens shed from slots over the cap), shed and place (best fit), refine (moves and one-for-one
+   swaps from the fullest rank), one-for-many exchanges (`eject`), the item-count fixes. Runs
+   first unless the slots are full (step 2 goes first then); stops at the goal.
+2. Full-cap trades (`_full_cap_trades`), for slots filled to the cap, where no large item fits
+   anywhere and only exchanges help; judged by the tokens they send. They run first when most
+   slots have less room than a large item (`_trades_first`), else only after step 1 ends above
+   the goal. For a cost whose large items are dearer per token (`_lumpy`): ladder trades
+   (`chain`); step 1 (shed and place only, from 5 micro-batches on); up to `_PASSES` ladder passes
+   at any cost per token, each with step 1; up to `_PASSES` that make load room where the free
+   tokens are (`_roomy_trades`). At 2 to 4 micro-batches the long items are first assigned to
+   ranks (`assign`) where that search expects to send at most `_TRUST` of the tokens; the other
+   order runs where the first ends above the trades' limit (one-for-one swaps first close a gap of
+   a few tenths, `refine._swap_down`). For a milder cost: small-change trades (`trade`) and step 1.
+   Both end with small-change trades, a polish and by sending home items a detour took away (`home`).
+3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending
+   fewer tokens): a repack sends most of the step again.
+4. Repack fallback (`repack`), only above that: the over-full and the emptiest ranks re-placed by
+   capped LPT and renamed toward their items' owners, their number doubled until the goal.
+5. Choice among all attempts: the lowest fullest rank, and among plans within the tolerance of it
+   the fewest tokens sent.
+
+`sync="micro_batch"` runs step 1 without exchanges (`slots`); `api` checks the result exactly and
+keeps it only when required or when it pays (`min_gain`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_dp_balance.core.planner import repack
+from hf_dp_balance.core.planner.assign import _assign_long, _long_first, _long_first_applies
+from hf_dp_balance.core.planner.chain import _ladder_trades
+from hf_dp_balance.core.planner.home import _send_home
+from hf_dp_balance.core.planner.passes import _balance_incremental, _polish
+from hf_dp_balance.core.planner.refine import _swap_down
+from hf_dp_balance.core.planner.state import (_FEW_SLOTS, _LARGE, _PASSES, _Infeasible, _State, _copy_state,
+                                              _fullest, _sent)
+from hf_dp_balance.core.planner.trade import _trade
+
+_TRUST = 0.5  # long items first go first where their search expects to send at most this share of the tokens
+_ROOMY_AIM = 0.98  # x budget: where the roomy passes aim the ranks with free tokens (room for a full rank's excess)
+_LUMPY = 2.0  # large items dearer per token than the rest by this factor: a rank must trade one away whole
+
+
+def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
+             deep: bool = True, repack_gain: float = 0.0) -> _State:
+    """Steps 1-5 of the module docstring; `deep` False (sync="micro_batch"): step 1 without exchanges.
+    With `repack_gain` > 0 (a cap repair, applied whatever it gains) a repack replaces the incremental
+    plan only if it cuts the fullest rank by that fraction. Raises _Infeasible only when no attempt
+    finds a feasible plan."""
+    if not deep:
+        return _balance_incremental(state, budget, tolerance, relocate, deep=False)
+    goal = 1.0 + tolerance
+    start = state.dest.copy()
+    origin = _copy_state(state)
+    tried, traded, lumpy = [], None, False
+    first = _trades_first(origin)
+    if first:  # on `state` itself: step 1 starts from a fresh copy of `origin` when they find no plan
+        lumpy = _lumpy(origin)
+        traded = _full_cap_trades(state, budget, tolerance, relocate, copy=False, ladder=lumpy)
+        if traded is None:
+            state = _copy_state(origin)
+        elif _fullest(traded, budget) <= goal:
+            return traded
+        else:
+            tried.append(traded)  # it ran step 1 already: the repacks start from it
+    if not tried:
+        try:
+            tried.append(_balance_incremental(state, budget, tolerance, relocate))
+        except _Infeasible:
+            pass
+        if tried and _fullest(tried[0], budget) <= goal:
+            return tried[0]
+        if not first:
+            traded = _full_cap_trades(origin, budget, tolerance, relocate)
+            if traded is not None and _fullest(traded, budget) <= goal:
+                return traded
+    near = [st for st in tried + ([traded] if traded is not None and traded not in tried else [])
+            if _fullest(st, budget) <= 1.0 + 2.0 * tolerance]
+    if near:
+        return min(near, key=lambda st: _sent(st, start))
+    base = tried[0] if tried else origin
+    # after ladder trades, a repack that does not beat them ends the doubling (it rarely does, for most of the call)
+    stop_at = _fullest(traded, budget) if traded is not None and lumpy else np.inf
+    tried += repack._repack_until(base, origin, budget, tolerance, start, stop_at, none_yet=not tried)
+    incremental = tried[0] if base is not origin else None
+    if traded is not None and traded not in tried:
+        tried.append(traded)
+    return _choose(tried, incremental, budget, tolerance, start, repack_gain)
+
+
+def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool = True,
+                     ladder: bool = True):
+    """Step 2 of the module docstring; None when the start breaks the cap (a repair: step 1 does it)
+    or no plan is found. Where both orders of long items first run, the better plan wins (the lower
+    fullest rank; both within the trades' limit, fewer tokens sent). With `copy` False it works on
+    `origin` itself (spoilt when it returns None)."""
+    if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
+        return None
+    if not ladder or not _long_first_applies(origin):
+        return _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=None)
+    start = origin.dest.copy()
+    spare = _copy_state(origin)
+    assigned = _assign_long(origin, budget, tolerance)
+    trusted = assigned[2] <= _TRUST * float(origin.tokens.sum())
+    first = _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=assigned if trusted else None)
+    limit = (1.0 + tolerance / 2.0) * (1.0 + 1e-9)
+    if trusted and first is not None and limit < _fullest(first, budget) <= 1.0 + tolerance:
+        _swap_down(first, budget * (1.0 + tolerance / 2.0), start)  # a rank a few tenths over: single swaps
+    if first is not None and _fullest(first, budget) <= limit:
+        return first
+    second = _full_cap_pass(spare, budget, tolerance, relocate, False, ladder,
+                            long_first=None if trusted else assigned)
+    plans = [p for p in (first, second) if p is not None]
+    if not plans:
+        return None
+    within = [p for p in plans if _fullest(p, budget) <= limit]
+    if within:
+        return min(within, key=lambda p: _sent(p, start))
+    return min(plans, key=lambda p: _fullest(p, budget))
+
+
+def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool,
+                   ladder: bool, long_first):
+    """One attempt of step 2; `long_first`: None, or what `_assign_long` returned for `origin`."""
+    start = origin.dest.copy()
+    state = _copy_state(origin) if copy else origin
+    try:
+        if ladder:
+            if long_first is not None:
+                _long_first(state, budget, tolerance, long_first)
+            _ladder_trades(state, budget, tolerance)
+            # with many micro-batches shed and place only: the residue passes do what refining and
+            # exchanges would there, sending fewer tokens (at 2-4, where long items go first, both help)
+            deep = state.M <= _FEW_SLOTS
+            state = _balance_incremental(state, budget, tolerance, relocate, deep=deep, refine=deep)
+            for _ in range(_PASSES):
+                if _fullest(state, budget) <= 1.0 + tolerance:
+                    break
+                _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True, partners_only=True)
+                state = _balance_incremental(state, budget, tolerance, relocate)
+            for _ in range(_PASSES):
+                if _fullest(state, budget) <= 1.0 + tolerance:
+                    break
+                _roomy_trades(state, budget, tolerance)
+                state = _balance_incremental(state, budget, tolerance, relocate)
+        else:
+            _trade(state, budget, tolerance)
+            state = _balance_incremental(state, budget, tolerance, relocate)
+        _trade(state, budget, tolerance)
+        state = _polish(state, budget, budget * (tolerance / 2.0), tolerance)
+        # up to the trades' limit, never above the fullest rank now (fewer tokens, not a slower step)
+        _send_home(state, start, budget * min(1.0 + tolerance / 2.0, _fullest(state, budget)))
+        state.path = "trades"
+        return state
+    except _Infeasible:
+        return None
+
+
+def _roomy_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
+    """Ladder trades at any cost per token toward _ROOMY_AIM x budget on the ranks with room for two
+    large items (over their M slots), the budget elsewhere. Where the residue leaves every free token
+    on ranks at or over the limit (each holds a rank-sized item: M = 3) and every rank with load room
+    token-full, no move fits; these trades send a roomy rank's dense items to token-full ranks for their
+    cheaper tokens, and step 1 then moves the excess into that room. The fullest rank never rises."""
+    roomy = state.cap * state.M - state.slot_tok.sum(axis=1) >= state.cap * 2 * _LARGE
+    _ladder_trades(state, np.where(roomy, budget * _ROOMY_AIM, budget), tolerance, min_rate=0.0)
+
+
+def _trades_first(state: _State) -> bool:
+    """Most slots have less token room than a large item (fixed-length packing at max_tokens = the
+    pack length): only exchanges help, so the full-cap trades go first."""
+    if state.cap is None or state.slot_tok is None or bool(np.any(state.slot_tok > state.cap)):
+        return False
+    return float(np.median(state.cap - state.slot_tok)) <= state.cap * _LARGE
+
+
+def _lumpy(state: _State) -> bool:
+    """The large items cost at least _LUMPY x more per token than the rest (a strongly quadratic
+    cost): a rank over the goal must trade one of them away for many small ones (ladder trades)."""
+    large = (state.tokens > state.cap * _LARGE).view(np.int8)
+    t_rest, t_large = np.bincount(large, weights=state.tokens, minlength=2)
+    if t_large <= 0 or t_rest <= 0:
+        return False
+    c_rest, c_large = np.bincount(large, weights=state.costs, minlength=2)
+    return float(c_large) / t_large >= _LUMPY * float(c_rest) / t_rest
+
+
+def _choose(tried: list, incremental, budget: np.ndarray, tolerance: float, start: np.ndarray,
+            repack_gain: float) -> _State:
+    """Step 5: the lowest fullest rank, and among the attempts within `tolerance` of it the fewest
+    tokens sent (first wins ties); the `incremental` plan instead when the choice is a repack that
+    does not beat it by `repack_gain`."""
+    best = min(_fullest(st, budget) for st in tried)
+    near = [st for st in tried if _fullest(st, budget) <= best * (1.0 + tolerance)]
+    chosen = min(near, key=lambda st: _sent(st, start))
+    if (repack_gain > 0 and incremental is not None and chosen is not incremental
+            and _fullest(chosen, budget) > _fullest(incremental, budget) * (1.0 - repack_gain)):
+        return incremental
+    return chosen
