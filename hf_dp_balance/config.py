@@ -152,6 +152,11 @@ class DPBalanceConfig:
     so once. Off (default): such a run is refused at train begin, naming the setting
     (`integrations.loss_contract`)."""
 
+    metrics_every: int = 10
+    """`DPBalancer`: optimizer steps between two measurements of the ranks' compute (a collective run inside the
+    step, on every rank at the same step), so that `metrics()` stays local and any rank may call it alone
+    (0: never measure). The Trainer callback measures at Trainer's own logging steps."""
+
     def __post_init__(self) -> None:
         def bad(name: str, value, why: str) -> None:
             raise ValueError(f"DPBalanceConfig.{name}={value!r}: {why}")
@@ -187,6 +192,8 @@ class DPBalanceConfig:
             bad("timeout_s", self.timeout_s, "must be > 0 seconds")
         if self.prefetch_steps < 1:
             bad("prefetch_steps", self.prefetch_steps, "must be >= 1")
+        if self.metrics_every < 0:
+            bad("metrics_every", self.metrics_every, "must be >= 0")
         if self.lookahead_steps < 0:
             bad("lookahead_steps", self.lookahead_steps, "must be >= 0")
         if not self.heartbeat_s > 0:

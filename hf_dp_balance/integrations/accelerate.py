@@ -17,7 +17,9 @@ times each rank's steps between the loader's own step boundaries and fits, broad
 cost model, unless it is given one (`cost_model=`, or `config.cost_model_path`, read on rank 0 and
 broadcast). Until a model is fitted it plans with the FLOP prior of the model's config (`config.prior`).
 A DataLoader whose collator packs rows itself is split and packed back in its layout (`config.input`).
-`state_dict` names a look-ahead window a resume starts inside. `close()` closes the session.
+The session's state (every loader's position, look-ahead window and plan, the settings that order the samples,
+the cost models) is registered with `accelerator.register_for_checkpointing`: `save_state` / `load_state` carry
+it. `close()` closes the session.
 """
 
 from __future__ import annotations
@@ -71,6 +73,20 @@ def _name_distributed_errors(owner, name: str, loader, step):
     return (lambda: setattr(owner, name, own)) if own is not None else (lambda: vars(owner).pop(name, None))
 
 
+def _register_for_checkpointing(accelerator, session):
+    """`accelerator.register_for_checkpointing(session)`, and its undo (the session is closed with the balancer)."""
+    register = getattr(accelerator, "register_for_checkpointing", None)
+    if register is None:
+        return lambda: None
+    register(session)
+
+    def undo():
+        objects = getattr(accelerator, "_custom_objects", [])
+        objects[:] = [obj for obj in objects if obj is not session]
+
+    return undo
+
+
 class DPBalancer:
     """Balance a custom Accelerate loop's data across its data-parallel ranks.
 
@@ -120,6 +136,9 @@ class DPBalancer:
             self.session.start(model=self._model, model_config=self.model_config, timing=timing,
                                device_type=device_type, sync=self.sync, decoder=cost_model, vision=vision_cost_model, fitted_step=-1,
                                file_step=0)
+            if self.config.vision and self._model is not None and getattr(self._model, "_dp_balance_vision", None) is None:
+                # the vision tower balanced over the data-parallel slice, on the session's group; removed at close
+                self.session.install_vision(self._model)
         except BaseException:
             self.session.close()  # a refused setup leaves no group behind
             raise
@@ -133,6 +152,8 @@ class DPBalancer:
         self._unwrap = [_name_distributed_errors(self.accelerator, "backward", self._current_loader, self._step)]
         if model is not None:  # DDP's forward broadcasts buffers
             self._unwrap.append(_name_distributed_errors(model, "forward", self._current_loader, self._step))
+        # accelerator.save_state / load_state carry the session's state (positions, settings, cost models)
+        self._unwrap.append(_register_for_checkpointing(accelerator, self.session))
 
     def _current_loader(self):
         return self._loaders[-1][0] if self._loaders else None
@@ -192,12 +213,16 @@ class DPBalancer:
                               side_channel=self.session.side, sync=self.sync, **kwargs)
         self.session.add_loader(loader)
         self._loaders.append((loader, restore))
-        return BalancedDataLoader(prepared, lambda raw: loader.iter_steps(raw), device=self.device,
-                                  count_items=self._global_count, recorder=self.recorder, length=length,
-                                  on_step=self._step_done, before_last=lambda step: self._collect_stats(loader),
-                                  window_state=loader.window_state, resume_in_window=loader.resume_in_window,
-                                  stamp=self.session.resume_state, check=self.session.check_resume_state,
-                                  micro_per_step=self.gradient_accumulation_steps)
+        balanced = BalancedDataLoader(prepared, lambda raw: loader.iter_steps(raw), device=self.device,
+                                      count_items=self._global_count, recorder=self.recorder, length=length,
+                                      on_step=self._step_done, before_last=lambda step: self._collect_stats(loader),
+                                      window_state=loader.window_state, resume_in_window=loader.resume_in_window,
+                                      state_owner=self.session, micro_per_step=self.gradient_accumulation_steps,
+                                      raw_per_micro=loader.raw_batches_per_micro)
+        workers = int(getattr(getattr(prepared, "base_dataloader", prepared), "num_workers", 0) or 0)
+        self.session.track(lambda: {**loader.settings(), "dataloader_workers": workers}, balanced.position,
+                           balanced.restore)
+        return balanced
 
     def _dispatches(self, dataloader) -> bool:
         """Dispatch mode as accelerate decides it: its flag, else an IterableDataset (with device placement)."""
@@ -310,6 +335,9 @@ class DPBalancer:
         fitter's collectives are safe here. Without a model to hook, the step's packed rows tell what it computed.
         """
         self._steps_trained += 1
+        cadence = self.config.metrics_every
+        if cadence > 0 and self._steps_trained % cadence == 0:
+            self.session.measure()  # every rank ends the same steps: the measurement's collective meets here
         if seconds is None:
             return
         rec = self.recorder
@@ -322,8 +350,9 @@ class DPBalancer:
     # -- results and teardown ------------------------------------------------------------------
     def metrics(self) -> dict:
         """The `dp_balance/*` numbers of the steps since the last call, as the Trainer callback logs them
-        (plus `dp_balance/steps`). A collective on the balancer's side group: every data-parallel rank
-        calls it at the same step."""
+        (plus `dp_balance/steps`). Local: call it on any rank, at any step (`if accelerator.is_main_process:
+        log(balancer.metrics())`); the measured compute imbalance comes from the collective the balancer runs
+        inside the step every `config.metrics_every` steps."""
         stats, self._pending_stats = self._pending_stats, []
         out = self.session.metrics(stats)
         out["dp_balance/steps"] = float(len(stats))

@@ -95,8 +95,7 @@ class BalancedDataLoader:
                  gradient_state: Any = None, length: Optional[Callable[[], int]] = None,
                  window_state: Optional[Callable[[int], Optional[dict]]] = None,
                  resume_in_window: Optional[Callable[[Optional[dict]], None]] = None,
-                 stamp: Callable[..., dict] = dict, check: Callable[[dict], dict] = lambda state: state,
-                 micro_per_step: int = 1):
+                 state_owner: Any = None, micro_per_step: int = 1, raw_per_micro: int = 1):
         self.prepared = prepared
         self._steps_source = steps_source
         self._device = device
@@ -115,54 +114,83 @@ class BalancedDataLoader:
         self.remainder = -1              # no padded samples: every sample is trained once
         self._steps_done = 0             # steps of the current pass fully handed out
         self._micro_done = 0             # raw micro-batches behind them
-        self._skip_micro = 0             # load_state_dict: micro-batches to skip at the next pass
-        self._skip_trained = 0           # load_state_dict inside a look-ahead window: its steps already trained
-        self._epoch = None
+        self._skip_micro = 0             # restore: raw micro-batches to skip at the next pass
+        self._skip_trained = 0           # restore inside a look-ahead window: its steps already trained
+        self._skip_steps = 0             # restore: completed steps of the pass before the stream's first step
+        self._steps_base = 0             # those steps in the pass in progress (`position`'s count)
+        self._epoch = None               # the epoch of the pass in progress (None between passes)
+        self._next_epoch = 0             # the epoch of the next pass, where the loader has no epoch counter
         self._window_state = window_state
         self._resume_in_window = resume_in_window
-        self._stamp, self._check = stamp, check
-        self._micro_per_step = int(micro_per_step)  # raw micro-batches of a full step (gradient accumulation)
+        self._state_owner = state_owner  # the session whose state_dict holds this loader's position
+        self._micro_per_step = int(micro_per_step)  # micro-batch slots of a full step (gradient accumulation)
+        self._raw_per_micro = int(raw_per_micro)    # raw batches read per slot (dispatch mode: one per rank)
 
     # -- dataloader protocol ------------------------------------------------------------------
     def __len__(self) -> int:
         return self._length() if self._length is not None else len(self.prepared)
 
     def set_epoch(self, epoch: int) -> None:
+        self._next_epoch = int(epoch)
         if hasattr(self.prepared, "set_epoch"):
             self.prepared.set_epoch(epoch)
-        elif hasattr(getattr(self.prepared, "dataset", None), "set_epoch"):  # a plain DataLoader (dispatch mode)
+            return
+        sampler = getattr(self.prepared, "sampler", None)  # a plain DataLoader (dispatch mode)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        if hasattr(getattr(self.prepared, "dataset", None), "set_epoch"):
             self.prepared.dataset.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress, else of the next pass (after `load_state_dict`: the resumed one)."""
+        if self._epoch is not None:
+            return int(self._epoch)
+        return int(getattr(self.prepared, "iteration", self._next_epoch))
 
     def __getattr__(self, name: str):
         if name == "prepared" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.prepared, name)
 
-    def state_dict(self) -> dict:
-        """Where a resume continues: the epoch, the raw micro-batches read before the resume point, and, inside
-        a look-ahead window (whose samples may train in any of its steps), the window's plan and how many of
-        its steps were trained; stamped with the format version and the data-parallel size."""
-        epoch = int(getattr(self.prepared, "iteration", 0) if self._epoch is None else self._epoch)
+    def position(self) -> dict:
+        """Where a resume continues: the epoch, the completed steps of its pass, the raw batches read before
+        the resume point, and, inside a look-ahead window (whose samples may train in any of its steps), the
+        window's plan and how many of its steps were trained (the window is then read again from its start)."""
         window = self._window_state(self._steps_done) if self._window_state is not None else None
         micro = self._micro_done
-        if window is not None:  # resume at the window's start: it is read again, its trained steps skipped
-            micro -= window["trained"] * self._micro_per_step
-        return self._stamp(epoch=epoch, steps=self._steps_done, micro_batches=micro, window=window)
+        if window is not None:
+            micro -= window["trained"] * self._micro_per_step * self._raw_per_micro
+        return {"epoch": self.epoch, "steps": self._steps_base + self._steps_done, "micro_batches": micro,
+                "window": window}
 
-    def load_state_dict(self, state: dict) -> None:
-        """The next pass starts after `state`'s completed steps (their raw micro-batches are read and skipped);
+    def restore(self, position: dict) -> None:
+        """The next pass starts at `position` (`position()`'s): its raw batches before it are read and skipped;
         inside a look-ahead window, with the window's untrained samples."""
-        state = self._check(state)
-        if "epoch" in state:
-            self.set_epoch(int(state["epoch"]))
-        self._skip_micro = int(state.get("micro_batches", 0))
-        window = state.get("window")
+        self.set_epoch(int(position["epoch"]))
+        self._skip_micro = int(position.get("micro_batches", 0))
+        window = position.get("window")
         self._skip_trained = int(window["trained"]) if window else 0
+        self._skip_steps = int(position.get("steps", 0)) - self._skip_trained
         if self._resume_in_window is not None:
             self._resume_in_window(window)
         elif window:
-            raise ValueError("BalancedDataLoader.load_state_dict: the state was taken inside a look-ahead window, "
-                             "and this loader cannot resume one")
+            raise ValueError("BalancedDataLoader: the state was taken inside a look-ahead window, and this loader "
+                             "cannot resume one")
+
+    def state_dict(self) -> dict:
+        """The run's one resume state (`BalanceSession.state_dict`: every balanced loader's position, the
+        settings that order the samples, the cost models), as `accelerator.save_state` saves it."""
+        if self._state_owner is None:
+            raise ValueError("BalancedDataLoader.state_dict: this loader belongs to no session")
+        return self._state_owner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()`'s state (refused by name when a setting that orders the samples differs).
+        Every data-parallel rank calls it at once (rank 0's state is broadcast)."""
+        if self._state_owner is None:
+            raise ValueError("BalancedDataLoader.load_state_dict: this loader belongs to no session")
+        self._state_owner.load_state_dict(state)
 
     # -- iteration ----------------------------------------------------------------------------
     def _last_micro_batch(self, step: int, num_micro: int, steps: Iterator[list]) -> Optional[list]:
@@ -171,7 +199,7 @@ class BalancedDataLoader:
         is the end of the data."""
         if self._before_last is not None:
             self._before_last(step)
-        self._steps_done, self._micro_done = step + 1, self._micro_done + num_micro
+        self._steps_done, self._micro_done = step + 1, self._micro_done + num_micro * self._raw_per_micro
         t0 = time.perf_counter()
         upcoming = next(steps, None)
         self._waited += time.perf_counter() - t0
@@ -189,10 +217,10 @@ class BalancedDataLoader:
         from accelerate.utils import send_to_device
 
         raw = _RawSource(self.prepared, skip=self._skip_micro)
-        self._epoch = getattr(self.prepared, "iteration", None)
+        self._epoch = int(getattr(self.prepared, "iteration", self._next_epoch))
         # a pass resumed inside a window counts its trained steps as read: the window starts at raw._skip
-        self._steps_done, self._skip_micro = 0, 0
-        self._micro_done = int(raw._skip) + self._skip_trained * self._micro_per_step
+        self._steps_done, self._skip_micro, self._steps_base, self._skip_steps = 0, 0, self._skip_steps, 0
+        self._micro_done = int(raw._skip) + self._skip_trained * self._micro_per_step * self._raw_per_micro
         self._skip_trained = 0
         steps = self._steps_source(raw)
         self.end_of_dataloader = False
@@ -217,7 +245,9 @@ class BalancedDataLoader:
                     yield batch
                 self._on_step(step, current, self._step_seconds())
                 current = upcoming
-            self._epoch, self._steps_done, self._micro_done = None, 0, 0  # a finished pass resumes at the next
+            # a finished pass resumes at the next
+            self._next_epoch, self._epoch, self._steps_done, self._micro_done = self._epoch + 1, None, 0, 0
+            self._steps_base = 0
         finally:
             steps.close()
             raw.finish()

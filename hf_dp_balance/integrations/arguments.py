@@ -120,6 +120,9 @@ class DPBalanceArguments:
     dp_balance_allow_per_rank_loss_mean: bool = field(default=False, metadata=_help(
         "Balance although each rank's loss is its own mean (average_tokens_across_devices=False): the update "
         "then differs from the unbalanced run's (said once); off: such a run is refused", "allow_per_rank_loss_mean"))
+    dp_balance_metrics_every: int = field(default=10, metadata=_help(
+        "DPBalancer: optimizer steps between two measurements of the ranks' compute (a collective inside the "
+        "step), so that metrics() stays local; 0: never (Trainer measures at its logging steps)", "metrics_every"))
 
     def __post_init__(self) -> None:
         # Fail at parse time, not at the first training step.

@@ -6,7 +6,9 @@ An adapter of Trainer's events onto one `runtime.session.BalanceSession` per `tr
 channel, fitter (gather, fit on rank 0, broadcast, refit), recorder, balanced loader and vision balancer are
 made at train begin and closed at train end. Guarantees: every rank plans with the same cost models (read on
 rank 0 and broadcast); tp / cp peers of one data-parallel index get the same batches; `dp_balance/*` metrics
-reach Trainer's own log stream; with look-ahead, checkpoints fall on window ends only. Event by event: docs/usage.md.
+reach Trainer's own log stream; every checkpoint carries the session's state (the loader's position, its look-ahead
+window and plan, the settings that order the samples, the cost models), restored at train begin, so a resume
+from any step, inside a look-ahead window too, trains every sample once. Event by event: docs/usage.md.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, summarize_step_sta
 from hf_dp_balance.runtime.packed_input import packed_input_for
 from hf_dp_balance.runtime.fitter import image_patches, resolve_timing
 from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
-from hf_dp_balance.runtime.session import CHECKPOINT_FILE, BalanceSession, load_checkpoint_models
+from hf_dp_balance.runtime.session import CHECKPOINT_FILE, STATE_FILE, BalanceSession, load_checkpoint_models
 from hf_dp_balance.integrations.loss_contract import check_trainer_loss
 
 logger = get_logger(__name__)
@@ -78,8 +80,6 @@ class DPBalanceCallback(TrainerCallback):
         self._installed_on = None
         self._active = False
         self._global_step = 0  # Trainer's state.global_step at the last step or epoch begin
-        self._save_held = False  # a checkpoint waits for the end of a look-ahead window
-        self._hold_warned = False
 
     # -- the session's state, read by checkpoints, logs and callers ------------------------
 
@@ -148,7 +148,7 @@ class DPBalanceCallback(TrainerCallback):
             self._active = True
             device_type = torch.device(getattr(args, "device", torch.device("cpu"))).type
             checks = [lambda: _check_sft(args, train_dataloader, model, getattr(trainer, "data_collator", None)),
-                      lambda: check_trainer_loss(args, trainer, self.config),
+                      lambda: check_trainer_loss(args, trainer, self.config, world=data_parallel.size),
                       lambda: _check_data_parallel_sharding(train_dataloader, data_parallel, self._explicit_group)]
             decoder, vision, fitted_step = self._initial_models
             sync = self._sync(trainer)
@@ -160,6 +160,10 @@ class DPBalanceCallback(TrainerCallback):
             self.restored_from = self.session.restored_from
             if train_dataloader is not None and data_parallel.size > 1:
                 self.loader = self.session.add_loader(self._install_loader(train_dataloader, model, args))
+                self._track_loader(args, state)
+                # the cost models came with the checkpoint's model file (`start`, counted as fitted at this step)
+                self.session.load_state_dict(self._read_state(args, state),
+                                             models=False)
             if self.config.vision and model is not None:
                 self.session.install_vision(model)
                 # errors name the optimizer step the user sees (1-based, as Trainer logs)
@@ -178,16 +182,51 @@ class DPBalanceCallback(TrainerCallback):
         return _default_sync(trainer, self.config) or ("step" if self.config.sync == "auto" else self.config.sync)
 
     @staticmethod
-    def _checkpoint_files(args, state) -> List[str]:
-        """Where a resume finds the cost models (read on rank 0 only): the checkpoint resumed from, else the
+    def _checkpoint_folders(args, state) -> List[str]:
+        """Where a resume finds the balancing state (read on rank 0 only): the checkpoint resumed from, else the
         checkpoint of the step Trainer resumes at."""
         candidates = []
         resume = getattr(args, "resume_from_checkpoint", None)
         if isinstance(resume, str):
-            candidates.append(os.path.join(resume, CHECKPOINT_FILE))
+            candidates.append(resume)
         if state.global_step > 0:
-            candidates.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}", CHECKPOINT_FILE))
+            candidates.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
         return candidates
+
+    @staticmethod
+    def _checkpoint_files(args, state) -> List[str]:
+        """The cost-model files of `_checkpoint_folders`."""
+        return [os.path.join(folder, CHECKPOINT_FILE) for folder in DPBalanceCallback._checkpoint_folders(args, state)]
+
+    def _track_loader(self, args, state) -> None:
+        """The loader's part of the session's state: Trainer counts the steps (its global_step) and skips their
+        raw batches on resume; the state adds the look-ahead window a checkpoint falls inside."""
+        loader, workers = self.loader, int(getattr(args, "dataloader_num_workers", 0) or 0)
+
+        def position() -> dict:
+            return {"steps": int(state.global_step), "window": loader.window_state(loader.stream_position())}
+
+        def restore(saved: dict) -> None:
+            if int(saved["steps"]) != int(state.global_step):
+                raise ValueError(f"hf_dp_balance: the checkpoint's balancing state was taken at step {saved['steps']}, "
+                                 f"Trainer resumes at step {state.global_step}: resume from the checkpoint that wrote it")
+            if saved.get("window") and self._installed_on is not self._trainer():
+                raise ValueError("hf_dp_balance: the checkpoint was taken inside a look-ahead window, and the loader "
+                                 "is balanced in dataloader mode, which cannot resume mid-epoch; give the callback "
+                                 "in Trainer(callbacks=[...]) (trainer mode)")
+            loader.resume_in_window(saved.get("window"))
+
+        self.session.track(lambda: {**loader.settings(), "dataloader_workers": workers}, position, restore)
+
+    @staticmethod
+    def _read_state(args, state) -> Optional[dict]:
+        """The session state of the checkpoint Trainer resumes from (the data-parallel slice's first rank's is used)."""
+        for folder in DPBalanceCallback._checkpoint_folders(args, state):
+            path = os.path.join(folder, STATE_FILE)
+            if os.path.isfile(path):
+                with open(path, "r", encoding="utf-8") as f:
+                    return json.load(f)
+        return None
 
     def _install_loader(self, train_dataloader, model, args):
         """Balance the training data: through the Trainer when we hold it (resume keeps Trainer's own
@@ -222,36 +261,6 @@ class DPBalanceCallback(TrainerCallback):
         if not self._active or self.session is None:
             return
         self.session.end_step(state.global_step)
-        self._checkpoint_on_window_boundary(state, control)
-
-    def _checkpoint_on_window_boundary(self, state, control) -> None:
-        """With look-ahead, a checkpoint due inside a window is written at the window's end instead.
-
-        Inside a window some samples of later steps are already trained and some of earlier steps are
-        not: a resume from there would train samples twice and skip others. The final step of the run
-        still saves where it falls (nothing is left to train).
-        """
-        loader = self.loader
-        if loader is None or self.config.lookahead_steps <= 1 or not hasattr(loader, "at_window_boundary"):
-            return
-        boundary = loader.at_window_boundary()
-        if control.should_save and not boundary and state.global_step < state.max_steps:
-            control.should_save = False
-            if not self._hold_warned:
-                self._hold_warned = True
-                logger.warning("dp_balance: checkpoint of step %d held to the end of its look-ahead window "
-                               "(lookahead_steps=%d; said once): a resume from inside a window would train "
-                               "samples twice; save_steps a multiple of it avoids the shift",
-                               state.global_step, self.config.lookahead_steps)
-            self._save_held = True
-        elif self._save_held and boundary:
-            control.should_save = True
-            self._save_held = False
-
-    def on_epoch_end(self, args, state, control, **kwargs):
-        if self._save_held:  # a pass over the data ends its last window
-            control.should_save = True
-            self._save_held = False
 
     # -- logging ------------------------------------------------------------------------
 
@@ -259,6 +268,7 @@ class DPBalanceCallback(TrainerCallback):
         """At a training log (every rank logs the same steps): measured imbalance over the window (a
         collective), loader and vision counters, the cost model."""
         take = getattr(self.loader, "pop_stats", None)
+        self.session.measure()  # Trainer logs on every rank at the same step: the collective meets there
         return self.session.metrics(take() if callable(take) else [])
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -275,14 +285,18 @@ class DPBalanceCallback(TrainerCallback):
     # -- checkpoints --------------------------------------------------------------------
 
     def on_save(self, args, state, control, **kwargs):
+        """Every checkpoint gets the session's state (equal on every rank: rank 0 writes it) and the cost models."""
         if not self._active or self.session is None or not state.is_world_process_zero:
             return
-        data = self.session.model_state()
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if data is None or not os.path.isdir(folder):
+        if not os.path.isdir(folder):
             return
-        with open(os.path.join(folder, CHECKPOINT_FILE), "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
+        with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as f:
+            json.dump(self.session.state_dict(), f, sort_keys=True)
+        data = self.session.model_state()
+        if data is not None:
+            with open(os.path.join(folder, CHECKPOINT_FILE), "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._close_session()

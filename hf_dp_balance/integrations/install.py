@@ -74,6 +74,7 @@ class _Installation:
     device: Any = _MISSING             # trainer mode: dataloader.device before install
     get_batch_samples: Any = _MISSING  # trainer mode: the instance's own get_batch_samples before install
     training_step: Any = _MISSING      # trainer mode: the instance's own training_step before install
+    get_resumed_dataloader: Any = _MISSING  # trainer mode: the instance's own get_resumed_dataloader before install
     base_dataloader: Any = _MISSING    # dataloader mode: the shard's inner loader before install
 
 
@@ -228,6 +229,11 @@ def install_balanced_loader(target, config: Optional[DPBalanceConfig] = None, *,
         # Bound to this installation, not looked up on the trainer: a stale patch can never reach a newer loader.
         trainer.get_batch_samples = types.MethodType(functools.partial(_balanced_get_batch_samples, loader=loader),
                                                      trainer)
+        record.get_resumed_dataloader = vars(trainer).get("get_resumed_dataloader", _MISSING)
+        if hasattr(trainer, "get_resumed_dataloader"):
+            trainer.get_resumed_dataloader = types.MethodType(
+                functools.partial(_balanced_resumed_dataloader, skip=trainer.get_resumed_dataloader, loader=loader),
+                trainer)
         record.training_step = vars(trainer).get("training_step", _MISSING)
         # the user's step in training: Trainer's global_step + 1
         trainer.training_step = named_training_call(trainer.training_step, lambda: loader,
@@ -254,6 +260,14 @@ def _balanced_get_batch_samples(self, epoch_iterator, num_batches: int, device, 
         return batches, self._get_num_items_in_batch(batches, device)
 
 
+def _balanced_resumed_dataloader(self, dataloader, num_batches: int, *, skip, loader: BalancedLoader):
+    """Trainer's mid-epoch resume skips the raw batches of the steps it trained; a resume inside a look-ahead
+    window reads the window again from its start (its samples may train in any of its steps), so the window's
+    trained steps are not skipped here: the balanced stream skips them after re-planning the window."""
+    rewind = loader.resume_trained_steps() * loader.gradient_accumulation_steps
+    return skip(dataloader, num_batches - rewind) if num_batches > rewind else dataloader
+
+
 def uninstall_balanced_loader(target) -> None:
     """Undo `install_balanced_loader(target)` (end of training, on every rank); a no-op when not installed.
 
@@ -275,7 +289,7 @@ def uninstall_balanced_loader(target) -> None:
         record.inner.collate_fn = record.collate_fn
         if record.device is not _MISSING:
             record.dataloader.device = record.device
-        for name in ("get_batch_samples", "training_step"):
+        for name in ("get_batch_samples", "training_step", "get_resumed_dataloader"):
             before = getattr(record, name)
             if before is not _MISSING:
                 setattr(target, name, before)

@@ -42,9 +42,16 @@ class DispatchedLoader(BalancedLoader):
     iterator given to `iter_steps` is read on rank 0 only, and yields per-process raw batches.
     """
 
+    dispatches = True  # a resume state records it: the raw order differs from a per-rank loader's
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._start_ranks: Optional[np.ndarray] = None  # thread-only: start rank of the prepared step's samples
+
+    @property
+    def raw_batches_per_micro(self) -> int:
+        """Raw batches rank 0 reads per micro-batch slot: one per data-parallel rank (a resume skips as many)."""
+        return int(self._exchange.world_size)
 
     @property
     def is_source(self) -> bool:

@@ -67,6 +67,8 @@ class BalancedLoader:
     `close()` ends the thread and destroys the side groups this loader created (end of training).
     """
 
+    raw_batches_per_micro = 1  # raw batches read per micro-batch slot (a resume skips as many)
+
     def __init__(self, dataloader: Iterable, config: Optional[DPBalanceConfig] = None, *,
                  gradient_accumulation_steps: int = 1, model_config: Any = None,
                  collator: Optional[Callable[[list], Any]] = None,
@@ -217,17 +219,6 @@ class BalancedLoader:
     @property
     def exchange(self) -> SampleExchange:
         return self._exchange
-
-    def at_window_boundary(self) -> bool:
-        """Whether the steps consumed so far end a look-ahead window (always, without look-ahead).
-
-        With `lookahead_steps` = K > 1 the samples of a window of K steps may train in any of its steps,
-        so a checkpoint inside a window would resume with some samples trained twice and others never
-        (Trainer skips whole sampler steps). Windows start at the first step of each pass over the data.
-        """
-        k = self.config.lookahead_steps
-        stream = self._active
-        return k <= 1 or stream is None or stream.done or stream.consumed % k == 0
 
     def pop_stats(self) -> List[StepStats]:
         """Statistics of the steps consumed since the last call (oldest first)."""
@@ -539,13 +530,20 @@ class BalancedLoader:
             yield self._finish_step(work, balance, speeds, t0 if j == skip else t1, t1)
 
     def _remember_window(self, step0, k, skip, new_step, start_rank, start_micro, cap, note) -> None:
-        """The window's plan, kept for `window_state` (a resume inside it re-applies it)."""
-        key = step0 - self.step_offset  # steps the stream handed out before this window
+        """The window's plan, kept for `window_state` (a resume inside it re-applies it) until the consumer has
+        taken every step of it: the thread may run any number of windows ahead (`prefetch_steps` queued steps
+        plus the window in hand), so plans are dropped by what was consumed, never by how many are kept."""
+        stream = self._active
+        first, consumed = (stream.first_step, stream.consumed) if stream is not None else (self.step_offset, 0)
+        key = step0 - first  # steps the stream handed out before this window
         with self._stats_lock:
             self._window_plans[key] = {"k": int(k), "skip": int(skip), "steps": new_step.tolist(),
                                        "rank": start_rank.tolist(), "micro": start_micro.tolist(),
                                        "cap": int(cap), "note": note}
-            for old in sorted(self._window_plans)[:-4]:  # the thread runs at most prefetch_steps ahead
+            # a window is dropped once the stream handed out the step after its last: a consumer that takes the
+            # next step before its current one ends (`BalancedDataLoader` reads one step ahead to find the end of
+            # the data) may still save a resume point inside it until then
+            for old in [s for s, plan in self._window_plans.items() if s + plan["k"] - plan["skip"] < consumed]:
                 del self._window_plans[old]
 
     def _resume_in_window(self, step0, window, meta, balance, speeds, resume, t0):
@@ -572,8 +570,39 @@ class BalancedLoader:
         return None
 
     def resume_in_window(self, state: Optional[dict]) -> None:
-        """The next pass starts inside a look-ahead window (`window_state`'s): its untrained steps first."""
+        """The next pass starts inside a look-ahead window (`window_state`'s): its untrained steps first.
+
+        The window must be one of this loader's look-ahead (`lookahead_steps` = the window's `k`): a loader
+        that plans other windows (or none) would read the window's raw batches again from its start and train
+        its first steps twice, so it refuses by name."""
+        if state:
+            k = max(1, self.config.lookahead_steps)
+            if int(state["k"]) != k:
+                raise ValueError(f"hf_dp_balance: the resume state was taken inside a look-ahead window of "
+                                 f"{state['k']} steps (lookahead_steps={state['k']}), this loader has "
+                                 f"lookahead_steps={self.config.lookahead_steps}: resume with the same setting")
         self._resume_window = dict(state) if state else None
+
+    def resume_trained_steps(self) -> int:
+        """Steps of the resumed window already trained (their raw batches are read again), 0 without one."""
+        return int(self._resume_window["trained"]) if self._resume_window else 0
+
+    def resume_window_steps(self) -> int:
+        """Steps of raw data the next pass's first window reads (a resumed window's `k`), 0 without one."""
+        return int(self._resume_window["k"]) if self._resume_window else 0
+
+    def settings(self) -> dict:
+        """Every setting of this loader that decides which samples a step trains: a resume state taken under
+        other values would train samples twice or never (`BalanceSession.load_state_dict` compares them)."""
+        return {"data_parallel_size": int(self._exchange.world_size),
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "lookahead_steps": int(self.config.lookahead_steps), "prefetch_steps": int(self.config.prefetch_steps),
+                "dispatch": bool(getattr(self, "dispatches", False))}
+
+    def stream_position(self) -> int:
+        """Steps of the current pass handed to the consumer (0 when no stream runs)."""
+        stream = self._active
+        return int(stream.consumed) if stream is not None and not stream.done else 0
 
     def record_stats(self, stats: StepStats) -> None:
         with self._stats_lock:

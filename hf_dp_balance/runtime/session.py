@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
-from hf_dp_balance.runtime.balance_metrics import balance_metrics
+from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, summarize_step_stats, vision_stats
 from hf_dp_balance.runtime.fitter import CostModelFitter, StepClock, StepRecorder, priors_from_config
 from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.parallel import DataParallelGroup
@@ -38,7 +38,8 @@ from hf_dp_balance.runtime.side_channel import SideChannel
 logger = get_logger(__name__)
 
 CHECKPOINT_FILE = "dp_balance_cost_model.json"
-STATE_VERSION = 1
+STATE_FILE = "dp_balance_state.json"  # the session's state_dict in a Trainer checkpoint (written on rank 0)
+STATE_VERSION = 2
 
 
 def load_checkpoint_models(path: str) -> Dict[str, Any]:
@@ -99,6 +100,10 @@ class BalanceSession:
         # () -> a vision balancer the user installed (DPBalancer: model._dp_balance_vision); fed models, not owned
         self.vision_source: Optional[Callable[[], Any]] = None
         self.restored_from: Optional[str] = None
+        # per balanced loader, in the order the adapter tracked them: (settings(), position(), restore(position))
+        self._tracked: List[Tuple[Callable[[], dict], Callable[[], dict], Callable[[dict], None]]] = []
+        self._pending_positions: List[Tuple[int, dict, dict]] = []  # loaded before their loader was tracked
+        self._measured: Dict[str, float] = {}  # the last `measure`, reported once by `metrics`
         self._closed = False
 
     # -- start -----------------------------------------------------------------------------------
@@ -160,6 +165,8 @@ class BalanceSession:
         _, vision = self.fitter.planning_models() if self.fitter is not None else (None, None)
         balance_vision_encoder(model, self.config, group=self.side.vision_group(), cost_model=vision)
         self.vision, self._vision_model = getattr(model, "_dp_balance_vision", None), model
+        if self.fitter is not None:
+            self.publish()  # the tower is balanced on its own now: the loaders plan decoder cost only
         return self.vision
 
     # -- models and speeds ----------------------------------------------------------------------
@@ -178,7 +185,7 @@ class BalanceSession:
             if decoder is not None and hasattr(target, "set_cost_model"):
                 # Without vision-tower balancing a sample's images are encoded where the sample goes: plan with
                 # decoder + vision; the loader hedges its plans while the prior plans or the fit is uncertain.
-                target.set_cost_model(decoder, vision=None if self.config.vision else vision,
+                target.set_cost_model(decoder, vision=None if self.vision_balancer is not None else vision,
                                       prior=self.fitter.plans_hedged,
                                       probe=self.fitter.fit_mode == "step_max")
                 if hasattr(target, "set_speed"):
@@ -214,9 +221,25 @@ class BalanceSession:
             return True
         return False
 
+    def measure(self) -> None:
+        """Measure the ranks' compute since the last measurement (a collective on the fit group: every rank
+        calls it at the same step, inside the step); `metrics` reports it once."""
+        if self.fitter is None:
+            return
+        for name, value in self.fitter.window_metrics().items():
+            if value is not None:
+                self._measured[LOG_PREFIX + name] = float(value)
+
     def metrics(self, step_stats: Sequence[Any]) -> Dict[str, float]:
-        """The dp_balance/* numbers (a collective on the data-parallel slice's control group)."""
-        return balance_metrics(self.fitter, step_stats, self.vision_balancer)
+        """The dp_balance/* numbers: the last `measure`ment (once), the loaders' `step_stats`, the vision
+        counters and the cost model. Local: no collective, any rank may call it alone at any time."""
+        out, self._measured = dict(self._measured), {}
+        logs = dict(summarize_step_stats(step_stats))
+        logs.update(vision_stats(self.vision_balancer))
+        if self.fitter is not None:
+            logs.update(self.fitter.model_metrics())
+        out.update({LOG_PREFIX + k: float(v) for k, v in logs.items() if v is not None})
+        return out
 
     def model_state(self) -> Optional[dict]:
         """The cost models to checkpoint (None before any is fitted or given)."""
@@ -226,7 +249,78 @@ class BalanceSession:
                 "vision": self.fitter.vision.to_dict() if self.fitter.vision is not None else None,
                 "fitted_step": self.fitter.fitted_step, "config": self.config.to_dict()}
 
-    # -- resume point ------------------------------------------------------------------------------
+    # -- resume point: the session's one state (a torchtitan-style Stateful) --------------------------
+    def track(self, settings: Callable[[], dict], position: Callable[[], dict],
+              restore: Callable[[dict], None]) -> None:
+        """Carry one balanced loader's resume point in `state_dict`: `settings()` (what orders its samples, see
+        `BalancedLoader.settings`), `position()` (where a resume continues) and `restore(position)`. A state
+        loaded before the loader was tracked is applied now."""
+        index = len(self._tracked)
+        self._tracked.append((settings, position, restore))
+        for pending in [p for p in self._pending_positions if p[0] == index]:
+            self._pending_positions.remove(pending)
+            self._restore_loader(index, pending[1], pending[2])
+
+    def state_dict(self) -> dict:
+        """The run's resume state (local, no collective; equal on every data-parallel rank): the format
+        version, the data-parallel size, per tracked loader its settings and position (epoch, steps, raw
+        batches read, the look-ahead window and its plan), and the cost models in force with their fitted step."""
+        return {"version": STATE_VERSION, "data_parallel_size": self.data_parallel.size,
+                "loaders": [{"settings": dict(settings()), "position": position()}
+                            for settings, position, _ in self._tracked],
+                "models": self.model_state()}
+
+    def load_state_dict(self, state: Optional[dict], models: bool = True) -> None:
+        """Resume from `state` (`state_dict`'s): data-parallel rank 0's state is broadcast (every rank calls this
+        at once; other ranks may pass None), checked (`check_resume_state`), its cost models put in force (unless
+        `models` is False: `start` read them already) and every loader's position restored, now or when the
+        loader is tracked. A setting that orders the samples differently from the saved run raises naming it, on
+        every rank alike."""
+        state = self._agree_state(state)
+        if state is None:
+            return
+        self.check_resume_state(state)
+        for index, saved in enumerate(state.get("loaders", [])):
+            if index < len(self._tracked):
+                self._restore_loader(index, saved["settings"], saved["position"])
+            else:
+                self._pending_positions.append((index, saved["settings"], saved["position"]))
+        if models:
+            self.restore_models(state.get("models"))
+
+    def _agree_state(self, state: Optional[dict]) -> Optional[dict]:
+        """The state of the data-parallel slice's first rank, on every rank of the slice."""
+        group = self.side.control_group
+        if group is None or self.data_parallel.size == 1:
+            return state
+        import torch.distributed as dist
+
+        box = [state if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(box, group_src=0, group=group)
+        return box[0]
+
+    def _restore_loader(self, index: int, saved: dict, position: dict) -> None:
+        settings, _, restore = self._tracked[index]
+        current = settings()
+        differ = [f"{name}={saved.get(name)!r} (this run: {current.get(name)!r})"
+                  for name in sorted(set(saved) | set(current)) if saved.get(name) != current.get(name)]
+        if differ:
+            raise ValueError(f"hf_dp_balance: rank {self.rank}: the resume state of balanced loader {index} was taken "
+                             f"with {', '.join(differ)}: these settings decide which samples each step trains, so "
+                             f"resuming under other values would train samples twice or never; resume with the "
+                             f"saved values")
+        restore(position)
+
+    def restore_models(self, models: Optional[dict]) -> None:
+        """Put saved cost models (`model_state`'s) in force on every loader: a resume plans as the saved run
+        did, with no new warm-up from the prior. None: keep the models in force."""
+        if not models or self.fitter is None:
+            return
+        self.fitter.decoder = CostModel.from_dict(models["decoder"])
+        self.fitter.vision = CostModel.from_dict(models["vision"]) if models.get("vision") else None
+        self.fitter.fitted_step = int(models.get("fitted_step", -1))
+        self.publish()
+
     def resume_state(self, **fields) -> dict:
         """A resume point stamped with the format version and the data-parallel size it was taken at."""
         return {"version": STATE_VERSION, "data_parallel_size": self.data_parallel.size, **fields}
@@ -236,11 +330,10 @@ class BalanceSession:
         version = state.get("version")
         if version != STATE_VERSION:
             raise ValueError(f"hf_dp_balance: a resume state of version {version!r}; this library reads version "
-                             f"{STATE_VERSION} (the state_dict of an older release cannot say which samples its "
-                             f"look-ahead window trained)")
+                             f"{STATE_VERSION} (an older state does not record the settings that order the samples)")
         size = state.get("data_parallel_size")
         if size != self.data_parallel.size:
-            raise ValueError(f"hf_dp_balance: the resume state was taken with {size} data-parallel ranks, this run "
+            raise ValueError(f"hf_dp_balance: the resume state was taken with data_parallel_size={size}, this run "
                              f"has {self.data_parallel.size}: each rank's place in the data would differ")
         return state
 
@@ -269,4 +362,4 @@ class BalanceSession:
         return self._closed
 
 
-__all__ = ["BalanceSession", "CHECKPOINT_FILE", "STATE_VERSION", "load_checkpoint_models", "read_start_models"]
+__all__ = ["BalanceSession", "CHECKPOINT_FILE", "STATE_FILE", "STATE_VERSION", "load_checkpoint_models", "read_start_models"]

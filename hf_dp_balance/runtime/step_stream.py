@@ -5,7 +5,7 @@ The thread prepares, gathers, plans, exchanges and packs each step through the p
 waiting on a full queue, never between collectives, so ranks that consume the same steps stop at the same
 step; a local failure before the gather is told to the peers at that gather (cap, plan and collate
 failures are agreed within the step), and any failure reaches the consumer's thread with its traceback.
-While the stream is open the loader's `Watchdog` runs its liveness rounds (runtime/watchdog.py).
+While any stream is open the run's one `Watchdog` runs its liveness rounds (runtime/watchdog.py).
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ class StepStream:
         self._thread = threading.Thread(target=self._main, name="hf_dp_balance-exchange", daemon=True)
         self._thread.start()
         self._watchdog = self._liveness = watchdog
-        if watchdog is not None:
-            watchdog.start(self.describe, lambda: self._error_taken)
+        self._watch_token = watchdog.start(self.describe, lambda: self._error_taken) if watchdog is not None else None
 
     @property
     def done(self) -> bool:
@@ -148,6 +147,9 @@ class StepStream:
                 span = max(1, loader.config.lookahead_steps)  # steps prepared and gathered together
                 if self.step_limit is not None:
                     span = min(span, self.step_limit - (step - first))
+                resumed = loader.resume_window_steps() if step == first and hasattr(loader, "resume_window_steps") else 0
+                if resumed:  # a resume inside a window reads the whole window again, whatever the step limit
+                    span = resumed
                 preps: List[Prepared] = []
                 if pending is None:
                     try:
@@ -241,7 +243,7 @@ class StepStream:
 
     def _stop_watchdog(self) -> None:
         if self._watchdog is not None:
-            self._watchdog.stop()
+            self._watchdog.stop(self._watch_token)  # the loader's other streams stay checked
             self._watchdog = None
 
 

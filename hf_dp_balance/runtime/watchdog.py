@@ -72,6 +72,9 @@ class Watchdog:
         self._closing = threading.Event()
         self._raised = threading.Event()  # the main thread raised the library's error itself (stand_down)
         self._thread: Optional[threading.Thread] = None
+        # the live streams, oldest first: (token, describe, taken); the rounds run while one is live
+        self._streams: list = []
+        self._streams_lock = threading.Lock()
 
     def _keep(self, message: str) -> None:
         logger.error(message)
@@ -83,14 +86,40 @@ class Watchdog:
             message, self.fatal_message = self.fatal_message, None
             raise ExchangeError(message)
 
-    def start(self, describe: Callable[[], Tuple[str, str]], taken: Callable[[], bool]) -> None:
-        """Start the rounds (after `stop()` of the previous stream, if any)."""
-        self.stop()
+    def start(self, describe: Callable[[], Tuple[str, str]], taken: Callable[[], bool]) -> object:
+        """One more live stream (a loader's pass): the rounds run while any stream is live, so a stream that
+        ends (an eval loader's) leaves the others checked. Returns the token `stop` takes. Every rank opens and
+        ends its streams at the same points, so every rank counts alike."""
+        token = object()
+        with self._streams_lock:
+            self._streams.append((token, describe, taken))
+            if self._thread is not None and self._thread.is_alive() and not self._closing.is_set():
+                return token
+        self._halt()  # rounds that ended (a peer left them) are joined before new ones start
         self._closing.clear()
         self._raised.clear()
-        self._thread = threading.Thread(target=self._rounds, args=(describe, taken), name="hf_dp_balance-watchdog",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._rounds, args=(self._describe_live, self._taken_live),
+                                        name="hf_dp_balance-watchdog", daemon=True)
         self._thread.start()
+        return token
+
+    def _newest_live(self):
+        with self._streams_lock:
+            return self._streams[-1] if self._streams else None
+
+    def _describe_live(self) -> Tuple[str, str]:
+        live = self._newest_live()
+        return live[1]() if live is not None else (f"rank {self.rank}", "")
+
+    def _taken_live(self) -> bool:
+        live = self._newest_live()
+        return live[2]() if live is not None else True
+
+    @property
+    def live_streams(self) -> int:
+        """Streams started and not yet stopped."""
+        with self._streams_lock:
+            return len(self._streams)
 
     def _rounds(self, describe: Callable[[], Tuple[str, str]], taken: Callable[[], bool]) -> None:
         flag = torch.zeros(1, dtype=torch.int64)
@@ -124,7 +153,15 @@ class Watchdog:
         """The main thread raises the library's error itself: a failed round ends nothing (one message)."""
         self._raised.set()
 
-    def stop(self) -> None:
+    def stop(self, token: Optional[object] = None) -> None:
+        """The stream of `token` ended (None: every stream, as at close); the rounds stop when no stream is live."""
+        with self._streams_lock:
+            self._streams = [] if token is None else [live for live in self._streams if live[0] is not token]
+            if self._streams:
+                return
+        self._halt()
+
+    def _halt(self) -> None:
         """Leave the rounds (every rank leaves after the next one); waits at most timeout_s + 2 s."""
         if self._thread is None:
             return

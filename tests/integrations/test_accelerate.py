@@ -277,7 +277,8 @@ def _fits_by_itself(rank, world):
     acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
     shard = prepare_data_loader(torch.utils.data.DataLoader(_TextSamples(48), batch_size=2),
                                 num_processes=2, process_index=mesh["dp"].get_local_rank(), put_on_device=False)
-    cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, max_token_ratio=3.0, warmup_steps=2, refit_every=2)
+    cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, max_token_ratio=3.0, warmup_steps=2, refit_every=2,
+                          metrics_every=1)
     digests, models, metrics = [], [], []
     with DPBalancer(acc, model_config=tiny_config("text"), config=cfg, data_parallel_group=mesh["dp"],
                     id_key="sample_id") as balancer:
@@ -430,8 +431,13 @@ def _resume(rank, world):
 
 def test_state_dict_resumes_after_the_last_completed_step():
     out = run_ranks(_resume, 2, timeout=120, pg_timeout_s=50)
-    assert out[0]["state"] == {"version": 1, "data_parallel_size": 2, "epoch": 0, "steps": 2, "micro_batches": 4,
-                               "window": None}
+    state = out[0]["state"]
+    assert state["version"] == 2 and state["data_parallel_size"] == 2
+    assert state["loaders"] == [{"settings": {"data_parallel_size": 2, "gradient_accumulation_steps": GA,
+                                              "lookahead_steps": 0, "prefetch_steps": 2, "dispatch": False,
+                                              "dataloader_workers": 0},
+                                 "position": {"epoch": 0, "steps": 2, "micro_batches": 4, "window": None}}]
+    assert state["models"]["decoder"] == {**state["models"]["decoder"], "quadratic": 1.0, "linear": 5.0}
     assert out[0]["lengths"] == [7, 7]
     first = [i for o in out for i in o["runs"][0]["ids"]]
     second = [i for o in out for i in o["runs"][1]["ids"]]
@@ -473,3 +479,43 @@ def test_a_bad_sample_on_one_rank_stops_every_rank_with_an_error_naming_it():
         assert "step 1, rank 0, micro-batch 0, sample 1" in o["error"] and "'labels'" in o["error"], o["error"]
     assert "rank(s) [0] failed" in out[1]["error"]
     assert max(o["seconds"] for o in out) < 20  # told at the next gather, not after the timeout
+
+
+# --------------------------------------------------------------------------- metrics on one rank; the models resume
+
+
+def _main_process_logs_then_resumes(rank, world, folder):
+    from accelerate import Accelerator
+
+    from hf_dp_balance.config import DPBalanceConfig
+    from hf_dp_balance.integrations.accelerate import DPBalancer
+    from hf_dp_balance.runtime.fitter import micro_batch_lengths
+    from hf_dp_balance.testing.data import tiny_config
+
+    cfg = DPBalanceConfig(min_gain=0.0, timeout_s=30, max_token_ratio=3.0, warmup_steps=2, refit_every=0,
+                          metrics_every=2)
+    logged, models = [], []
+    for part in range(2):
+        acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+        with DPBalancer(acc, model_config=tiny_config("text"), config=cfg, id_key="sample_id") as balancer:
+            loader = balancer.prepare(torch.utils.data.DataLoader(_TextSamples(48), batch_size=2))
+            if part == 1:
+                acc.load_state(folder)
+                models.append(balancer.cost_model.to_dict() if balancer.cost_model is not None else None)
+            for i, batch in enumerate(loader):
+                _spin(sum(2e-6 * n * n + 1e-4 * n for n in micro_batch_lengths(batch)))
+                if i % GA == GA - 1 and acc.is_main_process:  # the usual logging idiom: one rank only
+                    logged.append(balancer.metrics())
+                if part == 0 and i == 4 * GA - 1:  # after step 4: the warm-up fit landed after step 2
+                    models.append(balancer.cost_model.to_dict())
+                    acc.save_state(folder)
+                    break
+    return {"logged": logged, "models": models}
+
+
+def test_metrics_on_the_main_process_only_and_a_resume_keeps_the_fitted_models(tmp_path):
+    out = run_ranks(_main_process_logs_then_resumes, 2, str(tmp_path), timeout=120, pg_timeout_s=40)
+    assert len(out[0]["logged"]) == 4 + 2 and out[1]["logged"] == []  # no rank waited for the other
+    assert any("dp_balance/compute_imbalance" in m for m in out[0]["logged"])  # measured inside the steps
+    for o in out:  # the resumed balancer plans with the saved fit from its first step, no new warm-up
+        assert o["models"][0] is not None and o["models"][1] == o["models"][0]

@@ -218,11 +218,11 @@ def _lookahead_save_resume(rank, world, out_dir):
             "log_history": [h for h in first.state.log_history if "loss" in h]}
 
 
-def test_lookahead_holds_checkpoints_to_window_ends_so_resume_trains_every_sample_once(tmp_path):
+def test_a_checkpoint_inside_a_lookahead_window_resumes_training_every_sample_once(tmp_path):
     r0, r1 = run_ranks(_lookahead_save_resume, 2, str(tmp_path), timeout=240)
-    # save_steps=4 asks for steps 4 and 8; windows of 3 steps end after steps 3, 6, 9: step 4's checkpoint
-    # is written after step 6; step 8 is the run's last step and saves where it falls.
-    assert r0["saved"] == r1["saved"] == [6, 8]
+    # save_steps=4 with windows of 3 steps (1-3, 4-6, 7-9): step 4's checkpoint falls inside a window, where it
+    # is written (no checkpoint is moved), and the resume re-plans that window from the state it carries
+    assert r0["saved"] == r1["saved"] == [4, 8]
 
     def per_step(seen_lists):
         out = {}
@@ -232,14 +232,14 @@ def test_lookahead_holds_checkpoints_to_window_ends_so_resume_trains_every_sampl
         return {k: sorted(v) for k, v in out.items()}
 
     first, resumed = per_step([r0["seen1"], r1["seen1"]]), per_step([r0["seen2"], r1["seen2"]])
-    assert sorted(first) == list(range(1, 9)) and sorted(resumed) == [7, 8]
+    assert sorted(first) == list(range(1, 9)) and sorted(resumed) == [5, 6, 7, 8]
     # look-ahead did move samples between steps (8 per step without it)
     assert sorted({len(v) for v in first.values()}) != [8], {k: len(v) for k, v in first.items()}
-    trained_before = [s for k in range(1, 7) for s in first[k]]
+    trained_before = [s for k in range(1, 5) for s in first[k]]
     assert len(set(trained_before)) == len(trained_before)
-    again = resumed[7] + resumed[8]
-    assert not set(again) & set(trained_before)  # nothing of steps 1..6 trained twice
-    assert sorted(again) == sorted(first[7] + first[8])  # and the resumed steps train what the first run did
+    again = [s for k in range(5, 9) for s in resumed[k]]
+    assert not set(again) & set(trained_before)  # nothing of steps 1..4 trained twice
+    assert sorted(again) == sorted(s for k in range(5, 9) for s in first[k])  # the rest, as the first run did
 
 
 # --------------------------------------------------------------------------- hooks and clocks on a real model

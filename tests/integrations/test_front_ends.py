@@ -247,7 +247,7 @@ def _resume_in_window(rank, world):
                     state = loader.state_dict()
                     break
             runs.append([i for s in balancer.step_stats for mb in s.local_ids for i in mb])
-    return {"runs": runs, "window": state["window"] is not None}
+    return {"runs": runs, "window": state["loaders"][0]["position"]["window"] is not None}
 
 
 def test_dpbalancer_resumed_inside_a_lookahead_window_trains_every_sample_once():
@@ -296,3 +296,31 @@ def test_both_front_ends_are_adapters_over_one_session_and_one_module_makes_grou
     for module in (accelerate, callback):
         source = pathlib.Path(module.__file__).read_text()
         assert "BalanceSession(" in source and "CostModelFitter(" not in source and "SideChannel(" not in source
+
+
+# --------------------------------------------------------------------------- vision through the session
+
+
+def _balancer_vision(rank, world):
+    from accelerate import Accelerator
+
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.integrations.accelerate import DPBalancer
+    from hf_dp_balance.testing.models import make_model
+
+    torch.set_num_threads(1)
+    model = make_model("qwen2_vl", seed=0)
+    acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+    vision = CostModel(quadratic=1.0, linear=1.0)
+    with DPBalancer(acc, model=model, config=_config(vision=True), cost_model=_cost_model(),
+                    vision_cost_model=vision) as balancer:
+        session = balancer.session
+        installed = session.vision is not None and getattr(model, "_dp_balance_vision", None) is session.vision
+        tower_model = session.vision.cost_model is not None
+    return {"installed": installed, "tower_model": tower_model, "left": hasattr(model, "_dp_balance_vision")}
+
+
+def test_dpbalancer_balances_the_vision_tower_through_its_session():
+    for o in run_ranks(_balancer_vision, 2, timeout=200, pg_timeout_s=60):
+        assert o["installed"] and o["tower_model"]  # DPBalancer(config.vision) balances the tower itself
+        assert not o["left"]  # and closing the balancer removes it
