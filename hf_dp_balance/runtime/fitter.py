@@ -234,6 +234,14 @@ class CostModelFitter:
         self.window: collections.deque = collections.deque(maxlen=MAX_WINDOW_STEPS)  # step seconds since the last log
         self.fit_reports: collections.deque = collections.deque(maxlen=MAX_FIT_REPORTS)
 
+    def restore(self, decoder: CostModel, vision: Optional[CostModel], fitted_step: int) -> None:
+        """Put a saved run's models in force as a given model is (its records are not here: every recorded step
+        is unseen, the next fit `refit_every` after `fitted_step`), dropping any gate state of this run."""
+        self.decoder, self.vision = decoder, vision
+        self.fitted_step = self.adopted_step = self.given_step = int(fitted_step)
+        self.next_fit_step = fitted_step + self.config.refit_every if self.config.refit_every > 0 else None
+        self.uncertain, self.last_gate, self.last_vision_gate, self.heldout_errors = False, None, None, []
+
     @property
     def fits_micro_batches(self) -> bool:
         """Whether each timed micro-batch is a step-max observation of its own: the step-time fit where every

@@ -316,9 +316,9 @@ class BalanceSession:
         did, with no new warm-up from the prior. None: keep the models in force."""
         if not models or self.fitter is None:
             return
-        self.fitter.decoder = CostModel.from_dict(models["decoder"])
-        self.fitter.vision = CostModel.from_dict(models["vision"]) if models.get("vision") else None
-        self.fitter.fitted_step = int(models.get("fitted_step", -1))
+        self.fitter.restore(CostModel.from_dict(models["decoder"]),
+                            CostModel.from_dict(models["vision"]) if models.get("vision") else None,
+                            int(models.get("fitted_step", -1)))
         self.publish()
 
     def resume_state(self, **fields) -> dict:
