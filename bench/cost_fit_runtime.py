@@ -27,13 +27,13 @@ import time
 
 import numpy as np
 
-from hf_dp_balance.testing.mix import draw_mix, pack_fixed_length, truncate
+from hf_dp_balance.testing.mix import draw_mix, truncate
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.hedge import probe_plan
-from hf_dp_balance.core.planner.api import plan_step
-from hf_dp_balance.core.steps import token_cap
 from hf_dp_balance.runtime.fitter import CostModelFitter
+
+from cost_fit_plans import plan, step_items  # the same steps and planner call as the simulated fits (bench/)
 
 PACK = 32768
 TRUTH = CostModel(quadratic=3.1e-9, linear=2.2e-5, per_sample=4e-3, constant=0.05)
@@ -45,26 +45,6 @@ LAG = 2  # a fit plans from the first step the loader has not prepared: steps co
 def prior_of(direction: str) -> CostModel:
     """The truth's FLOP shape in other units (x2.5), no per-sample or per-step term, q/l off by the factor."""
     return CostModel(quadratic=TRUTH.quadratic * PRIORS[direction] * 2.5, linear=TRUTH.linear * 2.5)
-
-
-def step_items(rng, mix: str, ranks: int):
-    """(token lengths, start rank) of one step: the first `ranks` fixed-length packs of PACK tokens."""
-    n = ranks * 64
-    while True:
-        lengths = truncate(draw_mix(mix, n, rng), PACK).tokens
-        lengths = lengths[lengths > 0]
-        pack = pack_fixed_length(lengths, PACK)
-        if pack.max() >= ranks:
-            keep = pack < ranks
-            return lengths[keep].astype(np.int64), pack[keep]
-        n *= 2
-
-
-def plan(costs, lengths, owners, ranks):
-    """The planner's dest rank for these costs under the default cap (1.2x the mean tokens)."""
-    largest = int(np.bincount(owners, weights=lengths, minlength=ranks).max())
-    cap = token_cap(lengths, ranks, None, 1.2, largest)
-    return plan_step(costs, owners, np.zeros_like(owners), ranks, 1, tokens=lengths, max_tokens=cap).dest_rank
 
 
 def run_draw(ranks: int, direction: str, steps: int, draw: int, noise: float = 0.03):

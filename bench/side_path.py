@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ------------------------------------------------------------------ inside one rank
 
 def _socket_fds() -> int:
+    # testing.side.socket_fds, written here too: this script also runs against older trees that lack it
     count = 0
     for fd in os.listdir("/proc/self/fd"):
         try:

@@ -19,4 +19,17 @@ def live_process_groups() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
 
-__all__ = ["live_process_groups", "side_exchange"]
+__all__ = ["live_process_groups", "side_exchange", "socket_fds"]
+
+
+def socket_fds() -> int:
+    """Sockets this process holds: with TORCH_GLOO_LAZY_INIT=1 each gloo peer first used adds one."""
+    import os
+
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return count

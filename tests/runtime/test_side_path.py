@@ -1,6 +1,5 @@
 """The per-step side path on real gloo processes: one planning rank, payloads point to point, one all_reduce."""
 
-import os
 import time
 
 import numpy as np
@@ -8,7 +7,7 @@ import torch
 
 from hf_dp_balance.core.codec import encoded_nbytes, sample_entries, transfer_layout
 from hf_dp_balance.runtime.exchange import ExchangeError
-from hf_dp_balance.testing.side import side_exchange
+from hf_dp_balance.testing.side import side_exchange, socket_fds
 from hf_dp_balance.testing.spawn import run_ranks
 
 GA = 2
@@ -29,17 +28,6 @@ def _pairs_plan(costs, owners, micro, world, num_micro, **kw):
             held = np.flatnonzero((owners == src) & (micro == m))
             dest[held[0]] = dst
     return _Plan(dest, np.asarray(micro, dtype=np.int64).copy())
-
-
-def _socket_fds() -> int:
-    """Sockets this process holds: with TORCH_GLOO_LAZY_INIT=1 each gloo peer first used adds one."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return count
 
 
 def _steps_with_pairs(rank, world, steps):
@@ -63,7 +51,7 @@ def _steps_with_pairs(rank, world, steps):
     dist.barrier()
     dist.barrier()
     time.sleep(1.0)
-    before = _socket_fds()
+    before = socket_fds()
     dist.barrier()  # no rank's side path starts before every rank has counted (same ring: no new sockets)
     loader = BalancedLoader(micro_batches(), cfg, gradient_accumulation_steps=GA,
                             collator=lambda s: {"ids": [x["sample_id"] for x in s],
@@ -75,7 +63,7 @@ def _steps_with_pairs(rank, world, steps):
         (st,) = loader.pop_stats()
         out.append(dict(ids=[b["ids"] for b in batches], holders=[b["ranks"] for b in batches],
                         sent=st.bytes_sent, received=st.bytes_received, applied=st.applied, hash=st.plan_hash))
-    opened = _socket_fds() - before
+    opened = socket_fds() - before
     loader.close()
     return out, opened
 
