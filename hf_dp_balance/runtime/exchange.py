@@ -160,6 +160,11 @@ class SampleExchange:
         try:
             return fn()
         except Exception as exc:  # gloo raises RuntimeError on timeouts and closed peers
+            from hf_dp_balance.runtime.watchdog import is_distributed_error  # (watchdog imports this module)
+
+            if not is_distributed_error(exc):  # this rank's own code failed: say so, not "a collective timed out"
+                raise ExchangeError(f"hf_dp_balance sample exchange, step {step}, {phase}: failed on rank "
+                                    f"{self.rank}: {type(exc).__name__}: {exc}") from exc
             failed = self.reported_failures()
             who = (", ".join(f"rank {r} ({m})" for r, m in sorted(failed.items())) if failed
                    else "no rank reported a failure (a rank died, hung or stopped iterating)")

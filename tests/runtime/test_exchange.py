@@ -117,3 +117,33 @@ def test_rank_dying_inside_the_exchange_makes_the_others_raise_within_the_timeou
     results = run_ranks_allow_failures(_fault_inside_exchange, 3, timeout_s, True, timeout=60)
     _check_others_raised_within_timeout(results, timeout_s, named=False)
     assert not results[1][0]
+
+
+def _labels(rank, world):
+    import torch.distributed as dist
+
+    ex = _exchange(10)
+    out = {}
+
+    def local_bug():
+        raise ValueError("row 3 has no tokens")
+
+    try:
+        ex._run(7, "orders", local_bug)
+    except ExchangeError as exc:
+        out["local"] = str(exc)
+    if rank == 0:  # rank 1 never joins: a real collective timeout on rank 0
+        try:
+            ex._run(8, "rows to the planning rank", lambda: dist.barrier(group=ex.group))
+        except ExchangeError as exc:
+            out["timeout"] = str(exc)
+    return out
+
+
+def test_a_local_error_is_named_as_this_rank_s_not_as_a_collective_timeout():
+    results = run_ranks(_labels, 2, timeout=120)
+    for rank in (0, 1):
+        msg = results[rank]["local"]
+        assert "step 7, orders: failed on rank" in msg and "ValueError: row 3 has no tokens" in msg, msg
+        assert "collective" not in msg and "timeout" not in msg, msg
+    assert "collective on the side group failed (timeout 10s)" in results[0]["timeout"], results[0]["timeout"]
