@@ -30,6 +30,23 @@ class ExchangeError(RuntimeError):
     """A collective of the sample exchange failed, or a rank reported a failure; names step and ranks."""
 
 
+# Text by which a plain RuntimeError is known to come from a torch.distributed backend or its store.
+_BACKEND_MARKERS = ("gloo", "nccl", "NCCL", "ProcessGroup", "c10d", "TCPStore", "Connection reset by peer",
+                    "Connection closed by peer")
+
+
+def is_distributed_error(exc: BaseException) -> bool:
+    """Whether `exc` is a torch.distributed failure: a `DistError` (or subclass), or a RuntimeError whose
+    text comes from gloo / NCCL / the store. The library's own errors (they say "hf_dp_balance") are not."""
+    text = str(exc)
+    if isinstance(exc, ExchangeError) or "hf_dp_balance" in text.split("\n", 1)[0]:
+        return False
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _BACKEND_MARKERS)
+
+
 def failure_detail(failed: Mapping[int, str]) -> str:
     """"rank 1: msg; rank 3: msg" of {rank: message}, by rank: how every error of the runtime lists its ranks."""
     return "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
@@ -160,9 +177,7 @@ class SampleExchange:
         try:
             return fn()
         except Exception as exc:  # gloo raises RuntimeError on timeouts and closed peers
-            from hf_dp_balance.runtime.watchdog import is_distributed_error  # (watchdog imports this module)
-
-            if not is_distributed_error(exc):  # this rank's own code failed: say so, not "a collective timed out"
+            if not isinstance(exc, ExchangeError) and not is_distributed_error(exc):  # this rank's own code failed
                 raise ExchangeError(f"hf_dp_balance sample exchange, step {step}, {phase}: failed on rank "
                                     f"{self.rank}: {type(exc).__name__}: {exc}") from exc
             failed = self.reported_failures()
@@ -504,7 +519,7 @@ class StepOrders:
         return cls(head, *parts, raw[8 * n_ints:].decode("utf-8", "replace"))
 
 
-__all__ = ["ExchangeError", "failure_detail", "SampleExchange", "GatheredMetadata", "StepOrders", "PLANNER", "O_STATUS",
+__all__ = ["ExchangeError", "failure_detail", "is_distributed_error", "SampleExchange", "GatheredMetadata", "StepOrders", "PLANNER", "O_STATUS",
            "O_NUM_MICRO", "O_NUM_SAMPLES", "O_OFFSET", "O_APPLIED", "O_BEFORE", "O_AFTER", "O_MOVED", "O_MOVED_BYTES",
            "O_WIDTH", "STATUS_OK", "STATUS_END", "STATUS_FAILED", "H_STATUS", "H_NUM_SAMPLES", "H_NUM_MICRO",
            "H_FLAGS", "H_SPEED", "H_WIDTH"]

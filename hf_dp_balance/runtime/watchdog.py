@@ -24,15 +24,12 @@ from typing import Any, Callable, Iterator, Optional, Tuple, Union
 
 import torch
 
-from hf_dp_balance.runtime.exchange import ExchangeError, failure_detail
+from hf_dp_balance.runtime.exchange import ExchangeError, failure_detail, is_distributed_error
 from hf_dp_balance.runtime.logs import get_logger
 
 logger = get_logger(__name__)
 FATAL_EXIT_CODE = 1
 TRAINING_PHASE = "training step (DDP gradient all-reduce / forward-backward collective)"
-# Text by which a plain RuntimeError is known to come from a torch.distributed backend or its store.
-_BACKEND_MARKERS = ("gloo", "nccl", "NCCL", "ProcessGroup", "c10d", "TCPStore", "Connection reset by peer",
-                    "Connection closed by peer")
 
 
 def end_process(message: str) -> None:
@@ -171,18 +168,6 @@ class Watchdog:
         self._thread = None
 
 
-def is_distributed_error(exc: BaseException) -> bool:
-    """Whether `exc` is a torch.distributed failure: a `DistError` (or subclass), or a RuntimeError whose
-    text comes from gloo / NCCL / the store. The library's own errors (they say "hf_dp_balance") are not."""
-    text = str(exc)
-    if isinstance(exc, ExchangeError) or "hf_dp_balance" in text.split("\n", 1)[0]:
-        return False
-    dist_error = getattr(torch.distributed, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    return isinstance(exc, RuntimeError) and any(marker in text for marker in _BACKEND_MARKERS)
-
-
 def training_error(loader: Any, exc: BaseException, phase: str = TRAINING_PHASE,
                    step: Optional[int] = None) -> Optional[ExchangeError]:
     """The library's error for `exc`, raised by a training collective on this rank; None when `exc` is not a
@@ -236,5 +221,5 @@ def named_training_call(call: Callable, loader: Callable[[], Any], step: Callabl
     return named
 
 
-__all__ = ["Watchdog", "end_process", "FATAL_EXIT_CODE", "TRAINING_PHASE", "is_distributed_error",
+__all__ = ["Watchdog", "end_process", "FATAL_EXIT_CODE", "TRAINING_PHASE",
            "named_training_call", "training_error", "training_errors"]

@@ -8,7 +8,8 @@ import pytest
 import torch.distributed as dist
 
 from hf_dp_balance.runtime.exchange import ExchangeError
-from hf_dp_balance.runtime.watchdog import is_distributed_error, training_errors
+from hf_dp_balance.runtime.exchange import is_distributed_error
+from hf_dp_balance.runtime.watchdog import training_errors
 from hf_dp_balance.testing.spawn import run_ranks_allow_failures
 
 GLOO = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12721: "
