@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hf_dp_balance.core.planner import StepPlan, lower_bound, plan_step
+from hf_dp_balance.core.planner.results import _verdict
+from hf_dp_balance.core.planner.validation import _as_index_array, _check_count
 from hf_dp_balance.core.steps import SYNC_MODES, slot_sums, step_makespan
 
 __all__ = ["PartnerSets", "partner_sets", "plan_step_with_partners"]
@@ -88,11 +90,11 @@ def partner_sets(num_ranks: int, max_partners: int, *, ranks_per_node: int = 1) 
     partners of each other. Raises ValueError when k cannot hold a node and one rank outside it
     (k < ranks_per_node, or k = 1 with more than 2 ranks): the partners would not connect the ranks.
     """
-    R = _positive_int(num_ranks, "num_ranks")
+    R = _check_count(num_ranks, "num_ranks")
     k = int(max_partners)
     if k != max_partners or k < 0:
         raise ValueError(f"max_partners={max_partners!r}: must be a whole number >= 0 (0: every rank)")
-    rpn = _positive_int(ranks_per_node, "ranks_per_node")
+    rpn = _check_count(ranks_per_node, "ranks_per_node")
     if k == 0 or k >= R - 1:
         zero = np.zeros(R, dtype=np.int64)
         return PartnerSets(R, k, rpn, zero, zero.copy())
@@ -151,16 +153,9 @@ def plan_step_with_partners(costs, owners, micro_batches, num_ranks, num_micro_b
         raise TypeError(f"plan_step_with_partners got unexpected keywords {sorted(unknown)}")
     R, M = int(num_ranks), int(num_micro_batches)
     c = np.asarray(costs, dtype=np.float64).reshape(-1)
-    own = np.asarray(owners).reshape(-1)
-    mb = np.asarray(micro_batches).reshape(-1)
     n = c.shape[0]
-    if own.shape[0] != n or mb.shape[0] != n:
-        raise ValueError(f"owners ({own.shape[0]}) and micro_batches ({mb.shape[0]}) must have one entry per "
-                         f"cost ({n})")
-    _check_indices(own, R, "owners", "num_ranks")
-    _check_indices(mb, M, "micro_batches", "num_micro_batches")
-    own = own.astype(np.int64)
-    mb = mb.astype(np.int64)
+    own = _as_index_array(owners, "owners", n, R, "num_ranks")  # plan_step's own checks and messages
+    mb = _as_index_array(micro_batches, "micro_batches", n, M, "num_micro_batches")
     tokens = plan_step_keywords.get("tokens")
     tok = None if tokens is None else np.asarray(tokens, dtype=np.float64).reshape(-1)
     if tok is not None and tok.shape[0] != n:
@@ -223,14 +218,7 @@ def plan_step_with_partners(costs, owners, micro_batches, num_ranks, num_micro_b
     made = StepPlan(dest_rank=rank, dest_micro_batch=micro, applied=True, reason="", loads_before=before,
                     loads_after=after, lower_bound=lb, makespan_before=mk_before, makespan_after=mk_after,
                     moved=int(np.count_nonzero(rank != own)), path=path)
-    if required is not None:
-        return _reason(made, f"required: {required}")
-    if mk_after >= mk_before:
-        return keep("no plan beats keeping in place")
-    gain = 1.0 - mk_after / mk_before
-    if gain < min_gain:
-        return keep(f"gain {100 * gain:.1f}% < min_gain {100 * min_gain:.1f}%")
-    return _reason(made, f"gain {100 * gain:.1f}% >= min_gain {100 * min_gain:.1f}%")
+    return _verdict(made, keep, required, min_gain)  # plan_step's own skip rule
 
 
 def _first_half_goals(partners: PartnerSets, half: np.ndarray, total: np.ndarray,
@@ -349,22 +337,6 @@ def _required(own, mb, tok, cap, R, M, n):
             r, m = divmod(int(empty[0]), M)
             return f"slot (rank {r}, micro-batch {m}) is empty"
     return None
-
-
-def _reason(plan: StepPlan, reason: str) -> StepPlan:
-    return StepPlan(**{**plan.__dict__, "reason": reason})
-
-
-def _check_indices(values: np.ndarray, bound: int, name: str, bound_name: str) -> None:
-    if values.size and (not np.issubdtype(values.dtype, np.integer) or values.min() < 0 or values.max() >= bound):
-        bad = int(np.flatnonzero(~np.isin(values, np.arange(bound)))[0])
-        raise ValueError(f"{name}[{bad}] = {values[bad]!r} is not a whole number in [0, {bound_name}={bound})")
-
-
-def _positive_int(value, name: str) -> int:
-    if int(value) != value or int(value) < 1:
-        raise ValueError(f"{name}={value!r}: must be a whole number >= 1")
-    return int(value)
 
 
 def _connected(node_block: np.ndarray, cross_block: np.ndarray) -> bool:
