@@ -120,42 +120,6 @@ def test_best_fit_picks_what_argmin_over_the_fitting_rooms_picks():
         assert _smallest_room(room.tolist(), t) == want
 
 
-def test_rooms_update_pair_is_update_of_the_two_ranks():
-    # fractional tokens: the row sums must be numpy's, bit for bit
-    rng = np.random.default_rng(1)
-    R, M, n = 6, 4, 60
-    tokens = rng.uniform(1.0, 9.0, n)
-    costs = tokens ** 2 * rng.uniform(0.5, 2.0, n)
-    dest, micro = rng.integers(0, R, n), rng.integers(0, M, n)
-    state = _State(costs, tokens, 30.0, np.ones(R), dest, micro, M, np.bincount(dest, weights=costs, minlength=R), 0)
-    limit = rng.uniform(0.5, 1.5, R) * state.load.mean()
-    pair, both = assign._Rooms(state, limit), assign._Rooms(state, limit)
-    for _ in range(40):
-        i, r = int(rng.integers(n)), int(rng.integers(R))
-        h = int(state.dest[i])
-        if r == h:
-            continue
-        state.move(i, r, int(rng.integers(M)))
-        pair.update_pair(state, h, r)
-        both.update(state, np.array([h, r]))
-        for name in ("load", "tok", "slot", "ratio", "fit"):
-            assert getattr(pair, name).tobytes() == getattr(both, name).tobytes(), name
-
-
-def test_the_long_item_search_is_the_same_in_any_block_of_candidates(monkeypatch):
-    # `_score_block` scores row blocks for speed (arrays in cache): the block size must not change the search
-    R, M, pack = 32, 4, 32768
-    tokens, owners, mbs = _long_tail(0, R, M, pack)
-    costs = 1.4e-4 * tokens ** 2 + tokens
-    state = _State(costs, tokens, float(pack), np.ones(R), owners, mbs, M,
-                   np.bincount(owners, weights=costs, minlength=R), 0)
-    budget = np.full(R, costs.sum() / R)
-    items, ranks, estimate = assign._assign_long(state, budget, 0.005)
-    assert np.count_nonzero(ranks != state.dest[items]) > 0  # the search moved some: the blocks were used
-    items3, ranks3, estimate3 = assign._assign_long(state, budget, 0.005, block=3)
-    assert np.array_equal(items, items3) and np.array_equal(ranks, ranks3) and estimate == estimate3
-
-
 def _fix_slots_matrix(state, r, steps=64):
     """The (item, slot) matrix version of `_fix_slots` that it replaced (the reference)."""
     cap, M, tok = state.cap, state.M, state.tokens
@@ -206,22 +170,6 @@ def test_fix_slots_makes_the_moves_of_the_matrix_version():
         a, b = _State(*args), _State(*args)
         assert _fix_slots(a, 0) == _fix_slots_matrix(b, 0)
         assert np.array_equal(a.micro, b.micro)
-
-
-def test_no_taker_is_the_one_rank_at_a_time_test():
-    # `_no_taker` (only the ranks that could take the cheapest, smallest item, sorted) against the test
-    # the short flow makes per item: some rank but h with load room >= the cost and a slot's room >= the tokens
-    rng = np.random.default_rng(3)
-    for _ in range(200):
-        R, n = int(rng.integers(2, 9)), int(rng.integers(1, 9))
-        view = type("View", (), {})()
-        view.load = rng.integers(-3, 6, R).astype(np.float64)
-        view.fit = rng.integers(-2, 6, R).astype(np.float64)
-        h = int(rng.integers(R))
-        costs, tokens = rng.integers(0, 6, n).astype(np.float64), rng.integers(0, 6, n).astype(np.float64)
-        others = np.arange(R) != h
-        want = np.array([not np.any(others & (view.load >= c) & (view.fit >= t)) for c, t in zip(costs, tokens)])
-        assert np.array_equal(assign._no_taker(view, h, costs, tokens), want)
 
 
 def test_three_micro_batches_end_within_the_bar_where_the_residue_left_all_free_tokens_on_full_ranks():

@@ -47,13 +47,15 @@ def _move_long(item: int, src: int, dst: int, cost: list, tokens: list, CL, TL, 
     dest[item] = dst
 
 
-def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.ndarray:
+def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
     """Estimated tokens the short items of a rank will send (or cost, for a dead deficit), from its
-    load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap).
-    With `scratch` the two arrays (fresh float64 ones) are overwritten: fewer temporaries."""
-    if not scratch:
-        x, room = np.array(x, dtype=np.float64), np.array(room, dtype=np.float64)
-    # dead: a deficit that the free tokens cannot take at _DENSITY
+    load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap; both
+    float64 arrays, overwritten):
+    the tokens that carry the load excess out (at _DENSITY) or those over M x cap, whichever is more;
+    plus _DEAD per unit of a deficit the free tokens cannot take at _DENSITY; plus, over M x cap,
+    _DEAD_TOKENS per token the load excess does not carry out (they shed >= 1 cost per token)."""
+    # in place, x and room too (every caller passes fresh arrays): in the search these are (long items x
+    # candidates), and temporaries cost most of its time
     dead = np.maximum(room, 0.0)
     dead *= _DENSITY
     dead += x
@@ -61,12 +63,10 @@ def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.n
     np.maximum(dead, 0.0, out=dead)
     dead *= _DEAD
     carried = np.maximum(x, 0.0, out=x)
-    carried /= _DENSITY  # tokens that carry the load excess out
+    carried /= _DENSITY
     over = np.negative(room, out=room)
-    charge = np.maximum(carried, over)  # sent: the load excess, or the tokens over M x cap
+    charge = np.maximum(carried, over)
     charge += dead
-    # over M x cap: the rank sends -room tokens, shedding at least their cost (>= 1 per token); where
-    # room >= 0 this is <= 0 and adds nothing
     over -= carried
     np.maximum(over, 0.0, out=over)
     over *= _DEAD_TOKENS
@@ -75,19 +75,17 @@ def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.n
 
 
 def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = 128, full_every: int = 8,
-                 stop_share: float = 1e-4, block: int = 256):
-    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a long
-    item to another rank) and swaps
-    (two long items of two ranks), minimising the long items' tokens away from their rank now plus
-    `_rank_charge` summed over the ranks. Each sweep scores, for every long item on a rank with a
-    charge, the _NEAR ranks on either side of its best fit in load room and the _NEAR long items on
-    either side of the cost that would leave its rank at the limit (spread wider above 512
-    ranks: `_offsets`), then applies the improving
-    ones, best first, each rank at most once; at most `sweeps` sweeps, a full one every `full_every`
-    (between them only the items of ranks that changed), until a full sweep gains less than `stop_share`
-    of the step's tokens. Scores in blocks of `block` candidates (arrays that stay in cache). The state
-    is not changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop over the improving
-    candidates; O(n) before the first."""
+                 stop_share: float = 1e-4):
+    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a
+    long item to another rank) and swaps (two long items of two ranks), minimising the long items'
+    tokens away from their rank now plus `_rank_charge` summed over the ranks. Each sweep scores, for
+    every long item on a rank with a charge, the _NEAR ranks on either side of its best fit in load
+    room and the _NEAR long items on either side of the cost that would leave its rank at the limit
+    (spread wider above 512 ranks: `_offsets`), then applies the improving ones, best first, each
+    rank at most once; at most `sweeps` sweeps, a full one every `full_every` (between them only the
+    items of ranks that changed), until a full sweep gains less than `stop_share` of the step's
+    tokens. The state is not changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop
+    over the improving candidates; O(n) before the first."""
     cap, M = state.cap, state.M
     R = state.load.shape[0]
     tok, cost = state.tokens, state.costs
@@ -125,8 +123,10 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
                 break
             full = True
             continue
-        gm, gs, move_to, partner_at = _score_sweep(act, d, home, cl, tl, base_x + CL, base_room - TL, fr, by_cost,
-                                                   (cost_sorted, tok_sorted, home_sorted), off, block)
+        # in blocks of rows whose temporaries stay in cache (2-4x faster at thousands of long items)
+        gm, gs, move_to, partner_at = (np.concatenate(x) for x in zip(*[
+            _score_sweep(act[b:b + 256], d, home, cl, tl, base_x + CL, base_room - TL, fr, by_cost,
+                         (cost_sorted, tok_sorted, home_sorted), off) for b in range(0, act.size, 256)]))
         g = np.minimum(gm, gs)
         good = np.flatnonzero(g < -1e-6)
         if good.size == 0:
@@ -148,32 +148,39 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     return lg, d, estimate
 
 
-def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, by_cost, by_cost_arrays, off, block):
-    """One sweep's scores of the long items `act` (on ranks d[act]): (best move's gain, best swap's
-    gain, the move's receiver, the swap partner's place in cost order) each, in blocks of `block`
-    rows that stay in cache (`_score_block`). Receivers: nearest the best fit in load room (x + c_a
-    just under 0); partners: long items nearest the cost that leaves the rank at its limit."""
+def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, by_cost, by_cost_arrays, off):
+    """One sweep's scores of the long items `act` (a on rank r = d[a]): (best move's gain, best swap's
+    gain, the move's receiver, the swap partner's place in cost order) each. Receivers: the ranks at
+    `off` around a's best fit in load room (x + c_a just under 0), the gain f_left + charge at s -
+    charge now at s + a's tokens away after - before; partners: the long items at `off` around the
+    cost that leaves r at its limit, the gain of both ranks' charges and both items' tokens away (a
+    rank with itself: no option)."""
+    cost_sorted, tok_sorted, home_sorted = by_cost_arrays
     r = d[act]
-    ca, ta = cl[act], tl[act]
-    cost_sorted = by_cost_arrays[0]
-    away_now = (r != home[act]).astype(np.float64)
-    f_left = _rank_charge(x_all[r] - ca, room_all[r] + ta) - fr[r]
-    # moves: receivers nearest the best fit in load room (x + c_a just under 0)
+    ca, ta, home_a = cl[act][:, None], tl[act][:, None], home[act][:, None]
+    away_now = (r != home[act]).astype(np.float64)[:, None]
+    f_left = _rank_charge(x_all[r] - cl[act], room_all[r] + tl[act]) - fr[r]
     by_x = np.argsort(x_all, kind="stable")
-    x_sorted = x_all[by_x]
-    at_m = np.searchsorted(x_sorted, -ca)
-    want = ca - np.maximum(x_all[r], 0.0)
-    at_s = np.searchsorted(cost_sorted, want)
-    gm, gs = np.empty(act.size), np.empty(act.size)
-    move_to = np.empty(act.size, dtype=np.int64)  # per candidate: its best move's receiver
-    partner_at = np.empty(act.size, dtype=np.int64)  # its best swap's partner, as a place in cost order
-    sorted_ = (x_sorted, room_all[by_x], fr[by_x], by_x, d[by_cost])
-    for lo in range(0, act.size, block):  # in row blocks that stay in cache (same values per row)
-        b = slice(lo, lo + block)
-        _score_block(sorted_, (x_all, room_all, fr), by_cost_arrays, off,
-                     (r[b], ca[b], ta[b], away_now[b], f_left[b], home[act[b]], at_m[b], at_s[b]),
-                     (gm[b], gs[b], move_to[b], partner_at[b]))
-    return gm, gs, move_to, partner_at
+    s = by_x[np.clip(np.searchsorted(x_all[by_x], -cl[act])[:, None] + off, 0, x_all.shape[0] - 1)]
+    gain_m = _rank_charge(x_all[s] + ca, room_all[s] - ta)
+    gain_m += f_left[:, None]
+    gain_m -= fr[s]
+    gain_m += ((s != home_a) - away_now) * ta
+    gain_m[s == r[:, None]] = np.inf
+    want = cl[act] - np.maximum(x_all[r], 0.0)
+    q = np.clip(np.searchsorted(cost_sorted, want)[:, None] + off, 0, cost_sorted.shape[0] - 1)
+    rb, dc, t_b, home_b = d[by_cost[q]], ca - cost_sorted[q], tok_sorted[q], home_sorted[q]
+    dt = ta - t_b
+    gain_s = _rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt)
+    gain_s -= fr[r][:, None]
+    gain_s += _rank_charge(x_all[rb] + dc, room_all[rb] - dt)
+    gain_s -= fr[rb]
+    gain_s += ((rb != home_a) - away_now) * ta
+    gain_s += ((r[:, None] != home_b) * 1.0 - (rb != home_b)) * t_b
+    gain_s[rb == r[:, None]] = np.inf
+    rows = np.arange(act.size)
+    jm, js = np.argmin(gain_m, axis=1), np.argmin(gain_s, axis=1)
+    return gain_m[rows, jm], gain_s[rows, js], s[rows, jm], q[rows, js]
 
 
 def _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, n_long, cl_list, tl_list, CL, TL):
@@ -208,68 +215,6 @@ def _offsets(num_ranks: int, span: int = 512) -> np.ndarray:
     the long items, about proportional to R) at any R, for the same work."""
     step = max(1, num_ranks // span)
     return np.arange(-_NEAR * step, _NEAR * step, step)
-
-
-def _score_block(by_x_arrays, rank_arrays, by_cost_arrays, off, rows, out) -> None:
-    """`_assign_long`'s scores for a block of its candidates (long items a on ranks r): into `out`
-    = (best move's gain, best swap's gain, the move's receiver, the swap partner's place in cost
-    order). The receivers: the 2 _NEAR ranks around a's best fit in load room, the gain f_left +
-    charge at s - charge now at s + a's tokens away after - before; partners: the 2 _NEAR long
-    items around the cost that leaves r at its limit, the gain of both ranks' charges and both
-    items' tokens away (a rank with itself: no option)."""
-    x_sorted, room_by_x, fr_by_x, by_x, d_by_cost = by_x_arrays
-    x_all, room_all, fr = rank_arrays
-    cost_sorted, tok_sorted, home_sorted = by_cost_arrays
-    r, ca, ta, away_now, f_left, home_a, at_m, at_s = rows
-    gm, gs, move_to, partner_at = out
-    R = x_all.shape[0]
-    ca_c, ta_c, r_c, home_c, away_now_c = ca[:, None], ta[:, None], r[:, None], home_a[:, None], away_now[:, None]
-    pos = _window(at_m, off, R - 1)
-    s = by_x[pos]
-    # in place, in the order f_left + charge - fr + ta (away after - away now)
-    gain_m = _rank_charge(np.add(x_sorted[pos], ca_c), np.subtract(room_by_x[pos], ta_c), scratch=True)
-    np.add(f_left[:, None], gain_m, out=gain_m)
-    gain_m -= fr_by_x[pos]
-    away = np.not_equal(s, home_c).astype(np.float64)
-    away -= away_now_c
-    away *= ta_c
-    gain_m += away
-    gain_m[s == r_c] = np.inf
-    q = _window(at_s, off, cost_sorted.shape[0] - 1)  # the partners' places in cost order
-    rb = d_by_cost[q]
-    dc = np.subtract(ca_c, cost_sorted[q])
-    t_b = tok_sorted[q]
-    dt = np.subtract(ta_c, t_b)
-    # in place, in the order: charge at r - fr[r] + charge at rb - fr[rb] + a's away + b's away
-    gain_s = _rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt, scratch=True)
-    gain_s -= fr[r][:, None]
-    gain_s += _rank_charge(x_all[rb] + dc, room_all[rb] - dt, scratch=True)
-    gain_s -= fr[rb]
-    away = np.not_equal(rb, home_c).astype(np.float64)
-    away -= away_now_c
-    away *= ta_c
-    gain_s += away
-    home_b = home_sorted[q]
-    away = np.not_equal(r_c, home_b).astype(np.float64)
-    np.subtract(away, rb != home_b, out=away)
-    away *= t_b
-    gain_s += away
-    gain_s[rb == r_c] = np.inf
-    jm = np.argmin(gain_m, axis=1)
-    js = np.argmin(gain_s, axis=1)
-    rows_at = np.arange(r.shape[0])
-    gm[:] = gain_m[rows_at, jm]
-    gs[:] = gain_s[rows_at, js]
-    move_to[:] = s[rows_at, jm]
-    partner_at[:] = q[rows_at, js]
-
-
-def _window(at: np.ndarray, off: np.ndarray, last: int) -> np.ndarray:
-    """`clip(at[:, None] + off[None, :], 0, last)` in place (np.clip's own overhead is most of its time)."""
-    pos = np.add(at[:, None], off[None, :])
-    np.maximum(pos, 0, out=pos)
-    np.minimum(pos, last, out=pos)
-    return pos
 
 
 def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
@@ -437,22 +382,6 @@ class _Rooms:
         self.ratio[r] = np.log(np.maximum(self.load[r], 1e-9) / np.maximum(self.tok[r], 1.0))
         self.fit[r] = np.minimum(self.slot[r], self.tok[r])
 
-    def update_pair(self, state: _State, h: int, r: int) -> None:
-        """`update(state, [h, r])` with the same arithmetic (numpy's row sums and log, the rest on
-        Python floats: the same IEEE operations), in a few numpy calls instead of ~20."""
-        cap, M = state.cap, state.M
-        rows = state.slot_tok[[h, r]]
-        t_h, t_r = (cap * M - rows.sum(axis=-1)).tolist()
-        s_h, s_r = (cap - rows.min(axis=-1)).tolist()  # max(cap - row) = cap - min(row): rounding is monotone
-        l_h = float(self.limit[h]) - float(state.load[h])
-        l_r = float(self.limit[r]) - float(state.load[r])
-        ratio_h, ratio_r = np.log(np.array([max(l_h, 1e-9) / max(t_h, 1.0), max(l_r, 1e-9) / max(t_r, 1.0)])).tolist()
-        self.load[h], self.load[r] = l_h, l_r
-        self.tok[h], self.tok[r] = t_h, t_r
-        self.slot[h], self.slot[r] = s_h, s_r
-        self.ratio[h], self.ratio[r] = ratio_h, ratio_r
-        self.fit[h], self.fit[r] = min(s_h, t_h), min(s_r, t_r)
-
 
 def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only, tries: int = 32) -> int:
     """One rank's part of `_short_flow`: its small items `mine` (those still on h) out until its
@@ -474,7 +403,6 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
     costs, tokens = cost[mine].tolist(), tok[mine].tolist()
     slack = over_shoot * float(band[h])
     e, t_over = over_load, over_tok  # h's excesses change only when it sends an item
-    no_taker = None  # per item of `mine`: no rank can take it (while the view is unchanged)
     for k, i in enumerate(mine.tolist()):
         if ((t_over <= 0) if tokens_only else (e <= 0)) or misses >= tries:
             break
@@ -483,43 +411,21 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
             continue
         if state.count is not None and state.count[h] - 1 < state.min_count:
             break
-        if no_taker is not None and no_taker[k]:
-            misses += 1
-            continue
         ok = (view.load >= ci) & (view.fit >= ti)
         ok[h] = False
         near = np.where(ok, np.abs(view.ratio - log_dens[k]), np.inf)
         r = int(np.argmin(near))
-        if not near[r] < np.inf:  # no rank with room for it: nor for the items after it that no rank can take
+        if not near[r] < np.inf:  # no rank with room for it
             misses += 1
-            no_taker = _no_taker(view, h, cost[mine], tok[mine])
             continue
         misses = 0
         s = max(_smallest_room((cap - state.slot_tok[r]).tolist(), ti), 0)
         state.move(i, r, s)
-        view.update_pair(state, h, r)
+        view.update(state, [h, r])
         made += 1
         e = float(state.load[h] - limit[h])
         t_over = float(state.slot_tok[h].sum() - cap * M)
-        no_taker = None
     return made
-
-
-def _no_taker(view, h: int, costs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """Per item (cost, tokens): True where no rank but h has the load room and a slot's room for it
-    (`view.load >= cost` and `view.fit >= tokens`), as the short flow tests it one item at a time.
-    O(R + K log K + items log K) for the K ranks that could take the cheapest and smallest item (at
-    a full cap few have token room): those ranks by load room, the most token room among those with more."""
-    may = (view.load >= costs.min()) & (view.fit >= tokens.min())  # the others take no item
-    may[h] = False
-    ranks = np.flatnonzero(may)
-    if ranks.size == 0:
-        return np.ones(costs.shape[0], dtype=bool)
-    load = view.load[ranks]
-    order = np.argsort(-load)  # ties in load room count alike: any order
-    most_fit = np.maximum.accumulate(view.fit[ranks][order])
-    n = np.searchsorted(-load[order], -costs, side="right")  # ranks with load room >= the cost
-    return ~((n > 0) & (most_fit[np.maximum(n - 1, 0)] >= tokens))
 
 
 def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
