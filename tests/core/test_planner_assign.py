@@ -120,58 +120,6 @@ def test_best_fit_picks_what_argmin_over_the_fitting_rooms_picks():
         assert _smallest_room(room.tolist(), t) == want
 
 
-def _fix_slots_matrix(state, r, steps=64):
-    """The (item, slot) matrix version of `_fix_slots` that it replaced (the reference)."""
-    cap, M, tok = state.cap, state.M, state.tokens
-    items = np.flatnonzero(state.dest == r)
-    for _ in range(steps):
-        fill = state.slot_tok[r]
-        o = int(np.argmax(fill))
-        excess = float(fill[o] - cap)
-        if excess <= 0:
-            return True
-        room = cap - fill
-        mine, others = items[state.micro[items] == o], items[state.micro[items] != o]
-        ti, tj, sj = tok[mine], tok[others], state.micro[others]
-        fits = room[None, :] >= ti[:, None]
-        fits[:, o] = False
-        diff = ti[:, None] - tj[None, :]
-        fits_s = (diff > 0) & (diff <= room[sj][None, :])
-        left_m = np.where(fits, np.maximum(excess - ti[:, None], 0.0) * 1e6 + ti[:, None], np.inf)
-        left_s = np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf)
-        km = int(np.argmin(left_m)) if left_m.size else -1
-        ks = int(np.argmin(left_s)) if left_s.size else -1
-        bm = left_m.reshape(-1)[km] if km >= 0 else np.inf
-        bs = left_s.reshape(-1)[ks] if ks >= 0 else np.inf
-        if not np.isfinite(min(bm, bs)):
-            return False
-        if bm <= bs:
-            i, s = divmod(km, M)
-            state.move(int(mine[i]), r, int(s))
-        else:
-            i, j = divmod(ks, others.size)
-            a, b = int(mine[i]), int(others[j])
-            sb = int(state.micro[b])
-            state.move(a, r, sb)
-            state.move(b, r, o)
-    return not (state.slot_tok[r] > cap).any()
-
-
-def test_fix_slots_makes_the_moves_of_the_matrix_version():
-    # one rank, slots over the cap, integer tokens with many ties: the same moves, the same answer
-    rng = np.random.default_rng(2)
-    for _ in range(200):
-        M, n = int(rng.integers(2, 5)), int(rng.integers(2, 14))
-        tokens = rng.integers(1, 12, n).astype(np.float64)
-        micro = rng.integers(0, M, n)
-        cap = float(max(np.ceil(tokens.sum() / M) + rng.integers(-2, 6), tokens.max()))
-        args = (tokens.copy(), tokens, cap, np.ones(1), np.zeros(n, dtype=np.int64), micro, M,
-                np.array([tokens.sum()]), 0)
-        a, b = _State(*args), _State(*args)
-        assert _fix_slots(a, 0) == _fix_slots_matrix(b, 0)
-        assert np.array_equal(a.micro, b.micro)
-
-
 def test_three_micro_batches_end_within_the_bar_where_the_residue_left_all_free_tokens_on_full_ranks():
     # 48 x 3 full 32K packs, q/l 1.4e-4: the largest item costs about one rank's mean load, so the
     # residue ends with the free tokens on the ranks at or over the limit and the load room on token-full

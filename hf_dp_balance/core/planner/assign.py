@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hf_dp_balance.core.planner.refine import _apply_swap
 from hf_dp_balance.core.planner.state import _FEW_SLOTS, _State, _smallest_room
 
 _LONG = 0.25  # items over this share of the cap are assigned first (8192 tokens at 32K packs)
@@ -432,59 +433,31 @@ def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
     """Mend rank r's slots over the cap by moves and swaps of its items between its own slots (they
     send nothing): the most over slot o passes the item, or swaps the pair, whose tokens just cover
     o's excess (else the largest part of it) into a slot with room. True when no slot is over."""
-    cap = state.cap
-    tok = state.tokens
+    cap, tok = state.cap, state.tokens
     items = np.flatnonzero(state.dest == r) if members is None else members[state.dest[members] == r]
-    # the rank's items' tokens and slots, kept here (the moves below stay inside r)
-    item_tok, item_slot = tok[items], state.micro[items].copy()
     for _ in range(steps):
         fill = state.slot_tok[r]
-        fill_list = fill.tolist()
-        o = fill_list.index(max(fill_list))  # np.argmax: the first largest
-        excess = fill_list[o] - cap
+        o = int(np.argmax(fill))
+        excess = float(fill[o] - cap)
         if excess <= 0:
             return True
         room = cap - fill
-        room_list = room.tolist()
-        in_o = item_slot == o
-        out_o = ~in_o
-        # a move: item i of o into slot s with room for it. Its score depends on i alone, so the
-        # first best (i, s) in row order is the first best i that fits the roomiest other slot,
-        # into its first slot with room (what argmin over the (i, s) matrix picks)
-        ti = item_tok[in_o]
-        most = max([v for s, v in enumerate(room_list) if s != o], default=-np.inf)
-        left_m = np.maximum(excess - ti, 0.0)
-        left_m *= 1e6
-        left_m += ti
-        left_m[ti > most] = np.inf
-        # a swap: i of o with j of slot s, o falls by t_i - t_j, s takes that much
-        tj = item_tok[out_o]
-        sj = item_slot[out_o]
-        diff = ti[:, None] - tj[None, :]
-        fits_s = (diff > 0) & (diff <= room[sj][None, :])
+        mine, others = items[state.micro[items] == o], items[state.micro[items] != o]
+        ti = tok[mine][:, None]
+        diff = ti - tok[others][None, :]  # what o sheds by a swap
+        fits = room[None, :] >= ti
+        fits[:, o] = False
+        fits_s = (diff > 0) & (diff <= room[state.micro[others]][None, :])
         # score: the overflow left (0 best), then the fewest tokens shifted
-        left_s = np.maximum(excess - diff, 0.0)
-        left_s *= 1e6
-        left_s += diff
-        left_s[~fits_s] = np.inf
+        left_m = np.where(fits, np.maximum(excess - ti, 0.0) * 1e6 + ti, np.inf).reshape(-1)
+        left_s = np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf).reshape(-1)
         km = int(np.argmin(left_m)) if left_m.size else -1
         ks = int(np.argmin(left_s)) if left_s.size else -1
-        bm = left_m[km] if km >= 0 else np.inf
-        bs = left_s.reshape(-1)[ks] if ks >= 0 else np.inf
+        bm, bs = left_m[km] if km >= 0 else np.inf, left_s[ks] if ks >= 0 else np.inf
         if not np.isfinite(min(bm, bs)):
             return False
-        at_o = np.flatnonzero(in_o)
         if bm <= bs:
-            t = float(ti[km])
-            s = next(s for s, v in enumerate(room_list) if s != o and v >= t)
-            state.move(int(items[at_o[km]]), r, s)
-            item_slot[at_o[km]] = s
+            state.move(int(mine[km // state.M]), r, km % state.M)
         else:
-            at_other = np.flatnonzero(out_o)
-            i, j = divmod(ks, at_other.size)
-            a, b = int(items[at_o[i]]), int(items[at_other[j]])
-            sb = int(state.micro[b])
-            state.move(a, r, sb)
-            state.move(b, r, o)
-            item_slot[at_o[i]], item_slot[at_other[j]] = sb, o
+            _apply_swap(state, int(mine[ks // others.size]), int(others[ks % others.size]))
     return not (state.slot_tok[r] > cap).any()
