@@ -37,17 +37,6 @@ _DEAD_TOKENS = 6.0  # tokens charged per token over M x cap that the rank's load
 _NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
 
 
-def _move_long(item: int, src: int, dst: int, cost: list, tokens: list, CL, TL, dest, used_item) -> None:
-    """The search's bookkeeping of one long item moving from rank `src` to `dst` (Python lists: per move,
-    scalar updates cost less than numpy calls)."""
-    used_item[item] = True
-    CL[src] -= cost[item]
-    TL[src] -= tokens[item]
-    CL[dst] += cost[item]
-    TL[dst] += tokens[item]
-    dest[item] = dst
-
-
 def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
     """Estimated tokens the short items of a rank will send (or cost, for a dead deficit), from its
     load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap; both
@@ -203,9 +192,13 @@ def _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, n_lon
         if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
             continue
         used[a_rank] = used[b_rank] = True
-        _move_long(i, a_rank, b_rank, cl_list, tl_list, CL, TL, d, used_item)
-        if j >= 0:  # a swap: the partner goes the other way
-            _move_long(j, b_rank, a_rank, cl_list, tl_list, CL, TL, d, used_item)
+        for item, src, dst in ((i, a_rank, b_rank), (j, b_rank, a_rank))[:1 + (j >= 0)]:  # a swap: j goes back
+            used_item[item] = True  # (Python floats: per move, scalar updates cost less than numpy calls)
+            CL[src] -= cl_list[item]
+            TL[src] -= tl_list[item]
+            CL[dst] += cl_list[item]
+            TL[dst] += tl_list[item]
+            d[item] = dst
         gained -= gk
     return gained, np.frombuffer(used_item, dtype=bool), np.frombuffer(used, dtype=bool)
 
