@@ -219,8 +219,7 @@ def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
     move = np.flatnonzero(state.dest[items] != ranks)
     items, ranks = items[move], ranks[move]
     order = np.argsort(-state.tokens[items], kind="stable")
-    by_rank = np.argsort(state.dest, kind="stable")  # the items of each rank before the moves
-    bounds = np.searchsorted(state.dest[by_rank], np.arange(state.load.shape[0] + 1))
+    by_rank, bounds = _by_rank(state)  # the items of each rank before the moves
     for i, r in zip(items[order].tolist(), ranks[order].tolist()):
         if state.count is not None and state.count[state.dest[i]] - 1 < state.min_count:
             continue  # the rank keeps its item count (one per micro-batch)
@@ -295,8 +294,7 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
     moves = 0
     for _ in range(rounds):
         made = 0
-        order = np.argsort(state.dest, kind="stable")
-        bounds = np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
+        order, bounds = _by_rank(state)
         todo = np.flatnonzero(state.load > limit)
         todo = todo[np.argsort(-(state.load[todo] - limit[todo]), kind="stable")]
         for h in todo.tolist():
@@ -307,8 +305,7 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
                                over_shoot, tokens_only=True)
         bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
         if bad.size:
-            order = np.argsort(state.dest, kind="stable")
-            bounds = np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
+            order, bounds = _by_rank(state)
             for r in bad.tolist():
                 _fix_slots(state, r, members=order[bounds[r]:bounds[r + 1]])
                 view.update(state, r)
@@ -319,12 +316,17 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
     return moves
 
 
+def _by_rank(state: _State):
+    """(items by rank, index order inside; where each rank's run starts, R + 1 of them)."""
+    order = np.argsort(state.dest, kind="stable")
+    return order, np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
+
+
 def _spill(state: _State, limit: np.ndarray) -> int:
     """What is still over the cap at the end: a slot over it sends its smallest items, each to the
     slot with room for it on the rank (other than its own) that ends least full against its limit;
     the loads that this raises are left to the trades. Returns the moves."""
-    cap, M = state.cap, state.M
-    tok = state.tokens
+    cap, tok = state.cap, state.tokens
     bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
     made = 0
     for h in bad.tolist():
@@ -341,9 +343,7 @@ def _spill(state: _State, limit: np.ndarray) -> int:
                 room = cap - state.slot_tok
                 fits = room >= t
                 fits[h] = False
-                ok = fits[:, 0].copy()  # fits.any(axis=1), by columns (M small: faster)
-                for col in range(1, M):
-                    ok |= fits[:, col]
+                ok = fits.any(axis=1)
                 if not ok.any():
                     break
                 after = (state.load + state.costs[i]) / limit
@@ -355,26 +355,20 @@ def _spill(state: _State, limit: np.ndarray) -> int:
 
 
 class _Rooms:
-    """Per rank: load room under the limit, free tokens, the roomiest slot's room, and the log of
-    load room per free token (what a receiver needs per token); updated per rank on every move."""
+    """Per rank: load room under the limit, the largest item its tokens take (min(the roomiest slot's room,
+    free tokens)), and the log of load room per free token (what a receiver needs per token); updated per
+    rank on every move."""
 
     def __init__(self, state: _State, limit: np.ndarray):
         self.limit = limit
-        R = state.load.shape[0]
-        self.load = np.empty(R)
-        self.tok = np.empty(R)
-        self.slot = np.empty(R)
-        self.ratio = np.empty(R)
-        self.fit = np.empty(R)  # the largest item a rank can take for its tokens: min(slot, tok)
-        self.update(state, np.arange(R))
+        self.load, self.fit, self.ratio = (np.empty(state.load.shape[0]) for _ in range(3))
+        self.update(state, np.arange(state.load.shape[0]))
 
     def update(self, state: _State, r) -> None:
-        cap, M = state.cap, state.M
         self.load[r] = self.limit[r] - state.load[r]
-        self.tok[r] = cap * M - state.slot_tok[r].sum(axis=-1)
-        self.slot[r] = (cap - state.slot_tok[r]).max(axis=-1)
-        self.ratio[r] = np.log(np.maximum(self.load[r], 1e-9) / np.maximum(self.tok[r], 1.0))
-        self.fit[r] = np.minimum(self.slot[r], self.tok[r])
+        free = state.cap * state.M - state.slot_tok[r].sum(axis=-1)
+        self.ratio[r] = np.log(np.maximum(self.load[r], 1e-9) / np.maximum(free, 1.0))
+        self.fit[r] = np.minimum((state.cap - state.slot_tok[r]).max(axis=-1), free)
 
 
 def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only, tries: int = 32) -> int:
