@@ -1,9 +1,8 @@
 """The one-for-one kernels: the best single move or swap from the fullest rank (`_refine`), the swaps that
 bring a rank just over a limit under it (`_swap_down`), and the item-count fixes.
 
-A one-for-one swap is written once: `_swap_delta` / `_swap_fits` score it (the load that leaves h, and
-whether both slots stay within the cap) and `_apply_swap` makes it; `_refine`, `_swap_down` and
-core/planner/home.py read them."""
+A one-for-one swap is written once: `_swap_fits` tests it against the cap and `_apply_swap` makes it;
+`_refine`, `_swap_down` and `assign._fix_slots` (inside a rank) use both, core/planner/home.py the test."""
 
 from __future__ import annotations
 
