@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hf_dp_balance.core.planner.refine import _apply_swap
 from hf_dp_balance.core.planner.state import _FEW_SLOTS, _State, _smallest_room
 
 _LONG = 0.25  # items over this share of the cap are assigned first (8192 tokens at 32K packs)
@@ -36,24 +37,15 @@ _DEAD_TOKENS = 6.0  # tokens charged per token over M x cap that the rank's load
 _NEAR = 32  # candidates per long item and side: receivers nearest in load room, partners nearest in cost
 
 
-def _move_long(item: int, src: int, dst: int, cost: list, tokens: list, CL, TL, dest, used_item) -> None:
-    """The search's bookkeeping of one long item moving from rank `src` to `dst` (Python lists: per move,
-    scalar updates cost less than numpy calls)."""
-    used_item[item] = True
-    CL[src] -= cost[item]
-    TL[src] -= tokens[item]
-    CL[dst] += cost[item]
-    TL[dst] += tokens[item]
-    dest[item] = dst
-
-
-def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.ndarray:
+def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
     """Estimated tokens the short items of a rank will send (or cost, for a dead deficit), from its
-    load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap).
-    With `scratch` the two arrays (fresh float64 ones) are overwritten: fewer temporaries."""
-    if not scratch:
-        x, room = np.array(x, dtype=np.float64), np.array(room, dtype=np.float64)
-    # dead: a deficit that the free tokens cannot take at _DENSITY
+    load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap; both
+    float64 arrays, overwritten):
+    the tokens that carry the load excess out (at _DENSITY) or those over M x cap, whichever is more;
+    plus _DEAD per unit of a deficit the free tokens cannot take at _DENSITY; plus, over M x cap,
+    _DEAD_TOKENS per token the load excess does not carry out (they shed >= 1 cost per token)."""
+    # in place, x and room too (every caller passes fresh arrays): in the search these are (long items x
+    # candidates), and temporaries cost most of its time
     dead = np.maximum(room, 0.0)
     dead *= _DENSITY
     dead += x
@@ -61,12 +53,10 @@ def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.n
     np.maximum(dead, 0.0, out=dead)
     dead *= _DEAD
     carried = np.maximum(x, 0.0, out=x)
-    carried /= _DENSITY  # tokens that carry the load excess out
+    carried /= _DENSITY
     over = np.negative(room, out=room)
-    charge = np.maximum(carried, over)  # sent: the load excess, or the tokens over M x cap
+    charge = np.maximum(carried, over)
     charge += dead
-    # over M x cap: the rank sends -room tokens, shedding at least their cost (>= 1 per token); where
-    # room >= 0 this is <= 0 and adds nothing
     over -= carried
     np.maximum(over, 0.0, out=over)
     over *= _DEAD_TOKENS
@@ -75,19 +65,17 @@ def _rank_charge(x: np.ndarray, room: np.ndarray, scratch: bool = False) -> np.n
 
 
 def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = 128, full_every: int = 8,
-                 stop_share: float = 1e-4, block: int = 256):
-    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a long
-    item to another rank) and swaps
-    (two long items of two ranks), minimising the long items' tokens away from their rank now plus
-    `_rank_charge` summed over the ranks. Each sweep scores, for every long item on a rank with a
-    charge, the _NEAR ranks on either side of its best fit in load room and the _NEAR long items on
-    either side of the cost that would leave its rank at the limit (spread wider above 512
-    ranks: `_offsets`), then applies the improving
-    ones, best first, each rank at most once; at most `sweeps` sweeps, a full one every `full_every`
-    (between them only the items of ranks that changed), until a full sweep gains less than `stop_share`
-    of the step's tokens. Scores in blocks of `block` candidates (arrays that stay in cache). The state
-    is not changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop over the improving
-    candidates; O(n) before the first."""
+                 stop_share: float = 1e-4):
+    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a
+    long item to another rank) and swaps (two long items of two ranks), minimising the long items'
+    tokens away from their rank now plus `_rank_charge` summed over the ranks. Each sweep scores, for
+    every long item on a rank with a charge, the _NEAR ranks on either side of its best fit in load
+    room and the _NEAR long items on either side of the cost that would leave its rank at the limit
+    (spread wider above 512 ranks: `_offsets`), then applies the improving ones, best first, each
+    rank at most once; at most `sweeps` sweeps, a full one every `full_every` (between them only the
+    items of ranks that changed), until a full sweep gains less than `stop_share` of the step's
+    tokens. The state is not changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop
+    over the improving candidates; O(n) before the first."""
     cap, M = state.cap, state.M
     R = state.load.shape[0]
     tok, cost = state.tokens, state.costs
@@ -125,8 +113,10 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
                 break
             full = True
             continue
-        gm, gs, move_to, partner_at = _score_sweep(act, d, home, cl, tl, base_x + CL, base_room - TL, fr, by_cost,
-                                                   (cost_sorted, tok_sorted, home_sorted), off, block)
+        # in blocks of rows whose temporaries stay in cache (without: 1.3-1.5x the whole call at long-tail 512-2048 x 4)
+        gm, gs, move_to, partner_at = (np.concatenate(x) for x in zip(*[
+            _score_sweep(act[b:b + 256], d, home, cl, tl, base_x + CL, base_room - TL, fr, by_cost,
+                         (cost_sorted, tok_sorted, home_sorted), off) for b in range(0, act.size, 256)]))
         g = np.minimum(gm, gs)
         good = np.flatnonzero(g < -1e-6)
         if good.size == 0:
@@ -148,32 +138,39 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     return lg, d, estimate
 
 
-def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, by_cost, by_cost_arrays, off, block):
-    """One sweep's scores of the long items `act` (on ranks d[act]): (best move's gain, best swap's
-    gain, the move's receiver, the swap partner's place in cost order) each, in blocks of `block`
-    rows that stay in cache (`_score_block`). Receivers: nearest the best fit in load room (x + c_a
-    just under 0); partners: long items nearest the cost that leaves the rank at its limit."""
+def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, by_cost, by_cost_arrays, off):
+    """One sweep's scores of the long items `act` (a on rank r = d[a]): (best move's gain, best swap's
+    gain, the move's receiver, the swap partner's place in cost order) each. Receivers: the ranks at
+    `off` around a's best fit in load room (x + c_a just under 0), the gain f_left + charge at s -
+    charge now at s + a's tokens away after - before; partners: the long items at `off` around the
+    cost that leaves r at its limit, the gain of both ranks' charges and both items' tokens away (a
+    rank with itself: no option)."""
+    cost_sorted, tok_sorted, home_sorted = by_cost_arrays
     r = d[act]
-    ca, ta = cl[act], tl[act]
-    cost_sorted = by_cost_arrays[0]
-    away_now = (r != home[act]).astype(np.float64)
-    f_left = _rank_charge(x_all[r] - ca, room_all[r] + ta) - fr[r]
-    # moves: receivers nearest the best fit in load room (x + c_a just under 0)
+    ca, ta, home_a = cl[act][:, None], tl[act][:, None], home[act][:, None]
+    away_now = (r != home[act]).astype(np.float64)[:, None]
+    f_left = _rank_charge(x_all[r] - cl[act], room_all[r] + tl[act]) - fr[r]
     by_x = np.argsort(x_all, kind="stable")
-    x_sorted = x_all[by_x]
-    at_m = np.searchsorted(x_sorted, -ca)
-    want = ca - np.maximum(x_all[r], 0.0)
-    at_s = np.searchsorted(cost_sorted, want)
-    gm, gs = np.empty(act.size), np.empty(act.size)
-    move_to = np.empty(act.size, dtype=np.int64)  # per candidate: its best move's receiver
-    partner_at = np.empty(act.size, dtype=np.int64)  # its best swap's partner, as a place in cost order
-    sorted_ = (x_sorted, room_all[by_x], fr[by_x], by_x, d[by_cost])
-    for lo in range(0, act.size, block):  # in row blocks that stay in cache (same values per row)
-        b = slice(lo, lo + block)
-        _score_block(sorted_, (x_all, room_all, fr), by_cost_arrays, off,
-                     (r[b], ca[b], ta[b], away_now[b], f_left[b], home[act[b]], at_m[b], at_s[b]),
-                     (gm[b], gs[b], move_to[b], partner_at[b]))
-    return gm, gs, move_to, partner_at
+    s = by_x[np.clip(np.searchsorted(x_all[by_x], -cl[act])[:, None] + off, 0, x_all.shape[0] - 1)]
+    gain_m = _rank_charge(x_all[s] + ca, room_all[s] - ta)
+    gain_m += f_left[:, None]
+    gain_m -= fr[s]
+    gain_m += ((s != home_a) - away_now) * ta
+    gain_m[s == r[:, None]] = np.inf
+    want = cl[act] - np.maximum(x_all[r], 0.0)
+    q = np.clip(np.searchsorted(cost_sorted, want)[:, None] + off, 0, cost_sorted.shape[0] - 1)
+    rb, dc, t_b, home_b = d[by_cost[q]], ca - cost_sorted[q], tok_sorted[q], home_sorted[q]
+    dt = ta - t_b
+    gain_s = _rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt)
+    gain_s -= fr[r][:, None]
+    gain_s += _rank_charge(x_all[rb] + dc, room_all[rb] - dt)
+    gain_s -= fr[rb]
+    gain_s += ((rb != home_a) - away_now) * ta
+    gain_s += ((r[:, None] != home_b) * 1.0 - (rb != home_b)) * t_b
+    gain_s[rb == r[:, None]] = np.inf
+    rows = np.arange(act.size)
+    jm, js = np.argmin(gain_m, axis=1), np.argmin(gain_s, axis=1)
+    return gain_m[rows, jm], gain_s[rows, js], s[rows, jm], q[rows, js]
 
 
 def _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, n_long, cl_list, tl_list, CL, TL):
@@ -195,9 +192,13 @@ def _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, n_lon
         if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
             continue
         used[a_rank] = used[b_rank] = True
-        _move_long(i, a_rank, b_rank, cl_list, tl_list, CL, TL, d, used_item)
-        if j >= 0:  # a swap: the partner goes the other way
-            _move_long(j, b_rank, a_rank, cl_list, tl_list, CL, TL, d, used_item)
+        for item, src, dst in ((i, a_rank, b_rank), (j, b_rank, a_rank))[:1 + (j >= 0)]:  # a swap: j goes back
+            used_item[item] = True  # (Python floats: per move, scalar updates cost less than numpy calls)
+            CL[src] -= cl_list[item]
+            TL[src] -= tl_list[item]
+            CL[dst] += cl_list[item]
+            TL[dst] += tl_list[item]
+            d[item] = dst
         gained -= gk
     return gained, np.frombuffer(used_item, dtype=bool), np.frombuffer(used, dtype=bool)
 
@@ -210,68 +211,6 @@ def _offsets(num_ranks: int, span: int = 512) -> np.ndarray:
     return np.arange(-_NEAR * step, _NEAR * step, step)
 
 
-def _score_block(by_x_arrays, rank_arrays, by_cost_arrays, off, rows, out) -> None:
-    """`_assign_long`'s scores for a block of its candidates (long items a on ranks r): into `out`
-    = (best move's gain, best swap's gain, the move's receiver, the swap partner's place in cost
-    order). The receivers: the 2 _NEAR ranks around a's best fit in load room, the gain f_left +
-    charge at s - charge now at s + a's tokens away after - before; partners: the 2 _NEAR long
-    items around the cost that leaves r at its limit, the gain of both ranks' charges and both
-    items' tokens away (a rank with itself: no option)."""
-    x_sorted, room_by_x, fr_by_x, by_x, d_by_cost = by_x_arrays
-    x_all, room_all, fr = rank_arrays
-    cost_sorted, tok_sorted, home_sorted = by_cost_arrays
-    r, ca, ta, away_now, f_left, home_a, at_m, at_s = rows
-    gm, gs, move_to, partner_at = out
-    R = x_all.shape[0]
-    ca_c, ta_c, r_c, home_c, away_now_c = ca[:, None], ta[:, None], r[:, None], home_a[:, None], away_now[:, None]
-    pos = _window(at_m, off, R - 1)
-    s = by_x[pos]
-    # in place, in the order f_left + charge - fr + ta (away after - away now)
-    gain_m = _rank_charge(np.add(x_sorted[pos], ca_c), np.subtract(room_by_x[pos], ta_c), scratch=True)
-    np.add(f_left[:, None], gain_m, out=gain_m)
-    gain_m -= fr_by_x[pos]
-    away = np.not_equal(s, home_c).astype(np.float64)
-    away -= away_now_c
-    away *= ta_c
-    gain_m += away
-    gain_m[s == r_c] = np.inf
-    q = _window(at_s, off, cost_sorted.shape[0] - 1)  # the partners' places in cost order
-    rb = d_by_cost[q]
-    dc = np.subtract(ca_c, cost_sorted[q])
-    t_b = tok_sorted[q]
-    dt = np.subtract(ta_c, t_b)
-    # in place, in the order: charge at r - fr[r] + charge at rb - fr[rb] + a's away + b's away
-    gain_s = _rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt, scratch=True)
-    gain_s -= fr[r][:, None]
-    gain_s += _rank_charge(x_all[rb] + dc, room_all[rb] - dt, scratch=True)
-    gain_s -= fr[rb]
-    away = np.not_equal(rb, home_c).astype(np.float64)
-    away -= away_now_c
-    away *= ta_c
-    gain_s += away
-    home_b = home_sorted[q]
-    away = np.not_equal(r_c, home_b).astype(np.float64)
-    np.subtract(away, rb != home_b, out=away)
-    away *= t_b
-    gain_s += away
-    gain_s[rb == r_c] = np.inf
-    jm = np.argmin(gain_m, axis=1)
-    js = np.argmin(gain_s, axis=1)
-    rows_at = np.arange(r.shape[0])
-    gm[:] = gain_m[rows_at, jm]
-    gs[:] = gain_s[rows_at, js]
-    move_to[:] = s[rows_at, jm]
-    partner_at[:] = q[rows_at, js]
-
-
-def _window(at: np.ndarray, off: np.ndarray, last: int) -> np.ndarray:
-    """`clip(at[:, None] + off[None, :], 0, last)` in place (np.clip's own overhead is most of its time)."""
-    pos = np.add(at[:, None], off[None, :])
-    np.maximum(pos, 0, out=pos)
-    np.minimum(pos, last, out=pos)
-    return pos
-
-
 def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
     """Move `items` to `ranks` (longest first), each into its rank's roomiest slot after that slot
     passed what it can to the rank's other slots (`_make_room`); a slot may end over the cap, which
@@ -280,8 +219,7 @@ def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
     move = np.flatnonzero(state.dest[items] != ranks)
     items, ranks = items[move], ranks[move]
     order = np.argsort(-state.tokens[items], kind="stable")
-    by_rank = np.argsort(state.dest, kind="stable")  # the items of each rank before the moves
-    bounds = np.searchsorted(state.dest[by_rank], np.arange(state.load.shape[0] + 1))
+    by_rank, bounds = _by_rank(state)  # the items of each rank before the moves
     for i, r in zip(items[order].tolist(), ranks[order].tolist()):
         if state.count is not None and state.count[state.dest[i]] - 1 < state.min_count:
             continue  # the rank keeps its item count (one per micro-batch)
@@ -356,8 +294,7 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
     moves = 0
     for _ in range(rounds):
         made = 0
-        order = np.argsort(state.dest, kind="stable")
-        bounds = np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
+        order, bounds = _by_rank(state)
         todo = np.flatnonzero(state.load > limit)
         todo = todo[np.argsort(-(state.load[todo] - limit[todo]), kind="stable")]
         for h in todo.tolist():
@@ -368,8 +305,7 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
                                over_shoot, tokens_only=True)
         bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
         if bad.size:
-            order = np.argsort(state.dest, kind="stable")
-            bounds = np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
+            order, bounds = _by_rank(state)
             for r in bad.tolist():
                 _fix_slots(state, r, members=order[bounds[r]:bounds[r + 1]])
                 view.update(state, r)
@@ -380,12 +316,17 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
     return moves
 
 
+def _by_rank(state: _State):
+    """(items by rank, index order inside; where each rank's run starts, R + 1 of them)."""
+    order = np.argsort(state.dest, kind="stable")
+    return order, np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
+
+
 def _spill(state: _State, limit: np.ndarray) -> int:
     """What is still over the cap at the end: a slot over it sends its smallest items, each to the
     slot with room for it on the rank (other than its own) that ends least full against its limit;
     the loads that this raises are left to the trades. Returns the moves."""
-    cap, M = state.cap, state.M
-    tok = state.tokens
+    cap, tok = state.cap, state.tokens
     bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
     made = 0
     for h in bad.tolist():
@@ -402,9 +343,7 @@ def _spill(state: _State, limit: np.ndarray) -> int:
                 room = cap - state.slot_tok
                 fits = room >= t
                 fits[h] = False
-                ok = fits[:, 0].copy()  # fits.any(axis=1), by columns (M small: faster)
-                for col in range(1, M):
-                    ok |= fits[:, col]
+                ok = fits.any(axis=1)
                 if not ok.any():
                     break
                 after = (state.load + state.costs[i]) / limit
@@ -416,42 +355,20 @@ def _spill(state: _State, limit: np.ndarray) -> int:
 
 
 class _Rooms:
-    """Per rank: load room under the limit, free tokens, the roomiest slot's room, and the log of
-    load room per free token (what a receiver needs per token); updated per rank on every move."""
+    """Per rank: load room under the limit, the largest item its tokens take (min(the roomiest slot's room,
+    free tokens)), and the log of load room per free token (what a receiver needs per token); updated per
+    rank on every move."""
 
     def __init__(self, state: _State, limit: np.ndarray):
         self.limit = limit
-        R = state.load.shape[0]
-        self.load = np.empty(R)
-        self.tok = np.empty(R)
-        self.slot = np.empty(R)
-        self.ratio = np.empty(R)
-        self.fit = np.empty(R)  # the largest item a rank can take for its tokens: min(slot, tok)
-        self.update(state, np.arange(R))
+        self.load, self.fit, self.ratio = (np.empty(state.load.shape[0]) for _ in range(3))
+        self.update(state, np.arange(state.load.shape[0]))
 
     def update(self, state: _State, r) -> None:
-        cap, M = state.cap, state.M
         self.load[r] = self.limit[r] - state.load[r]
-        self.tok[r] = cap * M - state.slot_tok[r].sum(axis=-1)
-        self.slot[r] = (cap - state.slot_tok[r]).max(axis=-1)
-        self.ratio[r] = np.log(np.maximum(self.load[r], 1e-9) / np.maximum(self.tok[r], 1.0))
-        self.fit[r] = np.minimum(self.slot[r], self.tok[r])
-
-    def update_pair(self, state: _State, h: int, r: int) -> None:
-        """`update(state, [h, r])` with the same arithmetic (numpy's row sums and log, the rest on
-        Python floats: the same IEEE operations), in a few numpy calls instead of ~20."""
-        cap, M = state.cap, state.M
-        rows = state.slot_tok[[h, r]]
-        t_h, t_r = (cap * M - rows.sum(axis=-1)).tolist()
-        s_h, s_r = (cap - rows.min(axis=-1)).tolist()  # max(cap - row) = cap - min(row): rounding is monotone
-        l_h = float(self.limit[h]) - float(state.load[h])
-        l_r = float(self.limit[r]) - float(state.load[r])
-        ratio_h, ratio_r = np.log(np.array([max(l_h, 1e-9) / max(t_h, 1.0), max(l_r, 1e-9) / max(t_r, 1.0)])).tolist()
-        self.load[h], self.load[r] = l_h, l_r
-        self.tok[h], self.tok[r] = t_h, t_r
-        self.slot[h], self.slot[r] = s_h, s_r
-        self.ratio[h], self.ratio[r] = ratio_h, ratio_r
-        self.fit[h], self.fit[r] = min(s_h, t_h), min(s_r, t_r)
+        free = state.cap * state.M - state.slot_tok[r].sum(axis=-1)
+        self.ratio[r] = np.log(np.maximum(self.load[r], 1e-9) / np.maximum(free, 1.0))
+        self.fit[r] = np.minimum((state.cap - state.slot_tok[r]).max(axis=-1), free)
 
 
 def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only, tries: int = 32) -> int:
@@ -474,7 +391,6 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
     costs, tokens = cost[mine].tolist(), tok[mine].tolist()
     slack = over_shoot * float(band[h])
     e, t_over = over_load, over_tok  # h's excesses change only when it sends an item
-    no_taker = None  # per item of `mine`: no rank can take it (while the view is unchanged)
     for k, i in enumerate(mine.tolist()):
         if ((t_over <= 0) if tokens_only else (e <= 0)) or misses >= tries:
             break
@@ -483,102 +399,52 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
             continue
         if state.count is not None and state.count[h] - 1 < state.min_count:
             break
-        if no_taker is not None and no_taker[k]:
-            misses += 1
-            continue
         ok = (view.load >= ci) & (view.fit >= ti)
         ok[h] = False
         near = np.where(ok, np.abs(view.ratio - log_dens[k]), np.inf)
         r = int(np.argmin(near))
-        if not near[r] < np.inf:  # no rank with room for it: nor for the items after it that no rank can take
+        if not near[r] < np.inf:  # no rank with room for it
             misses += 1
-            no_taker = _no_taker(view, h, cost[mine], tok[mine])
             continue
         misses = 0
         s = max(_smallest_room((cap - state.slot_tok[r]).tolist(), ti), 0)
         state.move(i, r, s)
-        view.update_pair(state, h, r)
+        view.update(state, [h, r])
         made += 1
         e = float(state.load[h] - limit[h])
         t_over = float(state.slot_tok[h].sum() - cap * M)
-        no_taker = None
     return made
-
-
-def _no_taker(view, h: int, costs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """Per item (cost, tokens): True where no rank but h has the load room and a slot's room for it
-    (`view.load >= cost` and `view.fit >= tokens`), as the short flow tests it one item at a time.
-    O(R + K log K + items log K) for the K ranks that could take the cheapest and smallest item (at
-    a full cap few have token room): those ranks by load room, the most token room among those with more."""
-    may = (view.load >= costs.min()) & (view.fit >= tokens.min())  # the others take no item
-    may[h] = False
-    ranks = np.flatnonzero(may)
-    if ranks.size == 0:
-        return np.ones(costs.shape[0], dtype=bool)
-    load = view.load[ranks]
-    order = np.argsort(-load)  # ties in load room count alike: any order
-    most_fit = np.maximum.accumulate(view.fit[ranks][order])
-    n = np.searchsorted(-load[order], -costs, side="right")  # ranks with load room >= the cost
-    return ~((n > 0) & (most_fit[np.maximum(n - 1, 0)] >= tokens))
 
 
 def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
     """Mend rank r's slots over the cap by moves and swaps of its items between its own slots (they
     send nothing): the most over slot o passes the item, or swaps the pair, whose tokens just cover
     o's excess (else the largest part of it) into a slot with room. True when no slot is over."""
-    cap = state.cap
-    tok = state.tokens
+    cap, tok = state.cap, state.tokens
     items = np.flatnonzero(state.dest == r) if members is None else members[state.dest[members] == r]
-    # the rank's items' tokens and slots, kept here (the moves below stay inside r)
-    item_tok, item_slot = tok[items], state.micro[items].copy()
     for _ in range(steps):
         fill = state.slot_tok[r]
-        fill_list = fill.tolist()
-        o = fill_list.index(max(fill_list))  # np.argmax: the first largest
-        excess = fill_list[o] - cap
+        o = int(np.argmax(fill))
+        excess = float(fill[o] - cap)
         if excess <= 0:
             return True
         room = cap - fill
-        room_list = room.tolist()
-        in_o = item_slot == o
-        out_o = ~in_o
-        # a move: item i of o into slot s with room for it. Its score depends on i alone, so the
-        # first best (i, s) in row order is the first best i that fits the roomiest other slot,
-        # into its first slot with room (what argmin over the (i, s) matrix picks)
-        ti = item_tok[in_o]
-        most = max([v for s, v in enumerate(room_list) if s != o], default=-np.inf)
-        left_m = np.maximum(excess - ti, 0.0)
-        left_m *= 1e6
-        left_m += ti
-        left_m[ti > most] = np.inf
-        # a swap: i of o with j of slot s, o falls by t_i - t_j, s takes that much
-        tj = item_tok[out_o]
-        sj = item_slot[out_o]
-        diff = ti[:, None] - tj[None, :]
-        fits_s = (diff > 0) & (diff <= room[sj][None, :])
+        mine, others = items[state.micro[items] == o], items[state.micro[items] != o]
+        ti = tok[mine][:, None]
+        diff = ti - tok[others][None, :]  # what o sheds by a swap
+        fits = room[None, :] >= ti
+        fits[:, o] = False
+        fits_s = (diff > 0) & (diff <= room[state.micro[others]][None, :])
         # score: the overflow left (0 best), then the fewest tokens shifted
-        left_s = np.maximum(excess - diff, 0.0)
-        left_s *= 1e6
-        left_s += diff
-        left_s[~fits_s] = np.inf
+        left_m = np.where(fits, np.maximum(excess - ti, 0.0) * 1e6 + ti, np.inf).reshape(-1)
+        left_s = np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf).reshape(-1)
         km = int(np.argmin(left_m)) if left_m.size else -1
         ks = int(np.argmin(left_s)) if left_s.size else -1
-        bm = left_m[km] if km >= 0 else np.inf
-        bs = left_s.reshape(-1)[ks] if ks >= 0 else np.inf
+        bm, bs = left_m[km] if km >= 0 else np.inf, left_s[ks] if ks >= 0 else np.inf
         if not np.isfinite(min(bm, bs)):
             return False
-        at_o = np.flatnonzero(in_o)
         if bm <= bs:
-            t = float(ti[km])
-            s = next(s for s, v in enumerate(room_list) if s != o and v >= t)
-            state.move(int(items[at_o[km]]), r, s)
-            item_slot[at_o[km]] = s
+            state.move(int(mine[km // state.M]), r, km % state.M)
         else:
-            at_other = np.flatnonzero(out_o)
-            i, j = divmod(ks, at_other.size)
-            a, b = int(items[at_o[i]]), int(items[at_other[j]])
-            sb = int(state.micro[b])
-            state.move(a, r, sb)
-            state.move(b, r, o)
-            item_slot[at_o[i]], item_slot[at_other[j]] = sb, o
+            _apply_swap(state, int(mine[ks // others.size]), int(others[ks % others.size]))
     return not (state.slot_tok[r] > cap).any()

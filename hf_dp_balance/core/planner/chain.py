@@ -115,7 +115,7 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         lad.lo, lad.hi = np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64)
         lad.rank_of = np.zeros(n, dtype=np.int64)
         lad.built = np.zeros(R, dtype=bool)
-        lad.members, lad.bins = _Members(state.dest, R, state.order_memo), bins
+        lad.members, lad.bins = _Members(state.dest, R), bins
     else:
         order = _ladders(bins, slot, _by_density(state) if S <= _RADIX else None)
         starts = np.zeros(S + 1, dtype=np.int64)

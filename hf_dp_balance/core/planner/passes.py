@@ -1,4 +1,4 @@
-"""The incremental method: shed, place, refine, exchange toward per-rank budgets."""
+"""The incremental method: shed, place, refine, exchange toward per-rank budgets, then the item-count fixes."""
 
 from __future__ import annotations
 
@@ -13,41 +13,32 @@ from hf_dp_balance.core.planner.state import _PASSES, _Infeasible, _State, _copy
 
 def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
                          deep: bool = True, refine: bool = True) -> _State:
-    """Shed, place, refine (docs/planner.md) toward per-rank `budget` loads, then the
-    item-count fixes; returns the final state. Raises _Infeasible. `deep` False: no one-for-many
-    exchanges; `refine` False (with `deep` False): no refinement either, shed and place only (where
-    ladder trades follow that do that work, core/planner/pipeline.py `_full_cap_pass`).
+    """Shed, place, refine (docs/planner.md) toward per-rank `budget` loads, then the item-count fixes;
+    returns the final state. Raises _Infeasible. `deep` False: no one-for-many exchanges; `refine` False
+    (with `deep` False): shed and place only (where ladder trades follow that do that work).
 
-    When the placement breaks the token cap and shedding for cost takes an item that
-    no slot can hold any more, the cap is repaired alone (token shedding, then
-    refine / exchanges, which keep the cap): a repair then moves a few small items
-    instead of failing over to a repack that moves most of them.
-    """
-    repair_only = _copy_state(state) if _over_cap(state) else None
+    When the placement breaks the token cap and shedding for cost takes an item that no slot can hold
+    any more, the cap is repaired alone (token shedding, then refine / exchanges, which keep the cap): a
+    repair then moves a few small items instead of failing over to a repack that moves most of them."""
+    repair_only = _copy_state(state) if state.cap is not None and bool(np.any(state.slot_tok > state.cap)) else None
     slack = budget * (tolerance / 2.0)
     try:
         return _balance_shedding(state, budget, slack, tolerance, relocate, deep, refine)
     except _Infeasible:
         if repair_only is None:
             raise
-        return _balance_once(repair_only, budget, slack, tolerance, relocate=False, deep=deep, shed_cost=False,
-                             refine=refine)
-
-
-def _over_cap(state: _State) -> bool:
-    return state.cap is not None and bool(np.any(state.slot_tok > state.cap))
+        return _balance_once(repair_only, budget, slack, tolerance, False, deep, shed_cost=False, refine=refine)
 
 
 def _balance_shedding(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
                       relocate: bool, deep: bool, refine: bool = True) -> _State:
-    """`_balance_once`; when some item is over its own rank's budget on its own (speeds or
-    fixed loads differ), relocating it to a faster rank is tried and so is leaving it; the
-    plan with the lower fullest rank wins (ties: fewer moves)."""
-    heaviest = float(state.costs.max()) if state.costs.size else 0.0
-    misplaced = relocate and heaviest > float((budget + slack).min()) and bool(
+    """`_balance_once`; when some item is over its own rank's budget on its own (speeds or fixed loads
+    differ), relocating it to a faster rank is tried and so is leaving it; the plan with the lower
+    fullest rank wins (ties: fewer moves)."""
+    misplaced = relocate and state.costs.size and float(state.costs.max()) > float((budget + slack).min()) and bool(
         np.any(state.costs > (budget + slack)[state.dest]))
     if not misplaced:
-        return _balance_once(state, budget, slack, tolerance, relocate=False, deep=deep, refine=refine)
+        return _balance_once(state, budget, slack, tolerance, False, deep, refine=refine)
     start = state.dest.copy()
     other = _copy_state(state)
     state = _balance_once(state, budget, slack, tolerance, relocate=True)
@@ -55,18 +46,14 @@ def _balance_shedding(state: _State, budget: np.ndarray, slack: np.ndarray, tole
         other = _balance_once(other, budget, slack, tolerance, relocate=False)
     except _Infeasible:
         return state
-
-    def score(st):
-        return (float(np.max(st.load / np.maximum(budget, np.finfo(np.float64).tiny))),
-                int(np.count_nonzero(st.dest != start)))
-
-    return other if score(other) < score(state) else state
+    score = [(_fullest(st, budget), int(np.count_nonzero(st.dest != start))) for st in (other, state)]
+    return other if score[0] < score[1] else state
 
 
 def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
                   relocate: bool, deep: bool = True, shed_cost: bool = True, refine: bool = True) -> _State:
-    """One shed / place pass (tokens over the cap, and with `shed_cost` load over budget),
-    the extra passes, then `_polish`."""
+    """One shed / place pass (tokens over the cap, and with `shed_cost` load over budget), the extra
+    passes, then `_polish`."""
     limit = budget * (1.0 + tolerance / 2.0)
     # the token repair first: a slot over the cap gives away a few small items, so an item the
     # cost shedding then takes from it still fits back home (after the repair, its slot has room)
@@ -82,13 +69,11 @@ def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, toleranc
 
 
 def _extra_passes(state: _State, budget: np.ndarray, slack: np.ndarray, limit: np.ndarray) -> None:
-    """Up to _PASSES more shed / place passes while some rank is over budget + slack."""
+    """Up to _PASSES more shed / place passes while some rank is over budget + slack: they shed again
+    what the placement could not fit (e.g. the rank that took a long sample; long samples stay)."""
     for _ in range(_PASSES):
-        if not np.any(state.load > budget + slack):
-            return
-        # shed again what the placement could not fit (e.g. the rank that took a long sample)
-        pool = _shed_rounds(state, budget, slack, relocate=False)  # long samples stay where they are
-        if pool.size == 0:
+        pool = _shed_rounds(state, budget, slack, relocate=False) if np.any(state.load > budget + slack) else []
+        if len(pool) == 0:
             return
         _place_best_fit(state, pool, limit)
 
@@ -96,14 +81,12 @@ def _extra_passes(state: _State, budget: np.ndarray, slack: np.ndarray, limit: n
 def _polish(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
             eject: bool = True, refine: bool = True) -> _State:
     """Refine (unless `refine` is False), one-for-many exchanges while they help (`eject`), then the
-    item-count fixes."""
+    item-count fixes. An exchange is kept only if it lowers the fullest rank (at most R of them)."""
     limit = budget * (1.0 + tolerance / 2.0)
     goal = 1.0 + tolerance
     refine_iters = 2 * budget.shape[0] + 16
     if refine:
         _refine(state, budget, goal, max_iters=refine_iters)
-    # a heavy item that fits no other rank's room: one-for-many exchanges, each kept only if it
-    # lowers the fullest rank (bounded: every kept one lowers it, at most R of them)
     for _ in range(budget.shape[0] if eject else 0):
         now = _fullest(state, budget)
         if now <= goal:
@@ -125,4 +108,3 @@ def _polish(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: flo
     _fill_short_ranks(state)
     _fill_empty_slots(state)
     return state
-

@@ -143,10 +143,6 @@ class _FullSearch:
         """(rank, its room): the smallest room that holds cost c with t tokens of room, else the
         LPT host (`_no_room_host`) or the roomiest rank with token room; else the item's previous
         rank if it has the room; else _Infeasible."""
-        if self.state.cap is not None:
-            near = self._scan(rooms, ranks, free, c, t)
-            if near is not None:
-                return near
         self._sync(rooms, ranks, free)
         room_arr = self.mirror[0]
         ok = None
@@ -170,47 +166,6 @@ class _FullSearch:
                 r0 = int(np.argmax(room_arr if ok is None else np.where(ok, room_arr, -np.inf)))
             self.claimed[r0] += c
         return r0, float(room_arr[r0])
-
-
-    def _scan(self, rooms: list, ranks: list, free: list, c: float, t: float, reach: int = 256):
-        """`host`'s answer found in the sorted rooms within `reach` positions (None past them): the
-        first rank from the best fit up with t tokens of room (the smallest room that holds c), else,
-        when no room from there up has the tokens, the first one down from the best fit (the roomiest
-        with token room; not with `lpt_host`); among equal rooms the lowest rank, as numpy's argmin /
-        argmax of `host` picks it. (Those searches cost ~40 us each at 4096 ranks, this ~1-5 us.)"""
-        last = len(rooms) - 1
-        j = bisect_left(rooms, c)
-        end = min(last, j + reach - 1)
-        p = j
-        while p <= end and free[ranks[p]] < t:
-            p += 1
-        if p <= end:
-            return _lowest_rank_of_equal(rooms, ranks, free, t, p)
-        if end < last or self.lpt_host:
-            return None
-        stop = max(j - (reach - (last - j + 1)), 0)  # the scan's positions left, downward
-        p = j - 1
-        while p >= stop and free[ranks[p]] < t:
-            p -= 1
-        if p < stop:
-            return None
-        r0, room = _lowest_rank_of_equal(rooms, ranks, free, t, p)
-        self.claimed[r0] += c
-        return r0, room
-
-
-def _lowest_rank_of_equal(rooms: list, ranks: list, free: list, t: float, p: int):
-    """(rank, room): the lowest rank with t tokens of room among the positions whose room equals
-    rooms[p] (rank ranks[p] has the tokens)."""
-    room = rooms[p]
-    lo = bisect_left(rooms, room)
-    best = ranks[p]
-    q = lo
-    while q < len(rooms) and rooms[q] == room:
-        if ranks[q] < best and free[ranks[q]] >= t:
-            best = ranks[q]
-        q += 1
-    return best, room
 
 
 def _scan_token_room(free: list, ranks: list, j: int, t: float, downward: bool, reach: int = 16):

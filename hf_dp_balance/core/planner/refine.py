@@ -1,4 +1,8 @@
-"""Refinement: single moves and 1-for-1 swaps from the fullest rank, and the item-count fixes."""
+"""The one-for-one kernels: the best single move or swap from the fullest rank (`_refine`), the swaps that
+bring a rank just over a limit under it (`_swap_down`), and the item-count fixes.
+
+A one-for-one swap is written once: `_swap_fits` tests it against the cap and `_apply_swap` makes it;
+`_refine`, `_swap_down` and `assign._fix_slots` (inside a rank) use both, core/planner/home.py the test."""
 
 from __future__ import annotations
 
@@ -7,27 +11,20 @@ import numpy as np
 from hf_dp_balance.core.planner.state import _ROUNDS, _Infeasible, _Members, _State
 
 
-def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2,
-            screen: int = 16) -> None:
+def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2) -> None:
     """Best single move or swap between the fullest rank and the emptiest ranks, until `goal`.
 
-    Fullness is load / budget. Each iteration takes the fullest rank h and the
-    `candidates` emptiest ranks and applies, over all of them at once, the move
-    (an item of h to a candidate's emptiest slot) or swap (an item of h with an
-    item of a candidate, each taking the other's slot) that minimises the larger
-    fullness of the two ranks within the token cap. A rank nothing helps is skipped
-    (the next fullest goes on: the exchanges of `_polish` need the others within
-    reach of their budgets); stops when the fullest rank not skipped is at or
-    under `goal`. O(items of h x items of the candidates) per iteration; a rank the screens of
-    `_best_move` / `_best_swap` rule out costs O(its items x log their items), and a run of such
-    ranks is screened together (`_surely_stuck`): the same iterations, one numpy pass.
-    """
+    Fullness is load / budget. Each iteration takes the fullest rank h and the `candidates` emptiest
+    ranks and applies the move (an item of h to a candidate's emptiest slot) or swap (an item of h
+    with an item of a candidate, each taking the other's slot) that minimises the larger fullness of
+    the two ranks within the token cap. A rank nothing helps is skipped (the next fullest goes on:
+    the exchanges of `_polish` need the others within reach of their budgets); stops when the fullest
+    rank not skipped is at or under `goal`. O(items of h x items of the candidates) per iteration; a
+    rank the screens of `_best_move` / `_swap_may_fit` rule out costs O(its items x log theirs)."""
     budget = np.maximum(budget, np.finfo(np.float64).tiny)  # a zero budget: any load is "very full"
     members = None
     stuck = np.zeros(budget.shape[0], dtype=bool)  # ranks nothing helped (skipped, the next fullest goes on)
-    batch = 0  # after a skipped rank, the next ones in line are screened together (`_surely_stuck`)
-    done = 0
-    while done < max_iters:
+    for _ in range(max_iters):
         full = state.load / budget
         h = int(np.argmax(np.where(stuck, -np.inf, full)))
         fh = float(full[h])
@@ -35,83 +32,23 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
             return
         if members is None:
             members = _Members(state.dest, budget.shape[0])
-        if batch:
-            line = _in_line(full, stuck, goal, min(batch, max_iters - done))
-            k = _surely_stuck(state, full, line, members, candidates)
-            if k:  # each one iteration that would change nothing
-                stuck[line[:k]] = True
-                done += k
-                batch = 2 * batch if k == line.size else 0
-                continue
-            batch = 0
-        done += 1
         mine = members.of(h)
-        if mine.size == 0:
-            stuck[h] = True
-            batch = screen
-            continue
         cand = _emptiest(full, h, candidates)
-        if cand.size == 0:
+        if mine.size and cand.size == 0:
             return
-        move = _best_move(state, budget, h, mine, cand)
-        swap = _best_swap(state, budget, h, mine, cand, members)
+        move = _best_move(state, budget, h, mine, cand) if mine.size else (np.inf,)
+        swap = _best_swap(state, budget, h, mine, cand, members) if mine.size else (np.inf,)
         if not min(move[0], swap[0]) < fh:
             stuck[h] = True
-            batch = screen
-            continue
-        if move[0] <= swap[0]:
+        elif move[0] <= swap[0]:
             _, item, l, slot = move
             state.move(item, l, slot)
             members.moved(item, h, l)
         else:
             _, item_a, item_b, l = swap
-            slot_a, slot_b = int(state.micro[item_a]), int(state.micro[item_b])
-            state.move(item_b, h, slot_a)
-            state.move(item_a, l, slot_b)
+            _apply_swap(state, item_a, item_b)
             members.moved(item_b, l, h)
             members.moved(item_a, h, l)
-
-
-def _in_line(full: np.ndarray, stuck: np.ndarray, goal: float, k: int) -> np.ndarray:
-    """The next k ranks `_refine` takes while nothing changes: not skipped, above `goal`, fullest
-    first (ties: lowest index, as np.argmax does)."""
-    live = np.flatnonzero(~stuck & (full > goal))
-    return live[np.lexsort((live, -full[live]))][:k]
-
-
-def _surely_stuck(state: _State, full: np.ndarray, line: np.ndarray, members, candidates: int) -> int:
-    """How many ranks at the head of `line` no move and no swap can help, by the screens of
-    `_best_move` (no item of h fits a candidate's emptiest slot) and `_swap_may_fit` (no cheaper
-    item of a candidate close enough in tokens), for all of them at once: they share the
-    candidates (the emptiest ranks, the state unchanged), unless one of them is among those (the
-    count stops there). 0 when the screens cannot tell (no cap, fullness not finite)."""
-    cap = state.cap
-    if cap is None or state.slot_tok is None or line.size == 0 or not np.isfinite(full).all():
-        return 0
-    R = full.shape[0]
-    emptiest = np.lexsort((np.arange(R), full))[:candidates]  # `_emptiest` of a rank not among them
-    among = np.isin(line, emptiest)
-    if among.any():
-        line = line[:int(np.argmax(among))]
-    cand = emptiest[:min(candidates, R - 1)]
-    if line.size == 0 or cand.size == 0:
-        return 0
-    groups = [members.of(int(h)) for h in line.tolist()]
-    sizes = np.fromiter((g.size for g in groups), dtype=np.int64, count=len(groups))
-    maybe = np.zeros(line.size, dtype=bool)  # a rank with no items: nothing to move, surely stuck
-    has = np.flatnonzero(sizes > 0)
-    if has.size:
-        mine = np.concatenate([groups[i] for i in has.tolist()])
-        starts = np.cumsum(sizes[has]) - sizes[has]
-        to_slot = np.argmin(state.slot_tok[cand], axis=1)
-        move_room = float((cap - state.slot_tok[cand, to_slot]).max())
-        maybe[has] = np.minimum.reduceat(state.tokens[mine], starts) <= move_room
-        theirs = np.concatenate([members.of(int(l)) for l in cand.tolist()])
-        if theirs.size:  # the screen of `_swap_may_fit`, for every rank of the line at once
-            close = _cheaper_close(state, mine, theirs, cand)
-            maybe[has] |= np.add.reduceat(close.astype(np.int64), starts) > 0
-    first = np.flatnonzero(maybe)
-    return int(first[0]) if first.size else int(line.size)
 
 
 def _emptiest(full: np.ndarray, h: int, candidates: int) -> np.ndarray:
@@ -152,18 +89,15 @@ def _best_move(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
 def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand: np.ndarray, members):
     """(larger fullness after, item of h, item of a candidate, that candidate) of the best 1-for-1
     swap, each item taking the other's slot, within the cap; (inf, ...) when the candidates are empty."""
-    costs, cap = state.costs, state.cap
     groups = [members.of(int(l)) for l in cand]
     theirs = np.concatenate(groups)
-    if not theirs.size:
-        return np.inf, -1, -1, -1
-    if cap is not None and not _swap_may_fit(state, mine, theirs, cand):
+    if not theirs.size or (state.cap is not None and not _swap_may_fit(state, mine, theirs, cand)):
         return np.inf, -1, -1, -1
     col_rank = np.repeat(cand, [g.size for g in groups])
-    delta = costs[mine][:, None] - costs[theirs][None, :]  # load leaving h
+    delta = state.costs[mine][:, None] - state.costs[theirs][None, :]  # load leaving h
     worst = np.maximum((state.load[h] - delta) / budget[h],
                        (state.load[col_rank][None, :] + delta) / budget[col_rank][None, :])
-    if cap is not None:
+    if state.cap is not None:
         worst = np.where(_swap_fits(state, h, mine[:, None], theirs[None, :], col_rank[None, :]), worst, np.inf)
     k = int(np.argmin(worst))
     a, j = divmod(k, theirs.size)
@@ -171,35 +105,33 @@ def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
 
 
 def _swap_fits(state: _State, h: int, a, b, l) -> np.ndarray:
-    """The one-for-one swap's cap test, shared by `_best_swap`, `_swap_down` and `home`: item a of rank h
-    and item b of rank l (arrays broadcast) trade slots, and both slots stay within the cap."""
+    """The one-for-one swap's cap test: item a of rank h and item b of rank l (arrays broadcast) trade
+    slots, and both slots stay within the cap."""
     ta, tb = state.tokens[a], state.tokens[b]
     into_l = state.slot_tok[l, state.micro[b]] - tb + ta
     into_h = state.slot_tok[h, state.micro[a]] - ta + tb
     return (into_l <= state.cap) & (into_h <= state.cap)
 
 
+def _apply_swap(state: _State, a: int, b: int) -> None:
+    """Items a and b trade ranks and slots."""
+    ra, ma, rb, mb = int(state.dest[a]), int(state.micro[a]), int(state.dest[b]), int(state.micro[b])
+    state.move(b, ra, ma)
+    state.move(a, rb, mb)
+
+
 def _swap_may_fit(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.ndarray) -> bool:
     """False only if no swap of an item a of h for a cheaper item b of a candidate fits the cap on
-    the candidate's side (t_a - t_b <= the room of b's slot): then no swap lowers h's fullness
-    (c_b >= c_a leaves h no lighter, in floating point too), which is all `_refine` asks of
-    `_best_swap`, and the items x theirs matrices are skipped. At a full cap the slots' rooms are
-    a few tokens and most ranks nothing helps pass this test in O((mine + theirs) log theirs).
-    The test is loose by 1e-6 of the cap (the matrices' float sums are exact to far less)."""
-    return bool(_cheaper_close(state, mine, theirs, cand).any())
-
-
-def _cheaper_close(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.ndarray) -> np.ndarray:
-    """Per item a of `mine`: whether some item b of `theirs` (not empty) costs less and has tokens
-    close enough that the swap fits the roomiest slot of the candidates (t_a - t_b <= its room, loose
-    by 1e-6 of the cap): the screen of `_swap_may_fit`."""
+    the candidate's side (t_a - t_b <= the room of the candidates' roomiest slot, loose by 1e-6 of
+    the cap): then no swap lowers h's fullness and `_best_swap` skips its matrices. At a full cap
+    most ranks nothing helps fail this test, in O((mine + theirs) log theirs)."""
     ct = state.costs[theirs]
     by_cost = np.argsort(ct, kind="stable")
-    # for every a: the most tokens of a cheaper b (c_b < c_a)
-    most = np.maximum.accumulate(state.tokens[theirs][by_cost])
+    most = np.maximum.accumulate(state.tokens[theirs][by_cost])  # the most tokens of a b cheaper than each a
     cheaper = np.searchsorted(ct[by_cost], state.costs[mine], side="left")
-    room = state.cap - float(state.slot_tok[cand].min())  # the roomiest slot of the candidates
-    return (cheaper > 0) & (most[np.maximum(cheaper - 1, 0)] >= state.tokens[mine] - room - 1e-6 * state.cap)
+    room = state.cap - float(state.slot_tok[cand].min())
+    close = most[np.maximum(cheaper - 1, 0)] >= state.tokens[mine] - room - 1e-6 * state.cap
+    return bool(((cheaper > 0) & close).any())
 
 
 def _fill_short_ranks(state: _State) -> None:
@@ -252,53 +184,41 @@ def _fill_empty_slots(state: _State) -> None:
 
 
 def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int = _ROUNDS) -> int:
-    """One-for-one swaps for a rank a few tenths over the trades' limit that holds little but its own long
-    items, one per micro-batch (which the item count keeps there), after long items first.
-    While the fullest rank h (load / limit) is over `limit`: the swap of an item a of h with an
-    item b of another rank l that leaves both at or under their limits and both slots within the
-    cap, the fewest tokens newly sent (against `start`) first, then the lowest (a, b) indexes. Stops at
-    the first h with no such swap. Item counts never change. Returns the swaps made. Cost per
-    swap: O(n) numpy (the items of h, and the items whose cost is within the largest load room of
-    each item of h)."""
+    """One-for-one swaps for a rank a few tenths over a limit that holds little but its own long items,
+    one per micro-batch (which the item count keeps there), after long items first. While the fullest
+    rank h (load / limit) is over `limit`: the swap of an item a of h with an item b of another rank l
+    that leaves both at or under their limits and both slots within the cap, the fewest tokens newly
+    sent (against `start`) first, then the lowest (a, b) indexes. Stops at the first h with no such
+    swap. Item counts never change. Returns the swaps made. Cost per swap: O(n) numpy (the items of h,
+    and the items whose cost is within the largest load room of each item of h)."""
     tok, cost = state.tokens, state.costs
     by_cost = np.argsort(cost, kind="stable")
     cost_sorted = cost[by_cost]
-    made = 0
     scale = np.maximum(limit, np.finfo(np.float64).tiny)
-    for _ in range(rounds):
+    for made in range(rounds):
         h = int(np.argmax(state.load / scale))
         excess = float(state.load[h] - limit[h])
-        if excess <= 0:
-            break
         room = limit - state.load  # load room per rank (h's is negative)
         most = float(room.max())
-        if most <= 0:
-            break
+        if excess <= 0 or most <= 0:
+            return made
         best = None
         for a in np.flatnonzero(state.dest == h).tolist():
-            ca, ta = float(cost[a]), float(tok[a])
-            # b: c_a - c_b in [excess, most], b on another rank whose load room takes c_a - c_b
-            lo = np.searchsorted(cost_sorted, ca - most, side="left")
-            hi = np.searchsorted(cost_sorted, ca - excess, side="right")
-            if hi <= lo:
-                continue
-            b = by_cost[lo:hi]
+            ca = float(cost[a])
+            # b: c_a - c_b in [excess, most], on another rank whose load room takes c_a - c_b
+            b = by_cost[np.searchsorted(cost_sorted, ca - most):np.searchsorted(cost_sorted, ca - excess, "right")]
             l = state.dest[b]
             diff = ca - cost[b]
             ok = (l != h) & (diff <= room[l]) & (diff >= excess) & _swap_fits(state, h, a, b, l)
             if not ok.any():
                 continue
             b, l = b[ok], l[ok]
-            sent = ta * ((l != start[a]).astype(np.float64) - float(h != start[a]))
+            sent = tok[a] * ((l != start[a]).astype(np.float64) - float(h != start[a]))
             sent += tok[b] * ((start[b] != h).astype(np.float64) - (start[b] != l))
             k = int(np.lexsort((b, sent))[0])
-            if best is None or (sent[k], a, int(b[k])) < best[:3]:
-                best = (float(sent[k]), a, int(b[k]), int(l[k]))
+            if best is None or (sent[k], a, int(b[k])) < best:
+                best = (float(sent[k]), a, int(b[k]))
         if best is None:
-            break
-        _, a, b, l = best
-        ma, mb = int(state.micro[a]), int(state.micro[b])
-        state.move(a, l, mb)
-        state.move(b, h, ma)
-        made += 1
-    return made
+            return made
+        _apply_swap(state, best[1], best[2])
+    return rounds

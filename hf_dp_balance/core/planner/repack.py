@@ -94,16 +94,10 @@ def _relabel(state: _State, budget: np.ndarray, ranks: np.ndarray, pool: np.ndar
     to = np.arange(budget.shape[0])
     to[ranks[rows]] = ranks[cols]
     state.dest[pool] = to[state.dest[pool]]
-    src = ranks[rows]
-    dst = ranks[cols]
-    load = state.load.copy()
-    state.load[dst] = load[src]
-    if state.slot_tok is not None:
-        slot_tok = state.slot_tok.copy()
-        state.slot_tok[dst] = slot_tok[src]
-    if state.count is not None:
-        count = state.count.copy()
-        state.count[dst] = count[src]
+    for name in ("load", "slot_tok", "count"):  # each renamed rank takes its new contents' totals
+        value = getattr(state, name)
+        if value is not None:
+            value[ranks[cols]] = value[ranks[rows]].copy()
 
 
 def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.ndarray) -> None:

@@ -63,9 +63,6 @@ class _State:
         self.path = "incremental"  # "repack" once the repack fallback re-placed it (Plan.path)
         # what is worked out of the items alone (costs, tokens, cap), never of their placement: shared by copies
         self.item_memo = {}
-        # orders of an earlier placement, read where few items or none moved since (`_Members`, the pool of
-        # core/planner/eject.py): shared by copies; each entry holds the placement it was made of
-        self.order_memo = {}
 
     def move(self, item: int, to: int, slot: int) -> None:
         frm, m = int(self.dest[item]), int(self.micro[item])
@@ -152,46 +149,18 @@ def _group_starts(keys: np.ndarray) -> np.ndarray:
 
 
 class _Members:
-    """Items of each rank (index order), built once per `_refine` and patched on every move.
+    """Items of each rank (index order), built once per `_refine` or ladder pass and patched on every move."""
 
-    With `memo` (a dict shared by the copies of one call's state, `_State.order_memo`) the stable sort
-    of dest is made once and kept as a base: a later build where few items changed rank since (the
-    incremental method's passes and trials move a few hundred of 550k items) takes, for each rank it
-    reads, its base items that are still there plus those that arrived, in index order: the same
-    arrays as a fresh sort, for O(n) comparisons instead of a sort and a gather of the step."""
-
-    def __init__(self, dest: np.ndarray, num_ranks: int, memo: dict | None = None, rebase: int = 16):
+    def __init__(self, dest: np.ndarray, num_ranks: int):
         self.cache = {}
-        self.touched = None  # ranks whose base items are not exactly theirs now (None: a fresh sort)
-        base = None if memo is None else memo.get("members")
-        if base is not None and base[0].shape == dest.shape and base[2].size == num_ranks + 1:
-            changed = np.flatnonzero(dest != base[0])
-            if changed.size * rebase <= dest.size:  # a new base once more than 1 / rebase of the items moved
-                self.order, self.bounds = base[1], base[2]
-                self.now = dest.copy()  # dest at the build: later moves patch the cache (`moved`)
-                arrived = changed[np.argsort(self.now[changed], kind="stable")]  # by rank, index order
-                self.arrived = arrived
-                self.arrived_at = np.searchsorted(self.now[arrived], np.arange(num_ranks + 1))
-                self.touched = np.zeros(num_ranks + 1, dtype=bool)  # (+1: a -1, an item not placed)
-                self.touched[base[0][changed]] = True
-                self.touched[self.now[changed]] = True
-                return
         # numpy's stable sort of a 16-bit key is a radix sort, 4-5x faster than its merge sort of int64 (same order)
         self.order = _stable_order(dest, num_ranks)
         self.bounds = _rank_starts(dest, num_ranks)  # (from the counts per rank, not a search of dest[order])
-        if memo is not None:
-            memo["members"] = (dest.copy(), self.order, self.bounds)
 
     def of(self, r: int) -> np.ndarray:
         got = self.cache.get(r)
         if got is None:
-            got = self.order[self.bounds[r]:self.bounds[r + 1]]
-            if self.touched is not None and self.touched[r]:
-                got = got[self.now[got] == r]  # the base items that left r
-                new = self.arrived[self.arrived_at[r]:self.arrived_at[r + 1]]
-                if new.size:
-                    got = np.sort(np.concatenate((got, new)))
-            self.cache[r] = got
+            got = self.cache[r] = self.order[self.bounds[r]:self.bounds[r + 1]]
         return got
 
     def moved(self, item: int, frm: int, to: int) -> None:
