@@ -58,42 +58,32 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     if not deep:
         return _balance_incremental(state, budget, tolerance, relocate, deep=False)
     goal = 1.0 + tolerance
-    start = state.dest.copy()
-    origin = _copy_state(state)
-    tried, traded, lumpy = [], None, False
+    start, origin = state.dest.copy(), _copy_state(state)
     first = _trades_first(origin)
-    if first:  # on `state` itself: step 1 starts from a fresh copy of `origin` when they find no plan
-        lumpy = _lumpy(origin)
-        traded = _full_cap_trades(state, budget, tolerance, relocate, copy=False, ladder=lumpy)
-        if traded is None:
-            state = _copy_state(origin)
-        elif _fullest(traded, budget) <= goal:
-            return traded
-        else:
-            tried.append(traded)  # it ran step 1 already: the repacks start from it
-    if not tried:
+    lumpy = first and _lumpy(origin)
+    # trades that go first work on `state` itself and run step 1 themselves: their plan is the base
+    base = _full_cap_trades(state, budget, tolerance, relocate, copy=False, ladder=lumpy) if first else None
+    # after ladder trades, a repack that does not beat them ends the doubling (it rarely does, for most of the call)
+    stop_at = _fullest(base, budget) if lumpy and base is not None else np.inf
+    traded = None
+    if base is None:
         try:
-            tried.append(_balance_incremental(state, budget, tolerance, relocate))
+            base = _balance_incremental(_copy_state(origin) if first else state, budget, tolerance, relocate)
         except _Infeasible:
             pass
-        if tried and _fullest(tried[0], budget) <= goal:
-            return tried[0]
-        if not first:
+        if not first and (base is None or _fullest(base, budget) > goal):
             traded = _full_cap_trades(origin, budget, tolerance, relocate)
-            if traded is not None and _fullest(traded, budget) <= goal:
-                return traded
-    near = [st for st in tried + ([traded] if traded is not None and traded not in tried else [])
-            if _fullest(st, budget) <= 1.0 + 2.0 * tolerance]
+    plans = [p for p in (base, traded) if p is not None]
+    within = [p for p in plans if _fullest(p, budget) <= goal]
+    if within:
+        return within[0]
+    near = [p for p in plans if _fullest(p, budget) <= 1.0 + 2.0 * tolerance]
     if near:
-        return min(near, key=lambda st: _sent(st, start))
-    base = tried[0] if tried else origin
-    # after ladder trades, a repack that does not beat them ends the doubling (it rarely does, for most of the call)
-    stop_at = _fullest(traded, budget) if traded is not None and lumpy else np.inf
-    tried += repack._repack_until(base, origin, budget, tolerance, start, stop_at, none_yet=not tried)
-    incremental = tried[0] if base is not origin else None
-    if traded is not None and traded not in tried:
-        tried.append(traded)
-    return _choose(tried, incremental, budget, tolerance, start, repack_gain)
+        return min(near, key=lambda p: _sent(p, start))
+    repacks = repack._repack_until(origin if base is None else base, origin, budget, tolerance, start, stop_at,
+                                   none_yet=not plans)
+    tried = [p for p in (base,) if p is not None] + repacks + [p for p in (traded,) if p is not None]
+    return _choose(tried, base, budget, tolerance, start, repack_gain)
 
 
 def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool = True,
@@ -141,16 +131,12 @@ def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocat
             # exchanges would there, sending fewer tokens (at 2-4, where long items go first, both help)
             deep = state.M <= _FEW_SLOTS
             state = _balance_incremental(state, budget, tolerance, relocate, deep=deep, refine=deep)
-            for _ in range(_PASSES):
-                if _fullest(state, budget) <= 1.0 + tolerance:
-                    break
-                _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True, partners_only=True)
-                state = _balance_incremental(state, budget, tolerance, relocate)
-            for _ in range(_PASSES):
-                if _fullest(state, budget) <= 1.0 + tolerance:
-                    break
-                _roomy_trades(state, budget, tolerance)
-                state = _balance_incremental(state, budget, tolerance, relocate)
+            for trades in (_residue_trades, _roomy_trades):  # up to _PASSES of each while above the goal
+                for _ in range(_PASSES):
+                    if _fullest(state, budget) <= 1.0 + tolerance:
+                        break
+                    trades(state, budget, tolerance)
+                    state = _balance_incremental(state, budget, tolerance, relocate)
         else:
             _trade(state, budget, tolerance)
             state = _balance_incremental(state, budget, tolerance, relocate)
@@ -162,6 +148,12 @@ def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocat
         return state
     except _Infeasible:
         return None
+
+
+def _residue_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
+    """Ladder trades at any cost per token, between near ranks and their partners only: what step 1
+    left over the goal after the first ladder pass."""
+    _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True, partners_only=True)
 
 
 def _roomy_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
