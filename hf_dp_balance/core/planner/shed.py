@@ -43,30 +43,33 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
     rem = excess[ranks]
     lim = slack[ranks]
     left = state.count[ranks] - state.min_count if state.count is not None else np.full(ranks.size, sel.size)
-    # an item over its own rank's budget on its own, that fits the budget of some other rank
-    # (e.g. a long sample on a slow rank), leaves first whatever the free room says
-    misplaced = (sc > budget[so] + slack[so]) & (sc <= float(budget.max()))
-    if relocate and misplaced.any():
-        hit = np.flatnonzero(misplaced)
-        g = np.searchsorted(starts, hit, side="right") - 1
-        first = np.concatenate(([True], g[1:] != g[:-1]))  # one per rank (the lowest index)
+    group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, sel.size)))
+
+    def take(hit):  # of the items at `hit` (sorted), each rank that may give one gives its first
+        g = group[hit]
+        first = np.concatenate(([True], g[1:] != g[:-1])) & (left[g] > 0)
         hit, g = hit[first], g[first]
-        hit, g = hit[left[g] > 0], g[left[g] > 0]
         taken_all.append(sel[hit])
         movable[hit] = False
         rem[g] -= sc[hit]
         left[g] -= 1
+
+    # an item over its own rank's budget on its own, that fits the budget of some other rank
+    # (e.g. a long sample on a slow rank), leaves first whatever the free room says
+    misplaced = (sc > budget[so] + slack[so]) & (sc <= float(budget.max()))
+    if relocate and misplaced.any():
+        take(np.flatnonzero(misplaced))
     for _ in range(max_rounds):
         active = (rem > lim) & (left > 0)
         if not active.all():
             # keep only the ranks still over budget (smaller arrays for the next rounds)
-            keep_items = np.repeat(active, np.diff(np.append(starts, sel.size)))
+            keep_items = active[group]
             sel, so, sc, movable = sel[keep_items], so[keep_items], sc[keep_items], movable[keep_items]
-            rem, lim, left, ranks = rem[active], lim[active], left[active], ranks[active]
+            rem, lim, left = rem[active], lim[active], left[active]
             if sel.size == 0:
                 break
             starts = _group_starts(so)
-        group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, sel.size)))
+            group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, sel.size)))
         need = (rem - lim)[group]
         min_cover = np.minimum.reduceat(np.where(movable & (sc >= need), sc, np.inf), starts)
         max_free = np.maximum.reduceat(np.where(movable, sc, -np.inf), starts)
@@ -74,14 +77,7 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
         ok = np.isfinite(pick)
         if not ok.any():
             break
-        hit = np.flatnonzero(movable & (sc == pick[group]) & ok[group])
-        g = group[hit]
-        first = np.concatenate(([True], g[1:] != g[:-1]))  # lowest index wins ties
-        hit, g = hit[first], g[first]
-        taken_all.append(sel[hit])
-        movable[hit] = False
-        rem[g] -= sc[hit]
-        left[g] -= 1
+        take(np.flatnonzero(movable & (sc == pick[group]) & ok[group]))  # lowest index wins ties
         left[~ok] = 0  # nothing movable left on these ranks
     if not taken_all:
         return np.zeros(0, dtype=np.int64)
