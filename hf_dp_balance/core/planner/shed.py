@@ -115,9 +115,8 @@ def _shed_tokens(state: _State) -> np.ndarray:
             continue  # the rank's other micro-batches took it: nothing changes rank, no load moves
         room = state.cap - state.slot_tok.reshape(-1) - reserved
         room[s] = -np.inf
-        fits = items[state.tokens[items] <= float(room.max())]  # items some other slot can take
-        taken = _cover_excess(fits, state.tokens, excess)
-        if float(state.tokens[taken].sum()) < excess:
+        taken = _cover_excess(items, state.tokens, excess, float(room.max()))  # of those some other slot takes
+        if taken is None:
             if _token_swap(state, s, slot_of, excess, reserved):
                 continue  # a swap with a roomier slot repaired it
             taken = _cover_excess(items, state.tokens, excess)
@@ -146,8 +145,8 @@ def _repair_within_rank(state: _State, s: int, items: np.ndarray, slot_of: np.nd
     own = np.arange(r * M, (r + 1) * M)
     own = own[own != s]
     room = state.cap - state.slot_tok.reshape(-1)[own] - reserved[own]
-    taken = _cover_excess(items[state.tokens[items] <= float(room.max())], state.tokens, excess)
-    if float(state.tokens[taken].sum()) < excess or len(taken) >= items.size:
+    taken = _cover_excess(items, state.tokens, excess, float(room.max()))
+    if taken is None or len(taken) >= items.size:
         return False
     to = _best_fit(room, taken, state.tokens)
     if any(j < 0 for _, j in to):
@@ -159,22 +158,22 @@ def _repair_within_rank(state: _State, s: int, items: np.ndarray, slot_of: np.nd
 
 
 def _best_fit(room: np.ndarray, items: list, tokens: np.ndarray) -> list:
-    """(item, position in `room`) for `items`, most tokens first, each into the least room that holds it
-    (-1: none does); `room` is decreased by what it takes."""
+    """(item, position in `room`) for `items`, most tokens first, each into the least room left that
+    holds it (-1: none does)."""
     out, rooms = [], room.tolist()
     for i in sorted(items, key=lambda i: -float(tokens[i])):
-        t = float(tokens[i])
-        j = _smallest_room(rooms, t)
+        j = _smallest_room(rooms, float(tokens[i]))
         if j >= 0:
-            rooms[j] -= t
-            room[j] -= t
+            rooms[j] -= float(tokens[i])
         out.append((i, j))
     return out
 
 
-def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float) -> list:
-    """Items (of one slot) whose tokens cover `excess`: repeatedly the one with the fewest tokens
-    that covers what is left alone, else the one with the most tokens (ties: lowest index)."""
+def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float, largest: float = np.inf):
+    """Items (of one slot, of at most `largest` tokens) whose tokens cover `excess`: repeatedly the one
+    with the fewest tokens that covers what is left alone, else the one with the most tokens (ties:
+    lowest index); None if they cannot cover it."""
+    items = items[tokens[items] <= largest]
     items = items[np.lexsort((items, tokens[items]))].tolist()  # fewest tokens first
     values = [float(tokens[i]) for i in items]
     taken = []
@@ -184,7 +183,7 @@ def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float) -> list:
             j = bisect_left(values, values[-1])  # none covers it alone: the most tokens
         taken.append(items.pop(j))
         excess -= values.pop(j)
-    return taken
+    return taken if excess <= 0 else None
 
 
 def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reserved: np.ndarray) -> bool:
