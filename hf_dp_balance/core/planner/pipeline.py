@@ -62,7 +62,7 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     first = _trades_first(origin)
     lumpy = first and _lumpy(origin)
     # trades that go first work on `state` itself and run step 1 themselves: their plan is the base
-    base = _full_cap_trades(state, budget, tolerance, relocate, copy=False, ladder=lumpy) if first else None
+    base = _full_cap_trades(state, budget, tolerance, relocate, ladder=lumpy) if first else None
     # after ladder trades, a repack that does not beat them ends the doubling (it rarely does, for most of the call)
     stop_at = _fullest(base, budget) if lumpy and base is not None else np.inf
     traded = None
@@ -72,7 +72,7 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
         except _Infeasible:
             pass
         if not first and (base is None or _fullest(base, budget) > goal):
-            traded = _full_cap_trades(origin, budget, tolerance, relocate)
+            traded = _full_cap_trades(_copy_state(origin), budget, tolerance, relocate)
     plans = [p for p in (base, traded) if p is not None]
     within = [p for p in plans if _fullest(p, budget) <= goal]
     if within:
@@ -86,28 +86,26 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     return _choose(tried, base, budget, tolerance, start, repack_gain)
 
 
-def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool = True,
-                     ladder: bool = True):
+def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, ladder: bool = True):
     """Step 2 of the module docstring; None when the start breaks the cap (a repair: step 1 does it)
     or no plan is found. Where both orders of long items first run, the better plan wins (the lower
-    fullest rank; both within the trades' limit, fewer tokens sent). With `copy` False it works on
-    `origin` itself (spoilt when it returns None)."""
+    fullest rank; both within the trades' limit, fewer tokens sent). Works on `origin` itself (spoilt
+    when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
     if not ladder or not _long_first_applies(origin):
-        return _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=None)
+        return _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=None)
     start = origin.dest.copy()
     spare = _copy_state(origin)
     assigned = _assign_long(origin, budget, tolerance)
     trusted = assigned[2] <= _TRUST * float(origin.tokens.sum())
-    first = _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=assigned if trusted else None)
+    first = _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=assigned if trusted else None)
     limit = (1.0 + tolerance / 2.0) * (1.0 + 1e-9)
     if trusted and first is not None and limit < _fullest(first, budget) <= 1.0 + tolerance:
         _swap_down(first, budget * (1.0 + tolerance / 2.0), start)  # a rank a few tenths over: single swaps
     if first is not None and _fullest(first, budget) <= limit:
         return first
-    second = _full_cap_pass(spare, budget, tolerance, relocate, False, ladder,
-                            long_first=None if trusted else assigned)
+    second = _full_cap_pass(spare, budget, tolerance, relocate, ladder, long_first=None if trusted else assigned)
     plans = [p for p in (first, second) if p is not None]
     if not plans:
         return None
@@ -117,11 +115,9 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     return min(plans, key=lambda p: _fullest(p, budget))
 
 
-def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool,
-                   ladder: bool, long_first):
-    """One attempt of step 2; `long_first`: None, or what `_assign_long` returned for `origin`."""
-    start = origin.dest.copy()
-    state = _copy_state(origin) if copy else origin
+def _full_cap_pass(state: _State, budget: np.ndarray, tolerance: float, relocate: bool, ladder: bool, long_first):
+    """One attempt of step 2, on `state` itself; `long_first`: None, or what `_assign_long` returned for it."""
+    start = state.dest.copy()
     try:
         if ladder:
             if long_first is not None:
