@@ -11,13 +11,14 @@ speed`); the goal is the fullest rank (load / budget) at or under 1 + tolerance,
 2. Full-cap trades (`_full_cap_trades`), for slots filled to the cap, where no large item fits
    anywhere and only exchanges help; judged by the tokens they send. They run first when most
    slots have less room than a large item (`_trades_first`), else only after step 1 ends above
-   the goal. For a cost whose large items are dearer per token (`_lumpy`): ladder trades
-   (`chain`); step 1 (shed and place only, from 5 micro-batches on); up to `_PASSES` ladder passes
-   at any cost per token, each with step 1; up to `_PASSES` that make load room where the free
-   tokens are (`_roomy_trades`). At 2 to 4 micro-batches the long items are first assigned to
-   ranks (`assign`) where that search expects to send at most `_TRUST` of the tokens; the other
-   order runs where the first ends above the trades' limit (one-for-one swaps first close a gap of
-   a few tenths, `refine._swap_down`). For a milder cost: small-change trades (`trade`) and step 1.
+   the goal. After step 1, or first for a cost whose large items are dearer per token (`_lumpy`):
+   ladder trades (`chain`); step 1 (shed and place only, from 5 micro-batches on); up to `_PASSES`
+   ladder passes at any cost per token (`_residue_trades`), each with step 1; up to `_PASSES` that
+   make load room where the free tokens are (`_roomy_trades`). At 2 to 4 micro-batches the long
+   items are first assigned to ranks (`assign`) where that search expects to send at most `_TRUST`
+   of the tokens; the other order runs where the first ends above the trades' limit (one-for-one
+   swaps first close a gap of a few tenths, `refine._swap_down`). First for a milder cost:
+   small-change trades (`trade`), step 1.
    Both end with small-change trades, a polish and by sending home items a detour took away (`home`).
 3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending
    fewer tokens): a repack sends most of the step again.
