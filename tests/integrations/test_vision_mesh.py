@@ -1,0 +1,130 @@
+"""Under a device mesh only the data-parallel slice is balanced: the vision tower's group and the loss
+contract both go by the data-parallel size, not the world's. Real gloo ranks."""
+
+import logging
+import os
+
+import torch
+
+from hf_dp_balance.testing.spawn import run_ranks
+
+GA = 2
+
+
+def _config(**kw):
+    from hf_dp_balance.config import DPBalanceConfig
+
+    return DPBalanceConfig(**{"min_gain": 0.0, "timeout_s": 60, "warmup_steps": 100, **kw})
+
+
+# --------------------------------------------------------------------------- the vision group is the dp slice
+
+
+def _user_wrapper_under_mesh(rank, world):
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.integrations.accelerate import DPBalancer
+    from hf_dp_balance.runtime.vision import balance_vision_encoder
+    from hf_dp_balance.testing.models import make_model
+    from hf_dp_balance.testing.vision_rows import qwen_row
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_index = mesh["dp"].get_local_rank()
+    model = make_model("qwen2_vl", seed=0)
+    mine = CostModel(quadratic=1.0, linear=1.0)
+    balance_vision_encoder(model, cost_model=mine)  # the user's own wrapper, made before the balancer
+    before = dist.get_process_group_ranks(model._dp_balance_vision.group)
+    acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+    with DPBalancer(acc, model=model, config=_config(vision=True), cost_model=CostModel(1.0, 5.0),
+                    data_parallel_group=mesh["dp"]) as balancer:
+        vision = model._dp_balance_vision
+        ranks = dist.get_process_group_ranks(vision.group)
+        # tp peers hold the same images (their data-parallel index's); dp index 1 holds four, index 0 one
+        items = [("image", 1, 8, 8)] + [("image", 1, 4, 4)] * 3 if dp_index == 1 else [("image", 1, 4, 4)]
+        loss = model(**qwen_row("qwen2_vl", items, seed=dp_index)).loss
+        loss.backward()
+        stats = vision.pop_stats()[-1]
+        result = {"before": before, "ranks": ranks, "owner": vision is balancer.session.vision,
+                  "kept_model": vision.cost_model == mine, "stats": stats, "loss": float(loss)}
+    result["left"] = hasattr(model, "_dp_balance_vision")
+    return result
+
+
+def test_a_users_vision_wrapper_is_taken_over_on_the_data_parallel_slice():
+    out = run_ranks(_user_wrapper_under_mesh, 4, timeout=300, pg_timeout_s=90)
+    # mesh [[0, 1], [2, 3]] as (dp, tp): the data-parallel slices are 0/2 and 1/3
+    for rank, o in enumerate(out):
+        assert o["before"] == [0, 1, 2, 3]  # the wrapper alone spans the world (it cannot know the mesh)
+        assert o["ranks"] == [rank % 2, rank % 2 + 2], o["ranks"]  # under the balancer: its slice only
+        assert o["owner"] and o["kept_model"] and not o["left"], o
+        assert o["stats"]["applied"] and o["stats"]["items"] == 5, o["stats"]  # 1 + 4 images per slice
+    for a, b in ((0, 1), (2, 3)):  # tp peers computed the same thing
+        assert out[a]["loss"] == out[b]["loss"] and out[a]["stats"] == out[b]["stats"]
+
+
+# --------------------------------------------------------------------------- the loss contract: the dp size
+
+
+class _Plain(torch.nn.Module):
+    """A model whose forward takes no num_items_in_batch: its loss is what the loop computes."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids, labels):
+        return self.inner(input_ids=input_ids, labels=labels)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _loss_contract_one_dp_rank(rank, world, out_dir):
+    """A 1 (dp) x 2 (tp) mesh: two processes, one data-parallel rank, so no sample can move. A per-rank loss
+    mean is then exact under Trainer and a loop's own loss needs no warning: counting the world's two
+    processes would refuse / warn."""
+    from accelerate import Accelerator
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.integrations.accelerate import DPBalancer
+    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from hf_dp_balance.runtime.logs import get_logger
+    from hf_dp_balance.testing.models import make_model
+    from hf_dp_balance.testing.runs import text_trainer
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    lines = _Lines()
+    get_logger("hf_dp_balance").addHandler(lines)
+    out = {}
+    cb = DPBalanceCallback(_config(), cost_model=CostModel(1.0, 5.0), data_parallel_group=mesh["dp"])
+    trainer, _ = text_trainer(os.path.join(out_dir, "trainer"), max_steps=2, n=32, callback=cb,
+                              gradient_accumulation_steps=GA, average_tokens_across_devices=False)
+    try:
+        trainer.train()
+        out["trainer"] = ("trained", trainer.state.global_step)
+    except ValueError as exc:
+        out["trainer"] = ("refused", str(exc))
+    acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+    with DPBalancer(acc, model=_Plain(make_model("text", seed=0)), config=_config(), cost_model=CostModel(1.0, 5.0),
+                    data_parallel_group=mesh["dp"]) as balancer:
+        out["data_parallel"] = balancer.data_parallel.size
+    out["warnings"] = [line for line in lines.lines if "num_items_in_batch" in line]
+    return out
+
+
+def test_the_loss_contract_counts_data_parallel_ranks_not_processes_under_both_front_ends(tmp_path):
+    for o in run_ranks(_loss_contract_one_dp_rank, 2, str(tmp_path), timeout=300, pg_timeout_s=90):
+        assert o["trainer"] == ("trained", 2), o["trainer"]  # the world's 2 processes would refuse it
+        assert o["data_parallel"] == 1 and o["warnings"] == [], o  # the world's 2 would warn about the loop's loss
