@@ -78,15 +78,20 @@ class VisionBalancer:
         self.cost_model = cost_model if cost_model is not None else CostModel.default_vision()
         self.inner, self.tower = find_inner(model)
         self._owns_group = False
-        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # An own communicator with the default group's ranks and backend: the
+        # None, a DeviceMesh or a DataParallelGroup: a group of its own over those ranks
+        made = group is None or not (dist.is_available() and isinstance(group, dist.ProcessGroup))
+        if made and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # An own communicator with the data-parallel ranks and the default backend: the
             # backward all_to_all then never interleaves with DDP's gradient
             # all-reduce on the default group (orders could differ across ranks).
-            from hf_dp_balance.runtime.parallel import DataParallelGroup
+            from hf_dp_balance.runtime.parallel import DataParallelGroup, resolve_data_parallel_group
             from hf_dp_balance.runtime.side_channel import new_side_group
 
-            group = new_side_group(DataParallelGroup.world(), self.config.timeout_s, dist.get_backend())
+            data_parallel = DataParallelGroup.world() if group is None else resolve_data_parallel_group(explicit=group)
+            group = new_side_group(data_parallel, self.config.timeout_s, dist.get_backend())
             self._owns_group = True  # remove() destroys it (each gloo group is a mesh of sockets and threads)
+        elif made:
+            group = None
         self.group = group
         self.forwards = 0  # balanced training forwards so far (named in errors)
         # () -> the optimizer step the user sees, for errors; the callback may set it (default: none)
@@ -491,9 +496,10 @@ def balance_vision_encoder(model, config=None, *, group=None, cost_model=None):
 
     `model`: a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / InternVL model (the
     `...ForConditionalGeneration` or its base model), before DDP / Accelerate
-    wrapping. Call it on every rank (it creates a process group when `group` is
-    None). `config`: `DPBalanceConfig` (reads `min_gain`, `move_tolerance`,
-    `timeout_s`); `cost_model`: the vision `CostModel` (default
+    wrapping. Call it on every rank. `group`: a `ProcessGroup` of the data-parallel ranks, used as is;
+    else a group of its own is made (on every process) over the ranks of a 1-D `DeviceMesh`
+    (`mesh["dp"]`) or a `DataParallelGroup`, or of every process (None). `config`: `DPBalanceConfig`
+    (reads `min_gain`, `move_tolerance`, `timeout_s`); `cost_model`: the vision `CostModel` (default
     `CostModel.default_vision()`; replace it with `model._dp_balance_vision.cost_model = fitted`).
     Calling it twice replaces the previous wrapper.
     """

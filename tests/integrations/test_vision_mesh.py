@@ -35,21 +35,27 @@ def _user_wrapper_under_mesh(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_index = mesh["dp"].get_local_rank()
     model = make_model("qwen2_vl", seed=0)
+    # tp peers hold the same images (their data-parallel index's); dp index 1 holds four, index 0 one
+    items = [("image", 1, 8, 8)] + [("image", 1, 4, 4)] * 3 if dp_index == 1 else [("image", 1, 4, 4)]
+    batch = qwen_row("qwen2_vl", items, seed=dp_index)
+
+    def train_forward():
+        loss = model(**batch).loss
+        loss.backward()
+        return float(loss), model._dp_balance_vision.pop_stats()[-1]
+
+    result = {}
+    balance_vision_encoder(model, group=mesh["dp"])  # alone, told the slice: a group of its own over it
+    result["alone"] = (dist.get_process_group_ranks(model._dp_balance_vision.group), *train_forward())
     mine = CostModel(quadratic=1.0, linear=1.0)
-    balance_vision_encoder(model, cost_model=mine)  # the user's own wrapper, made before the balancer
-    before = dist.get_process_group_ranks(model._dp_balance_vision.group)
+    balance_vision_encoder(model, cost_model=mine)  # not told: every process, as the user's wrapper before a balancer
+    result["before"] = dist.get_process_group_ranks(model._dp_balance_vision.group)
     acc = Accelerator(gradient_accumulation_steps=GA, cpu=True)
     with DPBalancer(acc, model=model, config=_config(vision=True), cost_model=CostModel(1.0, 5.0),
                     data_parallel_group=mesh["dp"]) as balancer:
         vision = model._dp_balance_vision
-        ranks = dist.get_process_group_ranks(vision.group)
-        # tp peers hold the same images (their data-parallel index's); dp index 1 holds four, index 0 one
-        items = [("image", 1, 8, 8)] + [("image", 1, 4, 4)] * 3 if dp_index == 1 else [("image", 1, 4, 4)]
-        loss = model(**qwen_row("qwen2_vl", items, seed=dp_index)).loss
-        loss.backward()
-        stats = vision.pop_stats()[-1]
-        result = {"before": before, "ranks": ranks, "owner": vision is balancer.session.vision,
-                  "kept_model": vision.cost_model == mine, "stats": stats, "loss": float(loss)}
+        result.update(ranks=dist.get_process_group_ranks(vision.group), owner=vision is balancer.session.vision,
+                      kept_model=vision.cost_model == mine, taken=train_forward())
     result["left"] = hasattr(model, "_dp_balance_vision")
     return result
 
@@ -58,12 +64,15 @@ def test_a_users_vision_wrapper_is_taken_over_on_the_data_parallel_slice():
     out = run_ranks(_user_wrapper_under_mesh, 4, timeout=300, pg_timeout_s=90)
     # mesh [[0, 1], [2, 3]] as (dp, tp): the data-parallel slices are 0/2 and 1/3
     for rank, o in enumerate(out):
-        assert o["before"] == [0, 1, 2, 3]  # the wrapper alone spans the world (it cannot know the mesh)
-        assert o["ranks"] == [rank % 2, rank % 2 + 2], o["ranks"]  # under the balancer: its slice only
+        slice_ranks = [rank % 2, rank % 2 + 2]
+        assert o["alone"][0] == slice_ranks, o["alone"]  # given mesh["dp"]: a group of the slice
+        assert o["before"] == [0, 1, 2, 3]  # not told the mesh: every process
+        assert o["ranks"] == slice_ranks, o["ranks"]  # taken over by the balancer: its slice only
         assert o["owner"] and o["kept_model"] and not o["left"], o
-        assert o["stats"]["applied"] and o["stats"]["items"] == 5, o["stats"]  # 1 + 4 images per slice
+        for loss, stats in (o["alone"][1:], o["taken"]):
+            assert stats["applied"] and stats["items"] == 5, stats  # 1 + 4 images per slice, not 10 of the world
     for a, b in ((0, 1), (2, 3)):  # tp peers computed the same thing
-        assert out[a]["loss"] == out[b]["loss"] and out[a]["stats"] == out[b]["stats"]
+        assert out[a]["alone"][1:] == out[b]["alone"][1:] and out[a]["taken"] == out[b]["taken"]
 
 
 # --------------------------------------------------------------------------- the loss contract: the dp size
