@@ -2,7 +2,8 @@
 
 Our own autograd Function on `torch.distributed.all_to_all_single`: the backward is the reverse
 all_to_all, so gradients return to the rows' owners (works on gloo and NCCL). Both directions wait for
-the collective at most `timeout_s` and raise `ExchangeError` naming the exchange (`where`) when it fails.
+the collective at most `timeout_s` (`wait_for`, also used by the vision path's other collectives); the
+backward raises `ExchangeError` naming the exchange (`where`) when it fails.
 """
 
 from __future__ import annotations
@@ -15,24 +16,41 @@ import torch
 from hf_dp_balance.runtime.exchange import ExchangeError, is_distributed_error
 
 
-def _exchange(out: torch.Tensor, rows: torch.Tensor, out_counts, in_counts, group, timeout_s: Optional[float]):
-    """One uneven all_to_all_single into `out`, waited for at most `timeout_s` (None: the group's own timeout).
+class CollectiveFailure(RuntimeError):
+    """A posted collective failed or did not end within its timeout: a peer died, hung or failed (never this
+    rank's own error; gloo's timed wait says only "Operation timed out!")."""
 
-    A timed wait blocks the calling thread until the collective ends, on NCCL too: a failure then raises
-    here rather than in the backend's watchdog."""
+
+def wait_for(work, timeout_s: Optional[float]) -> None:
+    """Wait for a posted collective (`async_op=True`) at most `timeout_s` (None: the group's own timeout); any
+    failure raises `CollectiveFailure`. A timed wait blocks the calling thread until the collective ends, on
+    NCCL too: a failure then raises here rather than in the backend's watchdog."""
+    try:
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=float(timeout_s)))
+    except Exception as exc:  # noqa: BLE001 - whatever the backend raises, the collective did not complete
+        raise CollectiveFailure(f"{type(exc).__name__}: {exc}") from exc
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` says a collective failed (a `CollectiveFailure`, or a torch.distributed error), as opposed
+    to an error of this rank's own code."""
+    return isinstance(exc, CollectiveFailure) or is_distributed_error(exc)
+
+
+def _exchange(out: torch.Tensor, rows: torch.Tensor, out_counts, in_counts, group, timeout_s: Optional[float]):
+    """One uneven all_to_all_single into `out`, waited for at most `timeout_s` (`wait_for`)."""
     import torch.distributed as dist
 
-    work = dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=out_counts,
-                                  input_split_sizes=in_counts, group=group, async_op=True)
-    if timeout_s is None:
-        work.wait()
-    else:
-        work.wait(datetime.timedelta(seconds=float(timeout_s)))
+    wait_for(dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=out_counts,
+                                    input_split_sizes=in_counts, group=group, async_op=True), timeout_s)
 
 
 def _named(where: str, timeout_s: Optional[float], exc: Exception) -> ExchangeError:
     limit = f"timeout {timeout_s:g}s; " if timeout_s is not None else ""
-    if not is_distributed_error(exc):
+    if not is_collective_failure(exc):
         return ExchangeError(f"{where}: failed on this rank: {type(exc).__name__}: {exc}")
     return ExchangeError(f"{where}: collective failed ({limit}a peer died, hung or failed): {exc}")
 
@@ -85,4 +103,4 @@ def all_to_all_rows(tensor: torch.Tensor, send_counts: Sequence[int], recv_count
     return _AllToAllRows.apply(tensor, send_counts, recv_counts, group, where, timeout_s)
 
 
-__all__ = ["all_to_all_rows"]
+__all__ = ["CollectiveFailure", "all_to_all_rows", "is_collective_failure", "wait_for"]

@@ -11,7 +11,6 @@ The five steps and why they are exact: docs/vision.md.
 from __future__ import annotations
 
 import collections
-import datetime
 import inspect
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
@@ -20,7 +19,8 @@ import torch
 
 from hf_dp_balance.core.costing import item_costs
 from hf_dp_balance.core.routing import VisionRoute, route_items, rows_in_order, take_rows
-from hf_dp_balance.runtime.exchange import ExchangeError, failure_detail, is_distributed_error
+from hf_dp_balance.runtime.all_to_all import all_to_all_rows, is_collective_failure, wait_for
+from hf_dp_balance.runtime.exchange import ExchangeError, failure_detail
 from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.vision_towers import LocalItems, find_inner
 
@@ -189,16 +189,17 @@ class VisionBalancer:
         try:
             work = start()
             if work is not None:
-                work.wait(datetime.timedelta(seconds=float(self.config.timeout_s)))
+                wait_for(work, self.config.timeout_s)
         except ExchangeError:
             raise
         except Exception as exc:  # noqa: BLE001 - sorted into this rank's own error or the collective's
-            if not is_distributed_error(exc):
+            if not is_collective_failure(exc):
                 raise ExchangeError(f"{self._where(phase)}: failed on this rank: {type(exc).__name__}: {exc}") from exc
             raise ExchangeError(f"{self._where(phase)}: collective failed (timeout {self.config.timeout_s:g}s; "
                                 f"a peer died, hung or failed): {exc}") from exc
 
-    def _agree(self, phase: str, value: int, error: Optional[str], fatal: Optional[str] = None) -> Tuple[bool, Dict[int, str]]:
+    def _agree(self, phase: str, value: int, error: Optional[str],
+               fatal: Optional[str] = None) -> Tuple[bool, Dict[int, str]]:
         """(whether every rank passed the same int64 `value`, {rank: message} of the ranks that passed `error`).
 
         One fixed-size `all_reduce` (MAX) of four int64 per rank, [error, fatal, value, -value], whatever the
@@ -462,8 +463,6 @@ class VisionBalancer:
     def _return_embeddings(self, moved_out: torch.Tensor, route: VisionRoute, differentiable: bool) -> torch.Tensor:
         """Step 5: moved items' embeddings back to their owners (gradients the reverse way in the backward)."""
         import torch.distributed as dist
-
-        from hf_dp_balance.runtime.all_to_all import all_to_all_rows
 
         if differentiable:
             box = []

@@ -4,6 +4,7 @@ rank and phase, or (a planner failure) makes every rank keep its images alike; n
 group's timeout."""
 
 import os
+import signal
 import time
 
 import torch
@@ -12,16 +13,17 @@ from hf_dp_balance.testing.spawn import run_ranks_until
 
 TIMEOUT_S = 20.0  # the vision group's timeout: every fast path below ends well inside it
 FAST_S = 6.0
+STOP_TIMEOUT_S = 3.0  # a stopped peer is only found by the timeout: a short one
 
 
-def _model():
+def _model(timeout_s=TIMEOUT_S):
     from hf_dp_balance.config import DPBalanceConfig
     from hf_dp_balance.runtime.vision import balance_vision_encoder
     from hf_dp_balance.testing import models
 
     torch.manual_seed(0)
     model = balance_vision_encoder(models.make_model("qwen2_vl", seed=0),
-                                   DPBalanceConfig(vision=True, timeout_s=TIMEOUT_S))
+                                   DPBalanceConfig(vision=True, timeout_s=timeout_s))
     model._dp_balance_vision.step_source = lambda: 40 + model._dp_balance_vision.forwards  # as the callback sets it
     return model
 
@@ -145,26 +147,29 @@ def test_a_failure_on_one_rank_inside_the_vision_step_is_agreed_by_every_rank():
 
 
 def _peer_dies(rank, world, where):
-    model = _model()
+    model = _model(STOP_TIMEOUT_S if where == "stopped" else TIMEOUT_S)
     balancer = model._dp_balance_vision
     batch = _batch(rank)
     model(**batch).loss.backward()  # healthy first
     if rank == 1:
         if where == "forward":  # dies inside its tower: rank 0 is at (or heads for) the embedding return
             balancer.tower.module.register_forward_pre_hook(lambda module, args: os._exit(3))
+        elif where == "stopped":  # stops inside its tower: rank 0 waits the group's timeout, no longer
+            balancer.tower.module.register_forward_pre_hook(lambda module, args: os.kill(os.getpid(), signal.SIGSTOP))
         else:  # dies at the start of its backward: rank 0 waits in the embedding gradient return
             model.lm_head.register_full_backward_pre_hook(lambda module, grad: os._exit(3))
     return _outcome(lambda: model(**batch).loss.backward())
 
 
-def _check_peer_died(where, phase):
+def _check_peer_died(where, phase, limit_s=FAST_S):
     got = run_ranks_until(_peer_dies, 2, where, ranks=[0], timeout=120)
     ok, value, _ = got[0]
     assert ok, value
     kind, seconds, msg = value
-    assert kind == "raised" and seconds < FAST_S, value
+    assert kind == "raised" and seconds < limit_s, value
     assert msg.startswith(f"ExchangeError: hf_dp_balance vision balancing, step 42, forward 2, rank 0, "
                           f"phase {phase}"), msg
+    return msg
 
 
 def test_a_peer_dying_in_the_vision_forward_ends_the_survivor_with_a_named_error():
@@ -173,3 +178,9 @@ def test_a_peer_dying_in_the_vision_forward_ends_the_survivor_with_a_named_error
 
 def test_a_peer_dying_before_the_vision_backward_ends_the_survivor_with_a_named_error():
     _check_peer_died("backward", "embedding gradient all_to_all (backward)")
+
+
+def test_a_stopped_peer_ends_the_survivor_after_the_timeout_as_a_collective_failure():
+    msg = _check_peer_died("stopped", "tower forward all_reduce: collective failed (timeout 3s;",
+                           limit_s=STOP_TIMEOUT_S + FAST_S)
+    assert "failed on this rank" not in msg, msg  # gloo's timed wait says only "Operation timed out!"
