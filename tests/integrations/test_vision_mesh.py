@@ -75,6 +75,56 @@ def test_a_users_vision_wrapper_is_taken_over_on_the_data_parallel_slice():
         assert out[a]["alone"][1:] == out[b]["alone"][1:] and out[a]["taken"] == out[b]["taken"]
 
 
+def _trainer_takes_over(rank, world, out_dir):
+    """Trainer under a 2 (dp) x 2 (tp) mesh, the callback without `vision`, a model the user wrapped himself."""
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from hf_dp_balance.core.cost import CostModel
+    from hf_dp_balance.core.packing import PackedCollator
+    from hf_dp_balance.integrations.callback import DPBalanceCallback
+    from hf_dp_balance.runtime.vision import balance_vision_encoder
+    from hf_dp_balance.testing.data import build_synthetic_dataset, to_sample
+    from hf_dp_balance.testing.models import make_model
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = balance_vision_encoder(make_model("qwen2_vl", seed=0))  # every process: it cannot know the mesh
+    before = dist.get_process_group_ranks(model._dp_balance_vision.group)
+    cb = DPBalanceCallback(_config(vision=False), cost_model=CostModel(1.0, 5.0), data_parallel_group=mesh["dp"])
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            vision = model._dp_balance_vision
+            seen.append((dist.get_process_group_ranks(vision.group), vision is cb.session.vision,
+                         [s["items"] for s in vision.pop_stats()]))
+
+    data = [to_sample(r) for r in build_synthetic_dataset("qwen2_vl", 16, seed=1, scale=1 / 32)]
+    args = TrainingArguments(output_dir=os.path.join(out_dir, "vlm"), use_cpu=True, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=GA, max_steps=2, report_to=[], save_strategy="no",
+                             remove_unused_columns=False, disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=PackedCollator(model.config),
+                      callbacks=[cb, Watch()])
+    trainer.train()
+    return {"before": before, "seen": seen, "left": hasattr(model, "_dp_balance_vision")}
+
+
+def test_trainer_takes_a_users_vision_wrapper_over_on_the_data_parallel_slice(tmp_path):
+    out = run_ranks(_trainer_takes_over, 4, str(tmp_path), timeout=400, pg_timeout_s=120)
+    for rank, o in enumerate(out):
+        assert o["before"] == [0, 1, 2, 3]
+        assert len(o["seen"]) == 2 and not o["left"], o
+        for ranks, owned, items in o["seen"]:
+            assert ranks == [rank % 2, rank % 2 + 2] and owned, (ranks, owned)  # the session's, over the slice
+            assert len(items) == GA and all(n > 0 for n in items), items  # it balanced every micro-batch
+    for a, b in ((0, 1), (2, 3)):  # tp peers balanced the same images
+        assert [s[2] for s in out[a]["seen"]] == [s[2] for s in out[b]["seen"]]
+
+
 # --------------------------------------------------------------------------- the loss contract: the dp size
 
 
