@@ -1,14 +1,10 @@
 """Ladder trades for a full token cap: a large item for the cheapest-per-token items of one slot.
 
-When every slot is filled to the cap and the cost is strongly quadratic, the imbalance sits in a
-few long samples: a rank holding two 30K-token samples is far over the mean, and no move fits
-anywhere. A long sample costs more per token than the short ones, so sending it to a light rank
-and taking back the same tokens of that slot's cheapest-per-token items sheds most of its cost
-while every slot keeps its tokens. Each slot's items, cheapest per token first, form a "ladder":
-its prefix sums say, for any tokens to free, the fewest items that free them and what they cost,
-so every option is one binary search (no Python loop over items). A new micro-batch on the same
-rank sends nothing, so a rank's whole token room counts: what the receiving slot cannot hold moves
-to the rank's other slots, and the pay-back fills the sender's other slots.
+At a full cap with a strongly quadratic cost the imbalance sits in a few long samples, and no move
+fits. A long sample costs more per token than short ones, so sending it to a light rank and taking
+back as many tokens of that slot's cheapest-per-token items sheds most of its cost while every slot
+keeps its tokens. A slot's items, cheapest per token first, form a "ladder": its prefix sums give,
+for any tokens to free, the fewest items that free them and their cost, one binary search per option.
 """
 
 from __future__ import annotations
@@ -25,44 +21,29 @@ from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
 
 
-def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS,
-                   min_rate: float = _MIN_RATE, near: bool = False, partners_only: bool = False,
-                   idle_rounds: int = 3, few: float = 0.02) -> bool:
+def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate: float = _MIN_RATE,
+                   near: bool = False, partners_only: bool = False) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
-    to a slot (l, m) of a rank l under its budget, alone or in place of a large item `b` of that
-    slot (b goes to a's slot), and (l, m) frees what a needs with a prefix of its ladder (its
-    original items, cheapest per token first): the first ones move to l's other slots while they
-    hold them, the rest go back to h (a's slot, then h's other slots). The prefix costs what h
-    should shed as far as l can take it (l within budget x (1 + tolerance / 2)); where h's room
-    allows no more pay-back, l may end over its limit if both end under h's load before. A slot
-    gives back once (its ladder is then stale); an item moves once.
-
-    Every round pairs the over-full ranks, most over first, with _BREADTH ranks under budget each
-    (furthest under first, the partners shifting every round), tries h's _BREADTH large items
-    with the most cost above their tokens at the cheapest density (with `near`: the ones whose
-    such surplus just covers h's excess, for a small excess), into the _BREADTH roomiest slots of each
-    partner and in place of the _BREADTH large items of the partner nearest in cost to what a
-    should leave behind, and keeps per h the trade with the most load taken off h (down to its
-    budget, and to no less than l's load after) per token sent (+ cap x _OVERHEAD), if that is
-    at least `min_rate` x the mean cost per token; each partner takes one trade per round.
+    A trade sends a large item `a` (over cap x _LARGE tokens) of an over-full rank h to a slot (l, m)
+    of a rank l under budget, alone or in place of a large item `b` of that slot (b takes a's slot);
+    (l, m) frees what a needs with a prefix of its ladder: its first items move to l's other slots
+    while they have room, the rest go back to h. Each round pairs the over-full ranks, most over
+    first, with _BREADTH partners each (`_pair_ranks`), tries h's large items (most cost above their
+    tokens first; with `near`, those whose surplus just covers h's excess) and keeps per h the
+    option with the most load taken off h per token sent (+ cap x _OVERHEAD), if at least `min_rate`
+    x the mean cost per token; each partner takes one trade per round, an item moves once, a slot
+    gives back once. A pass ends after 3 rounds in a row that trade for at most 2% of the over-full
+    ranks (the partners shift, so a round or two may still find trades).
 
     Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
-    larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
-    `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
-    bins, then slots), then per round O(over-full ranks x 2 _BREADTH^3)
-    binary searches (inside one slot's ladder each) and O(items traded) numpy, with a loop over the
-    items of one trade (all trades at once) only for the pay-back items that spill past a's slot and
-    the receiving slot's items that next fit cannot place. A pass ends after
-    `idle_rounds` in a row that trade for at most `few` of the over-full ranks (the partners shift:
-    a round or two may still find trades).
+    larger of its two ranks' loads, so the fullest rank never rises; a rank keeps `state.min_count`
+    items and a slot with items keeps one. Cost: one O(n) radix sort, then per round O(over-full
+    ranks x 2 _BREADTH^3) binary searches inside one slot's ladder each.
 
-    `partners_only`: the ladders of a round's partner ranks only, built as the rounds first pair them
-    (`_build_partner_ladders`) instead of every slot's at the start: where few ranks are over-full (a
-    residue pass) most ladders are never read. The same ladders, but their prefix sums run over the
-    built ranks only, so costs sum in another order: the last bits differ from the global ladders'
-    (with integer costs and positive integer tokens, the same trades).
+    `partners_only`: build the ladders of the ranks a round pairs as it pairs them, not every slot's
+    at the start (a residue pass with few over-full ranks reads few ladders); the same trades up to
+    the last bits of the costs' prefix sums.
     """
     cap = state.cap
     R = state.load.shape[0]
@@ -76,7 +57,7 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     overhead = cap * _OVERHEAD
     min_rate = min_rate * mean_rate
     idle = 0
-    for k in range(rounds):
+    for k in range(_ROUNDS):
         over, h, l = _pair_ranks(state, budget, limit, state.load - budget, _BREADTH, k)
         if over.size == 0:
             return True
@@ -84,19 +65,15 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
             return False
         if partners_only:
             _build_partner_ladders(state, lad, np.concatenate((h, l)))
-        if _round(state, h, l, budget, limit, lad, overhead, min_rate) > few * over.size:
-            idle = 0
-        else:
-            idle += 1  # the partners shift: the next round may still find (more) trades
-            if idle >= idle_rounds:
-                return False
+        idle = 0 if _round(state, h, l, budget, limit, lad, overhead, min_rate) > 0.02 * over.size else idle + 1
+        if idle >= 3:
+            return False
     return not np.any(state.load > limit)
 
 
 def _make_ladders(state: _State, near: bool, partners_only: bool):
-    """What the rounds of `_ladder_trades` read (None without large items): every slot's ladder (items
-    by density, their prefix sums, each item's position), or with `partners_only` room for the ranks'
-    ladders as `_build_partner_ladders` adds them; the large items by rank, by surplus and by cost."""
+    """What the rounds of `_ladder_trades` read (None without large items): every slot's ladder and its
+    prefix sums (with `partners_only`: room for them), the large items by rank, by surplus and by cost."""
     R, M = state.load.shape[0], state.M
     tok, cost = state.tokens, state.costs
     n = cost.shape[0]
@@ -153,10 +130,8 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
 
 
 def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """np.searchsorted(the global cost keys, target) for targets ranks + c x scale (c < 1 / (2 scale)):
-    the answer inside the rank's stretch [lo, hi] of the keys, or, with per-rank stretches appended
-    (`partners_only`), lo - 1 where the global keys below the stretch reach the target (its answer
-    lies below lo: no large item of the rank is near it)."""
+    """np.searchsorted(the global cost keys, target) for targets rank + c x scale, searched inside the
+    rank's stretch [lo, hi]; with `partners_only` lo - 1 where the keys below the stretch reach it."""
     if lad.below_top is None:
         return _search_within(lad.cost_key, target, lo, hi)
     near = _search_within(lad.cost_key, target, lo, hi, clamp="both")
@@ -164,11 +139,9 @@ def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi:
 
 
 def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
-    """The ladders of the slots of `ranks` not built yet (`_ladder_trades` with `partners_only`), as the
-    global ones hold them: the items of the rank at the start of the pass (`lad.members`) by slot, then
-    density bin, then index, less the items that moved since (they left a slot now stale, whose ladder
-    is never read); appended to `lad.order` with their prefix sums. And the ranks' large items at the
-    start of the pass, by surplus and by cost, appended rank by rank (`lad.l_lo`, `lad.l_hi`)."""
+    """Append the ladders of the slots of `ranks` not built yet, as the global ones hold them (items of
+    the rank at the start of the pass by slot, density bin, index; moved ones left stale slots), and
+    their large items by surplus and by cost (`_ladder_trades` with `partners_only`)."""
     new = np.unique(ranks[~lad.built[ranks]])
     if new.size == 0:
         return
@@ -214,10 +187,9 @@ def _is_large(state: _State) -> np.ndarray:
 
 
 def _item_keys(state: _State):
-    """What the ladder passes of one planning call read of its items alone (never of their
-    placement), made on the first pass and kept in `state.item_memo` (copies share it): the items'
-    log-spaced density bins (uint16), the large items, their cost above their tokens at the lowest
-    density and its key scale, the scale of the large items' cost key, and the mean cost per token."""
+    """Of the items alone, once per planning call (`state.item_memo`): log-spaced density bins (uint16),
+    the large items, their cost above their tokens at the lowest density and its key scale, the scale of
+    the large items' cost key, the mean cost per token."""
     got = state.item_memo.get("ladder")
     if got is None:
         tok, cost = state.tokens, state.costs
@@ -244,11 +216,8 @@ def _item_keys(state: _State):
     return got
 
 
-
-
 def _by_density(state: _State) -> np.ndarray:
-    """The items by density bin (ties: index), once per planning call (`state.item_memo`, shared by
-    copies): the first of the two stable passes of `_ladders`."""
+    """The items by density bin (ties: index), once per planning call (`state.item_memo`)."""
     got = state.item_memo.get("by_density")
     if got is None:
         got = state.item_memo["by_density"] = np.argsort(_item_keys(state)[0], kind="stable")
@@ -256,10 +225,8 @@ def _by_density(state: _State) -> np.ndarray:
 
 
 def _ladders(bins: np.ndarray, slot: np.ndarray, by_density=None) -> np.ndarray:
-    """Items grouped by slot, cheapest per token first within a slot (density `bins`, `_item_keys`;
-    ties: index). With `by_density` (the stable order of `bins`, `_by_density`) and every slot under
-    2^16: a stable radix sort of the slots in that order (numpy sorts 16-bit keys by radix, O(n): at
-    550k items ~2.3x faster than the packed sort); else one sort of slot x 2^16 + bin (`_stable_argsort`)."""
+    """Items grouped by slot, cheapest per token first within a slot (ties: index): a radix sort of the
+    slots in `by_density` order where every slot is under 2^16 (~2.3x faster), else a packed sort."""
     if by_density is not None and (slot.size == 0 or int(slot.max()) < _RADIX):
         # (narrowed before the gather: a random read of 1 MB, not 4 MB)
         return by_density[np.argsort(slot.astype(np.uint16)[by_density], kind="stable")]
@@ -268,12 +235,9 @@ def _ladders(bins: np.ndarray, slot: np.ndarray, by_density=None) -> np.ndarray:
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
-    """One trade per over-full rank h of the pairs (h[i], l[i]) (each h in one run of adjacent pairs),
-    every l in at most one; applies them; returns how many.
-
-    Options: a large item `a` of h into the _BREADTH roomiest slots of l, or in place of one of the _BREADTH large
-    items `b` of l nearest in cost to what a should leave behind (b goes to a's slot); either way
-    topped up with a ladder prefix of the receiving slot (`_evaluate`)."""
+    """One trade per over-full rank h of the pairs (h[i], l[i]), every l in at most one; applied; returns
+    how many. Options: a large item `a` of h into the _BREADTH roomiest slots of l, or in place of one of
+    the _BREADTH large items `b` of l nearest in cost to what a should leave behind (`_evaluate`)."""
     M = state.M
     tok, cost = state.tokens, state.costs
     P = h.size
@@ -347,8 +311,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
 
 
 def _roomiest(full: np.ndarray, W: int) -> np.ndarray:
-    """[P, W]: per row of `full` (tokens per slot, inf where a slot gives back no more) the W least full
-    slots, least first, ties by the lowest slot (all M in index order when W >= M)."""
+    """[P, W]: per row of `full` (tokens per slot) the W least full slots, ties by the lowest slot."""
     P, M = full.shape
     if W >= M:
         return np.broadcast_to(np.arange(M), (P, M))
@@ -358,11 +321,10 @@ def _roomiest(full: np.ndarray, W: int) -> np.ndarray:
 def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=True):
     """Every option's ladder cut and score (cost taken off h per token sent); None if none is feasible.
 
-    (l, m) frees the tokens a needs there (beyond b's, if any) with a prefix of its ladder: its first
-    items move to l's other slots while they hold them (a new micro-batch on the same rank sends
-    nothing; 10% kept for the packing; only without b), the rest goes back to h: into a's slot, then
-    h's other slots, costing what h should shed as far as l can take it (`want`); when the tokens
-    allow no more pay-back, l may end over its limit if both end under h's load now."""
+    (l, m) frees what a needs (beyond b's tokens) with a ladder prefix: its first items move to l's
+    other slots while they have room (free: same rank; 10% kept for the packing; only without b), the
+    rest go back to h, costing what h should shed as far as l can take it (`want`); where h's room
+    allows no more pay-back, l may end over its limit if both end under h's load now."""
     cap, M = state.cap, state.M
     tok, cost = state.tokens, state.costs
     dst = ll * M + m
@@ -431,9 +393,8 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
 
 
 def _carry_out(state, lad, t) -> int:
-    """Apply the chosen trades `t` (each on its own h and l): a -> (l, m), b -> (h, ma), the ladder
-    prefix [j_in, j) -> h (`_place_back`), [base, j_in) -> l's other slots (`_place_intra`); a trade
-    whose items do not fit is dropped, and its receiving slot takes no more; returns how many were applied."""
+    """Apply the chosen trades `t`: a -> (l, m), b -> (h, ma), ladder [j_in, j) -> h, [base, j_in) -> l's
+    other slots; a trade whose items do not fit is dropped (its slot takes no more); returns how many."""
     M = state.M
     tok = state.tokens
     has_b = t["b"] >= 0
@@ -462,9 +423,8 @@ def _carry_out(state, lad, t) -> int:
 
 
 def _place_back(state, order, base, n_back, h, ma, ta):
-    """(items, their slots on h, trade ok) of the pay-backs: ladder positions base .. base + n_back of
-    every trade, each into a's slot ma while it has room (a's tokens freed it), else h's roomiest slot;
-    a trade whose pay-back does not fit is not ok (its items are returned, not to be moved)."""
+    """(items, their slots on h, trade ok) of the pay-backs (ladder base .. base + n_back): into a's slot
+    while it has room, else h's roomiest slot; a trade whose pay-back does not fit is not ok."""
     cap = state.cap
     size = n_back
     first = np.cumsum(size) - size
@@ -499,10 +459,8 @@ def _place_back(state, order, base, n_back, h, ma, ta):
 
 
 def _place_intra(state, order, lo, hi, l, m):
-    """(items, their new slots on l, trade ok): ladder positions lo .. hi of every trade leave (l, m)
-    for l's other slots: next fit, roomiest slot first, if that holds them all, else best fit,
-    largest first (a loop over the items of one trade, all such trades at once); a trade whose items
-    do not fit is not ok."""
+    """(items, their new slots on l, trade ok): ladder lo .. hi leaves (l, m) for l's other slots: next
+    fit, roomiest first, if that holds them all, else best fit, largest first; else not ok."""
     cap = state.cap
     size = hi - lo
     first = np.cumsum(size) - size
