@@ -10,18 +10,12 @@ from hf_dp_balance.core.planner.trade_index import _stable_order
 
 
 def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> bool:
-    """One-for-many exchange for the fullest rank h (ranks by load / budget).
-
-    A heavy item `a` of h moves to a receiver rank r even though no rank has room
-    for it; r makes room by shedding its heaviest movable items (those that fit
-    the largest free room elsewhere) until its load and the tokens of the slot
-    that receives `a` are back within limit / cap; the shed items are then placed
-    by best fit. Candidates for `a`: the lightest item of h that brings h within
-    its limit alone, and h's heaviest item. The receiver is the rank that sheds
-    the fewest items (ties: the lowest load after, then the lowest index).
-    Applies the exchange and returns True, or returns False when no receiver
-    can make room. Cost: one O(n log n) sort plus O(n) numpy per candidate.
-    """
+    """One-for-many exchange for the fullest rank h (by load / budget): a heavy item `a` of h moves to
+    a receiver r that sheds its heaviest movable items (those that fit the largest free room elsewhere)
+    until its load and receiving slot are back within limit and cap; the shed items are placed by best
+    fit. Candidates for `a`: the lightest item of h that alone brings h within its limit, and h's
+    heaviest. The receiver sheds the fewest items (ties: lowest load after, lowest index). Returns
+    whether it applied one. Cost: one O(n log n) sort plus O(n) numpy per candidate."""
     costs = state.costs
     R = state.load.shape[0]
     safe = np.maximum(budget, np.finfo(np.float64).tiny)
@@ -79,14 +73,9 @@ def _pool(state: _State, h: int, recv_slot: np.ndarray) -> np.ndarray:
 def _receiver(state: _State, a: int, h: int, sel: np.ndarray, recv_slot: np.ndarray, limit: np.ndarray,
               safe: np.ndarray):
     """(key, rank, items it sheds) of the best receiver of item `a` of the fullest rank h, or None.
-
-    `sel`: the items that may shed, grouped by rank, heaviest first. A rank r sheds
-    its first k of them, the fewest that bring its load with `a` within limit[r] and
-    the tokens of its receiving slot within the cap. Best: fewest shed items, then
-    the lowest load after (load / budget), then the lowest index. The key ranks
-    candidates for `a`: first those that bring h within its limit, then (k, load after).
-    O(n) numpy.
-    """
+    `sel`: the items that may shed, by rank, heaviest first; rank r sheds the fewest first ones that
+    bring its load with `a` within limit[r] and its receiving slot within the cap. The key ranks the
+    candidates `a`: first those that bring h within its limit, then (items shed, load after)."""
     costs, cap = state.costs, state.cap
     R = state.load.shape[0]
     tracked = state.slot_tok is not None
