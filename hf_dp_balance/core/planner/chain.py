@@ -15,8 +15,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _float_order, _rank_starts, _ranges,
-                                                    _search_within, _stable_argsort)
+from hf_dp_balance.core.planner.trade_index import _RADIX, _by_rank_and_cost, _rank_starts, _ranges, _search_within
 
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
 
@@ -119,7 +118,7 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
     else:
         key = ranks + (1.0 - (surplus + 1.0) * scale)
-        by = _float_order(key)
+        by = np.argsort(key, kind="stable")
         lad.large, lad.surplus_key = large[by], key[by]
         l_starts = _rank_starts(ranks, R)
         lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
@@ -170,10 +169,10 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     starts = at + np.searchsorted(ranks, new)  # (`new` ascends, and so do the ranks of `mine`)
     lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)
     key = ranks + (1.0 - (surplus[np.searchsorted(large, mine)] + 1.0) * scale)
-    by = _float_order(key)
+    by = np.argsort(key, kind="stable")
     lad.large, lad.surplus_key = np.concatenate((lad.large, mine[by])), np.concatenate((lad.surplus_key, key[by]))
     key = ranks + state.costs[mine] * cost_scale
-    by = _float_order(key)
+    by = np.argsort(key, kind="stable")
     lad.by_cost, lad.cost_key = np.concatenate((lad.by_cost, mine[by])), np.concatenate((lad.cost_key, key[by]))
 
 
@@ -226,12 +225,11 @@ def _by_density(state: _State) -> np.ndarray:
 
 def _ladders(bins: np.ndarray, slot: np.ndarray, by_density=None) -> np.ndarray:
     """Items grouped by slot, cheapest per token first within a slot (ties: index): a radix sort of the
-    slots in `by_density` order where every slot is under 2^16 (~2.3x faster), else a packed sort."""
+    slots in `by_density` order where every slot is under 2^16 (~2.3x faster), else a lexsort."""
     if by_density is not None and (slot.size == 0 or int(slot.max()) < _RADIX):
         # (narrowed before the gather: a random read of 1 MB, not 4 MB)
         return by_density[np.argsort(slot.astype(np.uint16)[by_density], kind="stable")]
-    wide = slot.size and int(slot.max()) >= _RADIX
-    return _stable_argsort((slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _RADIX + bins)
+    return np.lexsort((bins, slot))
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
