@@ -58,3 +58,18 @@ def test_the_rank_starts_by_counts_are_the_searches_of_the_sorted_keys():
                                                 1.0 / 2001.0, R)
         np.testing.assert_array_equal(starts, np.searchsorted(key, np.arange(R + 1)), err_msg=str(trial))
         assert np.all(np.diff(key) >= 0), trial
+
+
+def test_the_float_order_is_the_stable_float_sort_either_way():
+    from hf_dp_balance.core.planner.trade_index import _float_order
+
+    rng = np.random.default_rng(6)
+    for trial in range(20):
+        keys = np.round(rng.uniform(0.0, 50.0, int(rng.integers(0, 400))), 1)  # many ties
+        if trial % 4 == 1 and keys.size:
+            keys[rng.integers(0, keys.size, 3)] = -0.0  # a sign bit set: the float sort
+        if trial % 4 == 2:
+            keys -= 25.0  # negative keys
+        for descending in (False, True):
+            want = np.argsort(-keys if descending else keys, kind="stable")
+            np.testing.assert_array_equal(_float_order(keys, descending), want, err_msg=f"{trial} {descending}")

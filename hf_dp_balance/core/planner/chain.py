@@ -15,7 +15,8 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import _RADIX, _by_rank_and_cost, _rank_starts, _ranges, _search_within
+from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _float_order, _rank_starts, _ranges,
+                                                    _search_within)
 
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
 
@@ -118,7 +119,7 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
     else:
         key = ranks + (1.0 - (surplus + 1.0) * scale)
-        by = np.argsort(key, kind="stable")
+        by = _float_order(key)
         lad.large, lad.surplus_key = large[by], key[by]
         l_starts = _rank_starts(ranks, R)
         lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
@@ -169,10 +170,10 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     starts = at + np.searchsorted(ranks, new)  # (`new` ascends, and so do the ranks of `mine`)
     lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)
     key = ranks + (1.0 - (surplus[np.searchsorted(large, mine)] + 1.0) * scale)
-    by = np.argsort(key, kind="stable")
+    by = _float_order(key)
     lad.large, lad.surplus_key = np.concatenate((lad.large, mine[by])), np.concatenate((lad.surplus_key, key[by]))
     key = ranks + state.costs[mine] * cost_scale
-    by = np.argsort(key, kind="stable")
+    by = _float_order(key)
     lad.by_cost, lad.cost_key = np.concatenate((lad.by_cost, mine[by])), np.concatenate((lad.cost_key, key[by]))
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from hf_dp_balance.core.planner.refine import _swap_fits
 from hf_dp_balance.core.planner.state import _BREADTH, _State
 from hf_dp_balance.core.planner.trade import _apply
+from hf_dp_balance.core.planner.trade_index import _float_order
 
 _WORTH = 0.05  # runs only where the plan sends at least this share of the tokens (below, little to save)
 
@@ -31,7 +32,7 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     # the items away from home grouped by the rank they are on, cheapest first: a key rank + cost x scale
     scale = 1.0 / (2.0 * float(cost[away].max()) + 2.0)
     key = state.dest[away] + cost[away] * scale
-    by = np.argsort(key, kind="stable")
+    by = _float_order(key)
     ys, key = away[by], key[by]
     bounds = np.searchsorted(state.dest[ys], np.arange(R + 1))
     home = start[away]
@@ -44,7 +45,7 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     saving = tok[x] + np.where(start[y] == B, tok[y], 0.0)
     # most tokens saved first (ties: the item indexes); a candidate holds while x and y stay put
     # (candidates were made in (x, y position) order: ties keep it)
-    o = np.argsort(-saving, kind="stable")
+    o = _float_order(saving, descending=True)
     x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
     dc = cost[x] - cost[y]  # gathered once, not every round
     saved_total = 0.0
