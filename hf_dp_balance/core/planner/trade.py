@@ -20,18 +20,16 @@ _WINDOW = 4  # large items of h tried per pair: this many each side of the cost 
 def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    Every round pairs the over-full ranks, most over first, with _BREADTH ranks under budget each
-    (the partners shift every round), or with one where ranks have more than _FEW_SLOTS slots (the
-    items of that many slots give one partner choice enough). A trade sends an item `a` of h to l:
-    a large one (over cap x _LARGE tokens; first the _WINDOW each side of the cost h should shed,
-    twice as many each time h found no trade) into l's roomiest slot or in place of a large item
-    `b` of l, the receiving slot paying back the fewest of its small items (at most cap x _SMALL
-    tokens, index order) that make room, all of it into a's slot on h; a smaller one alone where it
-    fits (`_round`). Kept per over-full rank: the trade with the most load taken off h (up to its
-    excess) per token sent (+ cap x _OVERHEAD) that keeps l within budget x (1 + tolerance / 2);
-    each rank under budget takes one trade per round; an item moves once.
-    Cost: one O(n) grouping by slot and by rank and cost, then per round O(items of the pairs'
-    windows x options) numpy, no Python loop over items.
+    Each round pairs the over-full ranks, most over first, with _BREADTH partners under budget (one
+    beyond _FEW_SLOTS slots: their items give one partner choice enough). A trade sends an item `a`
+    of h to l: a large one (over cap x _LARGE tokens; the _WINDOW each side of the cost h should shed,
+    twice as many each time h found no trade) into l's roomiest slot or in place of a large item `b`
+    of l, the receiving slot paying back the fewest of its small items (at most cap x _SMALL tokens)
+    that make room; or a smaller one alone where it fits. Kept per over-full rank: the trade with the
+    most load taken off h per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a
+    partner takes one trade per round, an item moves once. Guarantees: no slot goes over the cap,
+    the fullest rank never rises, ranks keep `state.min_count` items. Cost: one O(n) grouping, then
+    per round O(items of the pairs' windows x options) numpy.
     """
     cap = state.cap
     R, M = state.load.shape[0], state.M
@@ -66,11 +64,9 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
 
 
 def _trade_index(state: _State, limit: np.ndarray):
-    """What the rounds of `_trade` read: the items grouped by slot (`order`, where each slot's begin),
-    the large items of every rank and the items a move may take (at most cap x _LARGE tokens) of the
-    ranks over `limit` (no other rank ever sheds: a trade never puts one over), both grouped by rank,
-    cheapest first within a rank (one sorted key each, rank + cost x scale), with their tokens, costs
-    and slots (a round reads these short arrays, not the step's)."""
+    """What the rounds of `_trade` read: the items grouped by slot (`order`, where each slot's begin), and
+    by rank, cheapest first, with their tokens, costs and slots: the large items of every rank, the
+    others of the ranks over `limit` (no other rank ever sheds: a trade never puts one over)."""
     cap, R, M = state.cap, state.load.shape[0], state.M
     tok, cost = state.tokens, state.costs
     slot = state.dest * M + state.micro
@@ -231,9 +227,6 @@ def _choose_and_apply(state, P, budget, pay_back, moved, a, g, b, m, ma, hl, ll,
     no item and no slot of h; every rank under budget trades once, the most over first. Applied;
     returns the ranks h that traded."""
     has_b = b >= 0
-    # the best trade of every pair (ties: the first candidate); per over-full rank its best one,
-    # and its second best too when the best does not cover its excess and the two share no item
-    # and no slot of h; every rank under budget trades once, the most over first
     best = np.full(P, -np.inf)
     np.maximum.at(best, g, score)
     win = np.flatnonzero(np.isfinite(score) & (score == best[g]))
