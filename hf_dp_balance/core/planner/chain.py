@@ -15,8 +15,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _float_order, _rank_starts, _ranges,
-                                                    _search_within)
+from hf_dp_balance.core.planner.trade_index import _RADIX, _float_order, _ranges, _search_within, _stable_order
 
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
 
@@ -78,7 +77,7 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
     tok, cost = state.tokens, state.costs
     n = cost.shape[0]
     S = R * M
-    bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
+    bins, large, _, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
         return None
     slot = state.dest * M + state.micro
@@ -104,36 +103,27 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         lad.order, lad.CT, lad.CC, lad.lo, lad.hi = order, CT, CC, starts[:-1], starts[1:]
         lad.rank_of = np.empty(n, dtype=np.int64)
         lad.rank_of[order] = np.arange(n)  # ladder position of every item
-    # the large items, grouped by rank: most cost above their tokens at the lowest density first
-    # (the ones h sends), and by cost (the ones l gives back in a's place)
-    lad.surplus_scale, lad.cost_scale, lad.near = scale, cost_scale, near
+    lad.surplus_scale, lad.cost_scale, lad.near, lad.mean_rate = scale, cost_scale, near, mean_rate
+    # rank r's large items once r is built: large[l_lo[r]:l_hi[r]], most cost above their tokens at the
+    # lowest density first (the ones h sends), and by_cost[l_lo[r]:l_hi[r]] (those l gives back for a)
+    lad.large, lad.surplus_key = np.zeros(0, dtype=np.int64), np.zeros(0)
+    lad.by_cost, lad.cost_key = np.zeros(0, dtype=np.int64), np.zeros(0)
+    lad.l_lo, lad.l_hi = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+    # the largest cost key of the ranks below each rank (what the keys of all ranks hold just before its
+    # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
     ranks = state.dest[large]
-    if partners_only:  # rank r's large items: large[l_lo[r]:l_hi[r]] (and by_cost) once r is built
-        lad.large, lad.surplus_key = np.zeros(0, dtype=np.int64), np.zeros(0)
-        lad.by_cost, lad.cost_key = np.zeros(0, dtype=np.int64), np.zeros(0)
-        lad.l_lo, lad.l_hi = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
-        # the largest cost key of the ranks below each rank (what the global keys hold just before its
-        # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
-        top = np.full(R, -np.inf)
-        np.maximum.at(top, ranks, ranks + cost[large] * cost_scale)
-        lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
-    else:
-        key = ranks + (1.0 - (surplus + 1.0) * scale)
-        by = _float_order(key)
-        lad.large, lad.surplus_key = large[by], key[by]
-        l_starts = _rank_starts(ranks, R)
-        lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
-        lad.by_cost, _, lad.cost_key, _ = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
-        lad.below_top = None
-    lad.mean_rate = mean_rate
+    top = np.full(R, -np.inf)
+    np.maximum.at(top, ranks, ranks + cost[large] * cost_scale)
+    lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
+    if not partners_only:
+        by_rank = _stable_order(ranks, R)
+        _append_large(state, lad, np.arange(R), large[by_rank], ranks[by_rank])
     return lad
 
 
 def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """np.searchsorted(the global cost keys, target) for targets rank + c x scale, searched inside the
-    rank's stretch [lo, hi]; with `partners_only` lo - 1 where the keys below the stretch reach it."""
-    if lad.below_top is None:
-        return _search_within(lad.cost_key, target, lo, hi)
+    """np.searchsorted(the cost keys of all ranks, target) for targets rank + c x scale (c x scale < 1/2):
+    searched inside the rank's stretch [lo, hi], lo - 1 where the keys below the stretch reach it."""
     near = _search_within(lad.cost_key, target, lo, hi, clamp="both")
     return np.where(lad.below_top[ranks] >= target, lo - 1, near)
 
@@ -162,10 +152,14 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     lad.order = np.concatenate((lad.order, items))
     lad.CT = np.concatenate((lad.CT, lad.CT[-1] + np.cumsum(state.tokens[items])))
     lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
-    # their large items as the global orders hold them: by rank, then by key (the same floats), ties by index
-    _, large, surplus, scale, cost_scale, _ = _item_keys(state)
     big = _is_large(state)[held]  # (index order within a rank; moved ones are filtered where read)
-    mine, ranks = held[big], held_rank[big]
+    _append_large(state, lad, new, held[big], held_rank[big])
+
+
+def _append_large(state: _State, lad, new: np.ndarray, mine: np.ndarray, ranks: np.ndarray) -> None:
+    """Append the large items `mine` of ranks `new` (ascending; `ranks`: theirs, ascending, index order
+    within one) by surplus and by cost: keys rank + a share under 1/2, ties by index."""
+    _, large, surplus, scale, cost_scale, _ = _item_keys(state)
     at = lad.large.size
     starts = at + np.searchsorted(ranks, new)  # (`new` ascends, and so do the ranks of `mine`)
     lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)
@@ -441,19 +435,9 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     # the rest goes to h's other slots, roomiest first: item by item, all spilling trades at once
     t = np.flatnonzero(spills)
     room = cap - state.slot_tok[h[t]]
-    row = np.arange(t.size)
-    room[row, ma[t]] += ta[t]
-    for k in range(int(size[t].max()) if t.size else 0):
-        go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
-        t, row = t[go], row[go]
-        p = first[t] + k
-        tk = state.tokens[back[p]]
-        s = np.where(room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1))
-        fits = room[row, s] >= tk
-        ok[t[~fits]] = False
-        t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
-        room[row, s] -= tk
-        to[p] = s
+    room[np.arange(t.size), ma[t]] += ta[t]
+    _fit_one_by_one(state.tokens[back], first, size, t, room, to, ok, lambda room, row, t, tk: np.where(
+        room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1)))
     return back, to, ok
 
 
@@ -487,19 +471,26 @@ def _place_intra(state, order, lo, hi, l, m):
     # item by item, all such trades at once
     t = np.flatnonzero((size > 0) & overfull)
     room = cap - state.slot_tok[l[t]]
+    room[np.arange(t.size), m[t]] = -np.inf
+    _fit_one_by_one(t_items, first, size, t, room, to, ok, lambda room, row, t, tk: np.argmin(
+        np.where(room[row] >= tk[:, None], room[row], np.inf), axis=1), reverse=True)
+    return items, to, ok
+
+
+def _fit_one_by_one(tok, first, size, t, room, to, ok, choose, reverse=False) -> None:
+    """Place the items of trades `t` one by one, all trades at once: item k of trade t is position
+    first[t] + k (from the end with `reverse`) of `tok` (their tokens), into the slot `choose(room, row,
+    t, tk)` picks in its row of `room` (tokens free per slot), written to `to`; a trade with an item
+    that fits nowhere is not ok (`ok` False, its later items not placed)."""
     row = np.arange(t.size)
-    room[row, m[t]] = -np.inf
     for k in range(int(size[t].max()) if t.size else 0):
         go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
         t, row = t[go], row[go]
-        p = first[t] + size[t] - 1 - k
-        tk = state.tokens[items[p]]
-        r = room[row]
-        fit = np.where(r >= tk[:, None], r, np.inf)
-        s = np.argmin(fit, axis=1)
-        fits = np.isfinite(fit[np.arange(row.size), s])
+        p = first[t] + (size[t] - 1 - k if reverse else k)
+        tk = tok[p]
+        s = choose(room, row, t, tk)
+        fits = room[row, s] >= tk
         ok[t[~fits]] = False
         t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
         room[row, s] -= tk
         to[p] = s
-    return items, to, ok
