@@ -352,12 +352,12 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     # the searches of the receiving slot's stretch of the ladders, base .. end: an answer past end + 1 (or
     # below j_in, from j_in on) changes none of the values below, so the searches are clamped there
     # (CT and CC are running sums of non-negative values over all the ladders: sorted as a whole)
-    j_free = _search_within(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), base, end + 1, "left", "high", True)
-    j_in = np.clip(_search_within(CT, CT[base] + 0.9 * other, base, end + 1, "right", "both", True) - 1, base,
+    j_free = _search_within(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), base, end + 1, "left", "high")
+    j_in = np.clip(_search_within(CT, CT[base] + 0.9 * other, base, end + 1, "right", "both") - 1, base,
                    np.minimum(j_free, end))
     room_h = ta - tb + (cap * M - rank_tok[hl])
-    j_hi = np.minimum(_search_within(CT, CT[j_in] + room_h, j_in, end + 1, "right", "both", True) - 1, end)
-    j = np.clip(_search_within(CC, CC[j_in] + ca - cb - want, j_in, end + 1, "left", "both", True), j_free,
+    j_hi = np.minimum(_search_within(CT, CT[j_in] + room_h, j_in, end + 1, "right", "both") - 1, end)
+    j = np.clip(_search_within(CC, CC[j_in] + ca - cb - want, j_in, end + 1, "left", "both"), j_free,
                 np.maximum(j_hi, j_free))
     ok &= (j_free <= j_hi) & (j_free <= end) & (room_h >= 0)
     j = np.minimum(j, end)

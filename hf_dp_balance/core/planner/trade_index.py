@@ -18,12 +18,11 @@ def _ranges(lo: np.ndarray, hi: np.ndarray):
 
 
 def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray, side: str = "left",
-                   clamp: str = "", whole: bool = False) -> np.ndarray:
+                   clamp: str = "") -> np.ndarray:
     """np.searchsorted(a, v, side) for queries whose answers mostly lie in [lo, hi]: a vectorised binary
     search of each stretch a[lo:hi] (numpy's search of a long `a` in random order misses the cache at
     every level: 4-10x slower at 550k entries). `clamp`: "both" clamps the answer to [lo, hi], "high" to
-    at most hi; an unclamped answer outside is found by a search of all of `a`. `whole` (with a clamp):
-    `a` is sorted as a whole (running sums), so a step past hi needs no bound test."""
+    at most hi; an unclamped answer outside is found by a search of all of `a`."""
     lo = np.asarray(lo, dtype=np.int64)
     hi = np.asarray(hi, dtype=np.int64)
     if v.size == 0:
@@ -36,22 +35,13 @@ def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     # for "right"; they are a prefix of it), the block of `step` after pos tested by its last entry
     pos = lo.copy()
     step = 1 << max(int(np.max(hi - lo)).bit_length() - 1, 0)
-    if whole and clamp:
-        # pos = lo + min(how many of a[lo:] pass, 2 step - 1 >= the longest stretch): a[lo:] is sorted, and
-        # a read past the end is clipped to its last entry (the largest), so the passing ones stay a prefix
-        while step:
-            val = a.take(pos + (step - 1), mode="clip")
-            pos += ((val < v) if left else (val <= v)) * step
-            step >>= 1
-        np.minimum(pos, hi, out=pos)
-    else:
-        while step:
-            last = pos + (step - 1)
-            ok = last < hi
-            val = a.take(last, mode="clip")
-            ok &= (val < v) if left else (val <= v)
-            pos += ok * step
-            step >>= 1
+    while step:
+        last = pos + (step - 1)
+        ok = last < hi
+        val = a.take(last, mode="clip")
+        ok &= (val < v) if left else (val <= v)
+        pos += ok * step
+        step >>= 1
     if clamp == "both":
         return pos
     # pos is the answer unless a[lo - 1] fails (it lies below lo) or a[hi] passes (above hi)
