@@ -331,18 +331,11 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     flat_tok = state.slot_tok.reshape(-1)
     ok = ~lad.stale[dst] & (tb <= ta + cap - flat_tok[src])  # b fits a's slot
     # a score is at most h's excess per token of a and b (gain <= excess, tokens sent >= ta + tb, in floating
-    # point too): an option under min_rate by that bound scores -inf below, so it is not searched (`prune`)
+    # point too): an option under min_rate by that bound scores -inf (`prune`)
     if prune:
         ok &= (state.load[hl] - budget[hl]) / (ta + tb + overhead) >= min_rate
-    live = np.flatnonzero(ok)
-    if live.size == 0:
+    if not ok.any():
         return None
-    N = a.size
-    given = {"a": a, "b": b, "h": hl, "l": ll, "m": m, "ma": ma}  # every option's, as asked
-    if live.size < N:
-        a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca = (
-            x[live] for x in (a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca))
-        ok = ok[live]
     base = lad.lo[dst]
     end = lad.hi[dst]
     CT, CC = lad.CT, lad.CC
@@ -377,12 +370,7 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     score[score < min_rate] = -np.inf
     if not np.isfinite(score).any():
         return None
-    found = {"score": score, "base": base, "j_in": j_in, "j": j}
-    if live.size < N:  # back in every option's place (those not searched: score -inf)
-        for key, value in found.items():
-            found[key] = np.full(N, -np.inf) if key == "score" else np.zeros(N, dtype=value.dtype)
-            found[key][live] = value
-    return {**found, **given}
+    return {"score": score, "base": base, "j_in": j_in, "j": j, "a": a, "b": b, "h": hl, "l": ll, "m": m, "ma": ma}
 
 
 def _carry_out(state, lad, t) -> int:
