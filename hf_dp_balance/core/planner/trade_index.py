@@ -93,14 +93,7 @@ class _PayBack:
         self.items = self.order[:0]
         if idx.size == 0:
             return sums, lo, j, feasible
-        # the slots asked (ascending) and each query's index among them: a mark per slot, no sort
-        asked = slot[idx]
-        seen = np.zeros(self.starts.size - 1, dtype=bool)
-        seen[asked] = True
-        used = np.flatnonzero(seen)
-        index_of = np.empty(seen.size, dtype=np.int64)
-        index_of[used] = np.arange(used.size)
-        inv = index_of[asked]
+        used, inv = np.unique(slot[idx], return_inverse=True)  # the slots asked, each query's among them
         pos, grp = _ranges(self.starts[used], self.starts[used + 1])
         items = self.order[pos]
         item_tok = self.tok[items]
