@@ -15,7 +15,8 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import _RADIX, _float_order, _ranges, _search_within, _stable_order
+from hf_dp_balance.core.planner.trade_index import (_RADIX, _first_best, _float_order, _ranges, _search_within,
+                                                    _stable_order)
 
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
 
@@ -152,7 +153,7 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     lad.order = np.concatenate((lad.order, items))
     lad.CT = np.concatenate((lad.CT, lad.CT[-1] + np.cumsum(state.tokens[items])))
     lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
-    big = _is_large(state)[held]  # (index order within a rank; moved ones are filtered where read)
+    big = state.tokens[held] > state.cap * _LARGE  # (the large items of `_item_keys`; moved ones filtered where read)
     _append_large(state, lad, new, held[big], held_rank[big])
 
 
@@ -169,15 +170,6 @@ def _append_large(state: _State, lad, new: np.ndarray, mine: np.ndarray, ranks: 
     key = ranks + state.costs[mine] * cost_scale
     by = _float_order(key)
     lad.by_cost, lad.cost_key = np.concatenate((lad.by_cost, mine[by])), np.concatenate((lad.cost_key, key[by]))
-
-
-def _is_large(state: _State) -> np.ndarray:
-    """A mask of the large items (`_item_keys`), once per planning call (`state.item_memo`)."""
-    got = state.item_memo.get("is_large")
-    if got is None:
-        got = state.item_memo["is_large"] = np.zeros(state.costs.shape[0], dtype=bool)
-        got[_item_keys(state)[1]] = True
-    return got
 
 
 def _item_keys(state: _State):
@@ -286,11 +278,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
         return 0
     score = opt["score"]
     # per over-full rank its best trade (ties: the first option); then every l once, most over first
-    best = np.full(P, -np.inf)
-    np.maximum.at(best, pair, score)
-    win = np.flatnonzero(np.isfinite(score) & (score == best[pair]))
-    win = win[np.lexsort((win, pair[win]))]
-    first_of_pair = win[np.concatenate(([True], pair[win][1:] != pair[win][:-1]))]
+    first_of_pair = _first_best(pair, score, P)
     hw = h[pair[first_of_pair]]
     o = np.lexsort((first_of_pair, -score[first_of_pair], hw))
     chosen = first_of_pair[o]

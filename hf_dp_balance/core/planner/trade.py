@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _FEW_SLOTS, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _PayBack, _ranges, _uint_key
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _first_best, _PayBack, _ranges, _uint_key
 
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
 _WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
@@ -84,18 +84,6 @@ def _trade_index(state: _State, limit: np.ndarray):
     rest_items = _by_rank_and_cost(order[at[np.flatnonzero(~is_large[at])]], state.dest, cost, scale, R)
     rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
     return order, slot_starts, large, rest_items
-
-
-def _first_best(idx: np.ndarray, group: np.ndarray, score: np.ndarray) -> np.ndarray:
-    """Of the candidates `idx` (ascending; `group` ascending along them), the first one with the
-    highest score of every group."""
-    if idx.size == 0:
-        return idx
-    g, sc = group[idx], score[idx]
-    head = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
-    best = np.repeat(np.maximum.reduceat(sc, head), np.diff(np.append(head, idx.size)))
-    hit = np.flatnonzero(sc == best)
-    return idx[hit[np.concatenate(([True], g[hit][1:] != g[hit][:-1]))]]
 
 
 def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead) -> np.ndarray:
@@ -215,7 +203,7 @@ def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limi
     ok = (c_mv > 0) & (state.load[mv_l] + c_mv <= limit[mv_l]) & _counts_hold(state, mv_h, mv_l, 0)
     mv_score = np.minimum(c_mv, excess[mv_h]) / (t_mv + overhead)
     # only a pair's best move can win (ties: the first), so only those go on
-    keep = _first_best(np.flatnonzero(ok), go, mv_score)
+    keep = _first_best(go, np.where(ok, mv_score, -np.inf), h.size)
     pos, go, c_mv, mv_score = pos[keep], go[keep], c_mv[keep], mv_score[keep]
     return movable[pos], go, c_mv, mv_score, mv_micro[pos]
 
@@ -227,12 +215,7 @@ def _choose_and_apply(state, P, budget, pay_back, moved, a, g, b, m, ma, hl, ll,
     no item and no slot of h; every rank under budget trades once, the most over first. Applied;
     returns the ranks h that traded."""
     has_b = b >= 0
-    best = np.full(P, -np.inf)
-    np.maximum.at(best, g, score)
-    win = np.flatnonzero(np.isfinite(score) & (score == best[g]))
-    pick = np.full(P, g.size, dtype=np.int64)
-    np.minimum.at(pick, g[win], win)
-    chosen = pick[pick < g.size]  # ascending pair = over-full order, a run per h
+    chosen = _first_best(g, score, P)  # ascending pair = over-full order, a run per h
     hc = hl[chosen]
     o = np.lexsort((chosen, -score[chosen], hc))  # within each h: best first
     chosen, hc = chosen[o], hc[o]

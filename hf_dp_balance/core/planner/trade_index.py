@@ -134,6 +134,16 @@ def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, 
     return items, _rank_starts(ranks, num_ranks), key, scale
 
 
+def _first_best(group: np.ndarray, score: np.ndarray, groups: int) -> np.ndarray:
+    """Of every group (ascending) with a finite score, the first candidate with the group's best score."""
+    best = np.full(groups, -np.inf)
+    np.maximum.at(best, group, score)
+    win = np.flatnonzero(np.isfinite(score) & (score == best[group]))
+    pick = np.full(groups, group.size, dtype=np.int64)
+    np.minimum.at(pick, group[win], win)
+    return pick[pick < group.size]
+
+
 def _float_order(keys: np.ndarray, descending: bool = False) -> np.ndarray:
     """np.argsort(keys, kind="stable") of float64 keys (of -keys with `descending`): keys >= +0.0 sort as
     their bit patterns as int64 do, ties too, ~1.4x faster (100k keys: 2.1 -> 1.4 ms)."""
