@@ -49,16 +49,12 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
     dc = cost[x] - cost[y]  # gathered once, not every round
     saved_total = 0.0
-    good = np.zeros(x.size, dtype=bool)
-    rows = np.arange(x.size)  # the candidates whose test may have changed: all, then those on the ranks changed
     for _ in range(rounds):
-        xr, yr, Ar, Br, dcr = (v[rows] for v in (x, y, A, B, dc))
-        load_A, load_B = state.load[Ar], state.load[Br]
-        good[rows] = ((state.dest[xr] == Br) & (state.dest[yr] == Ar)
-                      & (load_A + dcr <= np.maximum(ceiling[Ar], load_A))
-                      & (load_B - dcr <= np.maximum(ceiling[Br], load_B))
-                      & _swap_fits(state, Ar, yr, xr, Br))  # a one-for-one swap of y on A and x on B
-        g = np.flatnonzero(good)
+        load_A, load_B = state.load[A], state.load[B]
+        g = np.flatnonzero((state.dest[x] == B) & (state.dest[y] == A)  # both still in place
+                           & (load_A + dc <= np.maximum(ceiling[A], load_A))
+                           & (load_B - dc <= np.maximum(ceiling[B], load_B))
+                           & _swap_fits(state, A, y, x, B))  # a one-for-one swap of y on A and x on B
         if g.size == 0:
             break
         # every rank in at most one pair, the first (most saved) that touches it
@@ -69,13 +65,4 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
         _apply(state, np.concatenate((x[win], y[win])), np.concatenate((A[win], B[win])),
                np.concatenate((state.micro[y[win]], state.micro[x[win]])))
         saved_total += float(saving[win].sum())
-        # only a candidate on a rank of a pair applied can change its test: those ranks' loads and slot tokens
-        # changed, and a moved item is the x of candidates on its B only, the y of candidates on its A only
-        changed = np.zeros(R, dtype=bool)
-        changed[A[win]] = True
-        changed[B[win]] = True
-        keep = np.ones(x.size, dtype=bool)
-        keep[win] = False
-        x, y, A, B, saving, dc, good = (v[keep] for v in (x, y, A, B, saving, dc, good))
-        rows = np.flatnonzero(changed[A] | changed[B])
     return saved_total
