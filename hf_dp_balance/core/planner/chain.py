@@ -179,14 +179,8 @@ def _item_keys(state: _State):
     got = state.item_memo.get("ladder")
     if got is None:
         tok, cost = state.tokens, state.costs
-        if cost.size and float(cost.min()) >= 1e-300 and float(tok.min()) >= 1e-300:
-            # no guard changes a value: one division serves both the density and its minimum
-            dens = cost / tok
-            d_min = float(dens.min())
-            np.log(dens, out=dens)
-        else:
-            dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
-            d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny))) if cost.size else 0.0
+        dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
+        d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
         lo, hi = float(dens.min()), float(dens.max())
         dens -= lo  # (in place: `dens` is this call's own array; the same floats as (dens - lo) * step)
         dens *= (_RADIX - 1) / max(hi - lo, 1e-12)
