@@ -130,9 +130,9 @@ def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi:
 
 
 def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
-    """Append the ladders of the slots of `ranks` not built yet, as the global ones hold them (items of
-    the rank at the start of the pass by slot, density bin, index; moved ones left stale slots), and
-    their large items by surplus and by cost (`_ladder_trades` with `partners_only`)."""
+    """Append the ladders of the slots of `ranks` not built yet, as a build of all at once holds them
+    (items of the rank at the start of the pass by slot, density bin, index; moved ones left stale
+    slots), and their large items by surplus and by cost (`_ladder_trades` with `partners_only`)."""
     new = np.unique(ranks[~lad.built[ranks]])
     if new.size == 0:
         return
