@@ -68,7 +68,7 @@ def test_every_warm_up_placement_bounds_the_hull_as_well_as_the_token_plan(seed,
 @given(seed=st.integers(0, 10 ** 6), ranks=st.integers(2, 5), step=st.integers(0, 7))
 def test_no_warm_up_step_puts_more_beside_a_long_sample_than_the_token_plan_does(seed, ranks, step):
     # Why the step maxima cannot show what short samples cost when one long sample is the slowest rank
-    # (video at 128 ranks: a 16K sample fills a pack alone, docs/benchmarks/cost_fit.md run 11): under the
+    # (video at 128 ranks: a 16K sample fills a pack alone, the cost-fit study at eff4fc4): under the
     # heaviest hypothesis that rank sets the token plan's worst excess, so any more work beside it is worse
     # there; every warm-up step's slowest rank then holds that sample and at most the token plan's companions.
     rng = np.random.default_rng(seed)
