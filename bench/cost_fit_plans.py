@@ -112,13 +112,13 @@ def unit_events_fit(feats, times, prior: CostModel, shape_prior: bool = True) ->
     return fit_ranks(feats, times, "per_rank", prior, estimate_speeds=True, shape_prior=shape_prior)[0].model
 
 
-def step_items(rng, mix: str, ranks: int):
-    """(token lengths, start rank) of one step: the first `ranks` fixed-length packs of PACK tokens."""
+def step_items(rng, mix: str, ranks: int, pack_tokens: int = PACK):
+    """(token lengths, start rank) of one step: the first `ranks` fixed-length packs of `pack_tokens` tokens."""
     n = ranks * 64
     while True:
-        lengths = truncate(draw_mix(mix, n, rng), PACK).tokens
+        lengths = truncate(draw_mix(mix, n, rng), pack_tokens).tokens
         lengths = lengths[lengths > 0]
-        pack = pack_fixed_length(lengths, PACK)
+        pack = pack_fixed_length(lengths, pack_tokens)
         if pack.max() >= ranks:
             keep = pack < ranks
             return lengths[keep].astype(np.int64), pack[keep]

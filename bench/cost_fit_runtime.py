@@ -60,7 +60,7 @@ def run_draw(ranks: int, direction: str, steps: int, draw: int, noise: float = 0
         for start, m, h in in_force:
             if start <= step:
                 model, hedged = m, h
-        lengths, owners = step_items(rng, MIXES[step % 2], ranks)
+        lengths, owners = step_items(rng, MIXES[step % 2], ranks, PACK)
         zeros = np.zeros_like(owners)
         if hedged:
             dest = probe_plan(lambda c: (plan(c, lengths, owners, ranks), zeros), model.sample_costs(lengths),
@@ -88,7 +88,7 @@ def score(model: CostModel, ranks: int, seed: int, evals: int = 3):
     got = best = 0.0
     for mix in MIXES:
         for _ in range(evals):
-            lengths, owners = step_items(rng, mix, ranks)
+            lengths, owners = step_items(rng, mix, ranks, PACK)
 
             def slowest(dest):
                 return np.bincount(dest, weights=TRUTH.sample_costs(lengths), minlength=ranks).max()

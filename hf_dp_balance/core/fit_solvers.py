@@ -297,6 +297,33 @@ def _max_likelihood(x: np.ndarray, y: np.ndarray, theta0: np.ndarray, log_sigma0
     return np.maximum(result.x[:N_FEATURES], 0.0), math.exp(float(result.x[N_FEATURES])), float(result.fun)
 
 
+# Shares of the attention term's cost on the slowest ranks that `ridge_starts` moves to the per-sample term.
+RIDGE_SHARES = (0.25, 0.5)
+
+
+def ridge_starts(x: np.ndarray, theta: np.ndarray, shares=RIDGE_SHARES) -> list:
+    """Starts [4] along the attention / per-sample ridge of fixed-length packs from theta (scaled coefficients):
+    for each share f, the quadratic term cut by f and the per-sample term raised by what that removed from the
+    predicted slowest rank of each step (on average), so the step maxima stay about where theta put them.
+    Why: in equal-token packs a rank of many samples is a rank of short ones, so a slow step is explained about
+    as well by more attention as by more per-sample work, and a local search from a start on one side of that
+    ridge stays there (measured: bench/cost_fit_runtime.py, 128 ranks, a start at the truth reached a higher
+    posterior than both default starts). Empty when theta has no attention or the steps no samples."""
+    slowest = np.argmax(x @ theta, axis=1)
+    rows = x[np.arange(x.shape[0]), slowest]  # [S, 4]
+    samples = float(rows[:, 2].mean())
+    if theta[0] <= 0 or samples <= 0:
+        return []
+    attention = float(rows[:, 0].mean()) * theta[0]
+    out = []
+    for f in shares:
+        start = theta.copy()
+        start[0] *= 1.0 - f
+        start[2] += f * attention / samples
+        out.append(start)
+    return out
+
+
 def fit_step_max_noisy(x: np.ndarray, y: np.ndarray, robust: bool, temperature: Optional[float],
                        penalty: Optional[np.ndarray] = None,
                        shape: Optional[ShapePrior] = None) -> Tuple[np.ndarray, np.ndarray, Optional[float]]:
@@ -315,7 +342,8 @@ def fit_step_max_noisy(x: np.ndarray, y: np.ndarray, robust: bool, temperature: 
     `shape`: a `ShapePrior` that the likelihood is maximised with (a posterior mode) instead of the penalty
     rows, which then only shape the start. Two starts, the soft-max fit with the penalty rows and the one
     without: a start held at the prior's shape sits in that shape's basin when the data says otherwise, so
-    the higher posterior of the two wins.
+    the higher posterior of the two wins; with a prior also `ridge_starts` from the first (attention traded for
+    per-sample work at equal step maxima), the highest posterior of the four winning.
     """
     penalty = np.zeros((0, N_FEATURES)) if penalty is None else penalty
     theta, inliers = fit_step_max(x, y, robust, temperature, penalty)
@@ -334,6 +362,8 @@ def fit_step_max_noisy(x: np.ndarray, y: np.ndarray, robust: bool, temperature: 
         info_rows = penalty
     if y.size - _effective_parameters(x, y, theta, info_rows, temp) < _MIN_NOISE_DOF:
         return theta, inliers, None
+    if shape is not None and shape.pairs:  # without a prior they cost a cell of bench/cost_fit.py --plans 30 points
+        starts += ridge_starts(x, starts[0], RIDGE_SHARES)
     best = None
     for start in starts:
         fitted = _max_likelihood(x, y, start, math.log(spread), likelihood_rows, spread, (_MIN_NOISE, _MAX_NOISE), shape)

@@ -140,6 +140,13 @@ PRIOR_RATIO_SIGMA = 0.5
 # the median step time: the data decides below a few tenths of a step, the term is never pinned at 0, and
 # on packs of equal tokens the constant cannot take the linear term's place unpunished.
 FREE_TERM_SHARE = 0.1
+# ... but beside a FLOP prior, which prices every sample's work, the per-step constant (optimizer, launches
+# outside the samples) gets this narrower share: in fixed-length packs every rank holds the same tokens, so a
+# constant of a tenth of a step can stand in for a tenth of the linear term and scale every sample's cost down
+# by as much. Measured (bench/cost_fit_runtime.py, truth's constant 3% of a step, warm-up with short
+# companions): 0.1 left the 2x-heavy prior at 128 ranks at 9.6% single-sample error (constant 4.6x the truth's
+# over the linear term), 0.05 at 10.3%, 0.03 at 1.3%.
+PRIOR_FREE_TERM_SHARE = 0.03
 
 
 # A FLOP prior prices a sample's fixed work at 0, yet every sample costs a few kernel launches, a partly
@@ -160,9 +167,11 @@ def shape_prior(prior: Optional[CostModel], features: np.ndarray, times: np.ndar
     prior's cost, centred on the prior's, sigma `ratio_sigma`; a per-sample cost the prior leaves at 0 is
     priced at PER_SAMPLE_TOKENS tokens of its linear term, sigma PER_SAMPLE_SIGMA. Free terms (the per-step
     constant; without a prior also the per-sample cost, while the quadratic and linear terms get no prior):
-    half-normal, sigma `free_share` x the median step time. None: PRIOR_RATIO_SIGMA, FREE_TERM_SHARE."""
+    half-normal, sigma `free_share` x the median step time. None: PRIOR_RATIO_SIGMA, and FREE_TERM_SHARE without a
+    prior, PRIOR_FREE_TERM_SHARE with one."""
     ratio_sigma = PRIOR_RATIO_SIGMA if ratio_sigma is None else ratio_sigma
-    free_share = FREE_TERM_SHARE if free_share is None else free_share
+    if free_share is None:
+        free_share = FREE_TERM_SHARE if prior is None or not np.any(prior.coefficients > 0) else PRIOR_FREE_TERM_SHARE
     observed = times if times.ndim == 1 else times.max(axis=1)
     free_sigma = free_share * float(np.median(observed))
     coef = np.zeros(N_FEATURES) if prior is None else prior.coefficients.copy()
@@ -504,7 +513,7 @@ def compute_imbalance(times) -> float:
     return float((times.max(axis=1)[ok] / mean[ok] - 1.0).mean())
 
 
-__all__ = ["FREE_TERM_SHARE", "FitReport", "FitResult", "MAX_RANK_OBSERVATIONS", "PER_SAMPLE_SIGMA",
+__all__ = ["FREE_TERM_SHARE", "PRIOR_FREE_TERM_SHARE", "FitReport", "FitResult", "MAX_RANK_OBSERVATIONS", "PER_SAMPLE_SIGMA",
            "PER_SAMPLE_TOKENS", "PRIOR_RATIO_SIGMA", "PRIOR_STRENGTH", "STEP_MAX_PRIOR_STRENGTH", "compute_imbalance",
            "fit_cost_model", "fit_each_rank", "fit_from_micro_batches", "fit_from_records",
            "prior_penalty", "shape_prior"]

@@ -136,8 +136,9 @@ class DPBalancer:
             self.session.start(model=self._model, model_config=self.model_config, timing=timing,
                                device_type=device_type, sync=self.sync, decoder=cost_model, vision=vision_cost_model, fitted_step=-1,
                                file_step=0)
-            if self.config.vision and self._model is not None and getattr(self._model, "_dp_balance_vision", None) is None:
-                # the vision tower balanced over the data-parallel slice, on the session's group; removed at close
+            if self._model is not None and (self.config.vision or hasattr(self._model, "_dp_balance_vision")):
+                # the vision tower balanced over the data-parallel slice, on the session's group (a wrapper the
+                # user made, on its own group, is replaced); removed at close
                 self.session.install_vision(self._model)
         except BaseException:
             self.session.close()  # a refused setup leaves no group behind

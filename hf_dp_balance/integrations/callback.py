@@ -148,7 +148,7 @@ class DPBalanceCallback(TrainerCallback):
             self._active = True
             device_type = torch.device(getattr(args, "device", torch.device("cpu"))).type
             checks = [lambda: _check_sft(args, train_dataloader, model, getattr(trainer, "data_collator", None)),
-                      lambda: check_trainer_loss(args, trainer, self.config, world=data_parallel.size),
+                      lambda: check_trainer_loss(args, trainer, self.config, data_parallel.size),
                       lambda: _check_data_parallel_sharding(train_dataloader, data_parallel, self._explicit_group)]
             decoder, vision, fitted_step = self._initial_models
             sync = self._sync(trainer)
@@ -164,8 +164,8 @@ class DPBalanceCallback(TrainerCallback):
                 # the cost models came with the checkpoint's model file (`start`, counted as fitted at this step)
                 self.session.load_state_dict(self._read_state(args, state),
                                              models=False)
-            if self.config.vision and model is not None:
-                self.session.install_vision(model)
+            if model is not None and (self.config.vision or hasattr(model, "_dp_balance_vision")):
+                self.session.install_vision(model)  # over the data-parallel slice (a user's own wrapper replaced)
                 # errors name the optimizer step the user sees (1-based, as Trainer logs)
                 self.session.vision.step_source = lambda: self._global_step + 1
             if self.config.verbose and self.session.rank == 0:

@@ -60,10 +60,11 @@ def loop_normalisation(forward: Any) -> LossNormalisation:
     return LossNormalisation(LOOP_DEFINED, "the model's forward takes no num_items_in_batch")
 
 
-def verdict(norm: LossNormalisation, world: int, allow_per_rank: bool) -> Optional[str]:
+def verdict(norm: LossNormalisation, data_parallel_size: int, allow_per_rank: bool) -> Optional[str]:
     """None when balancing keeps the update; else the line to say once (opted in, or a loop's own loss).
-    Raises ValueError naming the setting for a per-rank mean without the opt-in."""
-    if world <= 1 or norm.kind == GLOBAL_TOKEN_MEAN:
+    Raises ValueError naming the setting for a per-rank mean without the opt-in. `data_parallel_size`: the
+    ranks samples may move between (tp / cp / sp peers of a mesh are not more of them); one: nothing moves."""
+    if data_parallel_size <= 1 or norm.kind == GLOBAL_TOKEN_MEAN:
         return None
     if norm.kind == LOOP_DEFINED:
         return (f"dp_balance: {norm.why}; the update equals the unbalanced one only if the loop divides the summed "
@@ -80,30 +81,26 @@ def verdict(norm: LossNormalisation, world: int, allow_per_rank: bool) -> Option
             f"unbalanced run's")
 
 
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def check_trainer_loss(args: Any, trainer: Any, config: Any, world: Optional[int] = None) -> None:
+def check_trainer_loss(args: Any, trainer: Any, config: Any, data_parallel_size: int) -> None:
     """At the callback's train begin (every rank alike, before any collective): refuse or say once.
-    `trainer`: the Trainer (None: its defaults); `world`: default torch.distributed's."""
-    world = _world() if world is None else world
+    `trainer`: the Trainer (None: its defaults); `data_parallel_size`: the size of the data-parallel group
+    (under a device mesh smaller than the world's)."""
     norm = trainer_normalisation(bool(getattr(args, "average_tokens_across_devices", True)),
                                  bool(getattr(trainer, "model_accepts_loss_kwargs", True)),
                                  getattr(trainer, "compute_loss_func", None) is not None)
-    line = verdict(norm, world, bool(getattr(config, "allow_per_rank_loss_mean", False)))
+    line = verdict(norm, data_parallel_size, bool(getattr(config, "allow_per_rank_loss_mean", False)))
     if line:
         logger.warning(line)
 
 
-def check_loop_loss(model: Any, config: Any, world: int) -> None:
-    """At `DPBalancer`'s construction: refuse or say once (see `loop_normalisation`)."""
+def check_loop_loss(model: Any, config: Any, data_parallel_size: int) -> None:
+    """At `DPBalancer`'s construction: refuse or say once (see `loop_normalisation`); `data_parallel_size` as
+    in `check_trainer_loss`."""
     inner = getattr(model, "module", model)
     if inner is None:
         return
-    line = verdict(loop_normalisation(inner.forward), world, bool(getattr(config, "allow_per_rank_loss_mean", False)))
+    line = verdict(loop_normalisation(inner.forward), data_parallel_size,
+                   bool(getattr(config, "allow_per_rank_loss_mean", False)))
     if line:
         logger.warning(line)
 

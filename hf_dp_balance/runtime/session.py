@@ -159,10 +159,14 @@ class BalanceSession:
         return loader
 
     def install_vision(self, model) -> Any:
-        """Balance `model`'s vision tower on the session's vision group (removed at `close`)."""
+        """Balance `model`'s vision tower on the session's vision group over the data-parallel slice (removed at
+        `close`). A wrapper the user made before (`balance_vision_encoder`, on a group of its own) is replaced,
+        its cost model kept until the session has one."""
         from hf_dp_balance.runtime.vision import balance_vision_encoder
 
         _, vision = self.fitter.planning_models() if self.fitter is not None else (None, None)
+        previous = getattr(model, "_dp_balance_vision", None)
+        vision = vision if vision is not None or previous is None else previous.cost_model
         balance_vision_encoder(model, self.config, group=self.side.vision_group(), cost_model=vision)
         self.vision, self._vision_model = getattr(model, "_dp_balance_vision", None), model
         if self.fitter is not None:

@@ -46,8 +46,9 @@ def plan_work(work: StepWork, balance: bool, speeds: np.ndarray, world: int, con
     the first fit): the placement is `core.hedge.hedged_plan`'s (prior, blend, tokens or kept, whichever
     holds up under both the prior and the tokens; three planner calls), or with `probe` (a step-time fit
     follows) `core.hedge.probe_plan`'s for the step (in turn token-balanced, the plan for a heavier
-    attention share, token-balanced, the prior's plan, each when it holds up as well as the token-balanced
-    one: the fit then sees slowest ranks of different shapes; one or two planner calls).
+    attention share, token-balanced with short companions beside the slowest slots' longest samples, the
+    prior's plan, each when it holds up as well as the token-balanced one: the fit then sees slowest ranks of
+    different shapes; one or two planner calls).
     `failure` is the planner's error message, else None (`agree_plan` then makes every rank fall back together).
     """
     rows, num_micro = work.rows, work.num_micro

@@ -19,6 +19,7 @@ import torch
 
 from hf_dp_balance.core.costing import item_costs
 from hf_dp_balance.core.routing import VisionRoute, route_items, rows_in_order, take_rows
+from hf_dp_balance.runtime.all_to_all import all_to_all_rows, is_collective_failure, wait_for
 from hf_dp_balance.runtime.exchange import ExchangeError, failure_detail
 from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.vision_towers import LocalItems, find_inner
@@ -28,7 +29,7 @@ __all__ = ["balance_vision_encoder", "VisionBalancer"]
 logger = get_logger(__name__)
 # Per-forward stats kept until popped; older ones are dropped if nobody pops them.
 _MAX_STATS = 1024
-_MSG_BYTES = 512  # a failed rank's message in the item count gather's second round
+_MSG_BYTES = 512  # a failed rank's message, in the one all_gather that follows a failed agreement
 
 
 # --------------------------------------------------------------------------- autograd pieces
@@ -77,15 +78,20 @@ class VisionBalancer:
         self.cost_model = cost_model if cost_model is not None else CostModel.default_vision()
         self.inner, self.tower = find_inner(model)
         self._owns_group = False
-        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # An own communicator with the default group's ranks and backend: the
+        # None, a DeviceMesh or a DataParallelGroup: a group of its own over those ranks
+        made = group is None or not (dist.is_available() and isinstance(group, dist.ProcessGroup))
+        if made and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # An own communicator with the data-parallel ranks and the default backend: the
             # backward all_to_all then never interleaves with DDP's gradient
             # all-reduce on the default group (orders could differ across ranks).
-            from hf_dp_balance.runtime.parallel import DataParallelGroup
+            from hf_dp_balance.runtime.parallel import DataParallelGroup, resolve_data_parallel_group
             from hf_dp_balance.runtime.side_channel import new_side_group
 
-            group = new_side_group(DataParallelGroup.world(), self.config.timeout_s, dist.get_backend())
+            data_parallel = DataParallelGroup.world() if group is None else resolve_data_parallel_group(explicit=group)
+            group = new_side_group(data_parallel, self.config.timeout_s, dist.get_backend())
             self._owns_group = True  # remove() destroys it (each gloo group is a mesh of sockets and threads)
+        elif made:
+            group = None
         self.group = group
         self.forwards = 0  # balanced training forwards so far (named in errors)
         # () -> the optimizer step the user sees, for errors; the callback may set it (default: none)
@@ -174,13 +180,74 @@ class VisionBalancer:
         return (f"hf_dp_balance vision balancing, {step}forward {self.forwards}, rank {dist.get_rank(self.group)}, "
                 f"phase {phase}")
 
-    def _collective(self, phase: str, fn):
-        """`fn()` (a collective on the group); a failure or timeout raises `ExchangeError` naming where."""
+    def _collective(self, phase: str, start) -> None:
+        """Post one collective on the group (`start()` calls it with `async_op=True`, returns the work) and wait
+        for it at most `timeout_s`. On NCCL a timed wait blocks this thread until the collective ends, so a
+        failure raises here, named, rather than later in the backend's own watchdog. A distributed failure
+        or a timeout raises `ExchangeError` naming step, rank and phase; any other error is this rank's own
+        and is named as such."""
         try:
-            return fn()
-        except RuntimeError as exc:
+            work = start()
+            if work is not None:
+                wait_for(work, self.config.timeout_s)
+        except ExchangeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - sorted into this rank's own error or the collective's
+            if not is_collective_failure(exc):
+                raise ExchangeError(f"{self._where(phase)}: failed on this rank: {type(exc).__name__}: {exc}") from exc
             raise ExchangeError(f"{self._where(phase)}: collective failed (timeout {self.config.timeout_s:g}s; "
                                 f"a peer died, hung or failed): {exc}") from exc
+
+    def _agree(self, phase: str, value: int, error: Optional[str],
+               fatal: Optional[str] = None) -> Tuple[bool, Dict[int, str]]:
+        """(whether every rank passed the same int64 `value`, {rank: message} of the ranks that passed `error`).
+
+        One fixed-size `all_reduce` (MAX) of four int64 per rank, [error, fatal, value, -value], whatever the
+        number of ranks; one all_gather of the messages only when some rank failed. A rank that passes
+        `fatal` (its own step broke) makes every rank raise `ExchangeError` naming the failed ranks.
+        """
+        import torch.distributed as dist
+
+        value = int(value)
+        vec = torch.tensor([error is not None, fatal is not None, value, -value], dtype=torch.int64,
+                           device=self._comm_device())
+        self._collective(f"{phase} all_reduce", lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group,
+                                                                        async_op=True))
+        flags = vec.cpu().tolist()
+        if not (flags[0] or flags[1]):
+            return flags[2] == -flags[3], {}
+        failed = self._failures(fatal if fatal is not None else error)
+        if flags[1]:
+            raise ExchangeError(f"{self._where(phase)}: rank(s) {sorted(failed)} failed: {failure_detail(failed)}")
+        return flags[2] == -flags[3], failed
+
+    def _agree_plan(self, plan, failure: Optional[str], fatal: Optional[str]) -> Dict[int, str]:
+        """{rank: message} of the ranks whose planner failed (the same on every rank; empty: every plan agreed).
+
+        `_agree` on a digest of the plan, before anything moves: a rank whose own step broke (`fatal`) makes
+        every rank raise; plans that differ while no planner failed raise `ExchangeError` on every rank, naming
+        the ranks whose plan differs from the majority's (a tie: from rank 0's; one all_gather on that path).
+        """
+        import torch.distributed as dist
+
+        from hf_dp_balance.runtime.step_rows import plan_digest
+
+        digest = 0 if plan is None else plan_digest(np.asarray([bool(plan.applied)]), np.asarray(plan.dest))
+        same, failed = self._agree("plan check", digest, failure, fatal)
+        if failed or same:
+            return failed
+        mine = torch.tensor([digest], dtype=torch.int64, device=self._comm_device())
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
+        self._collective("plan check all_gather", lambda: dist.all_gather(every, mine, group=self.group,
+                                                                          async_op=True))
+        digests = torch.cat(every).cpu().numpy()
+        values, counts = np.unique(digests, return_counts=True)
+        top = np.flatnonzero(counts == counts.max())
+        reference = values[top[0]] if top.size == 1 else digests[0]
+        odd = np.flatnonzero(digests != reference).tolist()
+        raise ExchangeError(f"{self._where('plan check')}: the plan of rank(s) {odd} differs from the other ranks' "
+                            f"(digests {[f'{int(d):013x}' for d in digests]}); every rank plans from the same "
+                            f"gathered grids, so the cost model or the planner differs on those ranks")
 
     def _comm_device(self) -> torch.device:
         import torch.distributed as dist
@@ -201,34 +268,44 @@ class VisionBalancer:
         dev = self._comm_device()
         count = torch.tensor([grids.shape[0], error is not None], dtype=torch.int64, device=dev)
         counts = [torch.zeros_like(count) for _ in range(world)]
-        self._collective("item count all_gather", lambda: dist.all_gather(counts, count, group=self.group))
-        failed = [r for r, c in enumerate(counts) if int(c[1])]
-        if failed:
-            raise ExchangeError(f"{self._where('local items')}: rank(s) {failed} failed: "
-                                + failure_detail(self._messages(failed, error, dev)))
-        counts = [int(c[0].item()) for c in counts]
+        self._collective("item count all_gather", lambda: dist.all_gather(counts, count, group=self.group,
+                                                                          async_op=True))
+        counts = torch.stack(counts).cpu().tolist()
+        if any(c[1] for c in counts):
+            failed = self._failures(error)
+            raise ExchangeError(f"{self._where('local items')}: rank(s) {sorted(failed)} failed: "
+                                + failure_detail(failed))
+        counts = [int(c[0]) for c in counts]
         width = max(counts)
         if width == 0:
             return np.zeros(0, dtype=np.int64), np.zeros((0, 3), dtype=np.int64)
         padded = torch.zeros((width, 3), dtype=torch.int64, device=dev)
         padded[:grids.shape[0]] = torch.as_tensor(grids, dtype=torch.int64)
         gathered = [torch.zeros_like(padded) for _ in range(world)]
-        self._collective("item grids all_gather", lambda: dist.all_gather(gathered, padded, group=self.group))
+        self._collective("item grids all_gather", lambda: dist.all_gather(gathered, padded, group=self.group,
+                                                                          async_op=True))
         all_grids = np.concatenate([g[:c].cpu().numpy() for g, c in zip(gathered, counts)])
         item_rank = np.repeat(np.arange(world, dtype=np.int64), counts)
         return item_rank, all_grids
 
-    def _messages(self, failed: List[int], error: Optional[str], dev: torch.device) -> Dict[int, str]:
-        """{rank: message} of the `failed` ranks: one all_gather of fixed-size text (every rank calls it)."""
+    def _failures(self, error: Optional[str]) -> Dict[int, str]:
+        """{rank: message} of every rank that passes `error` (one all_gather of fixed-size text, first byte a
+        flag; every rank calls it)."""
         import torch.distributed as dist
 
-        text = (error or "").encode("utf-8", "replace")[:_MSG_BYTES]
-        msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
-        msg[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-        msg = msg.to(dev)
+        msg = torch.zeros(_MSG_BYTES + 1, dtype=torch.uint8)
+        if error is not None:
+            msg[0] = 1
+            text = error.encode("utf-8", "replace")[:_MSG_BYTES]
+            if text:
+                msg[1: 1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        msg = msg.to(self._comm_device())
         msgs = [torch.zeros_like(msg) for _ in range(dist.get_world_size(self.group))]
-        self._collective("failure message all_gather", lambda: dist.all_gather(msgs, msg, group=self.group))
-        return {r: bytes(msgs[r].cpu().tolist()).rstrip(b"\x00").decode("utf-8", "replace") for r in failed}
+        self._collective("failure message all_gather", lambda: dist.all_gather(msgs, msg, group=self.group,
+                                                                               async_op=True))
+        rows = torch.stack(msgs).cpu().numpy()
+        return {r: row[1:].tobytes().rstrip(b"\x00").decode("utf-8", "replace")
+                for r, row in enumerate(rows) if row[0]}
 
     def balanced_encode(self, kwargs: dict):
         """Run steps 1-5 for this rank's forward kwargs.
@@ -236,6 +313,12 @@ class VisionBalancer:
         Returns None when the plan is skipped (the model then runs its own
         images), else (mm_encoder_outputs for this rank, pixel kwargs to clear,
         tensor to tie into the decoder input or None).
+
+        Every rank enters the same collectives in the same order. A failure of this rank's own part (its
+        input, its pixel rows, its tower) reaches every rank at the next fixed-size agreement (the item
+        count gather, the plan check, the tower check) and every rank raises one `ExchangeError` naming the
+        step, the phase and the failed ranks; a planner that fails on any rank makes every rank keep its
+        images (planning never stops training); plans that differ raise on every rank before anything moves.
         """
         import torch.distributed as dist
 
@@ -248,7 +331,7 @@ class VisionBalancer:
         if kwargs.get("mm_encoder_outputs") is None:
             try:
                 items, used = self.tower.local_items(kwargs, rank)
-            except ValueError as exc:  # bad pixel rows here: every rank raises at the gather, none times out
+            except Exception as exc:  # noqa: BLE001 - bad input here: every rank raises at the gather, none times out
                 error = f"{type(exc).__name__}: {exc}"
         local_grids = items.grids if items is not None else np.zeros((0, 3), dtype=np.int64)
         item_rank, grids = self._gather_grids(local_grids, error)
@@ -260,14 +343,25 @@ class VisionBalancer:
             self._stats.append({**stats, "reason": "no images on any rank"})
             return None
 
-        costs = item_costs(grids, self.cost_model)
+        plan, failure = None, None
         try:
-            plan = plan_balance(costs, item_rank, world, min_gain=self.config.min_gain,
+            plan = plan_balance(item_costs(grids, self.cost_model), item_rank, world, min_gain=self.config.min_gain,
                                 tolerance=self.config.move_tolerance)
-        except Exception as exc:  # noqa: BLE001 - same inputs on every rank: every rank skips alike
-            logger.warning("vision balancing: planning failed (%s: %s); images stay on their ranks",
-                           type(exc).__name__, exc)
-            self._stats.append({**stats, "reason": f"planning failed: {type(exc).__name__}: {exc}"})
+        except Exception as exc:  # noqa: BLE001 - agreed below: every rank keeps its images alike
+            failure = f"{type(exc).__name__}: {exc}"
+        route, send, kept, moves, own = None, None, None, {}, None
+        if plan is not None and plan.applied and (np.asarray(plan.dest) != item_rank).any():
+            try:  # this rank's part of the pixel exchange, before the plan check: a failure here is agreed there
+                route = self._route(item_rank, grids, np.asarray(plan.dest, dtype=np.int64), moves)
+                send, kept = self._pixel_rows(items, route)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by the plan check
+                own = exc
+        failed = self._agreed(lambda: self._agree_plan(plan, failure, _text(own)), own)
+        if failed:
+            detail = failure_detail(failed)
+            logger.warning("%s: planning failed on rank(s) %s; every rank keeps its images: %s",
+                           self._where("plan check"), sorted(failed), detail)
+            self._stats.append({**stats, "reason": f"planning failed on rank(s) {sorted(failed)}: {detail}"})
             return None
         stats.update(reason=plan.reason, makespan_before=float(plan.makespan_before),
                      makespan_after=float(plan.makespan_after),
@@ -277,24 +371,39 @@ class VisionBalancer:
             stats["imbalance_after"] = stats["imbalance_before"]
             self._stats.append(stats)
             return None
-
-        dest = np.asarray(plan.dest, dtype=np.int64)
-        moved = dest != item_rank
-        if not moved.any():  # same plan on every rank: every rank skips the payload exchange alike
+        if route is None:  # same plan on every rank: every rank skips the payload exchange alike
             stats["imbalance_after"] = stats["imbalance_before"]
             self._stats.append({**stats, "reason": "plan moves no item"})
             return None
-        route = self._route(item_rank, grids, dest, stats)
-        computed, differentiable = self._encode(self._exchange_pixels(items, route), grids[route.computed_items],
-                                                kwargs)
-        kept_out_rows = int(items.out_rows[route.kept_items].sum()) if items is not None else 0
-        kept_out, moved_out = computed[:kept_out_rows], computed[kept_out_rows:]
+        stats.update(moves)
+
+        received = self._exchange_pixels(send, route)
+        try:
+            pixels = received if kept.shape[0] == 0 else kept if received.shape[0] == 0 else torch.cat([kept, received])
+            computed, differentiable = self._encode(pixels, grids[route.computed_items], kwargs)
+            kept_out_rows = int(items.out_rows[route.kept_items].sum()) if items is not None else 0
+            kept_out, moved_out = computed[:kept_out_rows], computed[kept_out_rows:]
+            own = None
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the tower check
+            own = exc
+        # before the embeddings travel: a rank whose tower failed never reaches the return, its peers would wait
+        self._agreed(lambda: self._agree("tower forward", 0, None, _text(own)), own)
         back = self._return_embeddings(moved_out, route, differentiable)
         self._stats.append(stats)
         tie = back if differentiable else None
         if items is None:
             return {}, used, tie
         return self._own_outputs(items, kept_out, back, route), used, tie
+
+    @staticmethod
+    def _agreed(agreement, own: Optional[BaseException]):
+        """`agreement()`; an `ExchangeError` it raises carries this rank's own exception `own` as its cause."""
+        try:
+            return agreement()
+        except ExchangeError as err:
+            if own is not None:
+                raise err from own
+            raise
 
     def _route(self, item_rank: np.ndarray, grids: np.ndarray, dest: np.ndarray, stats: dict) -> VisionRoute:
         """This rank's route for the planned `dest`; records the moved items and bytes in `stats`."""
@@ -315,24 +424,24 @@ class VisionBalancer:
         device = self.tower.module.device if hasattr(self.tower.module, "device") else self._comm_device()
         return torch.zeros((0, width), dtype=self.tower.module.dtype, device=device)
 
-    def _exchange_pixels(self, items: Optional[LocalItems], route: VisionRoute) -> torch.Tensor:
-        """Step 3: moved items' pixels to the planned ranks (no gradient: pixels are inputs).
+    def _pixel_rows(self, items: Optional[LocalItems], route: VisionRoute) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(rows this rank sends, in destination order; rows of the items it keeps): no communication."""
+        no_rows = self._no_rows(self.tower.row_width)
+        if items is None:
+            return no_rows, no_rows
+        return (take_rows(items.pixel_parts, rows_in_order(items.in_rows, route.send_order), no_rows),
+                take_rows(items.pixel_parts, rows_in_order(items.in_rows, route.kept_items), no_rows))
 
-        Returns the pixel rows of the items computed here: kept items' rows (used in place), then received.
-        """
+    def _exchange_pixels(self, send: torch.Tensor, route: VisionRoute) -> torch.Tensor:
+        """Step 3: moved items' pixels to the planned ranks (no gradient: pixels are inputs); the rows received,
+        by source rank."""
         import torch.distributed as dist
 
-        no_rows = self._no_rows(self.tower.row_width)
-        if items is not None:
-            send = take_rows(items.pixel_parts, rows_in_order(items.in_rows, route.send_order), no_rows)
-            kept = take_rows(items.pixel_parts, rows_in_order(items.in_rows, route.kept_items), no_rows)
-        else:
-            send, kept = no_rows, no_rows
         received = send.new_empty((sum(route.recv_in_rows), self.tower.row_width))
         self._collective("pixel all_to_all", lambda: dist.all_to_all_single(
             received, send.contiguous(), output_split_sizes=route.recv_in_rows,
-            input_split_sizes=route.send_in_rows, group=self.group))
-        return received if kept.shape[0] == 0 else kept if received.shape[0] == 0 else torch.cat([kept, received])
+            input_split_sizes=route.send_in_rows, group=self.group, async_op=True))
+        return received
 
     def _encode(self, pixels: torch.Tensor, grids: np.ndarray, kwargs: dict) -> Tuple[torch.Tensor, bool]:
         """Step 4: the real tower on the items computed here; (embedding rows, whether differentiable)."""
@@ -355,16 +464,16 @@ class VisionBalancer:
         """Step 5: moved items' embeddings back to their owners (gradients the reverse way in the backward)."""
         import torch.distributed as dist
 
-        from hf_dp_balance.runtime.all_to_all import all_to_all_rows
-
         if differentiable:
-            return self._collective("embedding all_to_all", lambda: all_to_all_rows(
+            box = []
+            self._collective("embedding all_to_all", lambda: box.append(all_to_all_rows(
                 moved_out, route.send_out_rows, route.recv_out_rows, group=self.group,
-                where=self._where("embedding gradient all_to_all (backward)")))
+                where=self._where("embedding gradient all_to_all (backward)"), timeout_s=self.config.timeout_s)))
+            return box[0]
         back = moved_out.new_empty((sum(route.recv_out_rows), self.tower.out_width))
         self._collective("embedding all_to_all", lambda: dist.all_to_all_single(
             back, moved_out.contiguous(), output_split_sizes=route.recv_out_rows,
-            input_split_sizes=route.send_out_rows, group=self.group))
+            input_split_sizes=route.send_out_rows, group=self.group, async_op=True))
         return back
 
     def _own_outputs(self, items: LocalItems, kept_out: torch.Tensor, back: torch.Tensor, route: VisionRoute):
@@ -376,14 +485,20 @@ class VisionBalancer:
         return self.tower.encoder_outputs(rows, items)
 
 
+def _text(exc: Optional[BaseException]) -> Optional[str]:
+    """"Type: message" of this rank's own exception (None: none), as the agreements carry it."""
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+
 def balance_vision_encoder(model, config=None, *, group=None, cost_model=None):
     """Balance the vision tower of `model` across the data-parallel ranks, in place; returns `model`.
 
     `model`: a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / InternVL model (the
     `...ForConditionalGeneration` or its base model), before DDP / Accelerate
-    wrapping. Call it on every rank (it creates a process group when `group` is
-    None). `config`: `DPBalanceConfig` (reads `min_gain`, `move_tolerance`,
-    `timeout_s`); `cost_model`: the vision `CostModel` (default
+    wrapping. Call it on every rank. `group`: a `ProcessGroup` of the data-parallel ranks, used as is;
+    else a group of its own is made (on every process) over the ranks of a 1-D `DeviceMesh`
+    (`mesh["dp"]`) or a `DataParallelGroup`, or of every process (None). `config`: `DPBalanceConfig`
+    (reads `min_gain`, `move_tolerance`, `timeout_s`); `cost_model`: the vision `CostModel` (default
     `CostModel.default_vision()`; replace it with `model._dp_balance_vision.cost_model = fitted`).
     Calling it twice replaces the previous wrapper.
     """

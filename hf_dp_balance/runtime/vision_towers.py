@@ -52,7 +52,15 @@ class _QwenTower:
             grid = kwargs.get(grid_key)
             if grid is None:
                 raise ValueError(f"rank {rank}: {pix_key} given without {grid_key}")
+            for key, value in ((pix_key, pix), (grid_key, grid)):
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"rank {rank}: {key} is a {type(value).__name__}, not a tensor")
+            if grid.numel() % 3:
+                raise ValueError(f"rank {rank}: {grid_key} has shape {tuple(grid.shape)}, not [items, 3]")
             grid = grid.detach().to("cpu", torch.int64).numpy().reshape(-1, 3)
+            if (grid < 1).any():
+                bad = int(np.nonzero((grid < 1).any(axis=1))[0][0])
+                raise ValueError(f"rank {rank}: {grid_key}[{bad}]={grid[bad].tolist()} has a dimension below 1")
             rows = int(grid.prod(axis=1).sum())
             if pix.dim() != 2 or pix.shape[0] != rows or pix.shape[1] != self.row_width:
                 raise ValueError(f"rank {rank}: {pix_key} has shape {tuple(pix.shape)}, but {grid_key} "
@@ -134,6 +142,8 @@ class _InternVLTower:
         pix = kwargs.get("pixel_values")
         if pix is None:
             return None, []
+        if not isinstance(pix, torch.Tensor):
+            raise ValueError(f"rank {rank}: pixel_values is a {type(pix).__name__}, not a tensor")
         if pix.dim() != 4 or tuple(pix.shape[1:]) != self.tile_shape:
             raise ValueError(f"rank {rank}: pixel_values has shape {tuple(pix.shape)}, expected (tiles, "
                              f"{', '.join(map(str, self.tile_shape))})")

@@ -6,7 +6,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hf_dp_balance.core.cost import CostModel, features_of
-from hf_dp_balance.core.fit_solvers import expected_step_max, step_max_likelihood
+from hf_dp_balance.core.fit_solvers import expected_step_max, ridge_starts, step_max_likelihood
 from hf_dp_balance.core.fitting import fit_cost_model
 from hf_dp_balance.testing.cost_steps import fixed_length_steps
 
@@ -23,6 +23,23 @@ def test_likelihood_gradient_matches_finite_differences():
     _, grad = step_max_likelihood(params, x, log_y, penalty, 0.02)
     numeric = approx_fprime(params, lambda p: step_max_likelihood(p, x, log_y, penalty, 0.02)[0], 1e-7)
     np.testing.assert_allclose(grad, numeric, rtol=1e-4)
+
+
+def test_ridge_starts_trade_attention_for_per_sample_work_at_the_same_step_maxima():
+    rng = np.random.default_rng(3)
+    x = rng.uniform(0.5, 1.5, size=(8, 16, 4))
+    theta = np.array([0.5, 0.3, 0.01, 0.2])
+    slowest = np.argmax(x @ theta, axis=1)
+    rows = x[np.arange(8), slowest]
+    starts = ridge_starts(x, theta, (0.25, 0.5))
+    assert len(starts) == 2
+    for share, start in zip((0.25, 0.5), starts):
+        assert start[0] == pytest.approx(theta[0] * (1 - share))
+        assert start[2] > theta[2] and np.all(start >= 0)
+        np.testing.assert_array_equal(start[[1, 3]], theta[[1, 3]])
+        # on average over the steps, the rank theta called slowest costs what it did
+        assert (rows @ start).mean() == pytest.approx((rows @ theta).mean())
+    assert ridge_starts(x, theta * np.array([0, 1, 1, 1])) == []
 
 
 def test_expected_step_max_matches_monte_carlo():

@@ -1,11 +1,10 @@
-"""Orders sorted as packed integers (core/planner/trade_index.py `_stable_argsort`, the ladders of chain.py): the same
-arrays as the plain stable sorts they replace."""
+"""Orders sorted by radix passes (the ladders of chain.py) and per-rank starts by counts: the same arrays as the
+plain stable sorts they replace."""
 
 import numpy as np
 
 from hf_dp_balance.core.planner.chain import _by_density, _ladder_trades, _ladders
 from hf_dp_balance.core.planner.state import _copy_state
-from hf_dp_balance.core.planner.trade_index import _stable_argsort
 from test_planner_chain import _long_tail, _state
 
 
@@ -27,7 +26,7 @@ def test_the_ladders_are_the_items_by_slot_then_density_bin_then_index():
         np.testing.assert_array_equal(got, by_density[np.argsort(slot[by_density], kind="stable")])
 
 
-def test_the_ladders_past_16_bit_slots_keep_the_packed_sort():
+def test_the_ladders_past_16_bit_slots_keep_the_plain_sort():
     rng = np.random.default_rng(3)
     bins = rng.integers(0, 1 << 16, 5000).astype(np.uint16)
     for top in (1 << 16, 70001):  # the largest slot: the radix path, then slots that need 17 bits
@@ -35,18 +34,6 @@ def test_the_ladders_past_16_bit_slots_keep_the_packed_sort():
         slot[0] = top - 1
         want = np.lexsort((np.arange(bins.size), bins, slot))
         np.testing.assert_array_equal(_ladders(bins, slot, np.argsort(bins, kind="stable")), want)
-
-
-def test_the_packed_sort_of_integer_keys_is_the_stable_argsort():
-    rng = np.random.default_rng(3)
-    for trial in range(200):
-        n = int(rng.integers(0, 300))
-        dtype = rng.choice([np.uint16, np.uint32, np.int64, np.float64])
-        keys = rng.integers(0, rng.choice([2, 7, 1000]), n).astype(dtype)
-        np.testing.assert_array_equal(_stable_argsort(keys), np.argsort(keys, kind="stable"), err_msg=str(trial))
-    big = np.array([1 << 61, 3, 1 << 61, 0, -1], dtype=np.int64)  # no room for the index / negative: a plain sort
-    np.testing.assert_array_equal(_stable_argsort(big), [4, 3, 1, 0, 2])
-    np.testing.assert_array_equal(_stable_argsort(big[:4]), [3, 1, 0, 2])
 
 
 def test_the_rank_starts_by_counts_are_the_searches_of_the_sorted_keys():

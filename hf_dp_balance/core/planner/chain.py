@@ -1,14 +1,10 @@
 """Ladder trades for a full token cap: a large item for the cheapest-per-token items of one slot.
 
-When every slot is filled to the cap and the cost is strongly quadratic, the imbalance sits in a
-few long samples: a rank holding two 30K-token samples is far over the mean, and no move fits
-anywhere. A long sample costs more per token than the short ones, so sending it to a light rank
-and taking back the same tokens of that slot's cheapest-per-token items sheds most of its cost
-while every slot keeps its tokens. Each slot's items, cheapest per token first, form a "ladder":
-its prefix sums say, for any tokens to free, the fewest items that free them and what they cost,
-so every option is one binary search (no Python loop over items). A new micro-batch on the same
-rank sends nothing, so a rank's whole token room counts: what the receiving slot cannot hold moves
-to the rank's other slots, and the pay-back fills the sender's other slots.
+At a full cap with a strongly quadratic cost the imbalance sits in a few long samples, and no move
+fits. A long sample costs more per token than short ones, so sending it to a light rank and taking
+back as many tokens of that slot's cheapest-per-token items sheds most of its cost while every slot
+keeps its tokens. A slot's items, cheapest per token first, form a "ladder": its prefix sums give,
+for any tokens to free, the fewest items that free them and their cost, one binary search per option.
 """
 
 from __future__ import annotations
@@ -19,50 +15,35 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _float_order, _rank_starts, _ranges,
-                                                    _search_within, _stable_argsort)
+from hf_dp_balance.core.planner.trade_index import (_RADIX, _first_best, _float_order, _ranges, _search_within,
+                                                    _stable_order)
 
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
 
 
-def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: int = _ROUNDS,
-                   min_rate: float = _MIN_RATE, near: bool = False, partners_only: bool = False,
-                   idle_rounds: int = 3, few: float = 0.02) -> bool:
+def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate: float = _MIN_RATE,
+                   near: bool = False, partners_only: bool = False) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    A trade sends a large item `a` (over cap x _LARGE tokens, never moved) of an over-full rank h
-    to a slot (l, m) of a rank l under its budget, alone or in place of a large item `b` of that
-    slot (b goes to a's slot), and (l, m) frees what a needs with a prefix of its ladder (its
-    original items, cheapest per token first): the first ones move to l's other slots while they
-    hold them, the rest go back to h (a's slot, then h's other slots). The prefix costs what h
-    should shed as far as l can take it (l within budget x (1 + tolerance / 2)); where h's room
-    allows no more pay-back, l may end over its limit if both end under h's load before. A slot
-    gives back once (its ladder is then stale); an item moves once.
-
-    Every round pairs the over-full ranks, most over first, with _BREADTH ranks under budget each
-    (furthest under first, the partners shifting every round), tries h's _BREADTH large items
-    with the most cost above their tokens at the cheapest density (with `near`: the ones whose
-    such surplus just covers h's excess, for a small excess), into the _BREADTH roomiest slots of each
-    partner and in place of the _BREADTH large items of the partner nearest in cost to what a
-    should leave behind, and keeps per h the trade with the most load taken off h (down to its
-    budget, and to no less than l's load after) per token sent (+ cap x _OVERHEAD), if that is
-    at least `min_rate` x the mean cost per token; each partner takes one trade per round.
+    A trade sends a large item `a` (over cap x _LARGE tokens) of an over-full rank h to a slot (l, m)
+    of a rank l under budget, alone or in place of a large item `b` of that slot (b takes a's slot);
+    (l, m) frees what a needs with a prefix of its ladder: its first items move to l's other slots
+    while they have room, the rest go back to h. Each round pairs the over-full ranks, most over
+    first, with _BREADTH partners each (`_pair_ranks`), tries h's large items (most cost above their
+    tokens first; with `near`, those whose surplus just covers h's excess) and keeps per h the
+    option with the most load taken off h per token sent (+ cap x _OVERHEAD), if at least `min_rate`
+    x the mean cost per token; each partner takes one trade per round, an item moves once, a slot
+    gives back once. A pass ends after 3 rounds in a row that trade for at most 2% of the over-full
+    ranks (the partners shift, so a round or two may still find trades).
 
     Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
-    larger of its two ranks' loads, so the fullest rank never rises; a rank keeps at least
-    `state.min_count` items and a slot with items keeps one. Cost: one O(n) radix sort (density
-    bins, then slots), then per round O(over-full ranks x 2 _BREADTH^3)
-    binary searches (inside one slot's ladder each) and O(items traded) numpy, with a loop over the
-    items of one trade (all trades at once) only for the pay-back items that spill past a's slot and
-    the receiving slot's items that next fit cannot place. A pass ends after
-    `idle_rounds` in a row that trade for at most `few` of the over-full ranks (the partners shift:
-    a round or two may still find trades).
+    larger of its two ranks' loads, so the fullest rank never rises; a rank keeps `state.min_count`
+    items and a slot with items keeps one. Cost: one O(n) radix sort, then per round O(over-full
+    ranks x 2 _BREADTH^3) binary searches inside one slot's ladder each.
 
-    `partners_only`: the ladders of a round's partner ranks only, built as the rounds first pair them
-    (`_build_partner_ladders`) instead of every slot's at the start: where few ranks are over-full (a
-    residue pass) most ladders are never read. The same ladders, but their prefix sums run over the
-    built ranks only, so costs sum in another order: the last bits differ from the global ladders'
-    (with integer costs and positive integer tokens, the same trades).
+    `partners_only`: build the ladders of the ranks a round pairs as it pairs them, not every slot's
+    at the start (a residue pass with few over-full ranks reads few ladders); the same trades up to
+    the last bits of the costs' prefix sums.
     """
     cap = state.cap
     R = state.load.shape[0]
@@ -76,7 +57,7 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
     overhead = cap * _OVERHEAD
     min_rate = min_rate * mean_rate
     idle = 0
-    for k in range(rounds):
+    for k in range(_ROUNDS):
         over, h, l = _pair_ranks(state, budget, limit, state.load - budget, _BREADTH, k)
         if over.size == 0:
             return True
@@ -84,24 +65,20 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, rounds: 
             return False
         if partners_only:
             _build_partner_ladders(state, lad, np.concatenate((h, l)))
-        if _round(state, h, l, budget, limit, lad, overhead, min_rate) > few * over.size:
-            idle = 0
-        else:
-            idle += 1  # the partners shift: the next round may still find (more) trades
-            if idle >= idle_rounds:
-                return False
+        idle = 0 if _round(state, h, l, budget, limit, lad, overhead, min_rate) > 0.02 * over.size else idle + 1
+        if idle >= 3:
+            return False
     return not np.any(state.load > limit)
 
 
 def _make_ladders(state: _State, near: bool, partners_only: bool):
-    """What the rounds of `_ladder_trades` read (None without large items): every slot's ladder (items
-    by density, their prefix sums, each item's position), or with `partners_only` room for the ranks'
-    ladders as `_build_partner_ladders` adds them; the large items by rank, by surplus and by cost."""
+    """What the rounds of `_ladder_trades` read (None without large items): every slot's ladder and its
+    prefix sums (with `partners_only`: room for them), the large items by rank, by surplus and by cost."""
     R, M = state.load.shape[0], state.M
     tok, cost = state.tokens, state.costs
     n = cost.shape[0]
     S = R * M
-    bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
+    bins, large, _, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
         return None
     slot = state.dest * M + state.micro
@@ -127,48 +104,35 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         lad.order, lad.CT, lad.CC, lad.lo, lad.hi = order, CT, CC, starts[:-1], starts[1:]
         lad.rank_of = np.empty(n, dtype=np.int64)
         lad.rank_of[order] = np.arange(n)  # ladder position of every item
-    # the large items, grouped by rank: most cost above their tokens at the lowest density first
-    # (the ones h sends), and by cost (the ones l gives back in a's place)
-    lad.surplus_scale, lad.cost_scale, lad.near = scale, cost_scale, near
+    lad.surplus_scale, lad.cost_scale, lad.near, lad.mean_rate = scale, cost_scale, near, mean_rate
+    # rank r's large items once r is built: large[l_lo[r]:l_hi[r]], most cost above their tokens at the
+    # lowest density first (the ones h sends), and by_cost[l_lo[r]:l_hi[r]] (those l gives back for a)
+    lad.large, lad.surplus_key = np.zeros(0, dtype=np.int64), np.zeros(0)
+    lad.by_cost, lad.cost_key = np.zeros(0, dtype=np.int64), np.zeros(0)
+    lad.l_lo, lad.l_hi = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+    # the largest cost key of the ranks below each rank (what the keys of all ranks hold just before its
+    # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
     ranks = state.dest[large]
-    if partners_only:  # rank r's large items: large[l_lo[r]:l_hi[r]] (and by_cost) once r is built
-        lad.large, lad.surplus_key = np.zeros(0, dtype=np.int64), np.zeros(0)
-        lad.by_cost, lad.cost_key = np.zeros(0, dtype=np.int64), np.zeros(0)
-        lad.l_lo, lad.l_hi = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
-        # the largest cost key of the ranks below each rank (what the global keys hold just before its
-        # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
-        top = np.full(R, -np.inf)
-        np.maximum.at(top, ranks, ranks + cost[large] * cost_scale)
-        lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
-    else:
-        key = ranks + (1.0 - (surplus + 1.0) * scale)
-        by = _float_order(key)
-        lad.large, lad.surplus_key = large[by], key[by]
-        l_starts = _rank_starts(ranks, R)
-        lad.l_lo, lad.l_hi = l_starts[:-1], l_starts[1:]
-        lad.by_cost, _, lad.cost_key, _ = _by_rank_and_cost(large, state.dest, cost, cost_scale, R)
-        lad.below_top = None
-    lad.mean_rate = mean_rate
+    top = np.full(R, -np.inf)
+    np.maximum.at(top, ranks, ranks + cost[large] * cost_scale)
+    lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
+    if not partners_only:
+        by_rank = _stable_order(ranks, R)
+        _append_large(state, lad, np.arange(R), large[by_rank], ranks[by_rank])
     return lad
 
 
 def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """np.searchsorted(the global cost keys, target) for targets ranks + c x scale (c < 1 / (2 scale)):
-    the answer inside the rank's stretch [lo, hi] of the keys, or, with per-rank stretches appended
-    (`partners_only`), lo - 1 where the global keys below the stretch reach the target (its answer
-    lies below lo: no large item of the rank is near it)."""
-    if lad.below_top is None:
-        return _search_within(lad.cost_key, target, lo, hi)
+    """np.searchsorted(the cost keys of all ranks, target) for targets rank + c x scale (c x scale < 1/2):
+    searched inside the rank's stretch [lo, hi], lo - 1 where the keys below the stretch reach it."""
     near = _search_within(lad.cost_key, target, lo, hi, clamp="both")
     return np.where(lad.below_top[ranks] >= target, lo - 1, near)
 
 
 def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
-    """The ladders of the slots of `ranks` not built yet (`_ladder_trades` with `partners_only`), as the
-    global ones hold them: the items of the rank at the start of the pass (`lad.members`) by slot, then
-    density bin, then index, less the items that moved since (they left a slot now stale, whose ladder
-    is never read); appended to `lad.order` with their prefix sums. And the ranks' large items at the
-    start of the pass, by surplus and by cost, appended rank by rank (`lad.l_lo`, `lad.l_hi`)."""
+    """Append the ladders of the slots of `ranks` not built yet, as a build of all at once holds them
+    (items of the rank at the start of the pass by slot, density bin, index; moved ones left stale
+    slots), and their large items by surplus and by cost (`_ladder_trades` with `partners_only`)."""
     new = np.unique(ranks[~lad.built[ranks]])
     if new.size == 0:
         return
@@ -189,10 +153,14 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     lad.order = np.concatenate((lad.order, items))
     lad.CT = np.concatenate((lad.CT, lad.CT[-1] + np.cumsum(state.tokens[items])))
     lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
-    # their large items as the global orders hold them: by rank, then by key (the same floats), ties by index
+    big = state.tokens[held] > state.cap * _LARGE  # (the large items of `_item_keys`; moved ones filtered where read)
+    _append_large(state, lad, new, held[big], held_rank[big])
+
+
+def _append_large(state: _State, lad, new: np.ndarray, mine: np.ndarray, ranks: np.ndarray) -> None:
+    """Append the large items `mine` of ranks `new` (ascending; `ranks`: theirs, ascending, index order
+    within one) by surplus and by cost: keys rank + a share under 1/2, ties by index."""
     _, large, surplus, scale, cost_scale, _ = _item_keys(state)
-    big = _is_large(state)[held]  # (index order within a rank; moved ones are filtered where read)
-    mine, ranks = held[big], held_rank[big]
     at = lad.large.size
     starts = at + np.searchsorted(ranks, new)  # (`new` ascends, and so do the ranks of `mine`)
     lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)
@@ -204,31 +172,15 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     lad.by_cost, lad.cost_key = np.concatenate((lad.by_cost, mine[by])), np.concatenate((lad.cost_key, key[by]))
 
 
-def _is_large(state: _State) -> np.ndarray:
-    """A mask of the large items (`_item_keys`), once per planning call (`state.item_memo`)."""
-    got = state.item_memo.get("is_large")
-    if got is None:
-        got = state.item_memo["is_large"] = np.zeros(state.costs.shape[0], dtype=bool)
-        got[_item_keys(state)[1]] = True
-    return got
-
-
 def _item_keys(state: _State):
-    """What the ladder passes of one planning call read of its items alone (never of their
-    placement), made on the first pass and kept in `state.item_memo` (copies share it): the items'
-    log-spaced density bins (uint16), the large items, their cost above their tokens at the lowest
-    density and its key scale, the scale of the large items' cost key, and the mean cost per token."""
+    """Of the items alone, once per planning call (`state.item_memo`): log-spaced density bins (uint16),
+    the large items, their cost above their tokens at the lowest density and its key scale, the scale of
+    the large items' cost key, the mean cost per token."""
     got = state.item_memo.get("ladder")
     if got is None:
         tok, cost = state.tokens, state.costs
-        if cost.size and float(cost.min()) >= 1e-300 and float(tok.min()) >= 1e-300:
-            # no guard changes a value: one division serves both the density and its minimum
-            dens = cost / tok
-            d_min = float(dens.min())
-            np.log(dens, out=dens)
-        else:
-            dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
-            d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny))) if cost.size else 0.0
+        dens = np.log(np.maximum(cost, 1e-300) / np.maximum(tok, 1e-300))
+        d_min = float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny)))
         lo, hi = float(dens.min()), float(dens.max())
         dens -= lo  # (in place: `dens` is this call's own array; the same floats as (dens - lo) * step)
         dens *= (_RADIX - 1) / max(hi - lo, 1e-12)
@@ -244,11 +196,8 @@ def _item_keys(state: _State):
     return got
 
 
-
-
 def _by_density(state: _State) -> np.ndarray:
-    """The items by density bin (ties: index), once per planning call (`state.item_memo`, shared by
-    copies): the first of the two stable passes of `_ladders`."""
+    """The items by density bin (ties: index), once per planning call (`state.item_memo`)."""
     got = state.item_memo.get("by_density")
     if got is None:
         got = state.item_memo["by_density"] = np.argsort(_item_keys(state)[0], kind="stable")
@@ -256,24 +205,18 @@ def _by_density(state: _State) -> np.ndarray:
 
 
 def _ladders(bins: np.ndarray, slot: np.ndarray, by_density=None) -> np.ndarray:
-    """Items grouped by slot, cheapest per token first within a slot (density `bins`, `_item_keys`;
-    ties: index). With `by_density` (the stable order of `bins`, `_by_density`) and every slot under
-    2^16: a stable radix sort of the slots in that order (numpy sorts 16-bit keys by radix, O(n): at
-    550k items ~2.3x faster than the packed sort); else one sort of slot x 2^16 + bin (`_stable_argsort`)."""
+    """Items grouped by slot, cheapest per token first within a slot (ties: index): a radix sort of the
+    slots in `by_density` order where every slot is under 2^16 (~2.3x faster), else a lexsort."""
     if by_density is not None and (slot.size == 0 or int(slot.max()) < _RADIX):
         # (narrowed before the gather: a random read of 1 MB, not 4 MB)
         return by_density[np.argsort(slot.astype(np.uint16)[by_density], kind="stable")]
-    wide = slot.size and int(slot.max()) >= _RADIX
-    return _stable_argsort((slot.astype(np.int64) if wide else slot.astype(np.uint32)) * _RADIX + bins)
+    return np.lexsort((bins, slot))
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
-    """One trade per over-full rank h of the pairs (h[i], l[i]) (each h in one run of adjacent pairs),
-    every l in at most one; applies them; returns how many.
-
-    Options: a large item `a` of h into the _BREADTH roomiest slots of l, or in place of one of the _BREADTH large
-    items `b` of l nearest in cost to what a should leave behind (b goes to a's slot); either way
-    topped up with a ladder prefix of the receiving slot (`_evaluate`)."""
+    """One trade per over-full rank h of the pairs (h[i], l[i]), every l in at most one; applied; returns
+    how many. Options: a large item `a` of h into the _BREADTH roomiest slots of l, or in place of one of
+    the _BREADTH large items `b` of l nearest in cost to what a should leave behind (`_evaluate`)."""
     M = state.M
     tok, cost = state.tokens, state.costs
     P = h.size
@@ -329,11 +272,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
         return 0
     score = opt["score"]
     # per over-full rank its best trade (ties: the first option); then every l once, most over first
-    best = np.full(P, -np.inf)
-    np.maximum.at(best, pair, score)
-    win = np.flatnonzero(np.isfinite(score) & (score == best[pair]))
-    win = win[np.lexsort((win, pair[win]))]
-    first_of_pair = win[np.concatenate(([True], pair[win][1:] != pair[win][:-1]))]
+    first_of_pair = _first_best(pair, score, P)
     hw = h[pair[first_of_pair]]
     o = np.lexsort((first_of_pair, -score[first_of_pair], hw))
     chosen = first_of_pair[o]
@@ -347,8 +286,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
 
 
 def _roomiest(full: np.ndarray, W: int) -> np.ndarray:
-    """[P, W]: per row of `full` (tokens per slot, inf where a slot gives back no more) the W least full
-    slots, least first, ties by the lowest slot (all M in index order when W >= M)."""
+    """[P, W]: per row of `full` (tokens per slot) the W least full slots, ties by the lowest slot."""
     P, M = full.shape
     if W >= M:
         return np.broadcast_to(np.arange(M), (P, M))
@@ -358,11 +296,10 @@ def _roomiest(full: np.ndarray, W: int) -> np.ndarray:
 def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=True):
     """Every option's ladder cut and score (cost taken off h per token sent); None if none is feasible.
 
-    (l, m) frees the tokens a needs there (beyond b's, if any) with a prefix of its ladder: its first
-    items move to l's other slots while they hold them (a new micro-batch on the same rank sends
-    nothing; 10% kept for the packing; only without b), the rest goes back to h: into a's slot, then
-    h's other slots, costing what h should shed as far as l can take it (`want`); when the tokens
-    allow no more pay-back, l may end over its limit if both end under h's load now."""
+    (l, m) frees what a needs (beyond b's tokens) with a ladder prefix: its first items move to l's
+    other slots while they have room (free: same rank; 10% kept for the packing; only without b), the
+    rest go back to h, costing what h should shed as far as l can take it (`want`); where h's room
+    allows no more pay-back, l may end over its limit if both end under h's load now."""
     cap, M = state.cap, state.M
     tok, cost = state.tokens, state.costs
     dst = ll * M + m
@@ -376,18 +313,11 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     flat_tok = state.slot_tok.reshape(-1)
     ok = ~lad.stale[dst] & (tb <= ta + cap - flat_tok[src])  # b fits a's slot
     # a score is at most h's excess per token of a and b (gain <= excess, tokens sent >= ta + tb, in floating
-    # point too): an option under min_rate by that bound scores -inf below, so it is not searched (`prune`)
+    # point too): an option under min_rate by that bound scores -inf (`prune`)
     if prune:
         ok &= (state.load[hl] - budget[hl]) / (ta + tb + overhead) >= min_rate
-    live = np.flatnonzero(ok)
-    if live.size == 0:
+    if not ok.any():
         return None
-    N = a.size
-    given = {"a": a, "b": b, "h": hl, "l": ll, "m": m, "ma": ma}  # every option's, as asked
-    if live.size < N:
-        a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca = (
-            x[live] for x in (a, b, hl, ll, m, want, dst, ma, src, has_b, bs, tb, cb, ta, ca))
-        ok = ok[live]
     base = lad.lo[dst]
     end = lad.hi[dst]
     CT, CC = lad.CT, lad.CC
@@ -397,12 +327,12 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     # the searches of the receiving slot's stretch of the ladders, base .. end: an answer past end + 1 (or
     # below j_in, from j_in on) changes none of the values below, so the searches are clamped there
     # (CT and CC are running sums of non-negative values over all the ladders: sorted as a whole)
-    j_free = _search_within(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), base, end + 1, "left", "high", True)
-    j_in = np.clip(_search_within(CT, CT[base] + 0.9 * other, base, end + 1, "right", "both", True) - 1, base,
+    j_free = _search_within(CT, CT[base] + np.maximum(ta - tb - room_l, 0.0), base, end + 1, "left", "high")
+    j_in = np.clip(_search_within(CT, CT[base] + 0.9 * other, base, end + 1, "right", "both") - 1, base,
                    np.minimum(j_free, end))
     room_h = ta - tb + (cap * M - rank_tok[hl])
-    j_hi = np.minimum(_search_within(CT, CT[j_in] + room_h, j_in, end + 1, "right", "both", True) - 1, end)
-    j = np.clip(_search_within(CC, CC[j_in] + ca - cb - want, j_in, end + 1, "left", "both", True), j_free,
+    j_hi = np.minimum(_search_within(CT, CT[j_in] + room_h, j_in, end + 1, "right", "both") - 1, end)
+    j = np.clip(_search_within(CC, CC[j_in] + ca - cb - want, j_in, end + 1, "left", "both"), j_free,
                 np.maximum(j_hi, j_free))
     ok &= (j_free <= j_hi) & (j_free <= end) & (room_h >= 0)
     j = np.minimum(j, end)
@@ -422,18 +352,12 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
     score[score < min_rate] = -np.inf
     if not np.isfinite(score).any():
         return None
-    found = {"score": score, "base": base, "j_in": j_in, "j": j}
-    if live.size < N:  # back in every option's place (those not searched: score -inf)
-        for key, value in found.items():
-            found[key] = np.full(N, -np.inf) if key == "score" else np.zeros(N, dtype=value.dtype)
-            found[key][live] = value
-    return {**found, **given}
+    return {"score": score, "base": base, "j_in": j_in, "j": j, "a": a, "b": b, "h": hl, "l": ll, "m": m, "ma": ma}
 
 
 def _carry_out(state, lad, t) -> int:
-    """Apply the chosen trades `t` (each on its own h and l): a -> (l, m), b -> (h, ma), the ladder
-    prefix [j_in, j) -> h (`_place_back`), [base, j_in) -> l's other slots (`_place_intra`); a trade
-    whose items do not fit is dropped, and its receiving slot takes no more; returns how many were applied."""
+    """Apply the chosen trades `t`: a -> (l, m), b -> (h, ma), ladder [j_in, j) -> h, [base, j_in) -> l's
+    other slots; a trade whose items do not fit is dropped (its slot takes no more); returns how many."""
     M = state.M
     tok = state.tokens
     has_b = t["b"] >= 0
@@ -462,9 +386,8 @@ def _carry_out(state, lad, t) -> int:
 
 
 def _place_back(state, order, base, n_back, h, ma, ta):
-    """(items, their slots on h, trade ok) of the pay-backs: ladder positions base .. base + n_back of
-    every trade, each into a's slot ma while it has room (a's tokens freed it), else h's roomiest slot;
-    a trade whose pay-back does not fit is not ok (its items are returned, not to be moved)."""
+    """(items, their slots on h, trade ok) of the pay-backs (ladder base .. base + n_back): into a's slot
+    while it has room, else h's roomiest slot; a trade whose pay-back does not fit is not ok."""
     cap = state.cap
     size = n_back
     first = np.cumsum(size) - size
@@ -482,27 +405,15 @@ def _place_back(state, order, base, n_back, h, ma, ta):
     # the rest goes to h's other slots, roomiest first: item by item, all spilling trades at once
     t = np.flatnonzero(spills)
     room = cap - state.slot_tok[h[t]]
-    row = np.arange(t.size)
-    room[row, ma[t]] += ta[t]
-    for k in range(int(size[t].max()) if t.size else 0):
-        go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
-        t, row = t[go], row[go]
-        p = first[t] + k
-        tk = state.tokens[back[p]]
-        s = np.where(room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1))
-        fits = room[row, s] >= tk
-        ok[t[~fits]] = False
-        t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
-        room[row, s] -= tk
-        to[p] = s
+    room[np.arange(t.size), ma[t]] += ta[t]
+    _fit_one_by_one(state.tokens[back], first, size, t, room, to, ok, lambda room, row, t, tk: np.where(
+        room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1)))
     return back, to, ok
 
 
 def _place_intra(state, order, lo, hi, l, m):
-    """(items, their new slots on l, trade ok): ladder positions lo .. hi of every trade leave (l, m)
-    for l's other slots: next fit, roomiest slot first, if that holds them all, else best fit,
-    largest first (a loop over the items of one trade, all such trades at once); a trade whose items
-    do not fit is not ok."""
+    """(items, their new slots on l, trade ok): ladder lo .. hi leaves (l, m) for l's other slots: next
+    fit, roomiest first, if that holds them all, else best fit, largest first; else not ok."""
     cap = state.cap
     size = hi - lo
     first = np.cumsum(size) - size
@@ -530,19 +441,26 @@ def _place_intra(state, order, lo, hi, l, m):
     # item by item, all such trades at once
     t = np.flatnonzero((size > 0) & overfull)
     room = cap - state.slot_tok[l[t]]
+    room[np.arange(t.size), m[t]] = -np.inf
+    _fit_one_by_one(t_items, first, size, t, room, to, ok, lambda room, row, t, tk: np.argmin(
+        np.where(room[row] >= tk[:, None], room[row], np.inf), axis=1), reverse=True)
+    return items, to, ok
+
+
+def _fit_one_by_one(tok, first, size, t, room, to, ok, choose, reverse=False) -> None:
+    """Place the items of trades `t` one by one, all trades at once: item k of trade t is position
+    first[t] + k (from the end with `reverse`) of `tok` (their tokens), into the slot `choose(room, row,
+    t, tk)` picks in its row of `room` (tokens free per slot), written to `to`; a trade with an item
+    that fits nowhere is not ok (`ok` False, its later items not placed)."""
     row = np.arange(t.size)
-    room[row, m[t]] = -np.inf
     for k in range(int(size[t].max()) if t.size else 0):
         go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
         t, row = t[go], row[go]
-        p = first[t] + size[t] - 1 - k
-        tk = state.tokens[items[p]]
-        r = room[row]
-        fit = np.where(r >= tk[:, None], r, np.inf)
-        s = np.argmin(fit, axis=1)
-        fits = np.isfinite(fit[np.arange(row.size), s])
+        p = first[t] + (size[t] - 1 - k if reverse else k)
+        tk = tok[p]
+        s = choose(room, row, t, tk)
+        fits = room[row, s] >= tk
         ok[t[~fits]] = False
         t, row, p, s, tk = t[fits], row[fits], p[fits], s[fits], tk[fits]
         room[row, s] -= tk
         to[p] = s
-    return items, to, ok

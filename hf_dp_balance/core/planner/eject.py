@@ -5,23 +5,17 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.place import _place_best_fit
-from hf_dp_balance.core.planner.state import _State, _group_starts, _remove
-from hf_dp_balance.core.planner.trade_index import _stable_order
+from hf_dp_balance.core.planner.state import _State, _remove
+from hf_dp_balance.core.planner.trade_index import _rank_starts, _search_within, _stable_order
 
 
 def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> bool:
-    """One-for-many exchange for the fullest rank h (ranks by load / budget).
-
-    A heavy item `a` of h moves to a receiver rank r even though no rank has room
-    for it; r makes room by shedding its heaviest movable items (those that fit
-    the largest free room elsewhere) until its load and the tokens of the slot
-    that receives `a` are back within limit / cap; the shed items are then placed
-    by best fit. Candidates for `a`: the lightest item of h that brings h within
-    its limit alone, and h's heaviest item. The receiver is the rank that sheds
-    the fewest items (ties: the lowest load after, then the lowest index).
-    Applies the exchange and returns True, or returns False when no receiver
-    can make room. Cost: one O(n log n) sort plus O(n) numpy per candidate.
-    """
+    """One-for-many exchange for the fullest rank h (by load / budget): a heavy item `a` of h moves to
+    a receiver r that sheds its heaviest movable items (those that fit the largest free room elsewhere)
+    until its load and receiving slot are back within limit and cap; the shed items are placed by best
+    fit. Candidates for `a`: the lightest item of h that alone brings h within its limit, and h's
+    heaviest. The receiver sheds the fewest items (ties: lowest load after, lowest index). Returns
+    whether it applied one. Cost: one O(n log n) sort plus O(n) numpy per candidate."""
     costs = state.costs
     R = state.load.shape[0]
     safe = np.maximum(budget, np.finfo(np.float64).tiny)
@@ -79,57 +73,29 @@ def _pool(state: _State, h: int, recv_slot: np.ndarray) -> np.ndarray:
 def _receiver(state: _State, a: int, h: int, sel: np.ndarray, recv_slot: np.ndarray, limit: np.ndarray,
               safe: np.ndarray):
     """(key, rank, items it sheds) of the best receiver of item `a` of the fullest rank h, or None.
-
-    `sel`: the items that may shed, grouped by rank, heaviest first. A rank r sheds
-    its first k of them, the fewest that bring its load with `a` within limit[r] and
-    the tokens of its receiving slot within the cap. Best: fewest shed items, then
-    the lowest load after (load / budget), then the lowest index. The key ranks
-    candidates for `a`: first those that bring h within its limit, then (k, load after).
-    O(n) numpy.
-    """
-    costs, cap = state.costs, state.cap
+    `sel`: the items that may shed, by rank, heaviest first; rank r sheds the fewest first ones that
+    bring its load with `a` within limit[r] and its receiving slot within the cap (one search of the
+    running sums each, `_search_within`). The key ranks the candidates `a`: first those that bring h
+    within its limit, then (items shed, load after)."""
     R = state.load.shape[0]
-    tracked = state.slot_tok is not None
-    ca = float(costs[a])
-    sr = state.dest[sel]
-    need = state.load + ca - limit  # cost each rank must shed to take `a`
-    if tracked and cap is not None:
-        tneed = state.slot_tok[np.arange(R), recv_slot] + state.tokens[a] - cap
-    else:
-        tneed = np.full(R, -np.inf)
-    starts = _group_starts(sr)
-    ranks = sr[starts]
-    sizes = np.diff(np.append(starts, sel.size))
-    cum_c = np.cumsum(costs[sel])
-    cum_c -= np.repeat(cum_c[starts] - costs[sel][starts], sizes)  # cumulative within each rank
-    if tracked:
-        cum_t = np.cumsum(state.tokens[sel])
-        cum_t -= np.repeat(cum_t[starts] - state.tokens[sel][starts], sizes)
-    else:
-        cum_t = np.full(sel.size, np.inf)
-    done = (cum_c >= need[sr]) & (cum_t >= tneed[sr])
-    pos = np.arange(sel.size) - np.repeat(starts, sizes)  # index within the rank's list
-    k = np.full(R, np.inf)  # items r must shed (0 when it already has room)
-    if sel.size:
-        first = np.minimum.reduceat(np.where(done, pos, np.inf), starts)
-        k[ranks] = first + 1
-    k[(need <= 0) & (tneed <= 0)] = 0
+    ca = float(state.costs[a])
+    starts = _rank_starts(state.dest[sel], R)
+    lo, hi = starts[:-1], starts[1:]
+    run_c = np.concatenate(([0.0], np.cumsum(state.costs[sel])))  # running sums with a leading 0
+    need = np.maximum(state.load + ca - limit, 0.0)  # cost each rank must shed to take `a`
+    k = _search_within(run_c, run_c[lo] + need, lo, hi + 1, clamp="both")
+    if state.slot_tok is not None and state.cap is not None:
+        run_t = np.concatenate(([0.0], np.cumsum(state.tokens[sel])))
+        tneed = np.maximum(state.slot_tok[np.arange(R), recv_slot] + state.tokens[a] - state.cap, 0.0)
+        k = np.maximum(k, _search_within(run_t, run_t[lo] + tneed, lo, hi + 1, clamp="both"))
+    k = np.where(k <= hi, k - lo, np.inf)  # items r must shed (inf: all of them are not enough)
     k[h] = np.inf
     if state.count is not None:
         k[state.count + 1 - k < state.min_count] = np.inf
     if not np.isfinite(k).any():
         return None
-    kk = np.where(np.isfinite(k), k, 0).astype(np.int64)
-    gone = np.zeros(R)
-    if sel.size:
-        # load each rank sheds with its first k items
-        gather = starts[np.searchsorted(ranks, np.arange(R)).clip(0, max(ranks.size - 1, 0))]
-        has = np.isin(np.arange(R), ranks) & (kk > 0)
-        gone[has] = cum_c[gather[has] + kk[has] - 1]
-    after = np.where(np.isfinite(k), (state.load + ca - gone) / safe, np.inf)
+    shed_to = lo + np.where(np.isfinite(k), k, 0).astype(np.int64)
+    after = np.where(np.isfinite(k), (state.load + ca - (run_c[shed_to] - run_c[lo])) / safe, np.inf)
     r = int(np.lexsort((np.arange(R), after, k))[0])
-    # prefer the candidate that brings h within its limit, then fewer shed items
     key = (0 if state.load[h] - ca <= limit[h] else 1, float(k[r]), float(after[r]))
-    n_shed = int(k[r])
-    shed = sel[starts[np.searchsorted(ranks, r)]:][:n_shed] if n_shed else sel[:0]
-    return key, r, shed
+    return key, r, sel[lo[r]:shed_to[r]]

@@ -1,12 +1,8 @@
 """Sending items home after full-cap trades: a moved item goes back where a like one took its place.
 
-Trades in several passes leave detours: rank A sent item x to rank B (a pay-back, or a large item
-traded away) and later took item y from rank C in another trade. When x and y cost and weigh about
-the same, y can go to B in x's place and x back home to A: A and B each change by c_x - c_y, every
-slot keeps its item count, and x no longer crosses the network (nor y, when B is y's home). At a
-full cap these detours are a large share of what the trades send, and balancing them out costs
-almost no load.
-"""
+Trades in several passes leave detours: rank A sent x to B and later took y from C. When x and y are
+alike, y can take x's place on B and x go home to A: A and B change by c_x - c_y, every slot keeps
+its item count, and x no longer crosses the network (nor y, when B is y's home)."""
 
 from __future__ import annotations
 
@@ -21,15 +17,11 @@ _WORTH = 0.05  # runs only where the plan sends at least this share of the token
 
 
 def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: int = 4) -> int:
-    """Redirect pairs (x away from its home A, now on B; y now on A, from C != A): y -> (B, x's slot),
-    x -> (A, y's slot), when both slots hold their new item, A and B end at or under `ceiling` and
-    the tokens sent fall (by x's tokens, plus y's when B is y's home); only when at least _WORTH of
-    the tokens are away from home. Per round, in vectorised numpy:
-    every x's _BREADTH candidates y nearest in cost, each x's best, then a set of pairs that touch every
-    rank at most once, most tokens saved first. Returns the tokens saved.
-
-    Guarantees: no slot goes over the cap; every rank and slot keeps its item count; no rank ends
-    above max(its load now, `ceiling`). Cost per round: O(m log m) for the m items away from home."""
+    """Swap pairs (x away from its home A, now on B; y now on A, from C != A): y -> (B, x's slot), x ->
+    (A, y's slot), where both fit, A and B end at or under `ceiling` and fewer tokens are sent; per round
+    every x's _BREADTH candidates y nearest in cost, then pairs touching each rank once, most saved
+    first. Returns the tokens saved. Guarantees: no slot goes over the cap; every rank and slot keeps
+    its item count; no rank ends above max(its load now, `ceiling`)."""
     cap, R = state.cap, state.load.shape[0]
     tok, cost = state.tokens, state.costs
     if cap is None or tok is None or R < 2:
@@ -57,16 +49,12 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
     dc = cost[x] - cost[y]  # gathered once, not every round
     saved_total = 0.0
-    good = np.zeros(x.size, dtype=bool)
-    rows = np.arange(x.size)  # the candidates whose test may have changed: all, then those on the ranks changed
     for _ in range(rounds):
-        xr, yr, Ar, Br, dcr = (v[rows] for v in (x, y, A, B, dc))
-        load_A, load_B = state.load[Ar], state.load[Br]
-        good[rows] = ((state.dest[xr] == Br) & (state.dest[yr] == Ar)
-                      & (load_A + dcr <= np.maximum(ceiling[Ar], load_A))
-                      & (load_B - dcr <= np.maximum(ceiling[Br], load_B))
-                      & _swap_fits(state, Ar, yr, xr, Br))  # a one-for-one swap of y on A and x on B
-        g = np.flatnonzero(good)
+        load_A, load_B = state.load[A], state.load[B]
+        g = np.flatnonzero((state.dest[x] == B) & (state.dest[y] == A)  # both still in place
+                           & (load_A + dc <= np.maximum(ceiling[A], load_A))
+                           & (load_B - dc <= np.maximum(ceiling[B], load_B))
+                           & _swap_fits(state, A, y, x, B))  # a one-for-one swap of y on A and x on B
         if g.size == 0:
             break
         # every rank in at most one pair, the first (most saved) that touches it
@@ -77,13 +65,4 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
         _apply(state, np.concatenate((x[win], y[win])), np.concatenate((A[win], B[win])),
                np.concatenate((state.micro[y[win]], state.micro[x[win]])))
         saved_total += float(saving[win].sum())
-        # only a candidate on a rank of a pair applied can change its test: those ranks' loads and slot tokens
-        # changed, and a moved item is the x of candidates on its B only, the y of candidates on its A only
-        changed = np.zeros(R, dtype=bool)
-        changed[A[win]] = True
-        changed[B[win]] = True
-        keep = np.ones(x.size, dtype=bool)
-        keep[win] = False
-        x, y, A, B, saving, dc, good = (v[keep] for v in (x, y, A, B, saving, dc, good))
-        rows = np.flatnonzero(changed[A] | changed[B])
     return saved_total

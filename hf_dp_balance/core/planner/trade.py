@@ -11,27 +11,25 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _FEW_SLOTS, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _PayBack, _ranges, _uint_key
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _first_best, _PayBack, _ranges, _uint_key
 
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
 _WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
 
 
-def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int | None = None) -> bool:
+def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    Every round pairs the over-full ranks, most over first, with _BREADTH ranks under budget each
-    (the partners shift every round), or with one where ranks have more than _FEW_SLOTS slots (the
-    items of that many slots give one partner choice enough). A trade sends an item `a` of h to l:
-    a large one (over cap x _LARGE tokens; first the _WINDOW each side of the cost h should shed,
-    twice as many each time h found no trade) into l's roomiest slot or in place of a large item
-    `b` of l, the receiving slot paying back the fewest of its small items (at most cap x _SMALL
-    tokens, index order) that make room, all of it into a's slot on h; a smaller one alone where it
-    fits (`_round`). Kept per over-full rank: the trade with the most load taken off h (up to its
-    excess) per token sent (+ cap x _OVERHEAD) that keeps l within budget x (1 + tolerance / 2);
-    each rank under budget takes one trade per round; an item moves once.
-    Cost: one O(n) grouping by slot and by rank and cost, then per round O(items of the pairs'
-    windows x options) numpy, no Python loop over items.
+    Each round pairs the over-full ranks, most over first, with _BREADTH partners under budget (one
+    beyond _FEW_SLOTS slots: their items give one partner choice enough). A trade sends an item `a`
+    of h to l: a large one (over cap x _LARGE tokens; the _WINDOW each side of the cost h should shed,
+    twice as many each time h found no trade) into l's roomiest slot or in place of a large item `b`
+    of l, the receiving slot paying back the fewest of its small items (at most cap x _SMALL tokens)
+    that make room; or a smaller one alone where it fits. Kept per over-full rank: the trade with the
+    most load taken off h per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a
+    partner takes one trade per round, an item moves once. Guarantees: no slot goes over the cap,
+    the fullest rank never rises, ranks keep `state.min_count` items. Cost: one O(n) grouping, then
+    per round O(items of the pairs' windows x options) numpy.
     """
     cap = state.cap
     R, M = state.load.shape[0], state.M
@@ -46,7 +44,7 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int | No
     failed_before = np.zeros(R, dtype=bool)
     R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max())) if R else 0
     partners = _BREADTH if M <= _FEW_SLOTS else 1
-    for k in range(_ROUNDS * _BREADTH // partners if rounds is None else rounds):
+    for k in range(_ROUNDS * _BREADTH // partners):
         over, h, l = _pair_ranks(state, budget, limit, state.load - limit, partners, k)
         if over.size == 0:
             return True
@@ -66,11 +64,9 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float, rounds: int | No
 
 
 def _trade_index(state: _State, limit: np.ndarray):
-    """What the rounds of `_trade` read: the items grouped by slot (`order`, where each slot's begin),
-    the large items of every rank and the items a move may take (at most cap x _LARGE tokens) of the
-    ranks over `limit` (no other rank ever sheds: a trade never puts one over), both grouped by rank,
-    cheapest first within a rank (one sorted key each, rank + cost x scale), with their tokens, costs
-    and slots (a round reads these short arrays, not the step's)."""
+    """What the rounds of `_trade` read: the items grouped by slot (`order`, where each slot's begin), and
+    by rank, cheapest first, with their tokens, costs and slots: the large items of every rank, the
+    others of the ranks over `limit` (no other rank ever sheds: a trade never puts one over)."""
     cap, R, M = state.cap, state.load.shape[0], state.M
     tok, cost = state.tokens, state.costs
     slot = state.dest * M + state.micro
@@ -90,32 +86,16 @@ def _trade_index(state: _State, limit: np.ndarray):
     return order, slot_starts, large, rest_items
 
 
-def _first_best(idx: np.ndarray, group: np.ndarray, score: np.ndarray) -> np.ndarray:
-    """Of the candidates `idx` (ascending; `group` ascending along them), the first one with the
-    highest score of every group."""
-    if idx.size == 0:
-        return idx
-    g, sc = group[idx], score[idx]
-    head = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
-    best = np.repeat(np.maximum.reduceat(sc, head), np.diff(np.append(head, idx.size)))
-    hit = np.flatnonzero(sc == best)
-    return idx[hit[np.concatenate(([True], g[hit][1:] != g[hit][:-1]))]]
-
-
 def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead) -> np.ndarray:
     """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
-    rank under budget in at most one; applies them; returns the ranks h that traded.
+    rank under budget in at most one; applied; returns the ranks h that traded.
 
-    Trades tried: the other items `a` of h (the `window` each side of the cost h should shed, as
-    for the large ones) that fit l's roomiest slot move there (h's first partner only); the large
-    items `a` of h (the `window` each side of the cost h should shed; twice as many each time h
-    found no trade, up to all) into l's roomiest slot, and in place of the two
-    large items `b` of l whose cost is nearest c_a - (what h should shed), b paid back (if it
-    never moved). Moves need no pay-back and are scored apart (only a pair's best goes on); the
-    rest are topped up with the fewest small items of the receiving slot (index order) that make
-    room for `a` (`_PayBack`). Everything paid back takes a's slot on h."""
+    Tried: h's other items (the `window` each side of the cost h should shed) that fit l's roomiest
+    slot, moved there (h's first partner only); h's large items (the same window) into l's roomiest
+    slot or in place of the two large items `b` of l nearest in cost to c_a - (what h should shed),
+    topped up with the fewest small items of the receiving slot that make room (`_PayBack`), all of
+    it into a's slot on h."""
     cap, M = state.cap, state.M
-    P = h.size
     l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large  # by rank, cheapest first within one
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
@@ -128,60 +108,55 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     ok = np.flatnonzero(~moved[l_order[pos]])
     pa, ga = pos[ok], ga[ok]  # positions of the items a in `large`
     recv = np.argmin(state.slot_tok[l], axis=1)
-    moves = _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead)
-    if pa.size + moves[0].size == 0:
+    rest, go, c_mv, mv_score, mv_ma = _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit,
+                                                  overhead)
+    if pa.size + rest.size == 0:
         return h[:0]
-    rest, go, c_mv, mv_score, mv_ma = moves
     # a large a scores at most min(c_a, what h sheds, room of l) / (t_a + overhead) whatever comes
     # back: one below its pair's best move cannot win
-    best_move = np.full(P, -np.inf)
+    best_move = np.full(h.size, -np.inf)
     best_move[go] = mv_score
     ll_a = l[ga]
     bound = np.minimum(np.minimum(l_cost[pa], excess[h[ga]]), limit[ll_a] - state.load[ll_a]) / (l_tok[pa] + overhead)
     ok = np.flatnonzero(bound >= best_move[ga])
-    pa, ga = pa[ok], ga[ok]
-    g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need = _large_options(state, h, l, pa, ga, want, recv, large,
-                                                                            moved)
-    # only a pair's best can win: a candidate that needs no pay-back and scores below the pair's best
-    # move or such candidate, or one that needs a pay-back and scores at most min(c_a - c_b, what h
-    # sheds, room of l) / (t_a + t_b + need + overhead) below it, goes no further (no search)
-    keep = _worth_searching(state, h, l, g, go, mv_score, need, ta, ca, tb, cb, hl, ll, ma, excess, limit, overhead,
-                            has_b)
-    keep = np.flatnonzero(keep)  # one index for the thirteen arrays (items a, b looked up after it)
-    g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need = (
-        x[keep] for x in (g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need))
-    a, b = l_order[pa], np.where(has_b, l_order[pbs], -1)
-    into = ll * M + m  # the receiving slot: the fewest of its small items (index order) that free enough
-    (back_tok, back_cost, n_back), lo, j, feasible = pay_back.search(into, need)
-    back_tok = np.where(feasible, back_tok, np.inf) + tb
-    back_cost = back_cost + cb
+    o = _large_options(state, h, l, pa[ok], ga[ok], want, recv, large, moved)
+    # only a pair's best can win: the options that cannot beat it go no further (no search)
+    keep = np.flatnonzero(_worth_searching(state, h, o, go, mv_score, excess, limit, overhead))
+    o = {k: v[keep] for k, v in o.items()}
+    a, b = l_order[o["pa"]], np.where(o["has_b"], l_order[o["pbs"]], -1)
+    hl, ll, ta, ma = o["hl"], o["ll"], o["ta"], o["ma"]
+    # the receiving slot pays back the fewest of its small items (index order) that free enough
+    (back_tok, back_cost, n_back), lo, j, feasible = pay_back.search(ll * M + o["m"], o["need"])
+    back_tok = np.where(feasible, back_tok, np.inf) + o["tb"]
     feasible &= back_tok <= ta + (cap - state.slot_tok[hl, ma])  # the pay-back fits a's slot on h
-    delta = ca - back_cost
-    feasible &= (delta > 0) & (state.load[ll] + delta <= limit[ll])
-    n_all = n_back + has_b
-    if state.count is not None:
-        feasible &= ((state.count[hl] - 1 + n_all >= state.min_count)
-                     & (state.count[ll] + 1 - n_all >= state.min_count))
-    useful = np.minimum(delta, excess[hl])
-    score = np.where(feasible, useful / (ta + back_tok + overhead), -np.inf)
+    delta = o["ca"] - (back_cost + o["cb"])
+    feasible &= (delta > 0) & (state.load[ll] + delta <= limit[ll]) & _counts_hold(state, hl, ll, n_back + o["has_b"])
+    score = np.where(feasible, np.minimum(delta, excess[hl]) / (ta + back_tok + overhead), -np.inf)
     # every candidate, the moves first (as they were tried first)
-    a, g, b = np.concatenate((rest, a)), np.concatenate((go, g)), np.concatenate((np.full(rest.size, -1), b))
-    score, delta = np.concatenate((mv_score, score)), np.concatenate((c_mv, delta))
+    score = np.concatenate((mv_score, score))
     if not np.isfinite(score).any():
         return h[:0]
+    a, g, b = np.concatenate((rest, a)), np.concatenate((go, o["g"])), np.concatenate((np.full(rest.size, -1), b))
+    delta = np.concatenate((c_mv, delta))
     lo = np.concatenate((np.zeros(go.size, dtype=np.int64), lo))  # a move pays nothing back
     j = np.concatenate((np.full(go.size, -1, dtype=np.int64), j))
-    m, ma = np.concatenate((recv[go], m)), np.concatenate((mv_ma, ma))
+    m, ma = np.concatenate((recv[go], o["m"])), np.concatenate((mv_ma, ma))
     hl, ll = np.concatenate((h[go], hl)), np.concatenate((l[go], ll))
-    return _choose_and_apply(state, P, budget, pay_back, moved, a, g, b, m, ma, hl, ll, score, delta, lo, j)
+    return _choose_and_apply(state, h.size, budget, pay_back, moved, a, g, b, m, ma, hl, ll, score, delta, lo, j)
 
 
-def _large_options(state, h, l, pa, ga, want, recv, large, moved):
-    """The large-item options of `_round`: each a (position `pa` in `large`, pair `ga`) into l's
-    roomiest slot `recv`, and in place of the b of l whose cost is nearest below and above c_a - want
-    (never moved): (pair, has b, a's and b's positions, receiving slot, b's tokens and cost, a's
-    tokens, cost and slot, h, l, tokens a small pay-back must free), the options without b first."""
-    cap = state.cap
+def _counts_hold(state, h, l, n_back) -> np.ndarray:
+    """Whether h (sending one item, taking `n_back`) and l (the reverse) keep `state.min_count` items."""
+    if state.count is None:
+        return np.ones(h.size, dtype=bool)
+    return (state.count[h] - 1 + n_back >= state.min_count) & (state.count[l] + 1 - n_back >= state.min_count)
+
+
+def _large_options(state, h, l, pa, ga, want, recv, large, moved) -> dict:
+    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`,
+    pair `ga`) into l's roomiest slot `recv`, and in place of the b of l (never moved) whose cost is
+    nearest below and above c_a - want. Arrays: pair g, has_b, a's and b's positions, receiving slot
+    m, b's tokens and cost, a's tokens, cost and slot, h, l, tokens a small pay-back must free."""
     l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large
     ll_a = l[ga]
     p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
@@ -193,18 +168,15 @@ def _large_options(state, h, l, pa, ga, want, recv, large, moved):
         a_opts.append(pa[inside])
         g_opts.append(ga[inside])
         b_opts.append(p_b[inside])
-    alone = pa.size  # the options without a b come first
+    alone = pa.size
     pa, g, pb = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
-    has_b = pb >= 0
-    pbs = np.maximum(pb, 0)
     b_pos = pb[alone:]
-    m = np.concatenate((recv[g[:alone]], l_micro[b_pos]))
-    tb = np.concatenate((np.zeros(alone), l_tok[b_pos]))
-    cb = np.concatenate((np.zeros(alone), l_cost[b_pos]))
-    ta, ca, ma = l_tok[pa], l_cost[pa], l_micro[pa]
-    hl, ll = h[g], l[g]
-    need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # tokens small pay-back must free
-    return g, has_b, pa, pbs, m, tb, cb, ta, ca, ma, hl, ll, need
+    o = {"g": g, "has_b": pb >= 0, "pa": pa, "pbs": np.maximum(pb, 0),
+         "m": np.concatenate((recv[g[:alone]], l_micro[b_pos])),
+         "tb": np.concatenate((np.zeros(alone), l_tok[b_pos])), "cb": np.concatenate((np.zeros(alone), l_cost[b_pos])),
+         "ta": l_tok[pa], "ca": l_cost[pa], "ma": l_micro[pa], "hl": h[g], "ll": l[g]}
+    o["need"] = np.maximum(o["ta"] - o["tb"] - (state.cap - state.slot_tok[o["ll"], o["m"]]), 0.0)
+    return o
 
 
 def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead):
@@ -228,12 +200,10 @@ def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limi
     # moves need no pay-back (a fits l's roomiest slot as it is): scored without the segments below
     mv_h, mv_l = h[go], l[go]
     t_mv, c_mv = mv_tok[pos], mv_cost[pos]
-    ok = (c_mv > 0) & (state.load[mv_l] + c_mv <= limit[mv_l])
-    if state.count is not None:
-        ok &= (state.count[mv_h] - 1 >= state.min_count) & (state.count[mv_l] + 1 >= state.min_count)
+    ok = (c_mv > 0) & (state.load[mv_l] + c_mv <= limit[mv_l]) & _counts_hold(state, mv_h, mv_l, 0)
     mv_score = np.minimum(c_mv, excess[mv_h]) / (t_mv + overhead)
     # only a pair's best move can win (ties: the first), so only those go on
-    keep = _first_best(np.flatnonzero(ok), go, mv_score)
+    keep = _first_best(go, np.where(ok, mv_score, -np.inf), h.size)
     pos, go, c_mv, mv_score = pos[keep], go[keep], c_mv[keep], mv_score[keep]
     return movable[pos], go, c_mv, mv_score, mv_micro[pos]
 
@@ -245,15 +215,7 @@ def _choose_and_apply(state, P, budget, pay_back, moved, a, g, b, m, ma, hl, ll,
     no item and no slot of h; every rank under budget trades once, the most over first. Applied;
     returns the ranks h that traded."""
     has_b = b >= 0
-    # the best trade of every pair (ties: the first candidate); per over-full rank its best one,
-    # and its second best too when the best does not cover its excess and the two share no item
-    # and no slot of h; every rank under budget trades once, the most over first
-    best = np.full(P, -np.inf)
-    np.maximum.at(best, g, score)
-    win = np.flatnonzero(np.isfinite(score) & (score == best[g]))
-    pick = np.full(P, g.size, dtype=np.int64)
-    np.minimum.at(pick, g[win], win)
-    chosen = pick[pick < g.size]  # ascending pair = over-full order, a run per h
+    chosen = _first_best(g, score, P)  # ascending pair = over-full order, a run per h
     hc = hl[chosen]
     o = np.lexsort((chosen, -score[chosen], hc))  # within each h: best first
     chosen, hc = chosen[o], hc[o]
@@ -281,25 +243,24 @@ def _choose_and_apply(state, P, budget, pay_back, moved, a, g, b, m, ma, hl, ll,
     return hl[first]
 
 
-def _worth_searching(state, h, l, g, go, mv_score, need, ta, ca, tb, cb, hl, ll, ma, excess, limit, overhead,
-                     has_b) -> np.ndarray:
-    """Which candidates of `_round`'s large items can still be their pair's best (see there)."""
-    cap = state.cap
+def _worth_searching(state, h, o, go, mv_score, excess, limit, overhead) -> np.ndarray:
+    """Which large-item options `o` of `_round` can still be their pair's best: one that needs no
+    pay-back scores at least the pair's best move and such option; one that needs a pay-back scores
+    at most min(c_a - c_b, what h sheds, room of l) / (t_a + t_b + need + overhead), not below it."""
     best = np.full(h.size, -np.inf)
     best[go] = mv_score  # a pair's best move (one per pair at most)
-    zero = need <= 0
+    hl, ll, ta, tb, dc = o["hl"], o["ll"], o["ta"], o["tb"], o["ca"] - o["cb"]
+    zero = o["need"] <= 0
     z = np.flatnonzero(zero)
-    dz, hz, lz, tz, tbz = ca[z] - cb[z], hl[z], ll[z], ta[z], tb[z]
-    ok = (tbz <= tz + (cap - state.slot_tok[hz, ma[z]])) & (dz > 0) & (state.load[lz] + dz <= limit[lz])
-    if state.count is not None:
-        n_all = has_b[z].astype(np.int64)
-        ok &= (state.count[hz] - 1 + n_all >= state.min_count) & (state.count[lz] + 1 - n_all >= state.min_count)
-    score = np.full(g.size, -np.inf)
+    dz, hz, lz, tz, tbz = dc[z], hl[z], ll[z], ta[z], tb[z]
+    ok = ((tbz <= tz + (state.cap - state.slot_tok[hz, o["ma"][z]])) & (dz > 0) & (state.load[lz] + dz <= limit[lz])
+          & _counts_hold(state, hz, lz, o["has_b"][z].astype(np.int64)))
+    score = np.full(hl.size, -np.inf)
     score_z = np.where(ok, np.minimum(dz, excess[hz]) / (tz + tbz + overhead), -np.inf)
     score[z] = score_z
-    np.maximum.at(best, g[z], score_z)
-    bound = np.minimum(np.minimum(ca - cb, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + need + overhead)
-    return np.where(zero, np.isfinite(score) & (score >= best[g]), bound >= best[g])
+    np.maximum.at(best, o["g"][z], score_z)
+    bound = np.minimum(np.minimum(dc, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + o["need"] + overhead)
+    return np.where(zero, np.isfinite(score) & (score >= best[o["g"]]), bound >= best[o["g"]])
 
 
 def _apply(state: _State, allx, rank, slot) -> None:

@@ -1,11 +1,6 @@
-"""Indexes the trades of `trade.py` read (no O(n) work per round).
-
-`_PayBack`: the small items (index order) of the slots a round searches as running sums of tokens
-and costs, so the fewest that free t tokens are one search of those sums. `_by_rank_and_cost`: items grouped
-by rank, cheapest first, under one sorted key, so the ones nearest a cost are a search away.
-`_search_within`: a search of a long sorted array whose answers lie in known short stretches of it
-(a slot's ladder, a slot's running sums), done inside the stretches.
-"""
+"""Indexes the trades read, so that a round does no O(n) work: running sums searched for the fewest
+items that free t tokens (`_PayBack`), items by rank and cost under one sorted key
+(`_by_rank_and_cost`), searches inside known stretches of a long sorted array (`_search_within`)."""
 
 from __future__ import annotations
 
@@ -23,16 +18,11 @@ def _ranges(lo: np.ndarray, hi: np.ndarray):
 
 
 def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray, side: str = "left",
-                   clamp: str = "", whole: bool = False) -> np.ndarray:
-    """np.searchsorted(a, v, side) (`a` sorted) for queries whose answers mostly lie in [lo, hi]:
-    a vectorised binary search of each query's stretch a[lo:hi], log2(longest stretch) steps that
-    touch a cache line or two each, where numpy's search of a long `a` in random order misses the
-    cache at every level (4-10x slower at 550k entries). `clamp`: "both" returns the answer clamped
-    to [lo, hi], "high" clamped to at most hi; an answer outside the range that is not clamped is
-    found by a search of all of `a` (exact). `whole` (with a clamp): `a` is sorted as a whole, not
-    only within each stretch (running sums of non-negative values), so a step past hi needs no test:
-    the entries there pass only where the answer lies above hi, and the clamp brings that back to hi
-    (the same answers for one comparison a step less)."""
+                   clamp: str = "") -> np.ndarray:
+    """np.searchsorted(a, v, side) for queries whose answers mostly lie in [lo, hi]: a vectorised binary
+    search of each stretch a[lo:hi] (numpy's search of a long `a` in random order misses the cache at
+    every level: 4-10x slower at 550k entries). `clamp`: "both" clamps the answer to [lo, hi], "high" to
+    at most hi; an unclamped answer outside is found by a search of all of `a`."""
     lo = np.asarray(lo, dtype=np.int64)
     hi = np.asarray(hi, dtype=np.int64)
     if v.size == 0:
@@ -45,22 +35,13 @@ def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     # for "right"; they are a prefix of it), the block of `step` after pos tested by its last entry
     pos = lo.copy()
     step = 1 << max(int(np.max(hi - lo)).bit_length() - 1, 0)
-    if whole and clamp:
-        # pos = lo + min(how many of a[lo:] pass, 2 step - 1 >= the longest stretch): a[lo:] is sorted, and
-        # a read past the end is clipped to its last entry (the largest), so the passing ones stay a prefix
-        while step:
-            val = a.take(pos + (step - 1), mode="clip")
-            pos += ((val < v) if left else (val <= v)) * step
-            step >>= 1
-        np.minimum(pos, hi, out=pos)
-    else:
-        while step:
-            last = pos + (step - 1)
-            ok = last < hi
-            val = a.take(last, mode="clip")
-            ok &= (val < v) if left else (val <= v)
-            pos += ok * step
-            step >>= 1
+    while step:
+        last = pos + (step - 1)
+        ok = last < hi
+        val = a.take(last, mode="clip")
+        ok &= (val < v) if left else (val <= v)
+        pos += ok * step
+        step >>= 1
     if clamp == "both":
         return pos
     # pos is the answer unless a[lo - 1] fails (it lies below lo) or a[hi] passes (above hi)
@@ -79,42 +60,21 @@ _RADIX = 1 << 16  # keys below this sort as 16 bits: numpy's stable sort of them
 
 
 def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
-    """`values` (non-negative integers < `below`) as the narrowest unsigned type: numpy's stable sort
-    of 8- / 16-bit keys is a radix sort (O(n)), much faster than its merge sort of wider ones."""
+    """`values` (integers in [0, below)) as uint16 where they fit: numpy's stable sort of it is a radix sort."""
     if below <= _RADIX:
         return values.astype(np.uint16)
     return values.astype(np.int64)
 
 
 def _stable_order(values: np.ndarray, below: int) -> np.ndarray:
-    """np.argsort(values, kind="stable") of integers < `below`, by the narrow key of `_uint_key` where
-    none is negative (the same order; a -1, an item not placed yet, keeps the plain sort, first)."""
+    """np.argsort(values, kind="stable") of integers < `below` (by `_uint_key` where none is negative)."""
     narrow = values.size == 0 or int(values.min()) >= 0
     return np.argsort(_uint_key(values, below) if narrow else values, kind="stable")
 
 
-def _stable_argsort(keys: np.ndarray) -> np.ndarray:
-    """np.argsort(keys, kind="stable"). Non-negative integer keys with room for the index in 63 bits are
-    sorted as the values key x 2^k + index, all distinct, so numpy's (faster, unstable) sort of int64
-    values gives the stable order, read off the low k bits (550k ladder keys: ~10 ms against ~13 ms)."""
-    n = keys.size
-    if n > 1 and keys.dtype.kind in "ui":
-        k = int(n - 1).bit_length()
-        if int(keys.min()) >= 0 and int(keys.max()) < 1 << (63 - k):
-            packed = (keys.astype(np.int64) << k) | np.arange(n, dtype=np.int64)
-            packed.sort()
-            packed &= (1 << k) - 1
-            return packed
-    return np.argsort(keys, kind="stable")
-
-
 class _PayBack:
-    """The small items of the slots a round searches, in index order, as running sums of tokens /
-    costs: only items that never moved count (a moved item left its slot; arrivals moved too).
-
-    Built per search from the items grouped by slot (`order`, `starts`) for the slots asked only:
-    after the bound of `_round` few candidates need a search (a few hundred slots of 32K at DP
-    4096 x 8), so an index of every slot would be mostly unread."""
+    """The small items that never moved of the slots a round searches (index order), as running sums of
+    tokens and costs; built per search for the slots asked only (a few hundred of 32K at DP 4096 x 8)."""
 
     def __init__(self, order: np.ndarray, starts: np.ndarray, tok: np.ndarray, cost: np.ndarray, small: float,
                  moved: np.ndarray):
@@ -133,14 +93,7 @@ class _PayBack:
         self.items = self.order[:0]
         if idx.size == 0:
             return sums, lo, j, feasible
-        # the slots asked (ascending) and each query's index among them: a mark per slot, no sort
-        asked = slot[idx]
-        seen = np.zeros(self.starts.size - 1, dtype=bool)
-        seen[asked] = True
-        used = np.flatnonzero(seen)
-        index_of = np.empty(seen.size, dtype=np.int64)
-        index_of[used] = np.arange(used.size)
-        inv = index_of[asked]
+        used, inv = np.unique(slot[idx], return_inverse=True)  # the slots asked, each query's among them
         pos, grp = _ranges(self.starts[used], self.starts[used + 1])
         items = self.order[pos]
         item_tok = self.tok[items]
@@ -171,9 +124,8 @@ class _PayBack:
 
 
 def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
-    """(items, starts, key, scale): `items` (grouped by rank) sorted by rank, then cost (ties: their
-    order), starts[r] where rank r's begin; key = rank + cost x scale (scale < 1 / (2 max cost)), sorted;
-    a search for rank + cost x scale (clipped to rank + 1/2) finds where `cost` falls among them."""
+    """(items, starts, key, scale): `items` (grouped by rank) by rank, then cost (ties: their order),
+    starts[r] where rank r's begin, and the sorted key rank + cost x scale (scale < 1 / (2 max cost))."""
     ranks = rank_of[items]
     key = ranks + cost[items] * scale
     o = _float_order(key)  # (grouped by rank already: the sort only orders each rank's stretch)
@@ -182,10 +134,19 @@ def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, 
     return items, _rank_starts(ranks, num_ranks), key, scale
 
 
+def _first_best(group: np.ndarray, score: np.ndarray, groups: int) -> np.ndarray:
+    """Of every group (ascending) with a finite score, the first candidate with the group's best score."""
+    best = np.full(groups, -np.inf)
+    np.maximum.at(best, group, score)
+    win = np.flatnonzero(np.isfinite(score) & (score == best[group]))
+    pick = np.full(groups, group.size, dtype=np.int64)
+    np.minimum.at(pick, group[win], win)
+    return pick[pick < group.size]
+
+
 def _float_order(keys: np.ndarray, descending: bool = False) -> np.ndarray:
-    """np.argsort(keys, kind="stable") of float64 keys (of -keys with `descending`). Where every key is
-    >= +0.0 (no sign bit set) their bit patterns as int64 sort as the floats do, ties too, and numpy's
-    stable sort of int64 is ~1.5x faster than of float64 (98k keys: 3.0 -> 2.0 ms); else the floats."""
+    """np.argsort(keys, kind="stable") of float64 keys (of -keys with `descending`): keys >= +0.0 sort as
+    their bit patterns as int64 do, ties too, ~1.4x faster (100k keys: 2.1 -> 1.4 ms)."""
     bits = keys.view(np.int64)
     if keys.size and int(bits.min()) < 0:
         return np.argsort(-keys if descending else keys, kind="stable")
@@ -193,8 +154,7 @@ def _float_order(keys: np.ndarray, descending: bool = False) -> np.ndarray:
 
 
 def _rank_starts(ranks: np.ndarray, num_ranks: int) -> np.ndarray:
-    """Where each rank's stretch begins in the `ranks` sorted (np.searchsorted(sorted ranks, 0..R), by counts):
-    a -1 (an item not placed yet) sorts before rank 0, so it counts before every stretch."""
+    """Where each rank's stretch begins in `ranks` sorted, by counts (a -1, not placed, comes first)."""
     starts = np.zeros(num_ranks + 1, dtype=np.int64)
     if ranks.size and int(ranks.min()) < 0:
         placed = ranks[ranks >= 0]

@@ -13,21 +13,12 @@ def _as_item_values(values, name: str, n: Optional[int], allow_zero: bool = True
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if n is not None and arr.shape[0] != n:
         raise ValueError(f"{name} has {arr.shape[0]} entries but costs has {n}")
-    if arr.size and _within(arr, 0.0, allow_zero):
-        return arr
     bad = ~np.isfinite(arr) | (arr < 0) if allow_zero else ~np.isfinite(arr) | (arr <= 0)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         need = "finite and >= 0" if allow_zero else "finite and > 0"
         raise ValueError(f"{name}[{i}]={float(arr[i])!r}: must be {need}")
     return arr
-
-
-def _within(arr: np.ndarray, low: float, allow_low: bool) -> bool:
-    """Every entry finite and >= low (> low without `allow_low`): two reductions instead of a mask per
-    check (min is NaN when any entry is, and NaN fails the comparison); the mask only to name a bad one."""
-    lowest, highest = float(arr.min()), float(arr.max())
-    return (lowest >= low if allow_low else lowest > low) and highest < np.inf
 
 
 def _as_index_array(values, name: str, n: int, upper: int, upper_name: str) -> np.ndarray:
