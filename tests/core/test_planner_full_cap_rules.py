@@ -22,7 +22,7 @@ def test_after_the_first_ladder_pass_only_shed_and_place_from_5_micro_batches_on
         return real(st, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "_balance_incremental", recording)
-    plan = pipeline._full_cap_pass(state, budget, 0.005, True, True, True, long_first=None)
+    plan = pipeline._full_cap_pass(state, budget, 0.005, True, True, long_first=None)
     assert plan is not None and calls  # the first call is the one after the first ladder pass
     assert calls[0] == (deep, deep)
     assert all(c == (True, True) for c in calls[1:])  # the residue / roomy passes keep both
@@ -57,7 +57,7 @@ def test_the_residue_ladder_passes_build_the_partners_ladders_only(monkeypatch, 
     monkeypatch.setattr(pipeline, "_ladder_trades", recording)
     # the incremental method after the first pass: a no-op, so that a residue pass surely runs
     monkeypatch.setattr(pipeline, "_balance_incremental", lambda st, *a, **k: st)
-    pipeline._full_cap_pass(state, budget, 0.005, True, True, True, long_first=None)
+    pipeline._full_cap_pass(state, budget, 0.005, True, True, long_first=None)
     assert calls[0] == (False, False)  # the first pass: every slot's ladder
     residue = [c for c in calls[1:] if c[0]]
     assert residue and all(c[1] is partners_only for c in residue)

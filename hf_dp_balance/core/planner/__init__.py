@@ -22,7 +22,7 @@ Package map:
 - `pipeline`: the driver: which stage runs when (its docstring is the pipeline)
 - `passes`: the incremental method: shed, place, refine, exchange, item-count fixes
 - `shed`: the shed kernel: which items leave over-full ranks (cost) and over-full slots (tokens)
-- `place`: the place kernel: best-fit decreasing on the ranks' rooms
+- `place`: the place kernel: best-fit decreasing on the ranks' rooms, and capped LPT (the repack's)
 - `refine`: the one-for-one kernels: the best move or swap from the fullest rank, the swaps that bring a
   rank just over the limit under it, and the item-count fixes
 - `eject`: the one-for-many exchange of the incremental method (a heavy item for a receiver's shed items)

@@ -11,13 +11,14 @@ speed`); the goal is the fullest rank (load / budget) at or under 1 + tolerance,
 2. Full-cap trades (`_full_cap_trades`), for slots filled to the cap, where no large item fits
    anywhere and only exchanges help; judged by the tokens they send. They run first when most
    slots have less room than a large item (`_trades_first`), else only after step 1 ends above
-   the goal. For a cost whose large items are dearer per token (`_lumpy`): ladder trades
-   (`chain`); step 1 (shed and place only, from 5 micro-batches on); up to `_PASSES` ladder passes
-   at any cost per token, each with step 1; up to `_PASSES` that make load room where the free
-   tokens are (`_roomy_trades`). At 2 to 4 micro-batches the long items are first assigned to
-   ranks (`assign`) where that search expects to send at most `_TRUST` of the tokens; the other
-   order runs where the first ends above the trades' limit (one-for-one swaps first close a gap of
-   a few tenths, `refine._swap_down`). For a milder cost: small-change trades (`trade`) and step 1.
+   the goal. After step 1, or first for a cost whose large items are dearer per token (`_lumpy`):
+   ladder trades (`chain`); step 1 (shed and place only, from 5 micro-batches on); up to `_PASSES`
+   ladder passes at any cost per token (`_residue_trades`), each with step 1; up to `_PASSES` that
+   make load room where the free tokens are (`_roomy_trades`). At 2 to 4 micro-batches the long
+   items are first assigned to ranks (`assign`) where that search expects to send at most `_TRUST`
+   of the tokens; the other order runs where the first ends above the trades' limit (one-for-one
+   swaps first close a gap of a few tenths, `refine._swap_down`). First for a milder cost:
+   small-change trades (`trade`), step 1.
    Both end with small-change trades, a polish and by sending home items a detour took away (`home`).
 3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending
    fewer tokens): a repack sends most of the step again.
@@ -58,66 +59,54 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
     if not deep:
         return _balance_incremental(state, budget, tolerance, relocate, deep=False)
     goal = 1.0 + tolerance
-    start = state.dest.copy()
-    origin = _copy_state(state)
-    tried, traded, lumpy = [], None, False
+    start, origin = state.dest.copy(), _copy_state(state)
     first = _trades_first(origin)
-    if first:  # on `state` itself: step 1 starts from a fresh copy of `origin` when they find no plan
-        lumpy = _lumpy(origin)
-        traded = _full_cap_trades(state, budget, tolerance, relocate, copy=False, ladder=lumpy)
-        if traded is None:
-            state = _copy_state(origin)
-        elif _fullest(traded, budget) <= goal:
-            return traded
-        else:
-            tried.append(traded)  # it ran step 1 already: the repacks start from it
-    if not tried:
+    lumpy = first and _lumpy(origin)
+    # trades that go first work on `state` itself and run step 1 themselves: their plan is the base
+    base = _full_cap_trades(state, budget, tolerance, relocate, ladder=lumpy) if first else None
+    # after ladder trades, a repack that does not beat them ends the doubling (it rarely does, for most of the call)
+    stop_at = _fullest(base, budget) if lumpy and base is not None else np.inf
+    traded = None
+    if base is None:
         try:
-            tried.append(_balance_incremental(state, budget, tolerance, relocate))
+            base = _balance_incremental(_copy_state(origin) if first else state, budget, tolerance, relocate)
         except _Infeasible:
             pass
-        if tried and _fullest(tried[0], budget) <= goal:
-            return tried[0]
-        if not first:
-            traded = _full_cap_trades(origin, budget, tolerance, relocate)
-            if traded is not None and _fullest(traded, budget) <= goal:
-                return traded
-    near = [st for st in tried + ([traded] if traded is not None and traded not in tried else [])
-            if _fullest(st, budget) <= 1.0 + 2.0 * tolerance]
+        if not first and (base is None or _fullest(base, budget) > goal):
+            traded = _full_cap_trades(_copy_state(origin), budget, tolerance, relocate)
+    plans = [p for p in (base, traded) if p is not None]
+    within = [p for p in plans if _fullest(p, budget) <= goal]
+    if within:
+        return within[0]
+    near = [p for p in plans if _fullest(p, budget) <= 1.0 + 2.0 * tolerance]
     if near:
-        return min(near, key=lambda st: _sent(st, start))
-    base = tried[0] if tried else origin
-    # after ladder trades, a repack that does not beat them ends the doubling (it rarely does, for most of the call)
-    stop_at = _fullest(traded, budget) if traded is not None and lumpy else np.inf
-    tried += repack._repack_until(base, origin, budget, tolerance, start, stop_at, none_yet=not tried)
-    incremental = tried[0] if base is not origin else None
-    if traded is not None and traded not in tried:
-        tried.append(traded)
-    return _choose(tried, incremental, budget, tolerance, start, repack_gain)
+        return min(near, key=lambda p: _sent(p, start))
+    repacks = repack._repack_until(origin if base is None else base, origin, budget, tolerance, start, stop_at,
+                                   none_yet=not plans)
+    tried = [p for p in (base,) if p is not None] + repacks + [p for p in (traded,) if p is not None]
+    return _choose(tried, base, budget, tolerance, start, repack_gain)
 
 
-def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool = True,
-                     ladder: bool = True):
+def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, ladder: bool = True):
     """Step 2 of the module docstring; None when the start breaks the cap (a repair: step 1 does it)
     or no plan is found. Where both orders of long items first run, the better plan wins (the lower
-    fullest rank; both within the trades' limit, fewer tokens sent). With `copy` False it works on
-    `origin` itself (spoilt when it returns None)."""
+    fullest rank; both within the trades' limit, fewer tokens sent). Works on `origin` itself (spoilt
+    when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
     if not ladder or not _long_first_applies(origin):
-        return _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=None)
+        return _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=None)
     start = origin.dest.copy()
     spare = _copy_state(origin)
     assigned = _assign_long(origin, budget, tolerance)
     trusted = assigned[2] <= _TRUST * float(origin.tokens.sum())
-    first = _full_cap_pass(origin, budget, tolerance, relocate, copy, ladder, long_first=assigned if trusted else None)
+    first = _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=assigned if trusted else None)
     limit = (1.0 + tolerance / 2.0) * (1.0 + 1e-9)
     if trusted and first is not None and limit < _fullest(first, budget) <= 1.0 + tolerance:
         _swap_down(first, budget * (1.0 + tolerance / 2.0), start)  # a rank a few tenths over: single swaps
     if first is not None and _fullest(first, budget) <= limit:
         return first
-    second = _full_cap_pass(spare, budget, tolerance, relocate, False, ladder,
-                            long_first=None if trusted else assigned)
+    second = _full_cap_pass(spare, budget, tolerance, relocate, ladder, long_first=None if trusted else assigned)
     plans = [p for p in (first, second) if p is not None]
     if not plans:
         return None
@@ -127,11 +116,9 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     return min(plans, key=lambda p: _fullest(p, budget))
 
 
-def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, copy: bool,
-                   ladder: bool, long_first):
-    """One attempt of step 2; `long_first`: None, or what `_assign_long` returned for `origin`."""
-    start = origin.dest.copy()
-    state = _copy_state(origin) if copy else origin
+def _full_cap_pass(state: _State, budget: np.ndarray, tolerance: float, relocate: bool, ladder: bool, long_first):
+    """One attempt of step 2, on `state` itself; `long_first`: None, or what `_assign_long` returned for it."""
+    start = state.dest.copy()
     try:
         if ladder:
             if long_first is not None:
@@ -141,16 +128,12 @@ def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocat
             # exchanges would there, sending fewer tokens (at 2-4, where long items go first, both help)
             deep = state.M <= _FEW_SLOTS
             state = _balance_incremental(state, budget, tolerance, relocate, deep=deep, refine=deep)
-            for _ in range(_PASSES):
-                if _fullest(state, budget) <= 1.0 + tolerance:
-                    break
-                _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True, partners_only=True)
-                state = _balance_incremental(state, budget, tolerance, relocate)
-            for _ in range(_PASSES):
-                if _fullest(state, budget) <= 1.0 + tolerance:
-                    break
-                _roomy_trades(state, budget, tolerance)
-                state = _balance_incremental(state, budget, tolerance, relocate)
+            for trades in (_residue_trades, _roomy_trades):  # up to _PASSES of each while above the goal
+                for _ in range(_PASSES):
+                    if _fullest(state, budget) <= 1.0 + tolerance:
+                        break
+                    trades(state, budget, tolerance)
+                    state = _balance_incremental(state, budget, tolerance, relocate)
         else:
             _trade(state, budget, tolerance)
             state = _balance_incremental(state, budget, tolerance, relocate)
@@ -162,6 +145,12 @@ def _full_cap_pass(origin: _State, budget: np.ndarray, tolerance: float, relocat
         return state
     except _Infeasible:
         return None
+
+
+def _residue_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
+    """Ladder trades at any cost per token, between near ranks and their partners only: what step 1
+    left over the goal after the first ladder pass."""
+    _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True, partners_only=True)
 
 
 def _roomy_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:

@@ -1,7 +1,8 @@
-"""Placing pooled items: best-fit decreasing on the ranks' rooms, and capped LPT."""
+"""Placing pooled items: best-fit decreasing on the ranks' rooms (every stage), and capped LPT (the repack)."""
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left
 
 import numpy as np
@@ -56,6 +57,38 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
         ranks.insert(j, r)
         dest[k] = r
         search.placed(r, left)
+        slots.add(k, r)
+    slots.commit(pool, np.asarray(dest, dtype=np.int64))
+
+
+def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.ndarray) -> None:
+    """Capped LPT of pooled items onto `ranks`: heaviest first (ties: lowest index) onto the least
+    full rank (load / budget) whose emptiest slot holds the item's tokens, there onto that slot. A
+    heap of ranks: O(log R) per item plus the ranks skipped for token room. No rank with room ->
+    _Infeasible."""
+    costs, cap = state.costs, state.cap
+    pool = pool[np.lexsort((pool, -costs[pool]))]
+    inv = (1.0 / np.maximum(budget, np.finfo(np.float64).tiny)).tolist()
+    load = state.load.tolist()
+    heap = [(load[r] * inv[r], r) for r in ranks.tolist()]
+    heapq.heapify(heap)
+    slots = _SlotTokens(state, pool)
+    dest = [0] * pool.size
+    for k, c in enumerate(costs[pool].tolist()):
+        t = slots.item_tok[k] if cap is not None else 0.0
+        aside = []  # ranks less full than the one chosen, without the token room: back in the heap after
+        while heap and cap is not None and slots.free[heap[0][1]] < t:
+            aside.append(heapq.heappop(heap))
+        if not heap:
+            raise _Infeasible(f"item {int(pool[k])} ({t:.0f} tokens) has no room: every rank's emptiest slot "
+                              f"already holds >= {cap - max(slots.free[r] for r in ranks.tolist()):.0f} "
+                              f"tokens, cap {cap:.0f}")
+        r = heap[0][1]
+        load[r] += c
+        heapq.heapreplace(heap, (load[r] * inv[r], r))
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        dest[k] = r
         slots.add(k, r)
     slots.commit(pool, np.asarray(dest, dtype=np.int64))
 

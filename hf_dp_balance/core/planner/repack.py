@@ -7,11 +7,10 @@ runs only when the incremental method and the full-cap trades end above twice th
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
 from hf_dp_balance.core.planner.passes import _extra_passes, _polish
+from hf_dp_balance.core.planner.place import _place_lpt
 from hf_dp_balance.core.planner.state import _Infeasible, _State, _copy_state, _fullest, _remove
 
 _REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first repack (they take the excess)
@@ -98,54 +97,3 @@ def _relabel(state: _State, budget: np.ndarray, ranks: np.ndarray, pool: np.ndar
         value = getattr(state, name)
         if value is not None:
             value[ranks[cols]] = value[ranks[rows]].copy()
-
-
-def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.ndarray) -> None:
-    """Heaviest first (ties: lowest index) onto the least full rank (load / budget) whose
-    emptiest slot holds the item's tokens; a heap of ranks, O(log R) per item plus the ranks
-    skipped for token room. No rank with room -> _Infeasible."""
-    costs, cap = state.costs, state.cap
-    pool = pool[np.lexsort((pool, -costs[pool]))]
-    safe = np.maximum(budget, np.finfo(np.float64).tiny)
-    R = state.load.shape[0]
-    inv = (1.0 / safe).tolist()
-    load = state.load.tolist()
-    heap = [(load[r] * inv[r], r) for r in ranks.tolist()]
-    heapq.heapify(heap)
-    tracked = state.slot_tok is not None
-    slot_tok = state.slot_tok.tolist() if tracked else None
-    tok = state.tokens[pool].tolist() if tracked else None
-    dest, slots = [0] * pool.size, [0] * pool.size
-    for k, c in enumerate(costs[pool].tolist()):
-        aside = []
-        chosen = None
-        while heap:
-            entry = heapq.heappop(heap)
-            r = entry[1]
-            if cap is None or min(slot_tok[r]) + tok[k] <= cap:
-                chosen = r
-                break
-            aside.append(entry)
-        for entry in aside:
-            heapq.heappush(heap, entry)
-        if chosen is None:
-            emptiest = min(min(slot_tok[r]) for r in ranks.tolist())
-            raise _Infeasible(f"item {int(pool[k])} ({tok[k]:.0f} tokens) has no room: every rank's emptiest "
-                              f"slot already holds >= {emptiest:.0f} tokens, cap {cap:.0f}")
-        load[chosen] += c
-        heapq.heappush(heap, (load[chosen] * inv[chosen], chosen))
-        dest[k] = chosen
-        if tracked:
-            row = slot_tok[chosen]
-            m = row.index(min(row))
-            row[m] += tok[k]
-            slots[k] = m
-    dest_arr = np.asarray(dest, dtype=np.int64)
-    state.load += np.bincount(dest_arr, weights=costs[pool], minlength=R)
-    if tracked:
-        state.slot_tok[:] = slot_tok
-        state.micro[pool] = slots
-    if state.count is not None:
-        state.count += np.bincount(dest_arr, minlength=R)
-    state.dest[pool] = dest_arr
-

@@ -43,30 +43,33 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
     rem = excess[ranks]
     lim = slack[ranks]
     left = state.count[ranks] - state.min_count if state.count is not None else np.full(ranks.size, sel.size)
-    # an item over its own rank's budget on its own, that fits the budget of some other rank
-    # (e.g. a long sample on a slow rank), leaves first whatever the free room says
-    misplaced = (sc > budget[so] + slack[so]) & (sc <= float(budget.max()))
-    if relocate and misplaced.any():
-        hit = np.flatnonzero(misplaced)
-        g = np.searchsorted(starts, hit, side="right") - 1
-        first = np.concatenate(([True], g[1:] != g[:-1]))  # one per rank (the lowest index)
+    group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, sel.size)))
+
+    def take(hit):  # of the items at `hit` (sorted), each rank that may give one gives its first
+        g = group[hit]
+        first = np.concatenate(([True], g[1:] != g[:-1])) & (left[g] > 0)
         hit, g = hit[first], g[first]
-        hit, g = hit[left[g] > 0], g[left[g] > 0]
         taken_all.append(sel[hit])
         movable[hit] = False
         rem[g] -= sc[hit]
         left[g] -= 1
+
+    # an item over its own rank's budget on its own, that fits the budget of some other rank
+    # (e.g. a long sample on a slow rank), leaves first whatever the free room says
+    misplaced = (sc > budget[so] + slack[so]) & (sc <= float(budget.max()))
+    if relocate and misplaced.any():
+        take(np.flatnonzero(misplaced))
     for _ in range(max_rounds):
         active = (rem > lim) & (left > 0)
         if not active.all():
             # keep only the ranks still over budget (smaller arrays for the next rounds)
-            keep_items = np.repeat(active, np.diff(np.append(starts, sel.size)))
+            keep_items = active[group]
             sel, so, sc, movable = sel[keep_items], so[keep_items], sc[keep_items], movable[keep_items]
-            rem, lim, left, ranks = rem[active], lim[active], left[active], ranks[active]
+            rem, lim, left = rem[active], lim[active], left[active]
             if sel.size == 0:
                 break
             starts = _group_starts(so)
-        group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, sel.size)))
+            group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, sel.size)))
         need = (rem - lim)[group]
         min_cover = np.minimum.reduceat(np.where(movable & (sc >= need), sc, np.inf), starts)
         max_free = np.maximum.reduceat(np.where(movable, sc, -np.inf), starts)
@@ -74,14 +77,7 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
         ok = np.isfinite(pick)
         if not ok.any():
             break
-        hit = np.flatnonzero(movable & (sc == pick[group]) & ok[group])
-        g = group[hit]
-        first = np.concatenate(([True], g[1:] != g[:-1]))  # lowest index wins ties
-        hit, g = hit[first], g[first]
-        taken_all.append(sel[hit])
-        movable[hit] = False
-        rem[g] -= sc[hit]
-        left[g] -= 1
+        take(np.flatnonzero(movable & (sc == pick[group]) & ok[group]))  # lowest index wins ties
         left[~ok] = 0  # nothing movable left on these ranks
     if not taken_all:
         return np.zeros(0, dtype=np.int64)
@@ -119,9 +115,8 @@ def _shed_tokens(state: _State) -> np.ndarray:
             continue  # the rank's other micro-batches took it: nothing changes rank, no load moves
         room = state.cap - state.slot_tok.reshape(-1) - reserved
         room[s] = -np.inf
-        fits = items[state.tokens[items] <= float(room.max())]  # items some other slot can take
-        taken = _cover_excess(fits, state.tokens, excess)
-        if float(state.tokens[taken].sum()) < excess:
+        taken = _cover_excess(items, state.tokens, excess, float(room.max()))  # of those some other slot takes
+        if taken is None:
             if _token_swap(state, s, slot_of, excess, reserved):
                 continue  # a swap with a roomier slot repaired it
             taken = _cover_excess(items, state.tokens, excess)
@@ -150,8 +145,8 @@ def _repair_within_rank(state: _State, s: int, items: np.ndarray, slot_of: np.nd
     own = np.arange(r * M, (r + 1) * M)
     own = own[own != s]
     room = state.cap - state.slot_tok.reshape(-1)[own] - reserved[own]
-    taken = _cover_excess(items[state.tokens[items] <= float(room.max())], state.tokens, excess)
-    if float(state.tokens[taken].sum()) < excess or len(taken) >= items.size:
+    taken = _cover_excess(items, state.tokens, excess, float(room.max()))
+    if taken is None or len(taken) >= items.size:
         return False
     to = _best_fit(room, taken, state.tokens)
     if any(j < 0 for _, j in to):
@@ -163,22 +158,22 @@ def _repair_within_rank(state: _State, s: int, items: np.ndarray, slot_of: np.nd
 
 
 def _best_fit(room: np.ndarray, items: list, tokens: np.ndarray) -> list:
-    """(item, position in `room`) for `items`, most tokens first, each into the least room that holds it
-    (-1: none does); `room` is decreased by what it takes."""
+    """(item, position in `room`) for `items`, most tokens first, each into the least room left that
+    holds it (-1: none does)."""
     out, rooms = [], room.tolist()
     for i in sorted(items, key=lambda i: -float(tokens[i])):
-        t = float(tokens[i])
-        j = _smallest_room(rooms, t)
+        j = _smallest_room(rooms, float(tokens[i]))
         if j >= 0:
-            rooms[j] -= t
-            room[j] -= t
+            rooms[j] -= float(tokens[i])
         out.append((i, j))
     return out
 
 
-def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float) -> list:
-    """Items (of one slot) whose tokens cover `excess`: repeatedly the one with the fewest tokens
-    that covers what is left alone, else the one with the most tokens (ties: lowest index)."""
+def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float, largest: float = np.inf):
+    """Items (of one slot, of at most `largest` tokens) whose tokens cover `excess`: repeatedly the one
+    with the fewest tokens that covers what is left alone, else the one with the most tokens (ties:
+    lowest index); None if they cannot cover it."""
+    items = items[tokens[items] <= largest]
     items = items[np.lexsort((items, tokens[items]))].tolist()  # fewest tokens first
     values = [float(tokens[i]) for i in items]
     taken = []
@@ -188,7 +183,7 @@ def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float) -> list:
             j = bisect_left(values, values[-1])  # none covers it alone: the most tokens
         taken.append(items.pop(j))
         excess -= values.pop(j)
-    return taken
+    return taken if excess <= 0 else None
 
 
 def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reserved: np.ndarray) -> bool:

@@ -58,8 +58,9 @@ def _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slot
         else:
             lo = mid
     budget = (np.maximum(floor, hi)[None, :] * spd[:, None]).reshape(-1)
-    state = _State(c, tok, cap, slot_spd, slot, np.zeros(c.shape[0], dtype=np.int64), 1, load.reshape(-1)[
-        (perm + (np.arange(num_ranks) * num_mb)[:, None]).reshape(-1)], 1 if need_all_slots else 0)
+    slot_load = np.take_along_axis(load, perm, axis=1).reshape(-1)  # the slots in their new order
+    state = _State(c, tok, cap, slot_spd, slot, np.zeros(c.shape[0], dtype=np.int64), 1, slot_load,
+                   1 if need_all_slots else 0)
     # heavy samples are placed by the levels above (their micro-batch waits for them anyway): no relocation
     state = _balance(state, budget, tolerance, relocate=False, deep=False)
     return state.dest // num_mb, state.dest % num_mb, state.path
