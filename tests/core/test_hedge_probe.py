@@ -73,7 +73,7 @@ def test_no_warm_up_step_puts_more_beside_a_long_sample_than_the_token_plan_does
     # there; every warm-up step's slowest rank then holds that sample and at most the token plan's companions.
     rng = np.random.default_rng(seed)
     short = np.round(np.exp(rng.normal(5.0, 1.0, int(rng.integers(2 * ranks, 8 * ranks))))).astype(np.int64) + 1
-    long = int(2 * short.sum() / max(ranks - 1, 1)) + 1  # more tokens than any other rank can hold
+    long = int(short.sum()) + 1  # more tokens than all the short samples together: no other rank can hold as many
     lengths = np.concatenate([short, [long]])
     prior = rng.uniform(1e-4, 1e-2) * lengths.astype(float) ** 2 + lengths
     owners, micro = rng.integers(0, ranks, lengths.size), np.zeros(lengths.size, dtype=np.int64)
