@@ -30,61 +30,13 @@ from typing import Any, List, Optional
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.integrations.accelerate_loader import BalancedDataLoader
 from hf_dp_balance.integrations.loss_contract import check_loop_loss
-from hf_dp_balance.runtime.fitter import image_patches, micro_batch_lengths, resolve_timing
+from hf_dp_balance.runtime.framework import is_sharded_by, resolve_sync, sharding_of
 from hf_dp_balance.runtime.packed_input import packed_input_for
 from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
+from hf_dp_balance.runtime.patches import defer_collate, register_for_checkpointing
 from hf_dp_balance.runtime.session import BalanceSession
 
 _MAX_STATS = 4096  # step statistics kept for inspection (`step_stats`)
-
-
-def torch_iterable_dataset():
-    import torch.utils.data
-
-    return torch.utils.data.IterableDataset
-
-
-def _sync_mode(accelerator, config: DPBalanceConfig) -> str:
-    """DDP meets once per optimizer step; FSDP and DeepSpeed ZeRO-3 meet in every micro-batch."""
-    if config.sync != "auto":
-        return config.sync
-    kind = str(getattr(accelerator, "distributed_type", "")).upper()
-    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    zero3 = plugin is not None and getattr(plugin, "zero_stage", 0) == 3
-    return "micro_batch" if "FSDP" in kind or zero3 else "step"
-
-
-def _model_config(model, model_config):
-    if model_config is not None or model is None:
-        return model_config
-    inner = getattr(model, "module", model)  # DDP / DeepSpeed wrappers
-    return getattr(inner, "config", None)
-
-
-def _name_distributed_errors(owner, name: str, loader, step):
-    """Wrap `owner.name` (an instance attribute, until the returned undo): a torch.distributed error inside it
-    (a peer killed while this rank is in DDP's collectives) is raised as the library's error naming the
-    step (`step()`), the rank and the phase, chained from it (`runtime.watchdog.training_errors`; `loader()`:
-    the BalancedLoader iterated now). Anything else passes through untouched."""
-    from hf_dp_balance.runtime.watchdog import named_training_call
-
-    own = vars(owner).get(name)
-    setattr(owner, name, named_training_call(getattr(owner, name), loader, step))
-    return (lambda: setattr(owner, name, own)) if own is not None else (lambda: vars(owner).pop(name, None))
-
-
-def _register_for_checkpointing(accelerator, session):
-    """`accelerator.register_for_checkpointing(session)`, and its undo (the session is closed with the balancer)."""
-    register = getattr(accelerator, "register_for_checkpointing", None)
-    if register is None:
-        return lambda: None
-    register(session)
-
-    def undo():
-        objects = getattr(accelerator, "_custom_objects", [])
-        objects[:] = [obj for obj in objects if obj is not session]
-
-    return undo
 
 
 class DPBalancer:
@@ -114,47 +66,40 @@ class DPBalancer:
                              "processes, e.g. under torchrun)")
         self.accelerator = accelerator
         self.config = DPBalanceConfig.from_env(config)
-        self.model_config = _model_config(model, model_config)
+        self._model = getattr(model, "module", model)  # DDP / DeepSpeed wrappers: hooks on the inner model
+        self.model_config = model_config if model_config is not None else getattr(self._model, "config", None)
         self.data_parallel = resolve_data_parallel_group(accelerator, data_parallel_group)
         check_loop_loss(model, self.config, self.data_parallel.size)  # loss normalisation: integrations.loss_contract
         self._explicit_group = data_parallel_group is not None
         self.gradient_accumulation_steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
-        self.sync = _sync_mode(accelerator, self.config)
-        device = getattr(accelerator, "device", None)
-        self.device = device
+        self.sync = resolve_sync(self.config.sync, accelerator)
+        self.device = getattr(accelerator, "device", None)
         self._loader_kwargs = loader_kwargs
-        self._loaders: List[Any] = []   # (BalancedLoader-like, restore callables)
-        # Every group, thread and model of the run: the session (the Trainer callback's too).
+        self._loaders: List[Any] = []   # (BalancedLoader-like, BalancedDataLoader), in `prepare` order
+        self._steps_trained = 0  # optimizer steps trained through the balanced loaders (all passes)
+        # Every group, thread, hook and patch of the run: the session (the Trainer callback's too).
         self.session = BalanceSession(self.config, self.data_parallel)
-        self.session.vision_source = lambda: getattr(self._model, "_dp_balance_vision", None)
-        device_type = getattr(device, "type", "cpu")
-        # DDP (`step`): forward events; FSDP with its units in the model: unit events; else wall (`resolve_timing`).
-        self._model = getattr(model, "module", model)  # DDP / DeepSpeed wrappers: hooks on the inner model
-        timing = resolve_timing(self.config.timing, device_type, self.sync, self._model)
-        # A model given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
+        patches = self.session.patches
         try:
-            self.session.start(model=self._model, model_config=self.model_config, timing=timing,
-                               device_type=device_type, sync=self.sync, decoder=cost_model, vision=vision_cost_model, fitted_step=-1,
-                               file_step=0)
-            if self._model is not None and (self.config.vision or hasattr(self._model, "_dp_balance_vision")):
-                # the vision tower balanced over the data-parallel slice, on the session's group (a wrapper the
-                # user made, on its own group, is replaced); removed at close
-                self.session.install_vision(self._model)
+            # A model given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
+            self.session.start(model=self._model, model_config=self.model_config,
+                               device_type=getattr(self.device, "type", "cpu"), sync=self.sync, decoder=cost_model,
+                               vision=vision_cost_model, fitted_step=-1, file_step=0)
+            self.session.attach_vision(self._model)  # config.vision: over the data-parallel slice, removed at close
+            # The training collectives run in the user's calls: their distributed errors name step, rank and phase.
+            patches.name_errors(accelerator, "backward", self._current_loader, self._step)
+            if model is not None:  # DDP's forward broadcasts buffers
+                patches.name_errors(model, "forward", self._current_loader, self._step)
+            # accelerator.save_state / load_state carry the session's state (positions, settings, cost models)
+            register_for_checkpointing(accelerator, self.session, patches)
         except BaseException:
-            self.session.close()  # a refused setup leaves no group behind
+            self.session.close()  # a refused setup leaves no group or patch behind
             raise
         self.fitter = self.session.fitter
         self.recorder = self.session.recorder
         self.step_stats: collections.deque = collections.deque(maxlen=_MAX_STATS)
         self._pending_stats: List[Any] = []
         self._closed = False
-        # The training collectives run in the user's calls: their distributed errors name step, rank and phase.
-        self._steps_trained = 0  # optimizer steps trained through the balanced loaders (all passes)
-        self._unwrap = [_name_distributed_errors(self.accelerator, "backward", self._current_loader, self._step)]
-        if model is not None:  # DDP's forward broadcasts buffers
-            self._unwrap.append(_name_distributed_errors(model, "forward", self._current_loader, self._step))
-        # accelerator.save_state / load_state carry the session's state (positions, settings, cost models)
-        self._unwrap.append(_register_for_checkpointing(accelerator, self.session))
 
     def _current_loader(self):
         return self._loaders[-1][0] if self._loaders else None
@@ -195,14 +140,15 @@ class DPBalancer:
                                  "dispatch mode; give per-sample rows (input='samples', the library packs) or "
                                  "Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False))")
             packed_input = False  # per-sample, packed here (a user's collator is deferred, not split)
-            prepared, restore = self._plain_for_dispatch(dataloader)
+            # rank 0 reads a dispatcher's own inner loader, or `dataloader`; its collate deferred until close()
+            prepared = defer_collate(dataloader, self.session.patches)
             config = config.replace(lookahead_steps=0)
             size = self.data_parallel.size
             length = lambda: -(-len(prepared) // size)  # noqa: E731 - micro-batches per rank
         else:
             from hf_dp_balance.runtime.loader import BalancedLoader as loader_class
 
-            prepared, restore = self._prepared_shard(dataloader)
+            prepared = self._prepared_shard(dataloader)
             length = None
         kwargs = dict(self._loader_kwargs)
         if packed_input is None:  # the rule the Trainer callback follows (`DPBalanceConfig.input`)
@@ -213,16 +159,16 @@ class DPBalancer:
                               model_config=self.model_config, cost_model=None,
                               side_channel=self.session.side, sync=self.sync, **kwargs)
         self.session.add_loader(loader)
-        self._loaders.append((loader, restore))
         balanced = BalancedDataLoader(prepared, lambda raw: loader.iter_steps(raw), device=self.device,
-                                      count_items=self._global_count, recorder=self.recorder, length=length,
-                                      on_step=self._step_done, before_last=lambda step: self._collect_stats(loader),
+                                      count_items=self.session.sum_over_data_parallel, recorder=self.recorder,
+                                      length=length, on_step=self._step_done,
+                                      before_last=lambda step: self._collect_stats(loader),
                                       window_state=loader.window_state, resume_in_window=loader.resume_in_window,
                                       state_owner=self.session, micro_per_step=self.gradient_accumulation_steps,
                                       raw_per_micro=loader.raw_batches_per_micro)
+        self._loaders.append((loader, balanced))
         workers = int(getattr(getattr(prepared, "base_dataloader", prepared), "num_workers", 0) or 0)
-        self.session.track(lambda: {**loader.settings(), "dataloader_workers": workers}, balanced.position,
-                           balanced.restore)
+        self.session.track_loader(loader, balanced.position, balanced.restore, workers)
         return balanced
 
     def _dispatches(self, dataloader) -> bool:
@@ -234,46 +180,27 @@ class DPBalancer:
         flag = getattr(self.accelerator, "dispatch_batches", None)
         if flag is not None:
             return bool(flag)
-        return isinstance(getattr(dataloader, "dataset", None), torch_iterable_dataset())
+        import torch.utils.data
 
-    @staticmethod
-    def _plain_for_dispatch(dataloader):
-        """(the torch DataLoader rank 0 reads, undo): a dispatcher's own inner loader, or `dataloader`;
-        its collate is deferred until `close()`."""
-        from hf_dp_balance.runtime.loader import list_collate
-
-        inner = getattr(dataloader, "base_dataloader", dataloader)
-        restore = []
-        if inner.collate_fn is not list_collate:
-            old = inner.collate_fn
-            inner.collate_fn = list_collate
-            restore.append(lambda: setattr(inner, "collate_fn", old))
-        return inner, restore
+        return isinstance(getattr(dataloader, "dataset", None), torch.utils.data.IterableDataset)
 
     def _prepared_shard(self, dataloader):
-        """(prepared loader yielding lists of samples without device placement, undo) -- see `prepare`."""
-        from hf_dp_balance.runtime.loader import list_collate
+        """The prepared loader, yielding lists of samples without device placement (undone at close)."""
+        from hf_dp_balance.runtime.patches import Patches
 
-        restore = []
         if getattr(dataloader, "_is_accelerate_prepared", False) or hasattr(dataloader, "base_dataloader"):
-            inner = getattr(dataloader, "base_dataloader", dataloader)
-            if inner.collate_fn is not list_collate:
-                old = inner.collate_fn
-                inner.collate_fn = list_collate
-                restore.append(lambda: setattr(inner, "collate_fn", old))
-            if getattr(dataloader, "device", None) is not None:
-                dev = dataloader.device
-                dataloader.device = None  # samples stay on the CPU for the exchange; packed rows move after
-                restore.append(lambda: setattr(dataloader, "device", dev))
-            self._check_prepared_shard(dataloader)
-            return dataloader, restore
-        old = dataloader.collate_fn
-        dataloader.collate_fn = list_collate  # copied into the prepared loader, then put back at once
-        try:
-            prepared = self._shard_by_data_parallel_index(dataloader)
-        finally:
-            dataloader.collate_fn = old
-        return prepared, restore
+            defer_collate(dataloader, self.session.patches, keep_on_cpu=True)
+            if self._slices_without_mesh() and not is_sharded_by(dataloader, self.data_parallel):
+                raise ValueError(
+                    f"DPBalancer(data_parallel_group=...): the prepared dataloader is sharded over "
+                    f"{sharding_of(dataloader)} processes (accelerator.prepare shards by process, it has no device "
+                    f"mesh), but the data-parallel group has {self.data_parallel.size}: tp / cp peers would train "
+                    f"different samples. Pass the plain DataLoader to DPBalancer.prepare (it shards by data-parallel "
+                    f"index)")
+            return dataloader
+        with Patches() as copied:  # the collate is copied into the prepared loader, then put back at once
+            defer_collate(dataloader, copied)
+            return self._shard_by_data_parallel_index(dataloader)
 
     def _slices_without_mesh(self) -> bool:
         """An explicit data-parallel group smaller than the world, and no device mesh accelerate shards by."""
@@ -298,31 +225,7 @@ class DPBalancer:
             use_seedable_sampler=acc.use_seedable_sampler, data_seed=acc.dataloader_config.data_seed,
             non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader)
 
-    def _check_prepared_shard(self, dataloader) -> None:
-        """A loader the user prepared must shard by data-parallel index, or tp / cp peers train other samples."""
-        if not self._slices_without_mesh():
-            return
-        sampler = getattr(dataloader, "batch_sampler", None)
-        shards = getattr(sampler, "num_processes", None)
-        if shards is not None and (shards != self.data_parallel.size
-                                   or getattr(sampler, "process_index", None) != self.data_parallel.index):
-            raise ValueError(
-                f"DPBalancer(data_parallel_group=...): the prepared dataloader is sharded over {shards} processes "
-                f"(accelerator.prepare shards by process, it has no device mesh), but the data-parallel group has "
-                f"{self.data_parallel.size}: tp / cp peers would train different samples. Pass the plain DataLoader "
-                f"to DPBalancer.prepare (it shards by data-parallel index)")
-
     # -- per step ------------------------------------------------------------------------------
-    def _global_count(self, local: int) -> int:
-        """Sum of `local` over the data-parallel group (main thread, on the balancer's own side group)."""
-        import torch
-        import torch.distributed as dist
-
-        value = torch.tensor([int(local)], dtype=torch.int64)
-        if self.data_parallel.size > 1:
-            dist.all_reduce(value, group=self.session.side.control_group)
-        return int(value.item())
-
     def _collect_stats(self, loader) -> None:
         """The statistics of the step about to finish (before the next step is taken from the stream)."""
         stats = loader.pop_stats()
@@ -333,20 +236,14 @@ class DPBalancer:
         """A step's micro-batches were all trained: record its timing, fit when due (warm-up, refit_every).
 
         Runs on every data-parallel rank at the same step (main thread, between the user's steps), so the
-        fitter's collectives are safe here. Without a model to hook, the step's packed rows tell what it computed.
+        fitter's collectives are safe here.
         """
         self._steps_trained += 1
         cadence = self.config.metrics_every
         if cadence > 0 and self._steps_trained % cadence == 0:
             self.session.measure()  # every rank ends the same steps: the measurement's collective meets here
-        if seconds is None:
-            return
-        rec = self.recorder
-        if self._model is None:
-            for b in batches:
-                rec.lengths.extend(micro_batch_lengths(b))
-                rec.patches.extend(image_patches(b))
-        self.session.end_step(step + 1, seconds)  # steps done, as Trainer counts them
+        if seconds is not None:
+            self.session.end_step(step + 1, seconds, batches)  # steps done, as Trainer counts them
 
     # -- results and teardown ------------------------------------------------------------------
     def metrics(self) -> dict:
@@ -360,20 +257,13 @@ class DPBalancer:
         return out
 
     def close(self) -> None:
-        """Stop every exchange thread, put back what `prepare` changed, close the session (its side groups)."""
+        """Close the session: every exchange thread stopped, everything `prepare` and the constructor changed put
+        back (`session.patches`), the side groups closed."""
         if self._closed:
             return
         self._closed = True
-        try:
-            for loader, restore in self._loaders:
-                loader.close()
-                for undo in reversed(restore):
-                    undo()
-            self._loaders = []
-            for undo in self._unwrap:
-                undo()
-        finally:
-            self.session.close()
+        self._loaders = []
+        self.session.close()
 
     def __enter__(self) -> "DPBalancer":
         return self

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 import time
 
 from hf_dp_balance.core.families import IGNORE_INDEX
+from hf_dp_balance.runtime.stream_position import StreamPosition
 
 
 def target_tokens(batch: dict) -> int:
@@ -112,26 +113,17 @@ class BalancedDataLoader:
         self.gradient_state = gradient_state
         self.end_of_dataloader = False   # read by accelerator.accumulate() through GradientState
         self.remainder = -1              # no padded samples: every sample is trained once
-        self._steps_done = 0             # steps of the current pass fully handed out
-        self._micro_done = 0             # raw micro-batches behind them
-        self._skip_micro = 0             # restore: raw micro-batches to skip at the next pass
-        self._skip_trained = 0           # restore inside a look-ahead window: its steps already trained
-        self._skip_steps = 0             # restore: completed steps of the pass before the stream's first step
-        self._steps_base = 0             # those steps in the pass in progress (`position`'s count)
-        self._epoch = None               # the epoch of the pass in progress (None between passes)
-        self._next_epoch = 0             # the epoch of the next pass, where the loader has no epoch counter
-        self._window_state = window_state
-        self._resume_in_window = resume_in_window
         self._state_owner = state_owner  # the session whose state_dict holds this loader's position
-        self._micro_per_step = int(micro_per_step)  # micro-batch slots of a full step (gradient accumulation)
-        self._raw_per_micro = int(raw_per_micro)    # raw batches read per slot (dispatch mode: one per rank)
+        # the resume point: micro-batch slots of a full step (gradient accumulation), raw batches read per slot
+        # (dispatch mode: one per rank), the loader's look-ahead window
+        self._position = StreamPosition(micro_per_step, raw_per_micro, window_state, resume_in_window)
 
     # -- dataloader protocol ------------------------------------------------------------------
     def __len__(self) -> int:
         return self._length() if self._length is not None else len(self.prepared)
 
     def set_epoch(self, epoch: int) -> None:
-        self._next_epoch = int(epoch)
+        self._position.next_epoch = int(epoch)
         if hasattr(self.prepared, "set_epoch"):
             self.prepared.set_epoch(epoch)
             return
@@ -144,9 +136,9 @@ class BalancedDataLoader:
     @property
     def epoch(self) -> int:
         """The epoch of the pass in progress, else of the next pass (after `load_state_dict`: the resumed one)."""
-        if self._epoch is not None:
-            return int(self._epoch)
-        return int(getattr(self.prepared, "iteration", self._next_epoch))
+        if self._position.epoch is not None:
+            return self._position.epoch
+        return int(getattr(self.prepared, "iteration", self._position.next_epoch))
 
     def __getattr__(self, name: str):
         if name == "prepared" or name.startswith("__"):
@@ -157,26 +149,12 @@ class BalancedDataLoader:
         """Where a resume continues: the epoch, the completed steps of its pass, the raw batches read before
         the resume point, and, inside a look-ahead window (whose samples may train in any of its steps), the
         window's plan and how many of its steps were trained (the window is then read again from its start)."""
-        window = self._window_state(self._steps_done) if self._window_state is not None else None
-        micro = self._micro_done
-        if window is not None:
-            micro -= window["trained"] * self._micro_per_step * self._raw_per_micro
-        return {"epoch": self.epoch, "steps": self._steps_base + self._steps_done, "micro_batches": micro,
-                "window": window}
+        return self._position.position(self.epoch)
 
     def restore(self, position: dict) -> None:
         """The next pass starts at `position` (`position()`'s): its raw batches before it are read and skipped;
         inside a look-ahead window, with the window's untrained samples."""
-        self.set_epoch(int(position["epoch"]))
-        self._skip_micro = int(position.get("micro_batches", 0))
-        window = position.get("window")
-        self._skip_trained = int(window["trained"]) if window else 0
-        self._skip_steps = int(position.get("steps", 0)) - self._skip_trained
-        if self._resume_in_window is not None:
-            self._resume_in_window(window)
-        elif window:
-            raise ValueError("BalancedDataLoader: the state was taken inside a look-ahead window, and this loader "
-                             "cannot resume one")
+        self.set_epoch(self._position.restore(position))
 
     def state_dict(self) -> dict:
         """The run's one resume state (`BalanceSession.state_dict`: every balanced loader's position, the
@@ -199,7 +177,7 @@ class BalancedDataLoader:
         is the end of the data."""
         if self._before_last is not None:
             self._before_last(step)
-        self._steps_done, self._micro_done = step + 1, self._micro_done + num_micro * self._raw_per_micro
+        self._position.step_done(step, num_micro)
         t0 = time.perf_counter()
         upcoming = next(steps, None)
         self._waited += time.perf_counter() - t0
@@ -216,12 +194,9 @@ class BalancedDataLoader:
     def __iter__(self):
         from accelerate.utils import send_to_device
 
-        raw = _RawSource(self.prepared, skip=self._skip_micro)
-        self._epoch = int(getattr(self.prepared, "iteration", self._next_epoch))
-        # a pass resumed inside a window counts its trained steps as read: the window starts at raw._skip
-        self._steps_done, self._skip_micro, self._steps_base, self._skip_steps = 0, 0, self._skip_steps, 0
-        self._micro_done = int(raw._skip) + self._skip_trained * self._micro_per_step * self._raw_per_micro
-        self._skip_trained = 0
+        position = self._position
+        raw = _RawSource(self.prepared, skip=position.begin_pass(getattr(self.prepared, "iteration",
+                                                                         position.next_epoch)))
         steps = self._steps_source(raw)
         self.end_of_dataloader = False
         registered = False
@@ -232,7 +207,7 @@ class BalancedDataLoader:
             registered = True
             while current is not None:
                 total = self._count_items(sum(target_tokens(b) for b in current))
-                step, upcoming = self._steps_done, None
+                step, upcoming = position.steps_done, None
                 for i, micro in enumerate(current):
                     if i == len(current) - 1:  # is this the last step? decided collectively, same on every rank
                         upcoming = self._last_micro_batch(step, len(current), steps)
@@ -245,9 +220,7 @@ class BalancedDataLoader:
                     yield batch
                 self._on_step(step, current, self._step_seconds())
                 current = upcoming
-            # a finished pass resumes at the next
-            self._next_epoch, self._epoch, self._steps_done, self._micro_done = self._epoch + 1, None, 0, 0
-            self._steps_base = 0
+            position.end_pass()  # a finished pass resumes at the next
         finally:
             steps.close()
             raw.finish()

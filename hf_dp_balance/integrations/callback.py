@@ -12,7 +12,6 @@ from any step, inside a look-ahead window too, trains every sample once. Event b
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import weakref
@@ -25,9 +24,12 @@ from hf_dp_balance.core.cost import CostModel
 from hf_dp_balance.runtime.logs import get_logger, set_verbose
 from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, summarize_step_stats
 from hf_dp_balance.runtime.packed_input import packed_input_for
-from hf_dp_balance.runtime.fitter import image_patches, resolve_timing
+from hf_dp_balance.runtime.fitter import image_patches
+from hf_dp_balance.runtime.framework import is_sharded_by, resolve_sync, shard_by, sharding_of
 from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
-from hf_dp_balance.runtime.session import CHECKPOINT_FILE, STATE_FILE, BalanceSession, load_checkpoint_models
+from hf_dp_balance.runtime.session import (CHECKPOINT_FILE, BalanceSession, load_checkpoint_models,
+                                           read_checkpoint_state)
+from hf_dp_balance.integrations.install import install_balanced_loader, uninstall_balanced_loader
 from hf_dp_balance.integrations.loss_contract import check_trainer_loss
 
 logger = get_logger(__name__)
@@ -151,35 +153,28 @@ class DPBalanceCallback(TrainerCallback):
                       lambda: check_trainer_loss(args, trainer, self.config, data_parallel.size),
                       lambda: _check_data_parallel_sharding(train_dataloader, data_parallel, self._explicit_group)]
             decoder, vision, fitted_step = self._initial_models
-            sync = self._sync(trainer)
-            self.session.start(model=model, model_config=getattr(model, "config", None),
-                               timing=resolve_timing(self.config.timing, device_type, sync, model),
-                               device_type=device_type, sync=sync, decoder=decoder, vision=vision, fitted_step=fitted_step,
-                               checkpoints=self._checkpoint_files(args, state), file_step=state.global_step,
-                               checks=checks)
+            folders = self._checkpoint_folders(args, state)
+            self.session.start(model=model, model_config=getattr(model, "config", None), device_type=device_type,
+                               sync=resolve_sync(self.config.sync, getattr(trainer, "accelerator", None)),
+                               decoder=decoder, vision=vision, fitted_step=fitted_step,
+                               checkpoints=[os.path.join(folder, CHECKPOINT_FILE) for folder in folders],
+                               file_step=state.global_step, checks=checks)
             self.restored_from = self.session.restored_from
             if train_dataloader is not None and data_parallel.size > 1:
                 self.loader = self.session.add_loader(self._install_loader(train_dataloader, model, args))
+                installed_on = self._installed_on
+                self.session.patches.add(lambda: uninstall_balanced_loader(installed_on))  # stops the thread too
                 self._track_loader(args, state)
                 # the cost models came with the checkpoint's model file (`start`, counted as fitted at this step)
-                self.session.load_state_dict(self._read_state(args, state),
-                                             models=False)
-            if model is not None and (self.config.vision or hasattr(model, "_dp_balance_vision")):
-                self.session.install_vision(model)  # over the data-parallel slice (a user's own wrapper replaced)
-                # errors name the optimizer step the user sees (1-based, as Trainer logs)
-                self.session.vision.step_source = lambda: self._global_step + 1
+                self.session.load_state_dict(read_checkpoint_state(folders), models=False)
+            # errors name the optimizer step the user sees (1-based, as Trainer logs)
+            self.session.attach_vision(model, step_source=lambda: self._global_step + 1)
             if self.config.verbose and self.session.rank == 0:
                 logger.info("dp_balance: on (%d ranks, %d data-parallel, fitted=%s)", self.session.world,
                             data_parallel.size, self.decoder_model is not None)
         except BaseException:
             self._close_session()  # a refused setup leaves no group, thread or hook behind
             raise
-
-    def _sync(self, trainer) -> str:
-        # DDP (`step`): the forward has no collective, its device time is this rank's own compute.
-        from hf_dp_balance.integrations.install import _default_sync
-
-        return _default_sync(trainer, self.config) or ("step" if self.config.sync == "auto" else self.config.sync)
 
     @staticmethod
     def _checkpoint_folders(args, state) -> List[str]:
@@ -192,11 +187,6 @@ class DPBalanceCallback(TrainerCallback):
         if state.global_step > 0:
             candidates.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
         return candidates
-
-    @staticmethod
-    def _checkpoint_files(args, state) -> List[str]:
-        """The cost-model files of `_checkpoint_folders`."""
-        return [os.path.join(folder, CHECKPOINT_FILE) for folder in DPBalanceCallback._checkpoint_folders(args, state)]
 
     def _track_loader(self, args, state) -> None:
         """The loader's part of the session's state: Trainer counts the steps (its global_step) and skips their
@@ -216,23 +206,11 @@ class DPBalanceCallback(TrainerCallback):
                                  "in Trainer(callbacks=[...]) (trainer mode)")
             loader.resume_in_window(saved.get("window"))
 
-        self.session.track(lambda: {**loader.settings(), "dataloader_workers": workers}, position, restore)
-
-    @staticmethod
-    def _read_state(args, state) -> Optional[dict]:
-        """The session state of the checkpoint Trainer resumes from (the data-parallel slice's first rank's is used)."""
-        for folder in DPBalanceCallback._checkpoint_folders(args, state):
-            path = os.path.join(folder, STATE_FILE)
-            if os.path.isfile(path):
-                with open(path, "r", encoding="utf-8") as f:
-                    return json.load(f)
-        return None
+        self.session.track_loader(loader, position, restore, workers)
 
     def _install_loader(self, train_dataloader, model, args):
         """Balance the training data: through the Trainer when we hold it (resume keeps Trainer's own
         skip_first_batches), else in place in the prepared dataloader (the object Trainer iterates)."""
-        from hf_dp_balance.integrations.install import install_balanced_loader
-
         trainer = self._trainer()
         side = self.session.side
         if trainer is not None and trainer.callback_handler.train_dataloader is train_dataloader:
@@ -289,29 +267,20 @@ class DPBalanceCallback(TrainerCallback):
         if not self._active or self.session is None or not state.is_world_process_zero:
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if not os.path.isdir(folder):
-            return
-        with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as f:
-            json.dump(self.session.state_dict(), f, sort_keys=True)
-        data = self.session.model_state()
-        if data is not None:
-            with open(os.path.join(folder, CHECKPOINT_FILE), "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
+        if os.path.isdir(folder):
+            self.session.save_checkpoint(folder)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._close_session()
 
     def _close_session(self) -> None:
-        """Undo the run: the loader's installation, then the session (thread, hooks, vision balancer, groups)."""
+        """Undo the run: the session closes the loader's thread and installation, the hooks, the vision balancer
+        and the groups (`BalanceSession.close`)."""
         try:
-            if self.loader is not None:
-                from hf_dp_balance.integrations.install import uninstall_balanced_loader
-
-                uninstall_balanced_loader(self._installed_on)  # stops the exchange thread
-        finally:
-            self.loader, self._installed_on = None, None
             if self.session is not None:
                 self.session.close()
+        finally:
+            self.loader, self._installed_on = None, None
             self._active = False
 
 
@@ -322,21 +291,15 @@ def _check_sft(args, train_dataloader, model, collator) -> None:
     check_sft_setup(args, getattr(train_dataloader, "dataset", None), getattr(model, "config", None), collator)
 
 
-def _is_sharded_by(sampler, data_parallel) -> bool:
-    shards = getattr(sampler, "num_processes", None)
-    return shards is None or (shards == data_parallel.size and sampler.process_index == data_parallel.index)
-
-
 def _check_data_parallel_sharding(train_dataloader, data_parallel, explicit) -> None:
     """An explicit data-parallel group smaller than the world needs Trainer's loader sharded by data-parallel
     index (tp / cp peers read the same samples): done at init when the callback was given in `callbacks=`."""
     if explicit is None or train_dataloader is None:
         return
-    sampler = getattr(train_dataloader, "batch_sampler", None)
-    if not _is_sharded_by(sampler, data_parallel):
+    if not is_sharded_by(train_dataloader, data_parallel):
         raise ValueError(
             f"DPBalanceCallback(data_parallel_group=...): Trainer's train dataloader is sharded over "
-            f"{sampler.num_processes} processes, the data-parallel group has {data_parallel.size}: tp / cp peers "
+            f"{sharding_of(train_dataloader)} processes, the data-parallel group has {data_parallel.size}: tp / cp peers "
             f"would train different samples. Trainer builds the loader (and counts its steps) before any event of "
             f"train(), so only a callback given at init can shard it: pass it in Trainer(callbacks=[...]) rather "
             f"than trainer.add_callback, or give Trainer a parallelism_config")
@@ -351,10 +314,7 @@ def shard_train_dataloader_by_data_parallel_index(trainer, explicit) -> None:
 
     def get_train_dataloader(*args, **kwargs):
         loader = build(*args, **kwargs)
-        data_parallel = resolve_data_parallel_group(getattr(trainer, "accelerator", None), explicit)
-        sampler = getattr(loader, "batch_sampler", None)
-        if not _is_sharded_by(sampler, data_parallel):
-            sampler.num_processes, sampler.process_index = data_parallel.size, data_parallel.index
+        shard_by(loader, resolve_data_parallel_group(getattr(trainer, "accelerator", None), explicit))
         return loader
 
     trainer.get_train_dataloader = get_train_dataloader

@@ -47,35 +47,27 @@ from __future__ import annotations
 
 import functools
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from hf_dp_balance.config import DPBalanceConfig
-from hf_dp_balance.runtime.loader import BalancedLoader, list_collate
-from hf_dp_balance.runtime.watchdog import named_training_call, training_errors
+from hf_dp_balance.runtime.framework import resolve_sync
+from hf_dp_balance.runtime.loader import BalancedLoader
+from hf_dp_balance.runtime.patches import Patches, defer_collate
+from hf_dp_balance.runtime.watchdog import training_errors
 
 _INSTALLED_ATTR = "_hf_dp_balance_installation"
-_MISSING = object()  # "this attribute was not there before install"
 
 
 @dataclass
 class _Installation:
-    """What one `install_balanced_loader` changed, so that uninstall can put back exactly that.
-
-    Lives on the target (Trainer or shard) under `_INSTALLED_ATTR` while installed.
-    `dataloader` is the prepared loader balanced by this installation: in trainer mode a later
-    `train()` builds a new one, and an installation on an older loader is stale.
-    """
+    """One `install_balanced_loader`: its loader, the prepared loader it balances (in trainer mode a later
+    `train()` builds a new one, and an installation on an older loader is stale) and everything it changed
+    (`patches`, put back by uninstall). Lives on the target (Trainer or shard) under `_INSTALLED_ATTR`."""
 
     loader: BalancedLoader
-    dataloader: Any                    # the prepared loader (DataLoaderShard) this installation balances
-    inner: Any                         # the torch DataLoader whose collate was deferred
-    collate_fn: Any                    # inner.collate_fn before install
-    device: Any = _MISSING             # trainer mode: dataloader.device before install
-    get_batch_samples: Any = _MISSING  # trainer mode: the instance's own get_batch_samples before install
-    training_step: Any = _MISSING      # trainer mode: the instance's own training_step before install
-    get_resumed_dataloader: Any = _MISSING  # trainer mode: the instance's own get_resumed_dataloader before install
-    base_dataloader: Any = _MISSING    # dataloader mode: the shard's inner loader before install
+    dataloader: Any
+    patches: Patches = field(default_factory=Patches)
 
 
 class _BalancedBase:
@@ -151,18 +143,6 @@ def installed_loader(target) -> Optional[BalancedLoader]:
     return record.loader if record is not None else None
 
 
-def _default_sync(trainer, config: DPBalanceConfig) -> Optional[str]:
-    if config.sync != "auto" or trainer is None:
-        return None
-    fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
-    zero3 = False
-    ds = getattr(getattr(trainer, "accelerator", None), "state", None)
-    plugin = getattr(ds, "deepspeed_plugin", None) if ds is not None else None
-    if plugin is not None:
-        zero3 = getattr(plugin, "zero_stage", 0) == 3
-    return "micro_batch" if fsdp or zero3 else "step"
-
-
 def install_balanced_loader(target, config: Optional[DPBalanceConfig] = None, *, model_config: Any = None,
                             gradient_accumulation_steps: Optional[int] = None,
                             collator: Optional[Callable[[list], Any]] = None, cost_model: Any = None,
@@ -214,33 +194,27 @@ def install_balanced_loader(target, config: Optional[DPBalanceConfig] = None, *,
     if not is_trainer and inner is dataloader:
         raise ValueError("install_balanced_loader(dataloader): expected accelerate's prepared DataLoaderShard "
                          "(Trainer's train dataloader); wrap a plain DataLoader with BalancedLoader(...) instead")
-    sync = loader_kwargs.pop("sync", None) or _default_sync(trainer, config)
+    sync = loader_kwargs.pop("sync", None) or resolve_sync(config.sync, getattr(trainer, "accelerator", None))
     # Built before anything is changed: a bad argument leaves the target untouched.
     loader = BalancedLoader(dataloader if is_trainer else inner, config, gradient_accumulation_steps=ga,
                             model_config=model_config, collator=collator, cost_model=cost_model, sync=sync,
                             **loader_kwargs)
-    record = _Installation(loader=loader, dataloader=dataloader, inner=inner, collate_fn=inner.collate_fn)
-    inner.collate_fn = list_collate
+    record = _Installation(loader=loader, dataloader=dataloader)
+    patches = record.patches
+    # trainer mode: raw samples stay on CPU for the exchange; Trainer moves the packed rows
+    defer_collate(dataloader, patches, keep_on_cpu=is_trainer)
     if is_trainer:
-        if getattr(dataloader, "device", None) is not None:
-            record.device = dataloader.device
-            dataloader.device = None  # raw samples stay on CPU for the exchange; Trainer moves packed rows
-        record.get_batch_samples = vars(trainer).get("get_batch_samples", _MISSING)
         # Bound to this installation, not looked up on the trainer: a stale patch can never reach a newer loader.
-        trainer.get_batch_samples = types.MethodType(functools.partial(_balanced_get_batch_samples, loader=loader),
-                                                     trainer)
-        record.get_resumed_dataloader = vars(trainer).get("get_resumed_dataloader", _MISSING)
+        patches.set(trainer, "get_batch_samples",
+                    types.MethodType(functools.partial(_balanced_get_batch_samples, loader=loader), trainer))
         if hasattr(trainer, "get_resumed_dataloader"):
-            trainer.get_resumed_dataloader = types.MethodType(
+            patches.set(trainer, "get_resumed_dataloader", types.MethodType(
                 functools.partial(_balanced_resumed_dataloader, skip=trainer.get_resumed_dataloader, loader=loader),
-                trainer)
-        record.training_step = vars(trainer).get("training_step", _MISSING)
+                trainer))
         # the user's step in training: Trainer's global_step + 1
-        trainer.training_step = named_training_call(trainer.training_step, lambda: loader,
-                                                    lambda: trainer.state.global_step + 1)
+        patches.name_errors(trainer, "training_step", lambda: loader, lambda: trainer.state.global_step + 1)
     else:
-        record.base_dataloader = inner
-        dataloader.base_dataloader = _BalancedBase(inner, loader)
+        patches.set(dataloader, "base_dataloader", _BalancedBase(inner, loader))
     setattr(target, _INSTALLED_ATTR, record)
     return loader
 
@@ -284,17 +258,7 @@ def uninstall_balanced_loader(target) -> None:
         record.loader.close()
     finally:
         delattr(target, _INSTALLED_ATTR)
-        if record.base_dataloader is not _MISSING:
-            record.dataloader.base_dataloader = record.base_dataloader
-        record.inner.collate_fn = record.collate_fn
-        if record.device is not _MISSING:
-            record.dataloader.device = record.device
-        for name in ("get_batch_samples", "training_step", "get_resumed_dataloader"):
-            before = getattr(record, name)
-            if before is not _MISSING:
-                setattr(target, name, before)
-            elif name in vars(target):
-                delattr(target, name)
+        record.patches.undo()
 
 
 __all__ = ["install_balanced_loader", "installed_loader", "uninstall_balanced_loader"]

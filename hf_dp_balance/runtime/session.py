@@ -9,14 +9,20 @@ A session owns everything a run creates and keeps the rules every front end must
   every rank raises naming the file and the rank; the fitter (`CostModelFitter`: records gathered to the
   first process of global rank 0's slice, fitted there, shared the same way, refit) and whether the
   planner hedges (the prior flag travels with the models, the same on every rank);
-- the recorder (`StepRecorder`) hooked on the model, and the vision balancer when asked for;
+- the recorder (`StepRecorder`) hooked on the model (the step's timing resolved from the sync mode and the
+  model), and the vision balancer when asked for (`attach_vision`);
+- one undo registry (`patches`, `runtime.patches.Patches`): whatever an adapter changes on the framework's
+  objects (a deferred collate, wrapped methods, a checkpointing registration) is put back by `close()`;
+- the sum over the data-parallel group the main thread needs (`sum_over_data_parallel`), and the checkpoint
+  files of a folder (`save_checkpoint`, `read_checkpoint_state`);
 - the loaders it builds and the rule for publishing models and speeds to them: tp / cp peers of one
   data-parallel index plan with one speed (the fitting slice's, for that index), or their batches would differ;
 - `state_dict` / `load_state_dict` of the resume point, versioned and checked against the data-parallel
   size; and `close()`, which undoes all of it in reverse.
 
 The Trainer callback (`integrations.callback`) and `DPBalancer` (`integrations.accelerate`) are adapters:
-they map their framework's events onto `start`, `begin_step` / `end_step`, `metrics` and `close`.
+they map their framework's events onto `start`, `begin_step` / `end_step`, `metrics` and `close`, and read
+the framework's facts through `runtime.framework` (sync mode, data-parallel sharding).
 Train-begin checks of the user's setup run in one place: the `checks` given to `start`, before any group
 is used for training.
 """
@@ -30,9 +36,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel
 from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, summarize_step_stats, vision_stats
-from hf_dp_balance.runtime.fitter import CostModelFitter, StepClock, StepRecorder, priors_from_config
+from hf_dp_balance.runtime.fitter import (CostModelFitter, StepClock, StepRecorder, image_patches,
+                                          micro_batch_lengths, priors_from_config, resolve_timing)
 from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.parallel import DataParallelGroup
+from hf_dp_balance.runtime.patches import Patches
 from hf_dp_balance.runtime.side_channel import SideChannel
 
 logger = get_logger(__name__)
@@ -53,6 +61,16 @@ def load_checkpoint_models(path: str) -> Dict[str, Any]:
         "vision": CostModel.from_dict(data["vision"]) if data.get("vision") else None,
         "fitted_step": int(data.get("fitted_step", -1)),
     }
+
+
+def read_checkpoint_state(folders: Sequence[str]) -> Optional[dict]:
+    """The session state (`STATE_FILE`) of the first of `folders` that has one, else None."""
+    for folder in folders:
+        path = os.path.join(folder, STATE_FILE)
+        if os.path.isfile(path):
+            with open(path, "r", encoding="utf-8") as f:
+                return json.load(f)
+    return None
 
 
 def read_start_models(checkpoints: Sequence[str], cost_model_path: Optional[str], have_decoder: bool) -> dict:
@@ -94,6 +112,8 @@ class BalanceSession:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.side.distributed else (0, 1)
         self.fitter: Optional[CostModelFitter] = None
         self.recorder: Optional[StepRecorder] = None
+        self.patches = Patches()    # what the adapters changed on framework objects, undone at close
+        self._hooked = False        # the recorder reads lengths from the model's forward (else from the batches)
         self.loaders: List[Any] = []
         self.vision = None          # the vision balancer this session installed (removed at close)
         self._vision_model = None
@@ -107,7 +127,7 @@ class BalanceSession:
         self._closed = False
 
     # -- start -----------------------------------------------------------------------------------
-    def start(self, *, model=None, model_config=None, timing: str = "thread_cpu", device_type: str = "cpu",
+    def start(self, *, model=None, model_config=None, timing: Optional[str] = None, device_type: str = "cpu",
               sync: Optional[str] = None, decoder: Optional[CostModel] = None, vision: Optional[CostModel] = None,
               fitted_step: int = -1,
               checkpoints: Sequence[str] = (), file_step: int = 0,
@@ -118,14 +138,18 @@ class BalanceSession:
         `config.cost_model_path` (read on rank 0), else the warm-up fit (with the FLOP prior of
         `model_config` when `config.prior`). A model read from a file counts as fitted at `file_step` (refitted
         every `refit_every` from there); a model given here is never refitted. Every rank gets the same.
-        `sync` is the loader's resolved sync (`step` / `micro_batch`): a step-time fit reads each micro-batch's
-        maximum only where micro-batches meet across ranks (None: `config.sync`).
+        `sync` is the loader's resolved sync (`step` / `micro_batch`, `runtime.framework.resolve_sync`): a
+        step-time fit reads each micro-batch's maximum only where micro-batches meet across ranks (None:
+        `config.sync`). `timing` None: `config.timing` resolved for the device, the sync and the model
+        (`runtime.fitter.resolve_timing`).
         """
         import torch.distributed as dist
 
         for check in checks:  # the user's setup, checked on every rank before training starts
             check()
         decoder, vision, fitted_step = self._agree_start_models(checkpoints, decoder, vision, fitted_step, file_step)
+        if timing is None:
+            timing = resolve_timing(self.config.timing, device_type, sync, model)
         prior, vision_prior = priors_from_config(model_config) if self.config.prior else (None, None)
         group = self.side.control_group
         self.fitter = CostModelFitter(self.config, rank=dist.get_rank(group) if group is not None else 0,
@@ -137,6 +161,7 @@ class BalanceSession:
         self.recorder = StepRecorder(StepClock(timing, device_type), micro_batches=self.fitter.fits_micro_batches)
         if model is not None:
             self.recorder.install(model)
+        self._hooked = model is not None
 
     def _agree_start_models(self, checkpoints, decoder, vision, fitted_step, file_step):
         found = self.side.from_rank0(read_start_models(checkpoints, self.config.cost_model_path, decoder is not None)
@@ -157,6 +182,20 @@ class BalanceSession:
         self.loaders.append(loader)
         self.publish(loader)
         return loader
+
+    def attach_vision(self, model, step_source: Optional[Callable[[], int]] = None) -> Any:
+        """The vision balancer of `model`, fed this session's vision cost model: with `config.vision`, or when
+        the user balanced the tower already (`balance_vision_encoder`, on a group of its own that knows no mesh),
+        the session balances it itself over the data-parallel slice (`install_vision`, removed at close; its
+        errors name `step_source()`)."""
+        if model is None:
+            return None
+        self.vision_source = lambda: getattr(model, "_dp_balance_vision", None)
+        if self.config.vision or self.vision_source() is not None:
+            self.install_vision(model)
+            if step_source is not None:
+                self.vision.step_source = step_source
+        return self.vision_balancer
 
     def install_vision(self, model) -> Any:
         """Balance `model`'s vision tower on the session's vision group over the data-parallel slice (removed at
@@ -211,15 +250,20 @@ class BalanceSession:
         if self.recorder is not None:
             self.recorder.begin()
 
-    def end_step(self, step: int, elapsed: Optional[float] = None) -> bool:
+    def end_step(self, step: int, elapsed: Optional[float] = None, batches: Sequence[Any] = ()) -> bool:
         """Record the step (its recorder's seconds, or `elapsed`) and fit when due, then publish. A collective
-        when a fit is due: every rank ends the same steps. True if it fitted."""
+        when a fit is due: every rank ends the same steps. True if it fitted. With no model hooked, the step's
+        packed `batches` tell what it computed."""
         if self.recorder is None or self.fitter is None:
             return False
         seconds = self.recorder.end() if elapsed is None else elapsed
         if seconds is None:
             return False
         rec = self.recorder
+        if not self._hooked:
+            for batch in batches:
+                rec.lengths.extend(micro_batch_lengths(batch))
+                rec.patches.extend(image_patches(batch))
         if self.fitter.end_step(step, rec.lengths, seconds, rec.patches, rec.vision_s, rec.micro_batches()):
             self.publish()
             return True
@@ -245,6 +289,17 @@ class BalanceSession:
         out.update({LOG_PREFIX + k: float(v) for k, v in logs.items() if v is not None})
         return out
 
+    def sum_over_data_parallel(self, local: int) -> int:
+        """Sum of `local` over the data-parallel group: a collective on the session's control group (main
+        thread; every data-parallel rank calls it at the same point)."""
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([int(local)], dtype=torch.int64)
+        if self.data_parallel.size > 1:
+            dist.all_reduce(value, group=self.side.control_group)
+        return int(value.item())
+
     def model_state(self) -> Optional[dict]:
         """The cost models to checkpoint (None before any is fitted or given)."""
         if self.fitter is None or self.fitter.decoder is None:
@@ -253,7 +308,23 @@ class BalanceSession:
                 "vision": self.fitter.vision.to_dict() if self.fitter.vision is not None else None,
                 "fitted_step": self.fitter.fitted_step, "config": self.config.to_dict()}
 
+    def save_checkpoint(self, folder: str) -> None:
+        """Write the session's state (`STATE_FILE`) and its cost models (`CHECKPOINT_FILE`, once fitted or given)
+        into a checkpoint folder (local; the state is equal on every rank, so one rank writes it)."""
+        with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as f:
+            json.dump(self.state_dict(), f, sort_keys=True)
+        data = self.model_state()
+        if data is not None:
+            with open(os.path.join(folder, CHECKPOINT_FILE), "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+
     # -- resume point: the session's one state (a torchtitan-style Stateful) --------------------------
+    def track_loader(self, loader, position: Callable[[], dict], restore: Callable[[dict], None],
+                     workers: int = 0) -> None:
+        """`track` a `BalancedLoader`: its settings (`BalancedLoader.settings`) plus the DataLoader's
+        `workers` (they change the sample order too)."""
+        self.track(lambda: {**loader.settings(), "dataloader_workers": int(workers)}, position, restore)
+
     def track(self, settings: Callable[[], dict], position: Callable[[], dict],
               restore: Callable[[dict], None]) -> None:
         """Carry one balanced loader's resume point in `state_dict`: `settings()` (what orders its samples, see
@@ -343,21 +414,25 @@ class BalanceSession:
 
     # -- teardown -----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the loaders' threads, take the hooks off, remove the vision balancer, close the side channel."""
+        """Stop the loaders' threads, take the hooks off, remove the vision balancer, undo the adapters'
+        `patches`, close the side channel; each part even when an earlier one raised."""
         if self._closed:
             return
         self._closed = True
         try:
-            for loader in reversed(self.loaders):
-                loader.close()
-            self.loaders = []
-            if self.recorder is not None:
-                self.recorder.remove()
-            if self.vision is not None:
-                self.vision.remove()
-                if getattr(self._vision_model, "_dp_balance_vision", None) is self.vision:
-                    del self._vision_model._dp_balance_vision
-                self.vision, self._vision_model = None, None
+            try:
+                for loader in reversed(self.loaders):
+                    loader.close()
+                self.loaders = []
+                if self.recorder is not None:
+                    self.recorder.remove()
+                if self.vision is not None:
+                    self.vision.remove()
+                    if getattr(self._vision_model, "_dp_balance_vision", None) is self.vision:
+                        del self._vision_model._dp_balance_vision
+                    self.vision, self._vision_model = None, None
+            finally:
+                self.patches.undo()
         finally:
             self.side.close()
 
@@ -366,4 +441,5 @@ class BalanceSession:
         return self._closed
 
 
-__all__ = ["BalanceSession", "CHECKPOINT_FILE", "STATE_FILE", "STATE_VERSION", "load_checkpoint_models", "read_start_models"]
+__all__ = ["BalanceSession", "CHECKPOINT_FILE", "STATE_FILE", "STATE_VERSION", "load_checkpoint_models",
+           "read_checkpoint_state", "read_start_models"]
