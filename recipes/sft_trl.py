@@ -138,6 +138,10 @@ def main(argv=None) -> None:
     trainer.train()
     if trainer.args.should_save:
         trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
+    if torch.distributed.is_initialized():
+        # The process group Trainer made is closed here, before interpreter exit: a gloo worker thread still
+        # freeing a finished collective during finalization aborts the process ("terminate called ...").
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
