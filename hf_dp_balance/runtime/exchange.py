@@ -54,7 +54,7 @@ def failure_detail(failed: Mapping[int, str]) -> str:
 
 # Fixed header every rank contributes to the first gather of a step.
 H_STATUS, H_NUM_SAMPLES, H_NUM_MICRO, H_FLAGS, H_SPEED, H_WIDTH = range(6)
-_MSG_BYTES = 512
+_MSG_BYTES = 512  # a failed rank's message, in the one all_gather that follows a failed agreement
 # The rank of the exchange group that plans each step (`collect_rows` / `send_orders`).
 PLANNER = 0
 # Point-to-point tags: gloo keys collectives by their own prefixed slots, so these never meet a collective.
@@ -66,6 +66,24 @@ PLANNER = 0
 STATUS_OK, STATUS_END, STATUS_FAILED = 0, 1, 2
 _STORE_PREFIX = "exchange_failed"  # one key per run: every failed rank appends its line
 _STORE_DEADLINE_S = 2.0  # the failure notes are best effort: a stopped store host must not hold the error
+
+
+def failure_message(error: Optional[str]) -> torch.Tensor:
+    """A rank's entry in a failure all_gather: a flag byte (1: this rank failed) and its message, truncated to a
+    fixed size so every rank sends the same bytes."""
+    msg = torch.zeros(_MSG_BYTES + 1, dtype=torch.uint8)
+    if error is not None:
+        msg[0] = 1
+        text = error.encode("utf-8", "replace")[:_MSG_BYTES]
+        if text:
+            msg[1: 1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return msg
+
+
+def read_failures(msgs: Sequence[torch.Tensor]) -> Dict[int, str]:
+    """{rank: message} of the ranks whose gathered `failure_message` carries the flag."""
+    rows = torch.stack(list(msgs)).cpu().numpy()
+    return {r: row[1:].tobytes().rstrip(b"\x00").decode("utf-8", "replace") for r, row in enumerate(rows) if row[0]}
 
 
 def call_with_deadline(fn, deadline_s: float, default=None):
@@ -257,16 +275,10 @@ class SampleExchange:
 
     def _gather_failures(self, step: int, error: Optional[str]) -> Dict[int, str]:
         """{rank: message} of every rank that passed `error` (one all_gather of fixed-size text, first byte a flag)."""
-        msg = torch.zeros(_MSG_BYTES + 1, dtype=torch.uint8)
-        if error is not None:
-            msg[0] = 1
-            text = error.encode("utf-8", "replace")[:_MSG_BYTES]
-            if text:
-                msg[1: 1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        msg = failure_message(error)
         msgs = [torch.empty_like(msg) for _ in range(self.world_size)]
         self._run(step, "failure message all_gather", lambda: self._dist.all_gather(msgs, msg, group=self.group))
-        return {r: m[1:].numpy().tobytes().rstrip(b"\x00").decode("utf-8", "replace")
-                for r, m in enumerate(msgs) if int(m[0])}
+        return read_failures(msgs)
 
     def raise_if_failed(self, step: int, phase: str, error: Optional[str] = None) -> None:
         """When any rank passes `error`, every rank raises `ExchangeError` naming them and their messages.

@@ -20,7 +20,7 @@ import torch
 from hf_dp_balance.core.costing import item_costs
 from hf_dp_balance.core.routing import VisionRoute, route_items, rows_in_order, take_rows
 from hf_dp_balance.runtime.all_to_all import all_to_all_rows, is_collective_failure, wait_for
-from hf_dp_balance.runtime.exchange import ExchangeError, failure_detail
+from hf_dp_balance.runtime.exchange import ExchangeError, failure_detail, failure_message, read_failures
 from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.vision_towers import LocalItems, find_inner
 
@@ -29,7 +29,6 @@ __all__ = ["balance_vision_encoder", "VisionBalancer"]
 logger = get_logger(__name__)
 # Per-forward stats kept until popped; older ones are dropped if nobody pops them.
 _MAX_STATS = 1024
-_MSG_BYTES = 512  # a failed rank's message, in the one all_gather that follows a failed agreement
 
 
 # --------------------------------------------------------------------------- autograd pieces
@@ -293,19 +292,11 @@ class VisionBalancer:
         flag; every rank calls it)."""
         import torch.distributed as dist
 
-        msg = torch.zeros(_MSG_BYTES + 1, dtype=torch.uint8)
-        if error is not None:
-            msg[0] = 1
-            text = error.encode("utf-8", "replace")[:_MSG_BYTES]
-            if text:
-                msg[1: 1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        msg = msg.to(self._comm_device())
+        msg = failure_message(error).to(self._comm_device())
         msgs = [torch.zeros_like(msg) for _ in range(dist.get_world_size(self.group))]
         self._collective("failure message all_gather", lambda: dist.all_gather(msgs, msg, group=self.group,
                                                                                async_op=True))
-        rows = torch.stack(msgs).cpu().numpy()
-        return {r: row[1:].tobytes().rstrip(b"\x00").decode("utf-8", "replace")
-                for r, row in enumerate(rows) if row[0]}
+        return read_failures(msgs)
 
     def balanced_encode(self, kwargs: dict):
         """Run steps 1-5 for this rank's forward kwargs.
