@@ -77,29 +77,28 @@ class DPBalancer:
         self._loader_kwargs = loader_kwargs
         self._loaders: List[Any] = []   # (BalancedLoader-like, BalancedDataLoader), in `prepare` order
         self._steps_trained = 0  # optimizer steps trained through the balanced loaders (all passes)
-        # Every group, thread, hook and patch of the run: the session (the Trainer callback's too).
-        self.session = BalanceSession(self.config, self.data_parallel)
-        patches = self.session.patches
-        try:
-            # A model given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
-            self.session.start(model=self._model, model_config=self.model_config,
-                               device_type=getattr(self.device, "type", "cpu"), sync=self.sync, decoder=cost_model,
-                               vision=vision_cost_model, fitted_step=-1, file_step=0)
-            self.session.attach_vision(self._model)  # config.vision: over the data-parallel slice, removed at close
-            # The training collectives run in the user's calls: their distributed errors name step, rank and phase.
-            patches.name_errors(accelerator, "backward", self._current_loader, self._step)
-            if model is not None:  # DDP's forward broadcasts buffers
-                patches.name_errors(model, "forward", self._current_loader, self._step)
-            # accelerator.save_state / load_state carry the session's state (positions, settings, cost models)
-            register_for_checkpointing(accelerator, self.session, patches)
-        except BaseException:
-            self.session.close()  # a refused setup leaves no group or patch behind
-            raise
+        # Every group, thread, hook and patch of the run: the session (the Trainer callback's too). A model
+        # given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
+        self.session = BalanceSession.open(
+            self.config, self.data_parallel, setup=lambda session: self._wire(session, model),
+            model=self._model, model_config=self.model_config,
+            device_type=getattr(self.device, "type", "cpu"), sync=self.sync, decoder=cost_model,
+            vision=vision_cost_model, fitted_step=-1, file_step=0)
         self.fitter = self.session.fitter
         self.recorder = self.session.recorder
         self.step_stats: collections.deque = collections.deque(maxlen=_MAX_STATS)
         self._pending_stats: List[Any] = []
         self._closed = False
+
+    def _wire(self, session: BalanceSession, model) -> None:
+        """The accelerator's calls and the model onto the session (every change undone at its `close`)."""
+        session.attach_vision(self._model)  # config.vision: over the data-parallel slice, removed at close
+        # The training collectives run in the user's calls: their distributed errors name step, rank and phase.
+        session.patches.name_errors(self.accelerator, "backward", self._current_loader, self._step)
+        if model is not None:  # DDP's forward broadcasts buffers
+            session.patches.name_errors(model, "forward", self._current_loader, self._step)
+        # accelerator.save_state / load_state carry the session's state (positions, settings, cost models)
+        register_for_checkpointing(self.accelerator, session, session.patches)
 
     def _current_loader(self):
         return self._loaders[-1][0] if self._loaders else None
