@@ -30,7 +30,7 @@ from typing import Any, List, Optional
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.integrations.accelerate_loader import BalancedDataLoader
 from hf_dp_balance.integrations.loss_contract import check_loop_loss
-from hf_dp_balance.runtime.framework import is_sharded_by, resolve_sync, sharding_of
+from hf_dp_balance.runtime.framework import check_sharded_by, dispatches_batches, resolve_sync
 from hf_dp_balance.runtime.packed_input import packed_input_for
 from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
 from hf_dp_balance.runtime.patches import defer_collate, register_for_checkpointing
@@ -130,7 +130,7 @@ class DPBalancer:
         config = self.config
         user_collate = getattr(getattr(dataloader, "base_dataloader", dataloader), "collate_fn", None)
         packed_input = self._loader_kwargs.get("packed_input")
-        if self._dispatches(dataloader):
+        if dispatches_batches(dataloader, self.accelerator):
             from hf_dp_balance.runtime.dispatch import DispatchedLoader as loader_class
 
             if packed_input is not None or config.input == "packed":
@@ -170,32 +170,16 @@ class DPBalancer:
         self.session.track_loader(loader, balanced.position, balanced.restore, workers)
         return balanced
 
-    def _dispatches(self, dataloader) -> bool:
-        """Dispatch mode as accelerate decides it: its flag, else an IterableDataset (with device placement)."""
-        if type(dataloader).__name__ == "DataLoaderDispatcher":
-            return True
-        if getattr(dataloader, "_is_accelerate_prepared", False):
-            return False
-        flag = getattr(self.accelerator, "dispatch_batches", None)
-        if flag is not None:
-            return bool(flag)
-        import torch.utils.data
-
-        return isinstance(getattr(dataloader, "dataset", None), torch.utils.data.IterableDataset)
-
     def _prepared_shard(self, dataloader):
         """The prepared loader, yielding lists of samples without device placement (undone at close)."""
         from hf_dp_balance.runtime.patches import Patches
 
         if getattr(dataloader, "_is_accelerate_prepared", False) or hasattr(dataloader, "base_dataloader"):
             defer_collate(dataloader, self.session.patches, keep_on_cpu=True)
-            if self._slices_without_mesh() and not is_sharded_by(dataloader, self.data_parallel):
-                raise ValueError(
-                    f"DPBalancer(data_parallel_group=...): the prepared dataloader is sharded over "
-                    f"{sharding_of(dataloader)} processes (accelerator.prepare shards by process, it has no device "
-                    f"mesh), but the data-parallel group has {self.data_parallel.size}: tp / cp peers would train "
-                    f"different samples. Pass the plain DataLoader to DPBalancer.prepare (it shards by data-parallel "
-                    f"index)")
+            if self._slices_without_mesh():
+                check_sharded_by(dataloader, self.data_parallel, owner="DPBalancer", loader="the prepared dataloader",
+                                 fix="accelerator.prepare shards by process when it has no device mesh: pass the "
+                                     "plain DataLoader to DPBalancer.prepare (it shards by data-parallel index)")
             return dataloader
         with Patches() as copied:  # the collate is copied into the prepared loader, then put back at once
             defer_collate(dataloader, copied)

@@ -25,7 +25,7 @@ from hf_dp_balance.runtime.logs import get_logger, set_verbose
 from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, summarize_step_stats
 from hf_dp_balance.runtime.packed_input import packed_input_for
 from hf_dp_balance.runtime.fitter import image_patches
-from hf_dp_balance.runtime.framework import is_sharded_by, resolve_sync, shard_by, sharding_of
+from hf_dp_balance.runtime.framework import check_sharded_by, resolve_sync, shard_by
 from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
 from hf_dp_balance.runtime.session import (CHECKPOINT_FILE, BalanceSession, load_checkpoint_models,
                                            read_checkpoint_state)
@@ -301,13 +301,10 @@ def _check_data_parallel_sharding(train_dataloader, data_parallel, explicit) -> 
     index (tp / cp peers read the same samples): done at init when the callback was given in `callbacks=`."""
     if explicit is None or train_dataloader is None:
         return
-    if not is_sharded_by(train_dataloader, data_parallel):
-        raise ValueError(
-            f"DPBalanceCallback(data_parallel_group=...): Trainer's train dataloader is sharded over "
-            f"{sharding_of(train_dataloader)} processes, the data-parallel group has {data_parallel.size}: tp / cp peers "
-            f"would train different samples. Trainer builds the loader (and counts its steps) before any event of "
-            f"train(), so only a callback given at init can shard it: pass it in Trainer(callbacks=[...]) rather "
-            f"than trainer.add_callback, or give Trainer a parallelism_config")
+    check_sharded_by(train_dataloader, data_parallel, owner="DPBalanceCallback", loader="Trainer's train dataloader",
+                     fix="Trainer builds the loader (and counts its steps) before any event of train(), so only a "
+                         "callback given at init can shard it: pass it in Trainer(callbacks=[...]) rather than "
+                         "trainer.add_callback, or give Trainer a parallelism_config")
 
 
 def shard_train_dataloader_by_data_parallel_index(trainer, explicit) -> None:
