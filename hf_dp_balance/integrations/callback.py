@@ -151,6 +151,7 @@ class DPBalanceCallback(TrainerCallback):
         decoder, vision, fitted_step = self._initial_models
         folders = self._checkpoint_folders(args, state)
         # A refused setup (a check, the loader, the resume state) closes whatever the session made and raises.
+        self.session = None  # until the new one is made: the last train()'s closed session answers no more
         self.session = BalanceSession.open(
             self.config, data_parallel,
             setup=lambda session: self._wire(session, args, state, model, train_dataloader, folders),
