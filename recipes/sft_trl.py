@@ -25,6 +25,7 @@ Balancing options come from `HF_DP_BALANCE_*` environment variables (e.g. `HF_DP
 """
 
 import dataclasses
+import gc
 import os
 import sys
 from typing import Optional
@@ -138,9 +139,12 @@ def main(argv=None) -> None:
     trainer.train()
     if trainer.args.should_save:
         trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
+    # Process groups die here, on the main thread, not during interpreter exit, where a gloo worker thread
+    # releasing a finished collective's tensors cannot take the GIL and aborts the process ("terminate called
+    # without an active exception"): DDP and the callback hold them in reference cycles that only gc frees.
+    del trainer
+    gc.collect()
     if torch.distributed.is_initialized():
-        # The process group Trainer made is closed here, before interpreter exit: a gloo worker thread still
-        # freeing a finished collective during finalization aborts the process ("terminate called ...").
         torch.distributed.destroy_process_group()
 
 

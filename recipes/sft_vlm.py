@@ -38,6 +38,7 @@ Start it (see recipes/README.md for every launcher):
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from dataclasses import dataclass, field
@@ -176,9 +177,12 @@ def main(argv=None) -> None:
     trainer.train(resume_from_checkpoint=resume)  # optimizer, scheduler, RNG, data position, cost model
     if args.should_save:
         trainer.save_model(os.path.join(args.output_dir, "final"))
+    # Process groups die here, on the main thread, not during interpreter exit, where a gloo worker thread
+    # releasing a finished collective's tensors cannot take the GIL and aborts the process ("terminate called
+    # without an active exception"): DDP and the callback hold them in reference cycles that only gc frees.
+    del trainer
+    gc.collect()
     if torch.distributed.is_initialized():
-        # The process group Trainer made is closed here, before interpreter exit: a gloo worker thread still
-        # freeing a finished collective during finalization aborts the process ("terminate called ...").
         torch.distributed.destroy_process_group()
 
 

@@ -137,8 +137,12 @@ def test_trainer_with_callback_fits_logs_checkpoints_and_resumes(tmp_path):
     assert sum(applied[s] for s in (1, 2, 3)) == 0
     assert sum(applied[s] for s in range(4, 9)) >= 1, applied
     moved = sum(h.get("dp_balance/moved_samples", 0) for h in train_logs)
+    # A plan never predicts a worse step under the model it planned with; while the fit is uncertain
+    # (`planning_hedged`) the plan is the one whose worst case over the fit and the token count is lowest, which
+    # may be worse under the fit alone than the step as it came (a hedge, docs/cost_model.md).
     assert moved >= 1 and all(h["dp_balance/imbalance_after"] <= h["dp_balance/imbalance_before"] + 1e-9
-                              for h in train_logs if "dp_balance/imbalance_after" in h)
+                              for h in train_logs
+                              if "dp_balance/imbalance_after" in h and not h.get("dp_balance/planning_hedged"))
 
     # The checkpoint holds the model; the resumed run starts from it without a new warm-up.
     assert r0["saved"]["decoder"] == r0["model_after_first"]
