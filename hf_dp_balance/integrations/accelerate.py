@@ -30,7 +30,7 @@ from typing import Any, List, Optional
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.integrations.accelerate_loader import BalancedDataLoader
 from hf_dp_balance.integrations.loss_contract import check_loop_loss
-from hf_dp_balance.runtime.framework import is_sharded_by, resolve_sync, sharding_of
+from hf_dp_balance.runtime.framework import check_sharded_by, dispatches_batches, resolve_sync
 from hf_dp_balance.runtime.packed_input import packed_input_for
 from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
 from hf_dp_balance.runtime.patches import defer_collate, register_for_checkpointing
@@ -77,29 +77,28 @@ class DPBalancer:
         self._loader_kwargs = loader_kwargs
         self._loaders: List[Any] = []   # (BalancedLoader-like, BalancedDataLoader), in `prepare` order
         self._steps_trained = 0  # optimizer steps trained through the balanced loaders (all passes)
-        # Every group, thread, hook and patch of the run: the session (the Trainer callback's too).
-        self.session = BalanceSession(self.config, self.data_parallel)
-        patches = self.session.patches
-        try:
-            # A model given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
-            self.session.start(model=self._model, model_config=self.model_config,
-                               device_type=getattr(self.device, "type", "cpu"), sync=self.sync, decoder=cost_model,
-                               vision=vision_cost_model, fitted_step=-1, file_step=0)
-            self.session.attach_vision(self._model)  # config.vision: over the data-parallel slice, removed at close
-            # The training collectives run in the user's calls: their distributed errors name step, rank and phase.
-            patches.name_errors(accelerator, "backward", self._current_loader, self._step)
-            if model is not None:  # DDP's forward broadcasts buffers
-                patches.name_errors(model, "forward", self._current_loader, self._step)
-            # accelerator.save_state / load_state carry the session's state (positions, settings, cost models)
-            register_for_checkpointing(accelerator, self.session, patches)
-        except BaseException:
-            self.session.close()  # a refused setup leaves no group or patch behind
-            raise
+        # Every group, thread, hook and patch of the run: the session (the Trainer callback's too). A model
+        # given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
+        self.session = BalanceSession.open(
+            self.config, self.data_parallel, setup=lambda session: self._wire(session, model),
+            model=self._model, model_config=self.model_config,
+            device_type=getattr(self.device, "type", "cpu"), sync=self.sync, decoder=cost_model,
+            vision=vision_cost_model, fitted_step=-1, file_step=0)
         self.fitter = self.session.fitter
         self.recorder = self.session.recorder
         self.step_stats: collections.deque = collections.deque(maxlen=_MAX_STATS)
         self._pending_stats: List[Any] = []
         self._closed = False
+
+    def _wire(self, session: BalanceSession, model) -> None:
+        """The accelerator's calls and the model onto the session (every change undone at its `close`)."""
+        session.attach_vision(self._model)  # config.vision: over the data-parallel slice, removed at close
+        # The training collectives run in the user's calls: their distributed errors name step, rank and phase.
+        session.patches.name_errors(self.accelerator, "backward", self._current_loader, self._step)
+        if model is not None:  # DDP's forward broadcasts buffers
+            session.patches.name_errors(model, "forward", self._current_loader, self._step)
+        # accelerator.save_state / load_state carry the session's state (positions, settings, cost models)
+        register_for_checkpointing(self.accelerator, session, session.patches)
 
     def _current_loader(self):
         return self._loaders[-1][0] if self._loaders else None
@@ -131,7 +130,7 @@ class DPBalancer:
         config = self.config
         user_collate = getattr(getattr(dataloader, "base_dataloader", dataloader), "collate_fn", None)
         packed_input = self._loader_kwargs.get("packed_input")
-        if self._dispatches(dataloader):
+        if dispatches_batches(dataloader, self.accelerator):
             from hf_dp_balance.runtime.dispatch import DispatchedLoader as loader_class
 
             if packed_input is not None or config.input == "packed":
@@ -171,32 +170,16 @@ class DPBalancer:
         self.session.track_loader(loader, balanced.position, balanced.restore, workers)
         return balanced
 
-    def _dispatches(self, dataloader) -> bool:
-        """Dispatch mode as accelerate decides it: its flag, else an IterableDataset (with device placement)."""
-        if type(dataloader).__name__ == "DataLoaderDispatcher":
-            return True
-        if getattr(dataloader, "_is_accelerate_prepared", False):
-            return False
-        flag = getattr(self.accelerator, "dispatch_batches", None)
-        if flag is not None:
-            return bool(flag)
-        import torch.utils.data
-
-        return isinstance(getattr(dataloader, "dataset", None), torch.utils.data.IterableDataset)
-
     def _prepared_shard(self, dataloader):
         """The prepared loader, yielding lists of samples without device placement (undone at close)."""
         from hf_dp_balance.runtime.patches import Patches
 
         if getattr(dataloader, "_is_accelerate_prepared", False) or hasattr(dataloader, "base_dataloader"):
             defer_collate(dataloader, self.session.patches, keep_on_cpu=True)
-            if self._slices_without_mesh() and not is_sharded_by(dataloader, self.data_parallel):
-                raise ValueError(
-                    f"DPBalancer(data_parallel_group=...): the prepared dataloader is sharded over "
-                    f"{sharding_of(dataloader)} processes (accelerator.prepare shards by process, it has no device "
-                    f"mesh), but the data-parallel group has {self.data_parallel.size}: tp / cp peers would train "
-                    f"different samples. Pass the plain DataLoader to DPBalancer.prepare (it shards by data-parallel "
-                    f"index)")
+            if self._slices_without_mesh():
+                check_sharded_by(dataloader, self.data_parallel, owner="DPBalancer", loader="the prepared dataloader",
+                                 fix="accelerator.prepare shards by process when it has no device mesh: pass the "
+                                     "plain DataLoader to DPBalancer.prepare (it shards by data-parallel index)")
             return dataloader
         with Patches() as copied:  # the collate is copied into the prepared loader, then put back at once
             defer_collate(dataloader, copied)

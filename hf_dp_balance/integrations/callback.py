@@ -25,7 +25,7 @@ from hf_dp_balance.runtime.logs import get_logger, set_verbose
 from hf_dp_balance.runtime.balance_metrics import LOG_PREFIX, summarize_step_stats
 from hf_dp_balance.runtime.packed_input import packed_input_for
 from hf_dp_balance.runtime.fitter import image_patches
-from hf_dp_balance.runtime.framework import is_sharded_by, resolve_sync, shard_by, sharding_of
+from hf_dp_balance.runtime.framework import check_sharded_by, resolve_sync, shard_by
 from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
 from hf_dp_balance.runtime.session import (CHECKPOINT_FILE, BalanceSession, load_checkpoint_models,
                                            read_checkpoint_state)
@@ -145,36 +145,45 @@ class DPBalanceCallback(TrainerCallback):
             self._take_trainer(_trainer_calling(self))
         trainer = self._trainer()
         data_parallel = resolve_data_parallel_group(getattr(trainer, "accelerator", None), self._explicit_group)
-        self.session = BalanceSession(self.config, data_parallel)
-        try:
-            self._active = True
-            device_type = torch.device(getattr(args, "device", torch.device("cpu"))).type
-            checks = [lambda: _check_sft(args, train_dataloader, model, getattr(trainer, "data_collator", None)),
-                      lambda: check_trainer_loss(args, trainer, self.config, data_parallel.size),
-                      lambda: _check_data_parallel_sharding(train_dataloader, data_parallel, self._explicit_group)]
-            decoder, vision, fitted_step = self._initial_models
-            folders = self._checkpoint_folders(args, state)
-            self.session.start(model=model, model_config=getattr(model, "config", None), device_type=device_type,
-                               sync=resolve_sync(self.config.sync, getattr(trainer, "accelerator", None)),
-                               decoder=decoder, vision=vision, fitted_step=fitted_step,
-                               checkpoints=[os.path.join(folder, CHECKPOINT_FILE) for folder in folders],
-                               file_step=state.global_step, checks=checks)
-            self.restored_from = self.session.restored_from
-            if train_dataloader is not None and data_parallel.size > 1:
-                self.loader = self.session.add_loader(self._install_loader(train_dataloader, model, args))
-                installed_on = self._installed_on
-                self.session.patches.add(lambda: uninstall_balanced_loader(installed_on))  # stops the thread too
-                self._track_loader(args, state)
-                # the cost models came with the checkpoint's model file (`start`, counted as fitted at this step)
-                self.session.load_state_dict(read_checkpoint_state(folders), models=False)
-            # errors name the optimizer step the user sees (1-based, as Trainer logs)
-            self.session.attach_vision(model, step_source=lambda: self._global_step + 1)
-            if self.config.verbose and self.session.rank == 0:
-                logger.info("dp_balance: on (%d ranks, %d data-parallel, fitted=%s)", self.session.world,
-                            data_parallel.size, self.decoder_model is not None)
-        except BaseException:
-            self._close_session()  # a refused setup leaves no group, thread or hook behind
-            raise
+        checks = [lambda: _check_sft(args, train_dataloader, model, getattr(trainer, "data_collator", None)),
+                  lambda: check_trainer_loss(args, trainer, self.config, data_parallel.size),
+                  lambda: _check_data_parallel_sharding(train_dataloader, data_parallel, self._explicit_group)]
+        decoder, vision, fitted_step = self._initial_models
+        folders = self._checkpoint_folders(args, state)
+        # A refused setup (a check, the loader, the resume state) closes whatever the session made and raises.
+        self.session = None  # until the new one is made: the last train()'s closed session answers no more
+        self.session = BalanceSession.open(
+            self.config, data_parallel,
+            setup=lambda session: self._wire(session, args, state, model, train_dataloader, folders),
+            model=model, model_config=getattr(model, "config", None),
+            device_type=torch.device(getattr(args, "device", torch.device("cpu"))).type,
+            sync=resolve_sync(self.config.sync, getattr(trainer, "accelerator", None)),
+            decoder=decoder, vision=vision, fitted_step=fitted_step,
+            checkpoints=[os.path.join(folder, CHECKPOINT_FILE) for folder in folders],
+            file_step=state.global_step, checks=checks)
+        self._active = True
+        self.restored_from = self.session.restored_from
+        if self.config.verbose and self.session.rank == 0:
+            logger.info("dp_balance: on (%d ranks, %d data-parallel, fitted=%s)", self.session.world,
+                        data_parallel.size, self.decoder_model is not None)
+
+    def _wire(self, session: BalanceSession, args, state, model, train_dataloader, folders: List[str]) -> None:
+        """Trainer's data and model onto the started session: the balanced loader (its resume point restored from
+        the checkpoint) and the vision balancer; every change undone at the session's `close`."""
+        self.session = session
+        session.patches.add(self._release_loader)  # undone last: after the loader's own uninstall
+        if train_dataloader is not None and session.data_parallel.size > 1:
+            self.loader = session.add_loader(self._install_loader(train_dataloader, model, args))
+            installed_on = self._installed_on
+            session.patches.add(lambda: uninstall_balanced_loader(installed_on))  # stops the thread too
+            self._track_loader(args, state)
+            # the cost models came with the checkpoint's model file (`start`, counted as fitted at this step)
+            session.load_state_dict(read_checkpoint_state(folders), models=False)
+        # errors name the optimizer step the user sees (1-based, as Trainer logs)
+        session.attach_vision(model, step_source=lambda: self._global_step + 1)
+
+    def _release_loader(self) -> None:
+        self.loader, self._installed_on = None, None
 
     @staticmethod
     def _checkpoint_folders(args, state) -> List[str]:
@@ -275,13 +284,10 @@ class DPBalanceCallback(TrainerCallback):
 
     def _close_session(self) -> None:
         """Undo the run: the session closes the loader's thread and installation, the hooks, the vision balancer
-        and the groups (`BalanceSession.close`)."""
-        try:
-            if self.session is not None:
-                self.session.close()
-        finally:
-            self.loader, self._installed_on = None, None
-            self._active = False
+        and the groups (`BalanceSession.close`), and drops the callback's references to the loader."""
+        self._active = False
+        if self.session is not None:
+            self.session.close()
 
 
 def _check_sft(args, train_dataloader, model, collator) -> None:
@@ -296,13 +302,10 @@ def _check_data_parallel_sharding(train_dataloader, data_parallel, explicit) -> 
     index (tp / cp peers read the same samples): done at init when the callback was given in `callbacks=`."""
     if explicit is None or train_dataloader is None:
         return
-    if not is_sharded_by(train_dataloader, data_parallel):
-        raise ValueError(
-            f"DPBalanceCallback(data_parallel_group=...): Trainer's train dataloader is sharded over "
-            f"{sharding_of(train_dataloader)} processes, the data-parallel group has {data_parallel.size}: tp / cp peers "
-            f"would train different samples. Trainer builds the loader (and counts its steps) before any event of "
-            f"train(), so only a callback given at init can shard it: pass it in Trainer(callbacks=[...]) rather "
-            f"than trainer.add_callback, or give Trainer a parallelism_config")
+    check_sharded_by(train_dataloader, data_parallel, owner="DPBalanceCallback", loader="Trainer's train dataloader",
+                     fix="Trainer builds the loader (and counts its steps) before any event of train(), so only a "
+                         "callback given at init can shard it: pass it in Trainer(callbacks=[...]) rather than "
+                         "trainer.add_callback, or give Trainer a parallelism_config")
 
 
 def shard_train_dataloader_by_data_parallel_index(trainer, explicit) -> None:

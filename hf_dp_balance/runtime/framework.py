@@ -1,4 +1,5 @@
-"""What both front ends read from accelerate alike: when the ranks meet, and how a prepared loader is sharded.
+"""What both front ends read from accelerate alike: when the ranks meet, how a prepared loader is sharded (and
+the error that refuses one sharded otherwise), and whether accelerate dispatches a loader's batches.
 
 The Trainer and a custom Accelerate loop share one `accelerate.Accelerator`; the rules below read its facts, so
 the Trainer callback and `DPBalancer` resolve the same setup to the same answer.
@@ -41,6 +42,33 @@ def is_sharded_by(dataloader: Any, data_parallel: DataParallelGroup) -> bool:
                               and getattr(sampler, "process_index", None) == data_parallel.index)
 
 
+def check_sharded_by(dataloader: Any, data_parallel: DataParallelGroup, *, owner: str, loader: str,
+                     fix: str) -> None:
+    """Refuse a prepared loader that does not shard by data-parallel index (`is_sharded_by`): tp / cp peers of
+    one index would train different samples. The error names `owner` (the front end), the `loader`, its shard
+    count, the group's size, and the `fix` the front end offers."""
+    if not is_sharded_by(dataloader, data_parallel):
+        raise ValueError(f"{owner}(data_parallel_group=...): {loader} is sharded over {sharding_of(dataloader)} "
+                         f"processes, the data-parallel group has {data_parallel.size}: tp / cp peers would train "
+                         f"different samples. {fix}")
+
+
+def dispatches_batches(dataloader: Any, accelerator: Any = None) -> bool:
+    """Whether accelerate dispatches `dataloader` (one process reads, every process gets its part): a
+    `DataLoaderDispatcher` does, another loader accelerate prepared does not; a plain one follows the
+    accelerator's `dispatch_batches` flag, and unset, accelerate's default (an IterableDataset dispatches)."""
+    if type(dataloader).__name__ == "DataLoaderDispatcher":
+        return True
+    if getattr(dataloader, "_is_accelerate_prepared", False):
+        return False
+    flag = getattr(accelerator, "dispatch_batches", None)
+    if flag is not None:
+        return bool(flag)
+    import torch.utils.data
+
+    return isinstance(getattr(dataloader, "dataset", None), torch.utils.data.IterableDataset)
+
+
 def shard_by(dataloader: Any, data_parallel: DataParallelGroup) -> None:
     """Make a prepared loader's sharding sampler shard by data-parallel index (before anything reads its length)."""
     if not is_sharded_by(dataloader, data_parallel):
@@ -48,4 +76,4 @@ def shard_by(dataloader: Any, data_parallel: DataParallelGroup) -> None:
         sampler.num_processes, sampler.process_index = data_parallel.size, data_parallel.index
 
 
-__all__ = ["is_sharded_by", "resolve_sync", "shard_by", "sharding_of"]
+__all__ = ["check_sharded_by", "dispatches_batches", "is_sharded_by", "resolve_sync", "shard_by", "sharding_of"]

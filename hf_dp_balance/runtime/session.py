@@ -126,6 +126,24 @@ class BalanceSession:
         self._measured: Dict[str, float] = {}  # the last `measure`, reported once by `metrics`
         self._closed = False
 
+    # -- open: construct, start and wire, or leave nothing behind ----------------------------------
+    @classmethod
+    def open(cls, config: DPBalanceConfig, data_parallel: Optional[DataParallelGroup] = None, *,
+             setup: Optional[Callable[["BalanceSession"], None]] = None, **start) -> "BalanceSession":
+        """A started session: constructed, `start(**start)`ed, then `setup(session)` run (an adapter's wiring:
+        loaders, patches, vision). Either all of it completes, or everything made so far (groups, threads,
+        hooks, the adapter's `patches`) is closed and the error re-raised: a refused setup leaves nothing behind.
+        Construction itself is all or nothing on every process (`SideChannel`)."""
+        session = cls(config, data_parallel)
+        try:
+            session.start(**start)
+            if setup is not None:
+                setup(session)
+        except BaseException:
+            session.close()
+            raise
+        return session
+
     # -- start -----------------------------------------------------------------------------------
     def start(self, *, model=None, model_config=None, timing: Optional[str] = None, device_type: str = "cpu",
               sync: Optional[str] = None, decoder: Optional[CostModel] = None, vision: Optional[CostModel] = None,

@@ -295,7 +295,9 @@ def test_both_front_ends_are_adapters_over_one_session_and_one_module_makes_grou
     assert makers == ["runtime/side_channel.py"]
     for module in (accelerate, callback):
         source = pathlib.Path(module.__file__).read_text()
-        assert "BalanceSession(" in source and "CostModelFitter(" not in source and "SideChannel(" not in source
+        assert "CostModelFitter(" not in source and "SideChannel(" not in source
+        # opened all or nothing by the session (`BalanceSession.open`), with no try / close of the adapter's own
+        assert "BalanceSession.open(" in source and "BalanceSession(" not in source and "except" not in source
 
 
 # --------------------------------------------------------------------------- vision through the session

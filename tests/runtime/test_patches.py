@@ -6,7 +6,8 @@ import types
 import pytest
 import torch
 
-from hf_dp_balance.runtime.framework import is_sharded_by, resolve_sync, shard_by, sharding_of
+from hf_dp_balance.runtime.framework import (check_sharded_by, dispatches_batches, is_sharded_by, resolve_sync,
+                                             shard_by, sharding_of)
 from hf_dp_balance.runtime.loader import list_collate
 from hf_dp_balance.runtime.parallel import DataParallelGroup
 from hf_dp_balance.runtime.patches import Patches, defer_collate
@@ -111,3 +112,38 @@ def test_a_loader_sharded_by_process_is_resharded_by_data_parallel_index():
     assert is_sharded_by(loader, slice_of_two)
     assert [int(b) for b in loader] == [1, 3, 5, 7]  # data-parallel index 1's share of the batches
     assert is_sharded_by(torch.utils.data.DataLoader(list(range(4))), slice_of_two)  # no sharding sampler
+
+
+def test_a_loader_sharded_by_process_is_refused_naming_the_front_end_the_counts_and_the_fix():
+    from accelerate.data_loader import BatchSamplerShard
+
+    batches = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(8)), batch_size=1, drop_last=False)
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_sampler=BatchSamplerShard(batches, 4, 0))
+    slice_of_two = DataParallelGroup.from_ranks([0, 2], 2)
+    with pytest.raises(ValueError) as refused:
+        check_sharded_by(loader, slice_of_two, owner="DPBalancer", loader="the prepared dataloader", fix="do this")
+    message = str(refused.value)
+    assert message.startswith("DPBalancer(data_parallel_group=...): the prepared dataloader is sharded over 4 ")
+    assert "the data-parallel group has 2" in message and message.endswith("do this")
+    shard_by(loader, slice_of_two)
+    check_sharded_by(loader, slice_of_two, owner="DPBalancer", loader="it", fix="")  # sharded by index: accepted
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+
+def test_dispatch_follows_accelerate_s_loader_type_else_its_flag_else_the_dataset_kind():
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    plain = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    stream = torch.utils.data.DataLoader(_Stream(), batch_size=2)
+    flag = lambda value: types.SimpleNamespace(dispatch_batches=value)  # noqa: E731 - the accelerator's one fact
+    assert [dispatches_batches(plain, flag(None)), dispatches_batches(stream, flag(None))] == [False, True]
+    assert [dispatches_batches(plain, flag(True)), dispatches_batches(stream, flag(False))] == [True, False]
+    dispatching = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    dispatcher = dispatching.prepare_data_loader(torch.utils.data.DataLoader(list(range(8)), batch_size=2))
+    assert type(dispatcher).__name__ == "DataLoaderDispatcher" and dispatches_batches(dispatcher, flag(False))
+    shard = Accelerator(cpu=True).prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2))
+    assert not dispatches_batches(shard, flag(True))  # prepared already, and not a dispatcher: sharded as it is
