@@ -168,6 +168,25 @@ def _truth(attention_factor):
     return CostModel(PRIOR.quadratic / PRIOR.linear * linear * attention_factor, linear, 0.001, 0.05)
 
 
+def _packed_step(mix, ranks, pack, rng):
+    """(lengths, owners, plan_costs) of one step: `mix` drawn into fixed-length packs of `pack` tokens, one per
+    rank; `plan_costs(costs)` plans it (one micro-batch, cap 1.2x the mean or the fullest pack)."""
+    while True:
+        lengths = truncate(draw_mix(mix, ranks * 64, rng), pack).tokens
+        lengths = lengths[lengths > 0]
+        packs = pack_fixed_length(lengths, pack)
+        if packs.max() >= ranks:
+            break
+    lengths, owners = lengths[packs < ranks].astype(np.int64), packs[packs < ranks]
+    zeros = np.zeros_like(owners)
+    cap = token_cap(lengths, ranks, None, 1.2, int(np.bincount(owners, weights=lengths).max()))
+
+    def plan_costs(costs):
+        return plan_step(costs, owners, zeros, ranks, 1, tokens=lengths, max_tokens=cap).dest_rank, zeros
+
+    return lengths, owners, plan_costs
+
+
 def _warm_up_fit(placement, mix, attention_factor, seed, ranks=32, steps=8, noise=0.03):
     """Fitted over true quadratic-over-linear ratio from `steps` step times (the slowest of `ranks`, 3% noise) of
     fixed-length packs placed by `placement(plan_costs, prior_costs, tokens, owners, step)`."""
@@ -175,19 +194,7 @@ def _warm_up_fit(placement, mix, attention_factor, seed, ranks=32, steps=8, nois
     truth = _truth(attention_factor)
     feats, times = [], []
     for step in range(steps):
-        while True:
-            lengths = truncate(draw_mix(mix, ranks * 64, rng), PACK).tokens
-            lengths = lengths[lengths > 0]
-            pack = pack_fixed_length(lengths, PACK)
-            if pack.max() >= ranks:
-                break
-        lengths, owners = lengths[pack < ranks].astype(np.int64), pack[pack < ranks]
-        zeros = np.zeros_like(owners)
-        cap = token_cap(lengths, ranks, None, 1.2, int(np.bincount(owners, weights=lengths).max()))
-
-        def plan_costs(costs):
-            return plan_step(costs, owners, zeros, ranks, 1, tokens=lengths, max_tokens=cap).dest_rank, zeros
-
+        lengths, owners, plan_costs = _packed_step(mix, ranks, PACK, rng)
         dest = placement(plan_costs, PRIOR.sample_costs(lengths), lengths.astype(float), owners, step)
         f = np.stack([features_of(lengths[dest == r]) for r in range(ranks)])
         feats.append(f)
@@ -222,19 +229,7 @@ def _per_sample_fit(mix, seed, ranks=128, steps=16, pack=32768, noise=0.03):
     rng = np.random.default_rng(seed)
     feats, times = [], []
     for step in range(steps):
-        while True:
-            lengths = truncate(draw_mix(mix, ranks * 64, rng), pack).tokens
-            lengths = lengths[lengths > 0]
-            packs = pack_fixed_length(lengths, pack)
-            if packs.max() >= ranks:
-                break
-        lengths, owners = lengths[packs < ranks].astype(np.int64), packs[packs < ranks]
-        zeros = np.zeros_like(owners)
-        cap = token_cap(lengths, ranks, None, 1.2, int(np.bincount(owners, weights=lengths).max()))
-
-        def plan_costs(costs):
-            return plan_step(costs, owners, zeros, ranks, 1, tokens=lengths, max_tokens=cap).dest_rank, zeros
-
+        lengths, owners, plan_costs = _packed_step(mix, ranks, pack, rng)
         dest = probe_plan(plan_costs, prior.sample_costs(lengths), lengths.astype(float), step, ranks, 1)[0]
         f = np.stack([features_of(lengths[dest == r]) for r in range(ranks)])
         feats.append(f)
