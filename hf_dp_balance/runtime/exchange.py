@@ -17,6 +17,7 @@ import datetime
 import json
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -291,18 +292,18 @@ class SampleExchange:
         text = (error or "").encode("utf-8", "replace")[:_MSG_BYTES]
         if self.rank != PLANNER:
             flag = torch.tensor([1 if error is not None else 0, len(text)], dtype=torch.int64)
-            works = [dist.isend(flag, group=self.group, group_dst=PLANNER, tag=TAG_FLAG)]
+            ops = [partial(dist.isend, flag, group=self.group, group_dst=PLANNER, tag=TAG_FLAG)]
             if text:
-                works.append(dist.isend(torch.frombuffer(bytearray(text), dtype=torch.uint8), group=self.group,
-                                        group_dst=PLANNER, tag=TAG_FLAG_MESSAGE))
-            self._wait(step, f"{phase} agreement send to the planning rank", works)
+                ops.append(partial(dist.isend, torch.frombuffer(bytearray(text), dtype=torch.uint8),
+                                   group=self.group, group_dst=PLANNER, tag=TAG_FLAG_MESSAGE))
+            self._wait(step, f"{phase} agreement send to the planning rank", ops)
             verdict = torch.empty(2, dtype=torch.int64)
             self._wait(step, f"{phase} agreement receive from the planning rank",
-                       [dist.irecv(verdict, group=self.group, group_src=PLANNER, tag=TAG_VERDICT)])
+                       [partial(dist.irecv, verdict, group=self.group, group_src=PLANNER, tag=TAG_VERDICT)])
             body = torch.empty(8 * int(verdict[0]) + int(verdict[1]), dtype=torch.uint8)
             if body.numel():
                 self._wait(step, f"{phase} agreement receive from the planning rank",
-                           [dist.irecv(body, group=self.group, group_src=PLANNER, tag=TAG_VERDICT_BODY)])
+                           [partial(dist.irecv, body, group=self.group, group_src=PLANNER, tag=TAG_VERDICT_BODY)])
             raw = body.numpy().tobytes()
             failed_ranks = np.frombuffer(raw[: 8 * int(verdict[0])], dtype=np.int64).tolist()
             detail = raw[8 * int(verdict[0]):].decode("utf-8", "replace")
@@ -318,10 +319,11 @@ class SampleExchange:
         peers = [r for r in range(self.world_size) if r != self.rank]
         flags = {r: torch.empty(2, dtype=torch.int64) for r in peers}
         self._wait(step, f"{phase} agreement receive on the planning rank",
-                   [dist.irecv(flags[r], group=self.group, group_src=r, tag=TAG_FLAG) for r in peers])
+                   [partial(dist.irecv, flags[r], group=self.group, group_src=r, tag=TAG_FLAG) for r in peers])
         texts = {r: torch.empty(int(flags[r][1]), dtype=torch.uint8) for r in peers if int(flags[r][1])}
         self._wait(step, f"{phase} agreement receive on the planning rank",
-                   [dist.irecv(t, group=self.group, group_src=r, tag=TAG_FLAG_MESSAGE) for r, t in texts.items()])
+                   [partial(dist.irecv, t, group=self.group, group_src=r, tag=TAG_FLAG_MESSAGE)
+                    for r, t in texts.items()])
         failed = {r: texts[r].numpy().tobytes().decode("utf-8", "replace") if r in texts else ""
                   for r in peers if int(flags[r][0])}
         if error is not None:
@@ -330,20 +332,23 @@ class SampleExchange:
         body = np.asarray(ranks, dtype=np.int64).tobytes() + detail.encode("utf-8", "replace")
         verdict = torch.tensor([len(ranks), len(body) - 8 * len(ranks)], dtype=torch.int64)
         payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else None
-        works = []
+        ops = []
         for r in peers:
-            works.append(dist.isend(verdict, group=self.group, group_dst=r, tag=TAG_VERDICT))
+            ops.append(partial(dist.isend, verdict, group=self.group, group_dst=r, tag=TAG_VERDICT))
             if payload is not None:
-                works.append(dist.isend(payload, group=self.group, group_dst=r, tag=TAG_VERDICT_BODY))
-        self._wait(step, f"{phase} agreement send from the planning rank", works)
+                ops.append(partial(dist.isend, payload, group=self.group, group_dst=r, tag=TAG_VERDICT_BODY))
+        self._wait(step, f"{phase} agreement send from the planning rank", ops)
         return ranks, detail
 
     # -- point to point ----------------------------------------------------------------------
-    def _wait(self, step: int, phase: str, works) -> None:
-        """Wait for every posted send / receive, each at most the group's timeout (`_run` names the failure)."""
+    def _wait(self, step: int, phase: str, ops) -> None:
+        """Post the sends / receives (`ops`: unposted `partial`s of isend / irecv) and wait for each at most
+        the group's timeout. Posting is inside `_run` too: gloo raises at the post when a peer has already
+        closed its connection, and that failure must read like any other (step, phase, failed ranks)."""
         limit = datetime.timedelta(seconds=self.timeout_s)
 
         def wait_all():
+            works = [op() for op in ops]
             for work in works:
                 work.wait(limit)
 
@@ -353,12 +358,12 @@ class SampleExchange:
         """A non-planning rank's side of `collect_rows`: its header, its rows, its failure message."""
         dist = self._dist
         head, rows_t, msg = _rows_message(rows, header, error)
-        works = [dist.isend(head, group=self.group, group_dst=PLANNER, tag=TAG_HEADER)]
+        ops = [partial(dist.isend, head, group=self.group, group_dst=PLANNER, tag=TAG_HEADER)]
         if rows_t.numel():
-            works.append(dist.isend(rows_t, group=self.group, group_dst=PLANNER, tag=TAG_ROWS))
+            ops.append(partial(dist.isend, rows_t, group=self.group, group_dst=PLANNER, tag=TAG_ROWS))
         if msg.numel():
-            works.append(dist.isend(msg, group=self.group, group_dst=PLANNER, tag=TAG_MESSAGE))
-        self._wait(step, "metadata send to the planning rank", works)
+            ops.append(partial(dist.isend, msg, group=self.group, group_dst=PLANNER, tag=TAG_MESSAGE))
+        self._wait(step, "metadata send to the planning rank", ops)
 
     def collect_rows(self, step: int, rows: Optional[np.ndarray], header: np.ndarray, error: Optional[str],
                      num_fields: int) -> Tuple[GatheredMetadata, Dict[int, str]]:
@@ -377,17 +382,17 @@ class SampleExchange:
         for r in peers:
             heads[r] = torch.empty(H_WIDTH + 2, dtype=torch.float64)
         self._wait(step, "metadata receive on the planning rank",
-                   [dist.irecv(heads[r], group=self.group, group_src=r, tag=TAG_HEADER) for r in peers])
-        works, texts = [], {}
+                   [partial(dist.irecv, heads[r], group=self.group, group_src=r, tag=TAG_HEADER) for r in peers])
+        ops, texts = [], {}
         for r in peers:
             n, text_len = int(heads[r][H_WIDTH]), int(heads[r][H_WIDTH + 1])
             bodies[r] = torch.empty((n, num_fields), dtype=torch.float64)
             if n:
-                works.append(dist.irecv(bodies[r], group=self.group, group_src=r, tag=TAG_ROWS))
+                ops.append(partial(dist.irecv, bodies[r], group=self.group, group_src=r, tag=TAG_ROWS))
             if text_len:
                 texts[r] = torch.empty(text_len, dtype=torch.uint8)
-                works.append(dist.irecv(texts[r], group=self.group, group_src=r, tag=TAG_MESSAGE))
-        self._wait(step, "metadata receive on the planning rank", works)
+                ops.append(partial(dist.irecv, texts[r], group=self.group, group_src=r, tag=TAG_MESSAGE))
+        self._wait(step, "metadata receive on the planning rank", ops)
         for r, t in texts.items():
             msgs[r] = t.numpy().tobytes().decode("utf-8", "replace")
         headers = torch.stack([h[:H_WIDTH] for h in heads]).numpy()
@@ -402,26 +407,26 @@ class SampleExchange:
     def send_orders(self, step: int, orders: Sequence["StepOrders"]) -> None:
         """The planning rank sends every other rank its orders: a fixed-size header, then a body it announces."""
         dist = self._dist
-        works = []
+        ops = []
         for r, order in enumerate(orders):
             if r == self.rank:
                 continue
             head, body = order.encode()
-            works.append(dist.isend(head, group=self.group, group_dst=r, tag=TAG_ORDERS_HEAD))
+            ops.append(partial(dist.isend, head, group=self.group, group_dst=r, tag=TAG_ORDERS_HEAD))
             if body.numel():
-                works.append(dist.isend(body, group=self.group, group_dst=r, tag=TAG_ORDERS_BODY))
-        self._wait(step, "orders send from the planning rank", works)
+                ops.append(partial(dist.isend, body, group=self.group, group_dst=r, tag=TAG_ORDERS_BODY))
+        self._wait(step, "orders send from the planning rank", ops)
 
     def receive_orders(self, step: int) -> "StepOrders":
         """A non-planning rank's orders for `step` from the planning rank."""
         dist = self._dist
         head = torch.empty(O_WIDTH, dtype=torch.float64)
         self._wait(step, "orders receive from the planning rank",
-                   [dist.irecv(head, group=self.group, group_src=PLANNER, tag=TAG_ORDERS_HEAD)])
+                   [partial(dist.irecv, head, group=self.group, group_src=PLANNER, tag=TAG_ORDERS_HEAD)])
         body = torch.empty(StepOrders.body_nbytes(head.numpy()), dtype=torch.uint8)
         if body.numel():
             self._wait(step, "orders receive from the planning rank",
-                       [dist.irecv(body, group=self.group, group_src=PLANNER, tag=TAG_ORDERS_BODY)])
+                       [partial(dist.irecv, body, group=self.group, group_src=PLANNER, tag=TAG_ORDERS_BODY)])
         return StepOrders.decode(head.numpy().copy(), body)
 
     def exchange_payloads(self, step: int, local_samples: Sequence[Mapping[str, Any]], local_offset: int,
@@ -454,9 +459,11 @@ class SampleExchange:
                 raise ExchangeError(f"hf_dp_balance sample exchange, step {step}, rank {self.rank}: {msg}")
         recvs = {r: torch.empty(layout.recv_splits[r], dtype=torch.uint8)
                  for r in range(self.world_size) if layout.recv_splits[r]}
-        works = [dist.irecv(buf, group=self.group, group_src=r, tag=TAG_PAYLOAD) for r, buf in recvs.items()]
-        works += [dist.isend(buf, group=self.group, group_dst=r, tag=TAG_PAYLOAD) for r, buf in sends.items()]
-        self._wait(step, "payload point to point", works)
+        ops = [partial(dist.irecv, buf, group=self.group, group_src=r, tag=TAG_PAYLOAD)
+               for r, buf in recvs.items()]
+        ops += [partial(dist.isend, buf, group=self.group, group_dst=r, tag=TAG_PAYLOAD)
+                for r, buf in sends.items()]
+        self._wait(step, "payload point to point", ops)
         recv = torch.cat([recvs[r] for r in sorted(recvs)]) if recvs else torch.empty(0, dtype=torch.uint8)
         try:
             return decode_received(recv, layout, step)

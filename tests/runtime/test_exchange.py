@@ -4,6 +4,7 @@ import os
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from hf_dp_balance.testing.spawn import run_ranks, run_ranks_allow_failures
@@ -70,7 +71,7 @@ def _fault_reported_then_inside(rank, world, timeout_s):
     return first, _fault_inside_exchange(rank, world, timeout_s, False, ex)
 
 
-def _fault_inside_exchange(rank, world, timeout_s, hard_exit, ex=None):
+def _fault_inside_exchange(rank, world, timeout_s, hard_exit, ex=None, late_s=0.0):
     ex = ex or _exchange(timeout_s)
     sample = {"input_ids": torch.arange(10)}
     nbytes = encoded_nbytes(sample_entries(sample))
@@ -82,6 +83,7 @@ def _fault_inside_exchange(rank, world, timeout_s, hard_exit, ex=None):
             os._exit(3)  # the process dies in the middle of the exchange
         sizes = sizes + 8  # this rank's layout disagrees with what it encodes: it raises inside the exchange
     layout = transfer_layout(owners, dest, sizes, rank, world)
+    time.sleep(late_s)  # > 0: rank 1 is gone before the others post their sends
     t0 = time.monotonic()
     try:
         ex.exchange_payloads(5, [sample], rank, layout)
@@ -112,9 +114,11 @@ def test_failures_make_every_rank_raise_naming_step_and_rank():
     assert "rank 1" in results[1][1][1]  # the failing rank raises its own clear error
 
 
-def test_rank_dying_inside_the_exchange_makes_the_others_raise_within_the_timeout():
+@pytest.mark.parametrize("late_s", [0.0, 1.5])
+def test_rank_dying_inside_the_exchange_makes_the_others_raise_within_the_timeout(late_s):
+    # late: gloo refuses the send at its post (peer closed), which must read like any other failure
     timeout_s = 4.0
-    results = run_ranks_allow_failures(_fault_inside_exchange, 3, timeout_s, True, timeout=60)
+    results = run_ranks_allow_failures(_fault_inside_exchange, 3, timeout_s, True, None, late_s, timeout=60)
     _check_others_raised_within_timeout(results, timeout_s, named=False)
     assert not results[1][0]
 
