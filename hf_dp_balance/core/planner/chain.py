@@ -32,16 +32,15 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
     first, with _BREADTH partners each (`_pair_ranks`), tries h's large items (most cost above their
     tokens first; with `near`, those whose surplus just covers h's excess) and keeps per h the
     option with the most load taken off h per token sent (+ cap x _OVERHEAD), if at least `min_rate`
-    x the mean cost per token; each partner takes one trade per round, an item moves once, a slot
-    gives back once. A pass ends after 3 rounds in a row that trade for at most 2% of the over-full
-    ranks (the partners shift, so a round or two may still find trades).
+    x the mean cost per token; a partner takes one trade per round, an item moves once, a slot gives
+    back once. A pass ends after 3 rounds in a row that trade for at most 2% of the over-full ranks.
+    `partners_only` builds the ladders of the ranks a round pairs as it pairs them (a residue pass
+    reads few): the same trades up to the last bits of the costs' prefix sums.
 
     Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
     larger of its two ranks' loads, so the fullest rank never rises; a rank keeps `state.min_count`
     items and a slot with items keeps one. Cost: one O(n) radix sort, then per round O(over-full
-    ranks x 2 _BREADTH^3) binary searches inside one slot's ladder each. `partners_only`: build the
-    ladders of the ranks a round pairs as it pairs them (a residue pass reads few); the same trades
-    up to the last bits of the costs' prefix sums.
+    ranks x 2 _BREADTH^3) binary searches inside one slot's ladder each.
     """
     limit = budget * (1.0 + tolerance / 2.0)
     if state.cap is None or state.load.shape[0] < 2 or not np.any(state.load > limit):
@@ -69,7 +68,7 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
     bins, large, _, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
         return None
-    S, none, no_keys = R * M, np.zeros(0, dtype=np.int64), np.zeros(0)
+    S, none, index = R * M, np.zeros(0, dtype=np.int64), lambda size: np.zeros(size, dtype=np.int64)
     lad = SimpleNamespace(
         near=near, mean_rate=mean_rate, bins=bins, surplus_scale=scale, cost_scale=cost_scale,
         slot_items=np.bincount(state.dest * M + state.micro, minlength=S).astype(np.int64),
@@ -77,13 +76,11 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         moved=np.zeros(n, dtype=bool), built=np.zeros(R, dtype=bool),
         members=_Members(state.dest, R) if partners_only else None,
         # slot s's ladder is order[lo[s]:hi[s]]; CT, CC: running tokens and costs along `order` after a leading
-        # 0, so that a prefix of k items of slot s holds CT[lo[s] + k] - CT[lo[s]] tokens
-        order=none, CT=np.zeros(1), CC=np.zeros(1), lo=np.zeros(S, dtype=np.int64), hi=np.zeros(S, dtype=np.int64),
-        rank_of=np.zeros(n, dtype=np.int64),  # every item's place in `order`
+        # 0, so that a prefix of k items of slot s holds CT[lo[s] + k] - CT[lo[s]] tokens; rank_of: each item's place
+        order=none, CT=np.zeros(1), CC=np.zeros(1), lo=index(S), hi=index(S), rank_of=index(n),
         # rank r's large items large[l_lo[r]:l_hi[r]], most cost above their tokens at the lowest density
         # first (the ones h sends), and by_cost[l_lo[r]:l_hi[r]] (those l gives back for a), with their keys
-        large=none, surplus_key=no_keys, by_cost=none, cost_key=no_keys,
-        l_lo=np.zeros(R, dtype=np.int64), l_hi=np.zeros(R, dtype=np.int64))
+        large=none, surplus_key=np.zeros(0), by_cost=none, cost_key=np.zeros(0), l_lo=index(R), l_hi=index(R))
     # the largest cost key of the ranks below each rank (what the keys of all ranks hold just before its
     # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
     ranks = state.dest[large]
@@ -152,9 +149,9 @@ def _item_keys(state: _State):
         got = (dens.astype(np.uint16), large, None, None, None, None)
         if large.size:
             surplus = cost[large] - float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny))) * tok[large]
-            got = got[:2] + (surplus, 1.0 / (float(surplus.max()) * 2.0 + 2.0),
-                             1.0 / (float(cost[large].max()) * 2.0 + 2.0),
-                             float(cost.sum()) / max(float(tok.sum()), 1e-300))
+            scale = lambda top: 1.0 / (float(top) * 2.0 + 2.0)  # (a key rank + value x scale stays under rank + 1/2)
+            mean_rate = float(cost.sum()) / max(float(tok.sum()), 1e-300)
+            got = got[:2] + (surplus, scale(surplus.max()), scale(cost[large].max()), mean_rate)
         state.item_memo["ladder"] = got
     return got
 
@@ -196,8 +193,8 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
                             clamp="both")
         first = np.maximum(at - _BREADTH, first)
     pos, pair = _ranges(first, np.minimum(first + 2 * _BREADTH, lad.l_hi[h]))
-    a = lad.large[pos]
-    a, pair = a[~lad.moved[a]], pair[~lad.moved[a]]
+    unmoved = np.flatnonzero(~lad.moved[lad.large[pos]])
+    a, pair = lad.large[pos[unmoved]], pair[unmoved]
     # any trade of a scores at most h's excess per token of a (`_evaluate`): an a under min_rate by
     # that bound has no option that can score (late in a pass, most of them: h's excess is small)
     keep = (np.arange(a.size) - np.searchsorted(pair, pair) < _BREADTH) & (
@@ -209,26 +206,25 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     # a alone into the _BREADTH roomiest slots of l that still give back
     W = min(_BREADTH, M)
     slots = _roomiest(np.where(lad.stale.reshape(-1, M)[l], np.inf, state.slot_tok[l]), W)
-    a1, p1 = np.repeat(a, W), np.repeat(pair, W)
-    m1 = slots[p1, np.tile(np.arange(W), a.size)]
+    a1, p1, m1 = np.repeat(a, W), np.repeat(pair, W), slots[pair].reshape(-1)
     # a in place of l's large items b nearest in cost to c_a - want (searched inside l's stretch of the keys)
     lp = l[pair]
     lo, hi = lad.l_lo[lp], lad.l_hi[lp]
     near = _cost_search(lad, lp, lp + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
     pos, of = _ranges(np.maximum(near - _BREADTH // 2, lo), np.minimum(near + _BREADTH - _BREADTH // 2, hi))
-    b2 = lad.by_cost[pos]
-    keep = ~lad.moved[b2]
-    a2, p2, b2 = a[of][keep], pair[of][keep], b2[keep]
-    a, pair = np.concatenate((a1, a2)), np.concatenate((p1, p2))
+    unmoved = np.flatnonzero(~lad.moved[lad.by_cost[pos]])
+    of, b2 = of[unmoved], lad.by_cost[pos[unmoved]]
+    a, pair = np.concatenate((a1, a[of])), np.concatenate((p1, pair[of]))
     b = np.concatenate((np.full(a1.size, -1, dtype=np.int64), b2))
     m = np.concatenate((m1, state.micro[b2]))
     opt = _evaluate(state, budget, limit, lad, a, b, h[pair], l[pair], m, want[pair], overhead, min_rate)
     if opt is None:
         return 0
     # per over-full rank its best trade (ties: the first option); in over-full order, every l's first
-    chosen = _first_best(h[pair], opt["score"], state.load.shape[0])
+    R = state.load.shape[0]
+    chosen = _first_best(h[pair], opt["score"], R)
     chosen = chosen[np.argsort(pair[chosen], kind="stable")]
-    chosen = chosen[np.sort(_first_best(l[pair[chosen]], np.zeros(chosen.size), state.load.shape[0]))]
+    chosen = chosen[np.sort(_first_best(l[pair[chosen]], np.zeros(chosen.size), R))]
     return _carry_out(state, lad, {k: v[chosen] for k, v in opt.items()})
 
 

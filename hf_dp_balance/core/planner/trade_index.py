@@ -73,9 +73,8 @@ class _PayBack:
         """((tokens, cost, count) of the fewest small items of `slot` (index order) that free `need`
         tokens, the first and the last position of them in `items` (last = first - 1 if none),
         whether the slot has them)."""
-        n = slot.size
-        sums = [np.zeros(n), np.zeros(n), np.zeros(n)]
-        lo, j, feasible = np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), need <= 0
+        sums = [np.zeros(slot.size) for _ in range(3)]
+        lo, j, feasible = np.zeros(slot.size, dtype=np.int64), np.full(slot.size, -1, dtype=np.int64), need <= 0
         idx = np.flatnonzero(~feasible)
         self.items = self.order[:0]
         if idx.size == 0:
@@ -83,14 +82,13 @@ class _PayBack:
         used, inv = np.unique(slot[idx], return_inverse=True)  # the slots asked, each query's among them
         pos, grp = _ranges(self.starts[used], self.starts[used + 1])
         items = self.order[pos]
-        item_tok = self.tok[items]
-        keep = np.flatnonzero((item_tok <= self.small) & ~self.moved[items])  # (faster than a boolean mask)
-        items, grp, item_tok = items[keep], grp[keep], item_tok[keep]
+        keep = np.flatnonzero((self.tok[items] <= self.small) & ~self.moved[items])  # (faster than a boolean mask)
+        items, grp = items[keep], grp[keep]
         if items.size == 0:
             return sums, lo, j, feasible
         size = np.bincount(grp, minlength=used.size)
         first = np.cumsum(size) - size
-        run_t, run_c = np.cumsum(item_tok), np.cumsum(self.cost[items])
+        run_t, run_c = np.cumsum(self.tok[items]), np.cumsum(self.cost[items])
         base_t, base_c = (np.where(first > 0, run[np.maximum(first - 1, 0)], 0.0) for run in (run_t, run_c))
         a, b = first[inv], first[inv] + size[inv]
         # run_t never decreases (tokens >= 0), over all the slots: a search of it, clamped to each slot's
