@@ -15,8 +15,8 @@ import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import (_RADIX, _first_best, _float_order, _ranges, _search_within,
-                                                    _stable_order)
+from hf_dp_balance.core.planner.trade_index import (_RADIX, _first_best, _float_order, _rank_starts, _ranges,
+                                                    _search_within, _stable_order)
 
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
 
@@ -62,13 +62,14 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
 
 
 def _make_ladders(state: _State, near: bool, partners_only: bool):
-    """What the rounds of `_ladder_trades` read (None without large items), for every rank at once or,
-    with `partners_only`, for the ranks the rounds pair as they pair them (`_build_partner_ladders`)."""
+    """What the rounds of `_ladder_trades` read (None without large items): the large items of every rank,
+    and the ladders of every rank at once or, with `partners_only`, of the ranks the rounds pair as they
+    pair them (`_build_partner_ladders`)."""
     R, M, n = state.load.shape[0], state.M, state.costs.shape[0]
-    bins, large, _, scale, cost_scale, mean_rate = _item_keys(state)
+    bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
         return None
-    S, none, index = R * M, np.zeros(0, dtype=np.int64), lambda size: np.zeros(size, dtype=np.int64)
+    S, index = R * M, lambda size: np.zeros(size, dtype=np.int64)
     lad = SimpleNamespace(
         near=near, mean_rate=mean_rate, bins=bins, surplus_scale=scale, cost_scale=cost_scale,
         slot_items=np.bincount(state.dest * M + state.micro, minlength=S).astype(np.int64),
@@ -77,15 +78,24 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
         members=_Members(state.dest, R) if partners_only else None,
         # slot s's ladder is order[lo[s]:hi[s]]; CT, CC: running tokens and costs along `order` after a leading
         # 0, so that a prefix of k items of slot s holds CT[lo[s] + k] - CT[lo[s]] tokens; rank_of: each item's place
-        order=none, CT=np.zeros(1), CC=np.zeros(1), lo=index(S), hi=index(S), rank_of=index(n),
-        # rank r's large items large[l_lo[r]:l_hi[r]], most cost above their tokens at the lowest density
-        # first (the ones h sends), and by_cost[l_lo[r]:l_hi[r]] (those l gives back for a), with their keys
-        large=none, surplus_key=np.zeros(0), by_cost=none, cost_key=np.zeros(0), l_lo=index(R), l_hi=index(R))
+        order=index(0), CT=np.zeros(1), CC=np.zeros(1), lo=index(S), hi=index(S), rank_of=index(n))
+    # rank r's large items large[l_lo[r]:l_hi[r]], most cost above their tokens at the lowest density first
+    # (the ones h sends), and by_cost[l_lo[r]:l_hi[r]] (those l gives back for a): sorted keys rank + a share
+    # under 1/2, ties by index
+    by_rank = _stable_order(state.dest[large], R)
+    mine, ranks = large[by_rank], state.dest[large[by_rank]]
+    starts = _rank_starts(ranks, R)
+    lad.l_lo, lad.l_hi = starts[:-1], starts[1:]
+    key = ranks + (1.0 - (surplus[by_rank] + 1.0) * scale)
+    by = _float_order(key)
+    lad.large, lad.surplus_key = mine[by], key[by]
+    key = ranks + state.costs[mine] * cost_scale
+    by = _float_order(key)
+    lad.by_cost, lad.cost_key = mine[by], key[by]
     # the largest cost key of the ranks below each rank (what the keys of all ranks hold just before its
     # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
-    ranks = state.dest[large]
     top = np.full(R, -np.inf)
-    np.maximum.at(top, ranks, ranks + state.costs[large] * cost_scale)
+    np.maximum.at(top, ranks, key)
     lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
     if not partners_only:
         _build_partner_ladders(state, lad, np.arange(R))
@@ -93,28 +103,22 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
 
 
 def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
-    """Append the ladders of the slots of `ranks` not built yet, as a build of all at once holds them
-    (items of the rank at the start of the pass by slot, density bin, index; moved ones left stale
-    slots), and their large items by surplus and by cost (keys rank + a share under 1/2, ties by index)."""
+    """Append the ladders of the slots of `ranks` not built yet, as a build of all at once holds them:
+    items of the rank at the start of the pass by slot, density bin, index (moved ones left stale slots)."""
     new = np.unique(ranks[~lad.built[ranks]])
     if new.size == 0:
         return
     lad.built[new] = True
     R, M = state.load.shape[0], state.M
-    _, large, surplus, scale, cost_scale, _ = _item_keys(state)
     if lad.members is None:  # every rank, at the start of the pass: one radix sort of all the items
         items = _ladders(lad.bins, state.dest * M + state.micro, _by_density(state) if R * M <= _RADIX else None)
-        per_slot, mine = lad.slot_items, large[_stable_order(state.dest[large], R)]
-        mine_rank = state.dest[mine]
+        per_slot = lad.slot_items
     else:
-        per_rank = [lad.members.of(int(r)) for r in new.tolist()]
-        held = np.concatenate(per_rank)  # the ranks' items at the start of the pass, rank by rank, index order
+        held = np.concatenate([lad.members.of(int(r)) for r in new.tolist()])  # the ranks' items at the start
         items = held[~lad.moved[held]]
         slot = state.dest[items] * M + state.micro[items]
         items = items[np.lexsort((lad.bins[items], slot))]  # (stable: index order among ties)
         per_slot = np.bincount(slot, minlength=R * M)
-        big = state.tokens[held] > state.cap * _LARGE  # (`_item_keys`'s large items; moved ones filtered where read)
-        mine, mine_rank = held[big], np.repeat(new, [x.size for x in per_rank])[big]
     wanted = (new[:, None] * M + np.arange(M)[None, :]).reshape(-1)  # every slot of `items`, ascending as they are
     at, count = lad.order.size, per_slot[wanted]
     lad.hi[wanted] = at + np.cumsum(count)
@@ -123,15 +127,6 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
     lad.order = np.concatenate((lad.order, items))
     lad.CT = np.concatenate((lad.CT, lad.CT[-1] + np.cumsum(state.tokens[items])))
     lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
-    at = lad.large.size
-    starts = at + np.searchsorted(mine_rank, new)  # (`new` ascends, and so do the ranks of `mine`)
-    lad.l_lo[new], lad.l_hi[new] = starts, np.append(starts[1:], at + mine.size)
-    key = mine_rank + (1.0 - (surplus[np.searchsorted(large, mine)] + 1.0) * scale)
-    by = _float_order(key)
-    lad.large, lad.surplus_key = np.concatenate((lad.large, mine[by])), np.concatenate((lad.surplus_key, key[by]))
-    key = mine_rank + state.costs[mine] * cost_scale
-    by = _float_order(key)
-    lad.by_cost, lad.cost_key = np.concatenate((lad.by_cost, mine[by])), np.concatenate((lad.cost_key, key[by]))
 
 
 def _item_keys(state: _State):
