@@ -53,8 +53,7 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
         over, h, l = _pair_ranks(state, budget, limit, state.load - budget, _BREADTH, k)
         if over.size == 0 or h is None:
             return over.size == 0
-        if partners_only:
-            _build_partner_ladders(state, lad, np.concatenate((h, l)))
+        _build_partner_ladders(state, lad, np.concatenate((h, l)))  # (built at the start unless `partners_only`)
         idle = 0 if _round(state, h, l, budget, limit, lad, overhead, min_rate) > 0.02 * over.size else idle + 1
         if idle >= 3:
             return False
@@ -359,10 +358,10 @@ def _place_intra(state, order, lo, hi, l, m):
 
 
 def _fit_one_by_one(tok, first, size, t, room, to, choose, reverse=False) -> np.ndarray:
-    """Whether each trade placed all its items (one with an item that fits nowhere places no more): the
-    items of trades `t` one by one, all trades at once; item k of trade t is position first[t] + k (from
-    the end with `reverse`) of `tok` (their tokens), into the slot `choose(room, row, t, tk)` picks in its
-    row of `room` (tokens free per slot), written to `to`."""
+    """Place the items of trades `t` one by one, all trades at once: item k of trade t, position first[t] + k
+    (from the end with `reverse`) of `tok` (their tokens), into the slot `choose(room, row, t, tk)` picks in its
+    row of `room` (tokens free per slot), written to `to`. Returns whether each trade placed all (a trade stops
+    at an item that fits nowhere)."""
     ok = np.ones(size.size, dtype=bool)
     row = np.arange(t.size)
     for k in range(int(size[t].max()) if t.size else 0):
