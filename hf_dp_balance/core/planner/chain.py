@@ -260,11 +260,9 @@ def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_ra
                    np.minimum(j_free, end))
     room_h = ta - tb + (cap * M - rank_tok[hl])
     j_hi = np.minimum(_search_within(CT, CT[j_in] + room_h, j_in, end + 1, "right", "both") - 1, end)
-    j = np.clip(_search_within(CC, CC[j_in] + ca - cb - want, j_in, end + 1, "left", "both"), j_free,
-                np.maximum(j_hi, j_free))
-    ok &= (j_free <= j_hi) & (j_free <= end) & (room_h >= 0)
-    j = np.minimum(j, end)
-    ok &= ~has_b | (lad.rank_of[bs] >= j)  # b is not in the ladder prefix
+    j = np.minimum(np.clip(_search_within(CC, CC[j_in] + ca - cb - want, j_in, end + 1, "left", "both"), j_free,
+                           np.maximum(j_hi, j_free)), end)
+    ok &= (j_free <= j_hi) & (j_free <= end) & (room_h >= 0) & (~has_b | (lad.rank_of[bs] >= j))  # b not in the prefix
     delta = ca - cb - (CC[j] - CC[j_in])
     load_h, load_l = state.load[hl], state.load[ll]
     after = np.maximum(load_h - delta, load_l + delta)
