@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
+_RADIX = 1 << 16  # keys below this sort as 16 bits: numpy's stable sort of them is a radix sort (O(n))
+
 
 def _ranges(lo: np.ndarray, hi: np.ndarray):
     """(positions, group of each): the concatenated index ranges [lo[g], hi[g]) of every group g."""
     size = hi - lo
-    total = int(size.sum())
-    group = np.repeat(np.arange(lo.size), size)
     first = np.cumsum(size) - size
-    pos = np.arange(total) + np.repeat(lo - first, size)  # every range's offset, repeated once
-    return pos, group
+    return np.arange(int(size.sum())) + np.repeat(lo - first, size), np.repeat(np.arange(lo.size), size)
 
 
 def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray, side: str = "left",
@@ -23,47 +22,35 @@ def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     search of each stretch a[lo:hi] (numpy's search of a long `a` in random order misses the cache at
     every level: 4-10x slower at 550k entries). `clamp`: "both" clamps the answer to [lo, hi], "high" to
     at most hi; an unclamped answer outside is found by a search of all of `a`."""
-    lo = np.asarray(lo, dtype=np.int64)
-    hi = np.asarray(hi, dtype=np.int64)
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
     if v.size == 0:
         return lo.copy()
     if a.size == 0:  # numpy's answer is 0 for every query
         zero = np.zeros(v.size, dtype=np.int64)
         return np.clip(zero, lo, hi) if clamp == "both" else np.minimum(zero, hi) if clamp == "high" else zero
-    left = side == "left"
-    # steps of halving powers of two: pos = lo + how many of a[lo:hi] pass (a < v for "left", a <= v
-    # for "right"; they are a prefix of it), the block of `step` after pos tested by its last entry
+    passes = np.less if side == "left" else np.less_equal  # the entries before the answer: a prefix of a[lo:hi]
+    # pos = lo + how many of a[lo:hi] pass, by steps of halving powers of two (a block passes by its last entry)
     pos = lo.copy()
     step = 1 << max(int(np.max(hi - lo)).bit_length() - 1, 0)
     while step:
         last = pos + (step - 1)
-        ok = last < hi
-        val = a.take(last, mode="clip")
-        ok &= (val < v) if left else (val <= v)
-        pos += ok * step
+        pos += ((last < hi) & passes(a.take(last, mode="clip"), v)) * step
         step >>= 1
     if clamp == "both":
         return pos
-    # pos is the answer unless a[lo - 1] fails (it lies below lo) or a[hi] passes (above hi)
-    before = a[np.maximum(lo - 1, 0)]
-    outside = (lo > 0) & ((before >= v) if left else (before > v))
+    # pos is the answer unless a[lo - 1] fails (it lies below lo) or a[hi] passes (above hi); NaN sorts last
+    outside = (lo > 0) & ~passes(a[np.maximum(lo - 1, 0)], v) | np.isnan(v)
     if clamp != "high":
-        after = a[np.minimum(hi, a.size - 1)]
-        outside |= (hi < a.size) & ((after < v) if left else (after <= v))
-    again = np.flatnonzero(outside | np.isnan(v))  # (numpy sorts NaN last)
+        outside |= (hi < a.size) & passes(a[np.minimum(hi, a.size - 1)], v)
+    again = np.flatnonzero(outside)
     if again.size:
         pos[again] = np.minimum(np.searchsorted(a, v[again], side=side), hi[again] if clamp == "high" else a.size)
     return pos
 
 
-_RADIX = 1 << 16  # keys below this sort as 16 bits: numpy's stable sort of them is a radix sort (O(n))
-
-
 def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
     """`values` (integers in [0, below)) as uint16 where they fit: numpy's stable sort of it is a radix sort."""
-    if below <= _RADIX:
-        return values.astype(np.uint16)
-    return values.astype(np.int64)
+    return values.astype(np.uint16) if below <= _RADIX else values.astype(np.int64)
 
 
 def _stable_order(values: np.ndarray, below: int) -> np.ndarray:
@@ -86,9 +73,8 @@ class _PayBack:
         """((tokens, cost, count) of the fewest small items of `slot` (index order) that free `need`
         tokens, the first and the last position of them in `items` (last = first - 1 if none),
         whether the slot has them)."""
-        n = slot.size
-        sums = [np.zeros(n), np.zeros(n), np.zeros(n)]
-        lo, j, feasible = np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), need <= 0
+        sums = [np.zeros(slot.size) for _ in range(3)]
+        lo, j, feasible = np.zeros(slot.size, dtype=np.int64), np.full(slot.size, -1, dtype=np.int64), need <= 0
         idx = np.flatnonzero(~feasible)
         self.items = self.order[:0]
         if idx.size == 0:
@@ -96,14 +82,14 @@ class _PayBack:
         used, inv = np.unique(slot[idx], return_inverse=True)  # the slots asked, each query's among them
         pos, grp = _ranges(self.starts[used], self.starts[used + 1])
         items = self.order[pos]
-        item_tok = self.tok[items]
-        keep = np.flatnonzero((item_tok <= self.small) & ~self.moved[items])  # (faster than a boolean mask)
-        items, grp, item_tok = items[keep], grp[keep], item_tok[keep]
+        keep = np.flatnonzero((self.tok[items] <= self.small) & ~self.moved[items])  # (faster than a boolean mask)
+        items, grp = items[keep], grp[keep]
+        if items.size == 0:
+            return sums, lo, j, feasible
         size = np.bincount(grp, minlength=used.size)
         first = np.cumsum(size) - size
-        run_t, run_c = np.cumsum(item_tok), np.cumsum(self.cost[items])
-        base_t = np.where(first > 0, run_t[np.maximum(first - 1, 0)], 0.0) if items.size else np.zeros(used.size)
-        base_c = np.where(first > 0, run_c[np.maximum(first - 1, 0)], 0.0) if items.size else np.zeros(used.size)
+        run_t, run_c = np.cumsum(self.tok[items]), np.cumsum(self.cost[items])
+        base_t, base_c = (np.where(first > 0, run[np.maximum(first - 1, 0)], 0.0) for run in (run_t, run_c))
         a, b = first[inv], first[inv] + size[inv]
         # run_t never decreases (tokens >= 0), over all the slots: a search of it, clamped to each slot's
         # stretch, is the first position there that reaches the goal (b if none)
@@ -111,9 +97,7 @@ class _PayBack:
         got = np.flatnonzero(p < b)
         idx, inv, a, p = idx[got], inv[got], a[got], p[got]
         lo[idx], j[idx], feasible[idx] = a, p, True
-        sums[0][idx] = run_t[p] - base_t[inv]
-        sums[1][idx] = run_c[p] - base_c[inv]
-        sums[2][idx] = p - a + 1
+        sums[0][idx], sums[1][idx], sums[2][idx] = run_t[p] - base_t[inv], run_c[p] - base_c[inv], p - a + 1
         self.items = items
         return sums, lo, j, feasible
 
@@ -125,13 +109,12 @@ class _PayBack:
 
 def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
     """(items, starts, key, scale): `items` (grouped by rank) by rank, then cost (ties: their order),
-    starts[r] where rank r's begin, and the sorted key rank + cost x scale (scale < 1 / (2 max cost))."""
+    starts[r] where rank r's begin, and the sorted key rank + cost x scale (scale < 1 / (2 max cost):
+    rank r's keys lie in [r, r + 1/2))."""
     ranks = rank_of[items]
     key = ranks + cost[items] * scale
     o = _float_order(key)  # (grouped by rank already: the sort only orders each rank's stretch)
-    items, key = items[o], key[o]
-    # cost x scale < 1/2: rank r starts at key r, after the items of the ranks below it
-    return items, _rank_starts(ranks, num_ranks), key, scale
+    return items[o], _rank_starts(ranks, num_ranks), key[o], scale
 
 
 def _first_best(group: np.ndarray, score: np.ndarray, groups: int) -> np.ndarray:
