@@ -14,9 +14,6 @@ from hf_dp_balance.core.planner.validation import (_as_index_array, _as_item_val
                                                    _check_fraction, _check_tokens, _per_rank)
 from hf_dp_balance.core.steps import SYNC_MODES, slot_sums, step_makespan
 
-_NO_PLAN = "no feasible plan found; kept in place"
-
-
 def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prior_loads=None,
                  speeds=None, min_gain=0.02, tolerance=0.005) -> Plan:
     """Move few items so that the slowest rank finishes as early as possible.
@@ -49,9 +46,8 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
                     loads_after=loads_before.copy(), lower_bound=lb, makespan_before=mk_before,
                     makespan_after=mk_before, moved=0, path="kept")
 
-    idle = None if violated is not None else _idle(n, mk_before, lb)
-    if idle is not None:
-        return keep(idle)
+    if violated is None and (n == 0 or mk_before <= 0 or mk_before <= lb * (1.0 + 1e-12)):
+        return keep("nothing to balance" if n == 0 or mk_before <= 0 else "already at the lower bound")
     state = _State(c, tok, cap, spd, own, np.zeros(n, dtype=np.int64), 1, loads_before, 0, fixed=prior)
     try:
         # a cap repair is applied whatever it gains: its repacks must still pay for their moves
@@ -63,7 +59,7 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
         failure = exc.where
     if failure is not None:
         if violated is None:
-            return keep(_NO_PLAN)
+            return keep("no feasible plan found; kept in place")
         raise _cap_error(ntok, cap, violated, failure) from None
     dest = state.dest
     loads_after = prior + np.bincount(dest, weights=c, minlength=num_ranks)
@@ -107,9 +103,8 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
                         makespan_before=mk_before, makespan_after=mk_before, moved=0, path="kept")
 
     slot_tok, required, bad_slot = _step_violation(slot, tok, cap, num_ranks, num_mb)
-    idle = None if required is not None else _idle(n, mk_before, lb)
-    if idle is not None:
-        return keep(idle)
+    if required is None and (n == 0 or mk_before <= 0 or mk_before <= lb * (1.0 + 1e-12)):
+        return keep("nothing to balance" if n == 0 or mk_before <= 0 else "already at the lower bound")
     need_all_slots = n >= num_ranks * num_mb
     try:
         if sync == "step":
@@ -128,7 +123,7 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
         failure = exc.where
     if failure is not None:
         if required is None:
-            return keep(_NO_PLAN)
+            return keep("no feasible plan found; kept in place")
         raise _slot_error(bad_slot, slot_tok, cap, num_mb, failure) from None
     after = slot_sums(c, slot, num_ranks, num_mb)
     made = StepPlan(dest_rank=rank, dest_micro_batch=micro, applied=True, reason="", loads_before=before,
@@ -136,13 +131,6 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
                     makespan_after=step_makespan(after, sync, spd), moved=int(np.count_nonzero(rank != own)),
                     path=path)
     return _verdict(made, keep, required, min_gain)
-
-
-def _idle(n: int, makespan: float, lb: float):
-    """Why no plan is worth making ("nothing to balance", "already at the lower bound"), or None."""
-    if n == 0 or makespan <= 0:
-        return "nothing to balance"
-    return "already at the lower bound" if makespan <= lb * (1.0 + 1e-12) else None
 
 
 def _step_bound(c: np.ndarray, spd: np.ndarray, sync: str) -> float:

@@ -148,10 +148,10 @@ def _residue_trades(state: _State, budget: np.ndarray, tolerance: float) -> None
 
 def _roomy_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
     """Ladder trades at any cost per token toward _ROOMY_AIM x budget on the ranks with room for two large
-    items (over their M slots), the budget elsewhere. Where every free token sits on ranks at or over the
-    limit (each holds a rank-sized item) and every rank with load room is token-full, no move fits: a roomy
-    rank trades dense items to token-full ranks for their cheaper tokens, and step 1 then moves the excess
-    into that room. The fullest rank never rises."""
+    items (over their M slots), the budget elsewhere: where every free token sits on ranks at or over the
+    limit and every rank with load room is token-full, no move fits; a roomy rank's dense items go to
+    token-full ranks for their cheaper tokens, and step 1 then moves the excess into that room. The fullest
+    rank never rises."""
     roomy = state.cap * state.M - state.slot_tok.sum(axis=1) >= state.cap * 2 * _LARGE
     _ladder_trades(state, np.where(roomy, budget * _ROOMY_AIM, budget), tolerance, min_rate=0.0)
 
