@@ -14,6 +14,7 @@ from hf_dp_balance.core.planner.validation import (_as_index_array, _as_item_val
                                                    _check_fraction, _check_tokens, _per_rank)
 from hf_dp_balance.core.steps import SYNC_MODES, slot_sums, step_makespan
 
+
 def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prior_loads=None,
                  speeds=None, min_gain=0.02, tolerance=0.005) -> Plan:
     """Move few items so that the slowest rank finishes as early as possible.

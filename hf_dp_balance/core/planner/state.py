@@ -56,8 +56,9 @@ class _State:
         self.load[frm] -= c
         self.load[to] += c
         if self.slot_tok is not None:
-            self.slot_tok[frm, m] -= self.tokens[item]
-            self.slot_tok[to, slot] += self.tokens[item]
+            t = self.tokens[item]
+            self.slot_tok[frm, m] -= t
+            self.slot_tok[to, slot] += t
         if self.count is not None:
             self.count[frm] -= 1
             self.count[to] += 1
