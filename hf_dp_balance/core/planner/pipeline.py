@@ -19,13 +19,13 @@ speed`). The goal: the fullest rank (load / budget) at or under 1 + tolerance; t
      expects to send at most `_TRUST` of the tokens; the other order runs where the first ends above
      the trades' limit (one-for-one swaps first close a gap of a few tenths, `refine._swap_down`).
    - First for a milder cost: small-change trades (`trade`), step 1.
-   Both end with small-change trades, a polish and by sending home items a detour took away (`home`).
+   Both end with small-change trades, a polish, and sending home the items a detour took away (`home`).
 3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending fewer
    tokens): a repack sends most of the step again.
 4. Repack fallback (`repack`), only above that: the over-full and the emptiest ranks re-placed by
    capped LPT and renamed toward their items' owners, their number doubled until the goal.
 5. Choice among all attempts: the lowest fullest rank, and among plans within the tolerance of it
-   the fewest tokens sent.
+   the fewest tokens sent (a cap repair's repack must beat the incremental plan by `min_gain`).
 
 `sync="micro_batch"` runs step 1 without exchanges (`slots`); `api` checks the result exactly and
 keeps it only when required or when it pays (`min_gain`).
