@@ -13,13 +13,13 @@ from hf_dp_balance.core.planner.state import _PASSES, _Infeasible, _State, _copy
 
 def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
                          deep: bool = True, refine: bool = True) -> _State:
-    """Shed, place, refine (docs/planner.md) toward per-rank `budget` loads, then the item-count fixes;
-    returns the final state. Raises _Infeasible. `deep` False: no one-for-many exchanges; `refine` False
-    (with `deep` False): shed and place only (where ladder trades follow that do that work).
+    """Shed, place, refine (docs/planner.md) toward per-rank `budget` loads, then the item-count fixes; returns
+    the final state. Raises _Infeasible. `deep` False: no one-for-many exchanges; `refine` False (with `deep`
+    False): shed and place only (where ladder trades follow that do that work).
 
-    When the placement breaks the token cap and shedding for cost takes an item that no slot can hold
-    any more, the cap is repaired alone (token shedding, then refine / exchanges, which keep the cap): a
-    repair then moves a few small items instead of failing over to a repack that moves most of them."""
+    When the placement breaks the token cap and shedding for cost takes an item that no slot can hold any
+    more, the cap is repaired alone (token shedding, then refine / exchanges, which keep the cap): the repair
+    moves a few small items instead of failing over to a repack that moves most of them."""
     repair_only = _copy_state(state) if state.cap is not None and bool(np.any(state.slot_tok > state.cap)) else None
     slack = budget * (tolerance / 2.0)
     try:
@@ -33,14 +33,13 @@ def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, re
 def _balance_shedding(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
                       relocate: bool, deep: bool, refine: bool = True) -> _State:
     """`_balance_once`; when some item is over its own rank's budget on its own (speeds or fixed loads
-    differ), relocating it to a faster rank is tried and so is leaving it; the plan with the lower
-    fullest rank wins (ties: fewer moves)."""
+    differ), both relocating it to a faster rank and leaving it are tried: the lower fullest rank wins
+    (ties: fewer moves)."""
     misplaced = relocate and state.costs.size and float(state.costs.max()) > float((budget + slack).min()) and bool(
         np.any(state.costs > (budget + slack)[state.dest]))
     if not misplaced:
         return _balance_once(state, budget, slack, tolerance, False, deep, refine=refine)
-    start = state.dest.copy()
-    other = _copy_state(state)
+    start, other = state.dest.copy(), _copy_state(state)
     state = _balance_once(state, budget, slack, tolerance, relocate=True)
     try:
         other = _balance_once(other, budget, slack, tolerance, relocate=False)
@@ -52,11 +51,11 @@ def _balance_shedding(state: _State, budget: np.ndarray, slack: np.ndarray, tole
 
 def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
                   relocate: bool, deep: bool = True, shed_cost: bool = True, refine: bool = True) -> _State:
-    """One shed / place pass (tokens over the cap, and with `shed_cost` load over budget), the extra
-    passes, then `_polish`."""
+    """One shed / place pass (tokens over the cap, and with `shed_cost` load over budget), the extra passes,
+    then `_polish`."""
     limit = budget * (1.0 + tolerance / 2.0)
-    # the token repair first: a slot over the cap gives away a few small items, so an item the
-    # cost shedding then takes from it still fits back home (after the repair, its slot has room)
+    # the token repair first: a slot over the cap gives away a few small items, so an item the cost
+    # shedding then takes from it still fits back home (after the repair, its slot has room)
     repair = _shed_tokens(state)
     pool = _shed_rounds(state, budget, slack, relocate=relocate) if shed_cost else repair[:0]
     if repair.size:
@@ -69,8 +68,8 @@ def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, toleranc
 
 
 def _extra_passes(state: _State, budget: np.ndarray, slack: np.ndarray, limit: np.ndarray) -> None:
-    """Up to _PASSES more shed / place passes while some rank is over budget + slack: they shed again
-    what the placement could not fit (e.g. the rank that took a long sample; long samples stay)."""
+    """Up to _PASSES more shed / place passes while some rank is over budget + slack: they shed again what
+    the placement could not fit (e.g. the rank that took a long sample; long samples stay)."""
     for _ in range(_PASSES):
         pool = _shed_rounds(state, budget, slack, relocate=False) if np.any(state.load > budget + slack) else []
         if len(pool) == 0:
@@ -82,9 +81,7 @@ def _polish(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: flo
             eject: bool = True, refine: bool = True) -> _State:
     """Refine (unless `refine` is False), one-for-many exchanges while they help (`eject`), then the
     item-count fixes. An exchange is kept only if it lowers the fullest rank (at most R of them)."""
-    limit = budget * (1.0 + tolerance / 2.0)
-    goal = 1.0 + tolerance
-    refine_iters = 2 * budget.shape[0] + 16
+    limit, goal, refine_iters = budget * (1.0 + tolerance / 2.0), 1.0 + tolerance, 2 * budget.shape[0] + 16
     if refine:
         _refine(state, budget, goal, max_iters=refine_iters)
     for _ in range(budget.shape[0] if eject else 0):

@@ -1,31 +1,31 @@
 """The planning pipeline of `plan_balance` and `plan_step(sync="step")`: which stage runs when.
 
 Every stage works on one `_State` (the working placement) toward per-rank budgets (`lower_bound x
-speed`); the goal is the fullest rank (load / budget) at or under 1 + tolerance, the trades' limit
-1 + tolerance / 2. Every stage keeps the token cap of every slot and places every item exactly once.
+speed`). The goal: the fullest rank (load / budget) at or under 1 + tolerance; the trades' limit is
+1 + tolerance / 2. Every stage keeps every slot under the token cap and places every item exactly once.
 
 1. Incremental method (`passes._balance_incremental`), from the current placement: a cap repair
    (tokens shed from slots over the cap), shed and place (best fit), refine (moves and one-for-one
-   swaps from the fullest rank), one-for-many exchanges (`eject`), the item-count fixes. Runs
-   first unless the slots are full (step 2 goes first then); stops at the goal.
-2. Full-cap trades (`_full_cap_trades`), for slots filled to the cap, where no large item fits
-   anywhere and only exchanges help; judged by the tokens they send. They run first when most
-   slots have less room than a large item (`_trades_first`), else only after step 1 ends above
-   the goal. After step 1, or first for a cost whose large items are dearer per token (`_lumpy`):
-   ladder trades (`chain`); step 1 (shed and place only, from 5 micro-batches on); up to `_PASSES`
-   ladder passes at any cost per token (`_residue_trades`), each with step 1; up to `_PASSES` that
-   make load room where the free tokens are (`_roomy_trades`). At 2 to 4 micro-batches the long
-   items are first assigned to ranks (`assign`) where that search expects to send at most `_TRUST`
-   of the tokens; the other order runs where the first ends above the trades' limit (one-for-one
-   swaps first close a gap of a few tenths, `refine._swap_down`). First for a milder cost:
-   small-change trades (`trade`), step 1.
-   Both end with small-change trades, a polish and by sending home items a detour took away (`home`).
-3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending
-   fewer tokens): a repack sends most of the step again.
+   swaps from the fullest rank), one-for-many exchanges (`eject`), the item-count fixes. Runs first
+   unless the slots are full (step 2 goes first then); stops at the goal.
+2. Full-cap trades (`_full_cap_trades`), for slots filled to the cap: no large item fits anywhere and
+   only exchanges help, judged by the tokens they send. They run first when most slots have less room
+   than a large item (`_trades_first`), else only after step 1 ends above the goal.
+   - After step 1, or first for a cost whose large items are dearer per token (`_lumpy`): ladder
+     trades (`chain`); step 1 (shed and place only, from 5 micro-batches on); while above the goal,
+     up to `_PASSES` ladder passes at any cost per token (`_residue_trades`), then up to `_PASSES`
+     that make load room where the free tokens are (`_roomy_trades`), each followed by step 1.
+     At 2 to 4 micro-batches the long items are first assigned to ranks (`assign`) where that search
+     expects to send at most `_TRUST` of the tokens; the other order runs where the first ends above
+     the trades' limit (one-for-one swaps first close a gap of a few tenths, `refine._swap_down`).
+   - First for a milder cost: small-change trades (`trade`), step 1.
+   Both end with small-change trades, a polish, and sending home the items a detour took away (`home`).
+3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending fewer
+   tokens): a repack sends most of the step again.
 4. Repack fallback (`repack`), only above that: the over-full and the emptiest ranks re-placed by
    capped LPT and renamed toward their items' owners, their number doubled until the goal.
 5. Choice among all attempts: the lowest fullest rank, and among plans within the tolerance of it
-   the fewest tokens sent.
+   the fewest tokens sent (a cap repair's repack must beat the incremental plan by `min_gain`).
 
 `sync="micro_batch"` runs step 1 without exchanges (`slots`); `api` checks the result exactly and
 keeps it only when required or when it pays (`min_gain`).
@@ -52,19 +52,17 @@ _LUMPY = 2.0  # large items dearer per token than the rest by this factor: a ran
 
 def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
              deep: bool = True, repack_gain: float = 0.0) -> _State:
-    """Steps 1-5 of the module docstring; `deep` False (sync="micro_batch"): step 1 without exchanges.
-    With `repack_gain` > 0 (a cap repair, applied whatever it gains) a repack replaces the incremental
-    plan only if it cuts the fullest rank by that fraction. Raises _Infeasible only when no attempt
-    finds a feasible plan."""
+    """Steps 1-5; `deep` False (sync="micro_batch"): step 1 without exchanges. With `repack_gain` > 0 (a
+    cap repair, applied whatever it gains) a repack replaces the incremental plan only if it cuts the
+    fullest rank by that fraction. Raises _Infeasible only when no attempt finds a feasible plan."""
     if not deep:
         return _balance_incremental(state, budget, tolerance, relocate, deep=False)
-    goal = 1.0 + tolerance
     start, origin = state.dest.copy(), _copy_state(state)
     first = _trades_first(origin)
     lumpy = first and _lumpy(origin)
     # trades that go first work on `state` itself and run step 1 themselves: their plan is the base
     base = _full_cap_trades(state, budget, tolerance, relocate, ladder=lumpy) if first else None
-    # after ladder trades, a repack that does not beat them ends the doubling (it rarely does, for most of the call)
+    # after ladder trades, a repack that does not beat them ends the doubling (it rarely does)
     stop_at = _fullest(base, budget) if lumpy and base is not None else np.inf
     traded = None
     if base is None:
@@ -72,15 +70,15 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
             base = _balance_incremental(_copy_state(origin) if first else state, budget, tolerance, relocate)
         except _Infeasible:
             pass
-        if not first and (base is None or _fullest(base, budget) > goal):
+        if not first and (base is None or _fullest(base, budget) > 1.0 + tolerance):
             traded = _full_cap_trades(_copy_state(origin), budget, tolerance, relocate)
     plans = [p for p in (base, traded) if p is not None]
-    within = [p for p in plans if _fullest(p, budget) <= goal]
-    if within:
-        return within[0]
-    near = [p for p in plans if _fullest(p, budget) <= 1.0 + 2.0 * tolerance]
-    if near:
-        return min(near, key=lambda p: _sent(p, start))
+    for plan in plans:
+        if _fullest(plan, budget) <= 1.0 + tolerance:
+            return plan
+    near = _fewest_sent(plans, budget, 1.0 + 2.0 * tolerance, start)
+    if near is not None:
+        return near
     repacks = repack._repack_until(origin if base is None else base, origin, budget, tolerance, start, stop_at,
                                    none_yet=not plans)
     tried = [p for p in (base,) if p is not None] + repacks + [p for p in (traded,) if p is not None]
@@ -88,16 +86,14 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
 
 
 def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, ladder: bool = True):
-    """Step 2 of the module docstring; None when the start breaks the cap (a repair: step 1 does it)
-    or no plan is found. Where both orders of long items first run, the better plan wins (the lower
-    fullest rank; both within the trades' limit, fewer tokens sent). Works on `origin` itself (spoilt
-    when it returns None)."""
+    """Step 2; None when the start breaks the cap (a repair: step 1 does it) or no plan is found. Where
+    both orders of long items first run, the plan within the trades' limit sending fewer tokens wins,
+    else the lower fullest rank. Works on `origin` itself (spoilt when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
     if not ladder or not _long_first_applies(origin):
         return _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=None)
-    start = origin.dest.copy()
-    spare = _copy_state(origin)
+    start, spare = origin.dest.copy(), _copy_state(origin)
     assigned = _assign_long(origin, budget, tolerance)
     trusted = assigned[2] <= _TRUST * float(origin.tokens.sum())
     first = _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=assigned if trusted else None)
@@ -110,10 +106,7 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     plans = [p for p in (first, second) if p is not None]
     if not plans:
         return None
-    within = [p for p in plans if _fullest(p, budget) <= limit]
-    if within:
-        return min(within, key=lambda p: _sent(p, start))
-    return min(plans, key=lambda p: _fullest(p, budget))
+    return _fewest_sent(plans, budget, limit, start) or min(plans, key=lambda p: _fullest(p, budget))
 
 
 def _full_cap_pass(state: _State, budget: np.ndarray, tolerance: float, relocate: bool, ladder: bool, long_first):
@@ -148,32 +141,32 @@ def _full_cap_pass(state: _State, budget: np.ndarray, tolerance: float, relocate
 
 
 def _residue_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
-    """Ladder trades at any cost per token, between near ranks and their partners only: what step 1
-    left over the goal after the first ladder pass."""
+    """Ladder trades at any cost per token, between near ranks and their partners only: what step 1 left
+    over the goal after the first ladder pass."""
     _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True, partners_only=True)
 
 
 def _roomy_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
-    """Ladder trades at any cost per token toward _ROOMY_AIM x budget on the ranks with room for two
-    large items (over their M slots), the budget elsewhere. Where the residue leaves every free token
-    on ranks at or over the limit (each holds a rank-sized item: M = 3) and every rank with load room
-    token-full, no move fits; these trades send a roomy rank's dense items to token-full ranks for their
-    cheaper tokens, and step 1 then moves the excess into that room. The fullest rank never rises."""
+    """Ladder trades at any cost per token toward _ROOMY_AIM x budget on the ranks with room for two large
+    items (over their M slots), the budget elsewhere: where every free token sits on ranks at or over the
+    limit and every rank with load room is token-full, no move fits; a roomy rank's dense items go to
+    token-full ranks for their cheaper tokens, and step 1 then moves the excess into that room. The fullest
+    rank never rises."""
     roomy = state.cap * state.M - state.slot_tok.sum(axis=1) >= state.cap * 2 * _LARGE
     _ladder_trades(state, np.where(roomy, budget * _ROOMY_AIM, budget), tolerance, min_rate=0.0)
 
 
 def _trades_first(state: _State) -> bool:
-    """Most slots have less token room than a large item (fixed-length packing at max_tokens = the
-    pack length): only exchanges help, so the full-cap trades go first."""
+    """Most slots have less token room than a large item (fixed-length packing at max_tokens = the pack
+    length): only exchanges help, so the full-cap trades go first."""
     if state.cap is None or state.slot_tok is None or bool(np.any(state.slot_tok > state.cap)):
         return False
     return float(np.median(state.cap - state.slot_tok)) <= state.cap * _LARGE
 
 
 def _lumpy(state: _State) -> bool:
-    """The large items cost at least _LUMPY x more per token than the rest (a strongly quadratic
-    cost): a rank over the goal must trade one of them away for many small ones (ladder trades)."""
+    """The large items cost at least _LUMPY x more per token than the rest (a strongly quadratic cost): a
+    rank over the goal must trade one of them away for many small ones (ladder trades)."""
     large = (state.tokens > state.cap * _LARGE).view(np.int8)
     t_rest, t_large = np.bincount(large, weights=state.tokens, minlength=2)
     if t_large <= 0 or t_rest <= 0:
@@ -182,14 +175,18 @@ def _lumpy(state: _State) -> bool:
     return float(c_large) / t_large >= _LUMPY * float(c_rest) / t_rest
 
 
+def _fewest_sent(plans: list, budget: np.ndarray, bar: float, start: np.ndarray):
+    """Of the plans whose fullest rank is at or under `bar`, the one sending the fewest tokens (the first of
+    equals); None if none is."""
+    near = [p for p in plans if _fullest(p, budget) <= bar]
+    return min(near, key=lambda p: _sent(p, start)) if near else None
+
+
 def _choose(tried: list, incremental, budget: np.ndarray, tolerance: float, start: np.ndarray,
             repack_gain: float) -> _State:
-    """Step 5: the lowest fullest rank, and among the attempts within `tolerance` of it the fewest
-    tokens sent (first wins ties); the `incremental` plan instead when the choice is a repack that
-    does not beat it by `repack_gain`."""
-    best = min(_fullest(st, budget) for st in tried)
-    near = [st for st in tried if _fullest(st, budget) <= best * (1.0 + tolerance)]
-    chosen = min(near, key=lambda st: _sent(st, start))
+    """Step 5: the lowest fullest rank, and among the attempts within `tolerance` of it the fewest tokens
+    sent; the `incremental` plan instead when that is a repack not beating it by `repack_gain`."""
+    chosen = _fewest_sent(tried, budget, min(_fullest(p, budget) for p in tried) * (1.0 + tolerance), start)
     if (repack_gain > 0 and incremental is not None and chosen is not incremental
             and _fullest(chosen, budget) > _fullest(incremental, budget) * (1.0 - repack_gain)):
         return incremental

@@ -1,9 +1,5 @@
-"""The repack fallback: ranks re-placed from scratch by capped LPT, for a plan steps 1-2 leave above the goal.
-
-It moves most items of the ranks it takes (what a plan sends is the tokens that change rank), so it
-runs only when the incremental method and the full-cap trades end above twice the tolerance
-(core/planner/pipeline.py, steps 4-5).
-"""
+"""The repack fallback (pipeline steps 4-5): ranks re-placed from scratch by capped LPT. It sends most items
+of the ranks it takes, so it runs only where steps 1-2 end above twice the tolerance."""
 
 from __future__ import annotations
 
@@ -20,10 +16,9 @@ def _repack_until(base: _State, origin: _State, budget: np.ndarray, tolerance: f
                   stop_at: float, none_yet: bool) -> list:
     """Repacks of the ranks above the goal in `base` and the K emptiest, K = 2 x (over-full ranks) +
     _REPACK_START, doubled until one is within the goal, one does not beat `stop_at`, or every rank is in
-    (then from `origin`: a from-scratch LPT). Returns the plans made; raises the last _Infeasible when
-    none is and `none_yet` (no other attempt to fall back on)."""
-    goal = 1.0 + tolerance
-    R = budget.shape[0]
+    (then from `origin`: a from-scratch LPT). Returns the plans made; raises the last _Infeasible when none
+    is and `none_yet` (no other attempt to fall back on)."""
+    goal, R = 1.0 + tolerance, budget.shape[0]
     full = base.load / np.maximum(budget, np.finfo(np.float64).tiny)
     if base is origin and base.cap is not None:
         # the incremental method failed on a cap repair: ranks with a slot over the cap go first
@@ -50,12 +45,11 @@ def _repack_until(base: _State, origin: _State, budget: np.ndarray, tolerance: f
     return made
 
 
-def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarray,
-            start: np.ndarray) -> _State:
-    """Re-place every item of `ranks` by capped LPT onto `ranks` (heaviest first to the least
-    full, load / budget, whose emptiest slot has token room), rename those ranks toward the
-    items' owners in `start`, then shed / place, refine and exchange as the incremental
-    method. Cost: O(n) numpy + O(pooled items x log |ranks|) Python + the matching."""
+def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarray, start: np.ndarray) -> _State:
+    """Re-place every item of `ranks` by capped LPT onto `ranks` (heaviest first to the least full, load /
+    budget, whose emptiest slot has token room), rename those ranks toward the items' owners in `start`,
+    then the incremental method's extra passes and polish. Cost: O(n) numpy + O(pooled items x log |ranks|)
+    Python + the matching."""
     inside = np.zeros(budget.shape[0], dtype=bool)
     inside[ranks] = True
     pool = np.flatnonzero(inside[state.dest])
@@ -65,17 +59,15 @@ def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarr
         _relabel(state, budget, ranks, pool, start)
     state.path = "repack"
     slack = budget * (tolerance / 2.0)
-    limit = budget * (1.0 + tolerance / 2.0)
-    _extra_passes(state, budget, slack, limit)
+    _extra_passes(state, budget, slack, budget * (1.0 + tolerance / 2.0))
     return _polish(state, budget, slack, tolerance)
 
 
 def _relabel(state: _State, budget: np.ndarray, ranks: np.ndarray, pool: np.ndarray, start: np.ndarray) -> None:
-    """Rename `ranks` (whose items are `pool`, freshly placed) so that most items go back to
-    their owner in `start`: a maximum-weight matching (scipy linear_sum_assignment) of the
-    new contents to the ranks, weight = items already owned by the rank. Only when those
-    ranks have the same budget and no fixed load (then a renaming changes no time).
-    O(pool + K^3) for K ranks (fast in practice)."""
+    """Rename `ranks` (whose items are `pool`, freshly placed) so that most tokens go back to their owner in
+    `start`: a maximum-weight matching (scipy linear_sum_assignment) of the new contents to the ranks, weight
+    = tokens (items when no tokens are given) the rank already owns. Only where those ranks have one budget
+    and no fixed load (a renaming then changes no time). O(pool + K^3) for K ranks."""
     K = ranks.shape[0]
     if K < 2 or np.any(budget[ranks] != budget[ranks[0]]) or np.any(state.fixed[ranks] != 0):
         return
@@ -85,7 +77,6 @@ def _relabel(state: _State, budget: np.ndarray, ranks: np.ndarray, pool: np.ndar
     local[ranks] = np.arange(K)
     owner = local[start[pool]]
     mine = owner >= 0
-    # weight: tokens kept home (the bytes an exchange does not send), items when no tokens are given
     weight = None if state.tokens is None else state.tokens[pool[mine]]
     kept = np.bincount(local[state.dest[pool[mine]]] * K + owner[mine], weights=weight,
                        minlength=K * K).reshape(K, K)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
 
-# Plan.path / StepPlan.path: "kept" (not applied: everything stays), "incremental" (shed / place /
-# refine / exchange from the current placement), "trades" (the full-cap trades' plan was kept),
-# "repack" (the repack fallback's plan was kept), "reference" (apps.reference.plan_reference_greedy,
-# the published baseline).
+# Plan.path / StepPlan.path: "kept" (not applied: everything stays), "incremental" (shed / place / refine /
+# exchange from the current placement), "trades" (the full-cap trades' plan was kept), "repack" (the repack
+# fallback's plan was kept), "reference" (apps.reference.plan_reference_greedy, the published baseline).
 PATHS = ("kept", "incremental", "trades", "repack", "reference")
+
 
 class _GainMixin:
     """`gain` of a plan result: the relative cut of the slowest rank, 1 - after / before (0 when skipped)."""
@@ -25,11 +25,8 @@ class _GainMixin:
 
 @dataclass(frozen=True)
 class Plan(_GainMixin):
-    """Destination rank of every item, with the loads that justify it.
-
-    Loads are in cost units (not divided by speed); makespans and the lower
-    bound are in time units (load / speed).
-    """
+    """Destination rank of every item, with the loads that justify it. Loads are in cost units (not divided
+    by speed); makespans and the lower bound are in time units (load / speed)."""
 
     dest: np.ndarray
     applied: bool
@@ -45,11 +42,9 @@ class Plan(_GainMixin):
 
 @dataclass(frozen=True)
 class StepPlan(_GainMixin):
-    """Destination (rank, micro-batch) slot of every item of one optimizer step.
-
-    `moved` counts items whose rank changes: moving between micro-batches of one
-    rank costs no communication. Makespans follow the sync mode's objective.
-    """
+    """Destination (rank, micro-batch) slot of every item of one optimizer step. `moved` counts items whose
+    rank changes: moving between micro-batches of one rank costs no communication. Makespans follow the sync
+    mode's objective."""
 
     dest_rank: np.ndarray
     dest_micro_batch: np.ndarray
@@ -73,29 +68,23 @@ def _first(mask: np.ndarray) -> Optional[int]:
     return int(idx[0]) if idx.size else None
 
 
-def _with_reason(plan, reason: str):
-    return type(plan)(**{**plan.__dict__, "reason": reason})
-
-
 def _verdict(made, keep, required: Optional[str], min_gain: float):
-    """The made plan if it is required (`required`: why) or beats keeping in place by at least
-    `min_gain`, else `keep(reason)`."""
+    """The made plan if it is required (`required`: why) or beats keeping in place by at least `min_gain`,
+    else `keep(reason)`."""
     if required is not None:
-        return _with_reason(made, f"required: {required}")
-    before, after = made.makespan_before, made.makespan_after
-    if after >= before:
+        return replace(made, reason=f"required: {required}")
+    if made.makespan_after >= made.makespan_before:
         return keep("no plan beats keeping in place")
-    gain = 1.0 - after / before
+    gain = 1.0 - made.makespan_after / made.makespan_before
     if gain < min_gain:
         return keep(f"gain {_pct(gain)} < min_gain {_pct(min_gain)}")
-    return _with_reason(made, f"gain {_pct(gain)} >= min_gain {_pct(min_gain)}")
+    return replace(made, reason=f"gain {_pct(gain)} >= min_gain {_pct(min_gain)}")
 
 
 def _cap_error(ntok, cap, rank, detail="") -> ValueError:
-    return ValueError(
-        f"token cap cannot be met: rank {rank} holds {ntok[rank]:.0f} tokens > cap {cap:.0f} "
-        f"(all ranks: {ntok.sum():.0f} tokens, total capacity {cap * ntok.size:.0f})"
-        + (f"; {detail}" if detail else ""))
+    return ValueError(f"token cap cannot be met: rank {rank} holds {ntok[rank]:.0f} tokens > cap {cap:.0f} "
+                      f"(all ranks: {ntok.sum():.0f} tokens, total capacity {cap * ntok.size:.0f})"
+                      + (f"; {detail}" if detail else ""))
 
 
 def _slot_error(slot_index, slot_tok, cap, num_mb, detail) -> ValueError:
@@ -104,4 +93,3 @@ def _slot_error(slot_index, slot_tok, cap, num_mb, detail) -> ValueError:
                                         f"all slots {slot_tok.sum():.0f} tokens)")
     return ValueError(f"cannot make a valid step plan: slot (rank {r}, micro-batch {m}){held}; "
                       f"no placement found that fixes it ({detail})")
-

@@ -1,8 +1,5 @@
-"""The working placement of one planning call and the helpers that read or copy it.
-
-Local to one call (never shared): items' ranks and slots, per-rank loads, per-slot
-tokens, per-rank item counts, kept consistent by `move` / `_remove`.
-"""
+"""The working placement of one planning call (local to the call, never shared), the constants every stage
+shares, and the helpers that read, copy or pair it."""
 
 from __future__ import annotations
 
@@ -22,34 +19,24 @@ _FEW_SLOTS = 4  # up to this many micro-batches a rank's slots give a trade litt
 
 
 class _Infeasible(Exception):
-    """No placement found that meets the token cap / item counts; `where` says where it failed."""
+    """No placement found that meets the token cap / item counts; `where` (the message) says where it failed."""
 
-    def __init__(self, where):
-        super().__init__(where)
-        self.where = where
+    where = property(lambda self: self.args[0])
 
 
 class _State:
-    """Working placement of one planning call (local to the call, never shared).
-
-    R ranks with M slots each (micro-batches; M = 1 for plan_balance). Cost is
-    balanced per rank, tokens are capped per slot. Tokens per slot are tracked
-    under a cap, and with M > 1 (to spread arriving items over the slots; items
-    count 1 each when no tokens are given). Items per rank are tracked only when
-    ranks need a minimum count.
-    """
+    """R ranks with M slots each (micro-batches; M = 1 for plan_balance): cost balanced per rank, tokens
+    capped per slot. Tokens per slot are tracked under a cap and with M > 1 (to spread arriving items over
+    the slots; an item counts 1 when no tokens are given); items per rank only when ranks need a minimum
+    count. `move` and `_remove` keep every total consistent."""
 
     def __init__(self, costs, tokens, cap, speeds, dest, micro, num_slots, load, min_count, fixed=None,
                  slot_tok=None):
         R = speeds.shape[0]
         self.fixed = np.zeros(R) if fixed is None else fixed  # load that cannot move (prior_loads)
-        self.costs = costs
-        self.cap = cap  # tokens per slot, or None
-        self.speeds = speeds
-        self.M = num_slots
-        self.dest = dest.copy()
+        self.costs, self.cap, self.speeds, self.M = costs, cap, speeds, num_slots  # cap: tokens per slot, or None
+        self.dest, self.micro = dest.copy(), micro.copy()
         self.prev = dest.copy()  # rank an item was last taken from (its way back)
-        self.micro = micro.copy()
         self.load = load.copy()  # prior + costs per rank
         track = cap is not None or num_slots > 1
         self.tokens = tokens if tokens is not None else (np.ones(costs.shape[0]) if track else None)
@@ -65,8 +52,7 @@ class _State:
         self.item_memo = {}
 
     def move(self, item: int, to: int, slot: int) -> None:
-        frm, m = int(self.dest[item]), int(self.micro[item])
-        c = self.costs[item]
+        frm, m, c = int(self.dest[item]), int(self.micro[item]), self.costs[item]
         self.load[frm] -= c
         self.load[to] += c
         if self.slot_tok is not None:
@@ -76,8 +62,7 @@ class _State:
         if self.count is not None:
             self.count[frm] -= 1
             self.count[to] += 1
-        self.dest[item] = to
-        self.micro[item] = slot
+        self.dest[item], self.micro[item] = to, slot
 
 
 def _remove(state: _State, items: np.ndarray) -> None:
@@ -113,25 +98,24 @@ def _smallest_room(room: list, t: float) -> int:
 
 
 def _sent(state: _State, start: np.ndarray) -> float:
-    """What a plan sends over the side network: tokens of the items that change rank (items when no
-    tokens are given)."""
+    """What a plan sends over the side network: tokens of the items that change rank (items when no tokens
+    are given)."""
     away = state.dest != start
     return float(state.tokens[away].sum()) if state.tokens is not None else float(np.count_nonzero(away))
 
 
 def _pair_ranks(state: _State, budget: np.ndarray, limit: np.ndarray, under_key: np.ndarray, partners: int, k: int):
-    """(over-full ranks, h, l) of round k of a trade pass: every rank over `limit`, most over its
-    budget first, meets `partners` ranks under budget (lowest `under_key` first; ties: lowest index),
-    from its own place in that order, shifted every round so that a pair that found no trade meets
-    new ranks. h and l are None when no rank is under budget."""
+    """(over-full ranks, h, l) of round k of a trade pass: every rank over `limit`, most over its budget
+    first, meets `partners` ranks under budget (lowest `under_key` first; ties: lowest index), from its own
+    place in that order, shifted every round so that a pair that found no trade meets new ranks. h and l
+    are None when no rank is under budget."""
     over = np.flatnonzero(state.load > limit)
     under = np.flatnonzero(state.load < budget)
     if over.size == 0 or under.size == 0:
         return over, None, None
     over = over[np.argsort(budget[over] - state.load[over], kind="stable")]
     under = under[np.argsort(under_key[under], kind="stable")]
-    P = min(over.size, under.size)
-    K = min(partners, under.size)
+    P, K = min(over.size, under.size), min(partners, under.size)
     h = np.repeat(over[:P], K)
     l = under[(np.repeat(np.arange(P), K) + np.tile(np.arange(K), P) * (1 + k) + k) % under.size]
     return over, h, l
