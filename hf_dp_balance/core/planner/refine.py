@@ -27,18 +27,15 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
     for _ in range(max_iters):
         full = state.load / budget
         h = int(np.argmax(np.where(stuck, -np.inf, full)))
-        fh = float(full[h])
-        if fh <= goal or stuck[h]:
+        if full[h] <= goal or stuck[h]:
             return
-        if members is None:
-            members = _Members(state.dest, budget.shape[0])
-        mine = members.of(h)
-        cand = _emptiest(full, h, candidates)
+        members = members or _Members(state.dest, budget.shape[0])
+        mine, cand = members.of(h), _emptiest(full, h, candidates)
         if mine.size and cand.size == 0:
             return
         move = _best_move(state, budget, h, mine, cand) if mine.size else (np.inf,)
         swap = _best_swap(state, budget, h, mine, cand, members) if mine.size else (np.inf,)
-        if not min(move[0], swap[0]) < fh:
+        if not min(move[0], swap[0]) < full[h]:
             stuck[h] = True
         elif move[0] <= swap[0]:
             _, item, l, slot = move
@@ -53,14 +50,23 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
 
 def _emptiest(full: np.ndarray, h: int, candidates: int) -> np.ndarray:
     """The `candidates` least full ranks other than h, lowest index on ties."""
-    pick = full.copy()
+    pick, cand = full.copy(), []
     pick[h] = np.inf
-    cand = []
     for _ in range(min(candidates, pick.size - 1)):
-        l = int(np.argmin(pick))
-        cand.append(l)
-        pick[l] = np.inf
+        cand.append(int(np.argmin(pick)))
+        pick[cand[-1]] = np.inf
     return np.asarray(cand, dtype=np.int64)
+
+
+def _least_worst(state: _State, budget: np.ndarray, h: int, delta: np.ndarray, ranks: np.ndarray, fits):
+    """(larger fullness after, row, column) of the best of a matrix of one-for-one changes: `delta`[row,
+    column] load leaves h for rank `ranks`[column], where `fits` (all if None); the first on ties."""
+    worst = np.maximum((state.load[h] - delta) / budget[h],
+                       (state.load[ranks][None, :] + delta) / budget[ranks][None, :])
+    if fits is not None:
+        worst = np.where(fits, worst, np.inf)
+    k = int(np.argmin(worst))
+    return (float(worst.flat[k]),) + divmod(k, ranks.size)
 
 
 def _best_move(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand: np.ndarray):
@@ -68,22 +74,16 @@ def _best_move(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
     candidate's emptiest slot within the cap; (inf, ...) when h may not give an item away."""
     if state.count is not None and mine.size <= state.min_count:
         return np.inf, -1, -1, 0
-    to_slot = room = None
+    to_slot = fits = None
     if state.slot_tok is not None:
         to_slot = np.argmin(state.slot_tok[cand], axis=1)
         if state.cap is not None:
             room = state.cap - state.slot_tok[cand, to_slot]
             if float(state.tokens[mine].min()) > float(room.max()):  # no item fits: every entry below is inf
                 return np.inf, -1, -1, 0
-    ca = state.costs[mine]
-    worst = np.maximum(((state.load[h] - ca) / budget[h])[:, None],
-                       (state.load[cand][None, :] + ca[:, None]) / budget[cand][None, :])  # [a, l]
-    if room is not None:
-        worst = np.where(state.tokens[mine][:, None] <= room[None, :], worst, np.inf)
-    k = int(np.argmin(worst))
-    a, j = divmod(k, cand.size)
-    slot = int(to_slot[j]) if to_slot is not None else 0
-    return float(worst.flat[k]), int(mine[a]), int(cand[j]), slot
+            fits = state.tokens[mine][:, None] <= room[None, :]
+    worst, a, j = _least_worst(state, budget, h, state.costs[mine][:, None], cand, fits)
+    return worst, int(mine[a]), int(cand[j]), int(to_slot[j]) if to_slot is not None else 0
 
 
 def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand: np.ndarray, members):
@@ -94,14 +94,10 @@ def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
     if not theirs.size or (state.cap is not None and not _swap_may_fit(state, mine, theirs, cand)):
         return np.inf, -1, -1, -1
     col_rank = np.repeat(cand, [g.size for g in groups])
+    fits = _swap_fits(state, h, mine[:, None], theirs[None, :], col_rank[None, :]) if state.cap is not None else None
     delta = state.costs[mine][:, None] - state.costs[theirs][None, :]  # load leaving h
-    worst = np.maximum((state.load[h] - delta) / budget[h],
-                       (state.load[col_rank][None, :] + delta) / budget[col_rank][None, :])
-    if state.cap is not None:
-        worst = np.where(_swap_fits(state, h, mine[:, None], theirs[None, :], col_rank[None, :]), worst, np.inf)
-    k = int(np.argmin(worst))
-    a, j = divmod(k, theirs.size)
-    return float(worst.flat[k]), int(mine[a]), int(theirs[j]), int(col_rank[j])
+    worst, a, j = _least_worst(state, budget, h, delta, col_rank, fits)
+    return worst, int(mine[a]), int(theirs[j]), int(col_rank[j])
 
 
 def _swap_fits(state: _State, h: int, a, b, l) -> np.ndarray:
@@ -135,30 +131,27 @@ def _swap_may_fit(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.
 
 
 def _fill_short_ranks(state: _State) -> None:
-    """Give every rank at least `min_count` items: a short rank takes the cheapest item (ties:
-    lowest index) of the rank with the most items that fits its emptiest slot."""
+    """Give every rank at least `min_count` items: a short rank takes the cheapest item (ties: lowest
+    index) of the rank with the most items that fits its emptiest slot."""
     if state.count is None:
         return
-    short = np.flatnonzero(state.count < state.min_count)
-    for r in short.tolist():
+    for r in np.flatnonzero(state.count < state.min_count).tolist():
         while state.count[r] < state.min_count:
             donors = np.flatnonzero(state.count > state.min_count)
             if donors.size == 0:
                 raise _Infeasible(f"rank {r} has {state.count[r]} items, no rank can spare one")
-            d = int(donors[np.argmax(state.count[donors])])
-            cand = np.flatnonzero(state.dest == d)
+            cand = np.flatnonzero(state.dest == int(donors[np.argmax(state.count[donors])]))
             slot = int(np.argmin(state.slot_tok[r])) if state.slot_tok is not None else 0
             if state.cap is not None:
                 cand = cand[state.slot_tok[r, slot] + state.tokens[cand] <= state.cap]
                 if cand.size == 0:
                     raise _Infeasible(f"rank {r} has {state.count[r]} items and no token room for another")
-            i = int(cand[np.lexsort((cand, state.costs[cand]))[0]])
-            state.move(i, r, slot)
+            state.move(int(cand[np.argmin(state.costs[cand])]), r, slot)
 
 
 def _fill_empty_slots(state: _State) -> None:
-    """On every rank with at least M items, give each empty slot one item: the fewest-token
-    item (ties: lowest index) of the rank's slot with the most items. Stays on the rank."""
+    """On every rank with at least M items, give each empty slot one item: the fewest-token item (ties:
+    lowest index) of the rank's slot with the most items. Stays on the rank."""
     R, M = state.load.shape[0], state.M
     if M == 1:
         return
@@ -170,13 +163,12 @@ def _fill_empty_slots(state: _State) -> None:
             return
     slot_of = state.dest * M + state.micro
     cnt = np.bincount(slot_of, minlength=R * M).reshape(R, M)
-    todo = np.flatnonzero((cnt == 0).any(axis=1) & (cnt.sum(axis=1) >= M))
-    for r in todo.tolist():
+    for r in np.flatnonzero((cnt == 0).any(axis=1) & (cnt.sum(axis=1) >= M)).tolist():
         row = cnt[r]
         for m in np.flatnonzero(row == 0).tolist():
             donor = int(np.argmax(row))  # >= 2 items there: M items, an empty slot
             items = np.flatnonzero(slot_of == r * M + donor)
-            i = int(items[np.lexsort((items, state.tokens[items]))[0]])
+            i = int(items[np.argmin(state.tokens[items])])
             state.move(i, r, m)
             slot_of[i] = r * M + m
             row[donor] -= 1
@@ -209,8 +201,8 @@ def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int 
             b = by_cost[np.searchsorted(cost_sorted, ca - most):np.searchsorted(cost_sorted, ca - excess, "right")]
             l = state.dest[b]
             diff = ca - cost[b]
-            ok = (l != h) & (diff <= room[l]) & (diff >= excess) & _swap_fits(state, h, a, b, l)
-            if not ok.any():
+            ok = np.flatnonzero((l != h) & (diff <= room[l]) & (diff >= excess) & _swap_fits(state, h, a, b, l))
+            if ok.size == 0:
                 continue
             b, l = b[ok], l[ok]
             sent = tok[a] * ((l != start[a]).astype(np.float64) - float(h != start[a]))
