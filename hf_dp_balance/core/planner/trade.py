@@ -19,16 +19,15 @@ _WINDOW = 4  # large items of h tried per pair: this many each side of the cost 
 def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    Each round pairs the over-full ranks, most over first, with _BREADTH partners under budget (one
-    beyond _FEW_SLOTS slots: their items give one partner choice enough). A trade sends an item `a`
-    of h to l: a large one (over cap x _LARGE tokens; the _WINDOW each side of the cost h should shed,
-    twice as many each time h found no trade) into l's roomiest slot or in place of a large item `b`
-    of l, the receiving slot paying back the fewest of its small items (at most cap x _SMALL tokens)
-    that make room; or a smaller one alone where it fits. Kept per over-full rank: the trade with the
-    most load taken off h per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a
-    partner takes one trade per round, an item moves once. Guarantees: no slot goes over the cap,
-    the fullest rank never rises, ranks keep `state.min_count` items. Cost: one O(n) grouping, then
-    per round O(items of the pairs' windows x options) numpy.
+    Each round pairs the over-full ranks h, most over first, with _BREADTH partners l under budget (one
+    beyond _FEW_SLOTS slots: their items give one partner choice enough). A trade sends h's item `a` to l:
+    a large one (over cap x _LARGE tokens; the _WINDOW each side of the cost h should shed, doubled each
+    time h found no trade) into l's roomiest slot or for a large item `b` of l, the receiving slot paying
+    back the fewest of its small items (<= cap x _SMALL tokens) that make room; or a smaller one alone
+    where it fits. Per h: the trade taking the most load off h per token sent (+ cap x _OVERHEAD) that
+    keeps l within its limit; a partner trades once per round, an item moves once. Guarantees: no slot
+    goes over the cap, the fullest rank never rises, ranks keep `state.min_count` items. Cost: one O(n)
+    grouping, then O(items of the pairs' windows x options) numpy per round.
     """
     cap, R = state.cap, state.load.shape[0]
     limit = budget * (1.0 + tolerance / 2.0)
@@ -49,9 +48,7 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
         if traded.size == 0 and bool(np.all(failed_before[h] & (reach[h] >= R_items))):
             return False  # every rank failed before and has now tried all its items
         # a rank that found no trade among its items nearest what it should shed tries twice as many next
-        stuck = np.ones(R, dtype=bool)
-        stuck[traded] = False
-        failed = h[stuck[h]]  # repeats are harmless: every copy writes the same value
+        failed = h[~np.isin(h, traded)]  # repeats are harmless: every copy writes the same value
         failed_before[failed] = True
         reach[failed] = np.minimum(reach[failed] * 2, R_items)
     return not np.any(state.load > limit)
@@ -90,13 +87,11 @@ def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray
 
 
 def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead) -> np.ndarray:
-    """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
-    rank under budget in at most one; applied; returns the ranks h that traded.
-
-    Tried: h's other items (the `window` each side of the cost h should shed) that fit l's roomiest
-    slot, moved there (h's first partner only); h's large items (the same window) into l's roomiest
-    slot or in place of the two large items `b` of l nearest in cost to c_a - (what h should shed),
-    topped up with the fewest small items of the receiving slot that make room (`_PayBack`), all of
+    """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each rank
+    under budget in at most one; applied; returns the ranks h that traded. Tried: h's other items moved
+    alone (`_best_moves`); h's large items (the `window` each side of the cost h should shed) into l's
+    roomiest slot or for one of the two large items `b` of l nearest in cost to c_a - (what h should
+    shed), topped up with the fewest small items of the receiving slot that make room (`_PayBack`), all of
     it into a's slot on h."""
     l_order, l_tok, l_cost = large[0], large[4], large[5]  # by rank, cheapest first within one
     excess = state.load - budget
@@ -134,17 +129,13 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
 
 
 def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.ndarray:
-    """A trade's score, the load it takes off h per token sent (+ overhead), where `ok` and it lowers h
-    by `delta`, keeps l within its limit and both keep `state.min_count` items; -inf elsewhere."""
-    ok = ok & (delta > 0) & (state.load[l] + delta <= limit[l]) & _counts_hold(state, h, l, n_back)
+    """A trade's score, the load it takes off h per token sent (+ overhead), where `ok` and it lowers h by
+    `delta`, keeps l within its limit and h (sending one item, taking `n_back`) and l (the reverse) keep
+    `state.min_count` items; -inf elsewhere."""
+    ok = ok & (delta > 0) & (state.load[l] + delta <= limit[l])
+    if state.count is not None:
+        ok = ok & (state.count[h] - 1 + n_back >= state.min_count) & (state.count[l] + 1 - n_back >= state.min_count)
     return np.where(ok, np.minimum(delta, excess[h]) / (sent + overhead), -np.inf)
-
-
-def _counts_hold(state, h, l, n_back) -> np.ndarray:
-    """Whether h (sending one item, taking `n_back`) and l (the reverse) keep `state.min_count` items."""
-    if state.count is None:
-        return np.ones(h.size, dtype=bool)
-    return (state.count[h] - 1 + n_back >= state.min_count) & (state.count[l] + 1 - n_back >= state.min_count)
 
 
 def _large_options(state, h, l, pa, ga, want, recv, large, moved) -> dict:
