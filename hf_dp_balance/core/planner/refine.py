@@ -1,8 +1,6 @@
 """The one-for-one kernels: the best single move or swap from the fullest rank (`_refine`), the swaps that
-bring a rank just over a limit under it (`_swap_down`), and the item-count fixes.
-
-A one-for-one swap is written once: `_swap_fits` tests it against the cap and `_apply_swap` makes it;
-`_refine`, `_swap_down` and `assign._fix_slots` (inside a rank) use both, core/planner/home.py the test."""
+bring a rank just over a limit under it (`_swap_down`), and the item-count fixes. A one-for-one swap is
+written once: `_swap_fits` tests it against the cap (also for home.py), `_apply_swap` makes it."""
 
 from __future__ import annotations
 
@@ -14,13 +12,12 @@ from hf_dp_balance.core.planner.state import _ROUNDS, _Infeasible, _Members, _St
 def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2) -> None:
     """Best single move or swap between the fullest rank and the emptiest ranks, until `goal`.
 
-    Fullness is load / budget. Each iteration takes the fullest rank h and the `candidates` emptiest
-    ranks and applies the move (an item of h to a candidate's emptiest slot) or swap (an item of h
-    with an item of a candidate, each taking the other's slot) that minimises the larger fullness of
-    the two ranks within the token cap. A rank nothing helps is skipped (the next fullest goes on:
-    the exchanges of `_polish` need the others within reach of their budgets); stops when the fullest
-    rank not skipped is at or under `goal`. O(items of h x items of the candidates) per iteration; a
-    rank the screens of `_best_move` / `_swap_may_fit` rule out costs O(its items x log theirs)."""
+    Fullness is load / budget. Each iteration applies, for the fullest rank h and the `candidates`
+    emptiest, the move (an item of h to a candidate's emptiest slot) or swap (items of h and of a
+    candidate trade slots) within the cap that minimises the larger fullness of the two. A rank nothing
+    helps is skipped (the exchanges of `_polish` need the others near their budgets); stops when the
+    fullest rank not skipped is at or under `goal`. O(items of h x items of the candidates) per
+    iteration; O(its items x log theirs) for a rank the screens rule out."""
     budget = np.maximum(budget, np.finfo(np.float64).tiny)  # a zero budget: any load is "very full"
     members = None
     stuck = np.zeros(budget.shape[0], dtype=bool)  # ranks nothing helped (skipped, the next fullest goes on)
@@ -70,8 +67,8 @@ def _least_worst(state: _State, budget: np.ndarray, h: int, delta: np.ndarray, r
 
 
 def _best_move(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand: np.ndarray):
-    """(larger fullness after, item, to rank, to slot) of the best move of an item of h to a
-    candidate's emptiest slot within the cap; (inf, ...) when h may not give an item away."""
+    """(larger fullness after, item, to rank, to slot) of the best move of an item of h to a candidate's
+    emptiest slot within the cap; (inf, ...) when h may not give an item away."""
     if state.count is not None and mine.size <= state.min_count:
         return np.inf, -1, -1, 0
     to_slot = fits = None
@@ -87,8 +84,8 @@ def _best_move(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
 
 
 def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand: np.ndarray, members):
-    """(larger fullness after, item of h, item of a candidate, that candidate) of the best 1-for-1
-    swap, each item taking the other's slot, within the cap; (inf, ...) when the candidates are empty."""
+    """(larger fullness after, item of h, item of a candidate, that candidate) of the best swap within the
+    cap; (inf, ...) when the candidates hold no item or no swap can lower h (`_swap_may_fit`)."""
     groups = [members.of(int(l)) for l in cand]
     theirs = np.concatenate(groups)
     if not theirs.size or (state.cap is not None and not _swap_may_fit(state, mine, theirs, cand)):
@@ -101,8 +98,7 @@ def _best_swap(state: _State, budget: np.ndarray, h: int, mine: np.ndarray, cand
 
 
 def _swap_fits(state: _State, h: int, a, b, l) -> np.ndarray:
-    """The one-for-one swap's cap test: item a of rank h and item b of rank l (arrays broadcast) trade
-    slots, and both slots stay within the cap."""
+    """Whether item a of rank h and item b of rank l (arrays broadcast) can trade slots within the cap."""
     ta, tb = state.tokens[a], state.tokens[b]
     into_l = state.slot_tok[l, state.micro[b]] - tb + ta
     into_h = state.slot_tok[h, state.micro[a]] - ta + tb
@@ -117,10 +113,9 @@ def _apply_swap(state: _State, a: int, b: int) -> None:
 
 
 def _swap_may_fit(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.ndarray) -> bool:
-    """False only if no swap of an item a of h for a cheaper item b of a candidate fits the cap on
-    the candidate's side (t_a - t_b <= the room of the candidates' roomiest slot, loose by 1e-6 of
-    the cap): then no swap lowers h's fullness and `_best_swap` skips its matrices. At a full cap
-    most ranks nothing helps fail this test, in O((mine + theirs) log theirs)."""
+    """False only if no swap of an item a of h for a cheaper item b of a candidate fits the candidate's
+    roomiest slot (t_a - t_b <= its room, loose by 1e-6 of the cap): then no swap lowers h's fullness.
+    At a full cap most ranks nothing helps fail it, in O((mine + theirs) log theirs)."""
     ct = state.costs[theirs]
     by_cost = np.argsort(ct, kind="stable")
     most = np.maximum.accumulate(state.tokens[theirs][by_cost])  # the most tokens of a b cheaper than each a
@@ -176,13 +171,12 @@ def _fill_empty_slots(state: _State) -> None:
 
 
 def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int = _ROUNDS) -> int:
-    """One-for-one swaps for a rank a few tenths over a limit that holds little but its own long items,
-    one per micro-batch (which the item count keeps there), after long items first. While the fullest
-    rank h (load / limit) is over `limit`: the swap of an item a of h with an item b of another rank l
-    that leaves both at or under their limits and both slots within the cap, the fewest tokens newly
-    sent (against `start`) first, then the lowest (a, b) indexes. Stops at the first h with no such
-    swap. Item counts never change. Returns the swaps made. Cost per swap: O(n) numpy (the items of h,
-    and the items whose cost is within the largest load room of each item of h)."""
+    """One-for-one swaps for a rank a few tenths over a limit that holds little but its own long items, one
+    per micro-batch (the item count keeps them there). While the fullest rank h (load / limit) is over
+    its limit: the swap of an item a of h with an item b of another rank l that leaves both within their
+    limits and slots within the cap, the fewest tokens newly sent (against `start`) first, then the
+    lowest (a, b). Stops at the first h with none; item counts never change. Returns the swaps made.
+    O(n) numpy per swap."""
     tok, cost = state.tokens, state.costs
     by_cost = np.argsort(cost, kind="stable")
     cost_sorted = cost[by_cost]
@@ -194,7 +188,7 @@ def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int 
         most = float(room.max())
         if excess <= 0 or most <= 0:
             return made
-        best = None
+        best = (np.inf, -1, -1)  # (tokens newly sent, a, b)
         for a in np.flatnonzero(state.dest == h).tolist():
             ca = float(cost[a])
             # b: c_a - c_b in [excess, most], on another rank whose load room takes c_a - c_b
@@ -208,9 +202,8 @@ def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int 
             sent = tok[a] * ((l != start[a]).astype(np.float64) - float(h != start[a]))
             sent += tok[b] * ((start[b] != h).astype(np.float64) - (start[b] != l))
             k = int(np.lexsort((b, sent))[0])
-            if best is None or (sent[k], a, int(b[k])) < best:
-                best = (float(sent[k]), a, int(b[k]))
-        if best is None:
+            best = min(best, (float(sent[k]), a, int(b[k])))
+        if best[1] < 0:
             return made
         _apply_swap(state, best[1], best[2])
     return rounds
