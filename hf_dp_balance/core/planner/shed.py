@@ -49,10 +49,8 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
         rem[g] -= sc[hit]
         left[g] -= 1
 
-    # an item over its own rank's budget on its own that fits some rank's budget leaves first, whatever
-    # the free room says
     misplaced = (sc > budget[so] + slack[so]) & (sc <= float(budget.max()))
-    if relocate and misplaced.any():
+    if relocate and misplaced.any():  # whatever the free room says
         take(np.flatnonzero(misplaced))
     for _ in range(max_rounds):
         active = (rem > lim) & (left > 0)

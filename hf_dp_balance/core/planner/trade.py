@@ -57,7 +57,7 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
 def _trade_index(state: _State, limit: np.ndarray):
     """What the rounds of `_trade` read: the items grouped by slot (`order`, where each slot's begin), and
     by rank, cheapest first, with their tokens, costs and slots: the large items of every rank, the
-    others of the ranks over `limit` (no other rank ever sheds: a trade never puts one over)."""
+    others of the ranks over `limit` (only they shed: a trade never puts a rank over)."""
     R, M, tok, cost = state.load.shape[0], state.M, state.tokens, state.costs
     slot = state.dest * M + state.micro
     order = np.argsort(_uint_key(slot, R * M), kind="stable")  # items grouped by slot, so by rank
@@ -139,10 +139,10 @@ def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.
 
 
 def _large_options(state, h, l, pa, ga, want, recv, large, moved) -> dict:
-    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`,
-    pair `ga`) into l's roomiest slot `recv`, and in place of the b of l (never moved) whose cost is
-    nearest below and above c_a - want. Arrays: pair g, has_b, a's and b's positions, receiving slot
-    m, b's tokens and cost, a's tokens, cost and slot, h, l, tokens a small pay-back must free."""
+    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`, pair
+    `ga`) into l's roomiest slot `recv`, and for the b of l (never moved) nearest in cost below and above
+    c_a - want. Arrays: pair g, has_b, a's and b's positions, receiving slot m, b's tokens and cost, a's
+    tokens, cost and slot, h, l, tokens a small pay-back must free."""
     l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large
     ll_a = l[ga]
     p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
@@ -164,10 +164,9 @@ def _large_options(state, h, l, pa, ga, want, recv, large, moved) -> dict:
 
 
 def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead) -> dict:
-    """The moves of `_round`, as its candidates: per pair, the best other item of h (the `window` each side
-    of the cost h should shed, never moved) that fits l's roomiest slot `recv` as it is (no pay-back),
-    h's first partner only. (For a cost that grows with the tokens, the best move is the cheapest item
-    that covers what h should shed, or the dearest one short of it.)"""
+    """The moves of `_round` (candidates as it keeps them): per pair, h's first partner only, the best
+    other item of h (the `window` each side of the cost h should shed, never moved: the best is the
+    cheapest that covers it or the dearest short of it) that fits l's roomiest slot `recv` as it is."""
     first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
     movable, mv_tok, mv_cost, mv_micro = rest_items[0], rest_items[4], rest_items[5], rest_items[6]
     room = state.cap - state.slot_tok[l[first_partner], recv[first_partner]]
@@ -184,10 +183,9 @@ def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limi
 
 def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarray:
     """Of `_round`'s scored candidates `cand` (pair g, item a, item b or -1 sent back, into slot m of l,
-    a's slot ma on h, the pay-back's positions lo..j): the best of every pair (ties: the first); per
-    over-full rank its best, and its second best too when the best does not cover its excess and the
-    two share no item and no slot of h; every rank under budget trades once, the most over first.
-    Applied; returns the ranks h that traded."""
+    a's slot ma on h, the pay-back's positions lo..j), applied: per over-full rank its best (ties: the
+    first), and its second best too when the best leaves it over budget and the two share no item and
+    no slot of h; each rank under budget in one, the most over first. Returns the ranks h that traded."""
     a, b, hl, ll, ma, delta, score = (cand[k] for k in ("a", "b", "hl", "ll", "ma", "delta", "score"))
     chosen = _first_best(cand["g"], score, P)  # ascending pair = over-full order, a run per h
     if chosen.size == 0:
@@ -203,20 +201,19 @@ def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarr
     first = first[_first_touching(state.load.shape[0], ll[first])]
     paid, pg = pay_back.paid(cand["lo"][first], cand["j"][first])  # its slot's prefix up to its position
     with_b = np.flatnonzero(b[first] >= 0)
-    back = np.concatenate((paid, b[first][with_b]))
+    items = np.concatenate((a[first], paid, b[first][with_b]))  # a to l, the rest back to h
     back_of = np.concatenate((pg, with_b))
-    _apply(state, np.concatenate((a[first], back)), np.concatenate((ll[first], hl[first][back_of])),
+    _apply(state, items, np.concatenate((ll[first], hl[first][back_of])),
            np.concatenate((cand["m"][first], ma[first][back_of])))
-    moved[a[first]] = True
-    moved[back] = True
+    moved[items] = True
     return hl[first]
 
 
 def _worth_searching(state, o, best_move, excess, limit, overhead) -> np.ndarray:
-    """Which large-item options `o` of `_round` can still be their pair's best (`best_move`: its best
-    move's score): one that needs no pay-back scores at least the pair's best move and such option;
-    one that needs a pay-back scores at most min(c_a - c_b, what h sheds, room of l) / (t_a + t_b +
-    need + overhead), not below it."""
+    """Which large-item options `o` of `_round` can still be their pair's best (`best_move`: its best move's
+    score): one needing no pay-back scores at least that and every such option of the pair; one needing
+    a pay-back has a bound min(c_a - c_b, what h sheds, room of l) / (t_a + t_b + need + overhead) not
+    below them."""
     best = best_move.copy()
     hl, ll, ta, tb, dc = o["hl"], o["ll"], o["ta"], o["tb"], o["ca"] - o["cb"]
     zero = o["need"] <= 0
@@ -244,8 +241,7 @@ def _first_touching(num_ranks: int, *ranks: np.ndarray) -> np.ndarray:
 def _apply(state: _State, allx, rank, slot) -> None:
     """Move items `allx` to (rank, slot) each, updating the sums."""
     R, M = state.load.shape[0], state.M
-    src = state.dest[allx]
-    c = state.costs[allx]
+    src, c = state.dest[allx], state.costs[allx]
     state.load += np.bincount(rank, weights=c, minlength=R) - np.bincount(src, weights=c, minlength=R)
     if state.slot_tok is not None:
         t = state.tokens[allx]
