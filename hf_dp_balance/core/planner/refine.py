@@ -26,7 +26,8 @@ def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, cand
         h = int(np.argmax(np.where(stuck, -np.inf, full)))
         if full[h] <= goal or stuck[h]:
             return
-        members = members or _Members(state.dest, budget.shape[0])
+        if members is None:
+            members = _Members(state.dest, budget.shape[0])
         mine, cand = members.of(h), _emptiest(full, h, candidates)
         if mine.size and cand.size == 0:
             return
