@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _ROUNDS, _Infeasible, _Members, _State
+from hf_dp_balance.core.planner.trade_index import _ranges
 
 
 def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2) -> None:
@@ -189,22 +190,18 @@ def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int 
         most = float(room.max())
         if excess <= 0 or most <= 0:
             return made
-        best = (np.inf, -1, -1)  # (tokens newly sent, a, b)
-        for a in np.flatnonzero(state.dest == h).tolist():
-            ca = float(cost[a])
-            # b: c_a - c_b in [excess, most], on another rank whose load room takes c_a - c_b
-            b = by_cost[np.searchsorted(cost_sorted, ca - most):np.searchsorted(cost_sorted, ca - excess, "right")]
-            l = state.dest[b]
-            diff = ca - cost[b]
-            ok = np.flatnonzero((l != h) & (diff <= room[l]) & (diff >= excess) & _swap_fits(state, h, a, b, l))
-            if ok.size == 0:
-                continue
-            b, l = b[ok], l[ok]
-            sent = tok[a] * ((l != start[a]).astype(np.float64) - float(h != start[a]))
-            sent += tok[b] * ((start[b] != h).astype(np.float64) - (start[b] != l))
-            k = int(np.lexsort((b, sent))[0])
-            best = min(best, (float(sent[k]), a, int(b[k])))
-        if best[1] < 0:
+        # b for each a of h: c_a - c_b in [excess, most], on another rank whose load room takes c_a - c_b
+        mine = np.flatnonzero(state.dest == h)
+        lo = np.searchsorted(cost_sorted, cost[mine] - most)
+        pos, g = _ranges(lo, np.maximum(np.searchsorted(cost_sorted, cost[mine] - excess, "right"), lo))
+        a, b = mine[g], by_cost[pos]
+        l, diff = state.dest[b], cost[a] - cost[b]
+        ok = np.flatnonzero((l != h) & (diff <= room[l]) & (diff >= excess) & _swap_fits(state, h, a, b, l))
+        if ok.size == 0:
             return made
-        _apply_swap(state, best[1], best[2])
+        a, b, l = a[ok], b[ok], l[ok]
+        sent = tok[a] * ((l != start[a]).astype(np.float64) - (h != start[a]))
+        sent += tok[b] * ((start[b] != h).astype(np.float64) - (start[b] != l))
+        k = int(np.lexsort((b, a, sent))[0])
+        _apply_swap(state, int(a[k]), int(b[k]))
     return rounds
