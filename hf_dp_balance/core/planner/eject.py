@@ -16,25 +16,20 @@ def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> 
     fit. Candidates for `a`: the lightest item of h that alone brings h within its limit, and h's
     heaviest. The receiver sheds the fewest items (ties: lowest load after, lowest index). Returns
     whether it applied one. Cost: one O(n log n) sort plus O(n) numpy per candidate."""
-    costs = state.costs
-    R = state.load.shape[0]
+    costs, R = state.costs, state.load.shape[0]
     safe = np.maximum(budget, np.finfo(np.float64).tiny)
     h = int(np.argmax(state.load / safe))
     mine = np.flatnonzero(state.dest == h)
     if mine.size == 0 or (state.count is not None and state.count[h] - 1 < state.min_count):
         return False
     cm = costs[mine]
-    excess = float(state.load[h] - limit[h])
-    covering = np.flatnonzero(cm >= excess)
-    cands = [] if covering.size == 0 else [int(mine[covering[np.argmin(cm[covering])]])]
+    covering = np.flatnonzero(cm >= float(state.load[h] - limit[h]))
     heaviest = int(mine[np.argmax(cm)])
-    if heaviest not in cands:
-        cands.append(heaviest)
-    tracked = state.slot_tok is not None
-    recv_slot = np.argmin(state.slot_tok, axis=1) if tracked else np.zeros(R, dtype=np.int64)
+    cands = [int(mine[covering[np.argmin(cm[covering])]])] if covering.size else []
+    cands += [heaviest] if heaviest not in cands else []
+    recv_slot = np.argmin(state.slot_tok, axis=1) if state.slot_tok is not None else np.zeros(R, dtype=np.int64)
     room = limit - state.load
-    room_h = room[h]
-    room[h] = -np.inf
+    room_h, room[h] = room[h], -np.inf
     best_other = float(np.max(room))
     pool = _pool(state, h, recv_slot)
     best = None
@@ -52,8 +47,7 @@ def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> 
         return False
     _, a, r, shed = best
     shed = np.sort(shed)
-    if shed.size:
-        _remove(state, shed)
+    _remove(state, shed)
     state.move(a, r, int(recv_slot[r]))
     if shed.size:
         _place_best_fit(state, shed, limit)
@@ -62,12 +56,10 @@ def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> 
 
 def _pool(state: _State, h: int, recv_slot: np.ndarray) -> np.ndarray:
     """The items that could shed: not on h, in the slot of their rank that would receive `a`, by rank,
-    heaviest first (ties: index)."""
+    heaviest first (ties: index; two stable sorts, the ranks' a radix sort)."""
     pool = np.flatnonzero((state.dest != h) & (state.micro == recv_slot[state.dest]))
-    # by rank, heaviest first (ties: index; `pool` ascends): two stable sorts, the ranks' a radix sort
     pool = pool[np.argsort(-state.costs[pool], kind="stable")]
-    pool = pool[_stable_order(state.dest[pool], state.load.shape[0])]
-    return pool
+    return pool[_stable_order(state.dest[pool], state.load.shape[0])]
 
 
 def _receiver(state: _State, a: int, h: int, sel: np.ndarray, recv_slot: np.ndarray, limit: np.ndarray,
@@ -77,8 +69,7 @@ def _receiver(state: _State, a: int, h: int, sel: np.ndarray, recv_slot: np.ndar
     bring its load with `a` within limit[r] and its receiving slot within the cap (one search of the
     running sums each, `_search_within`). The key ranks the candidates `a`: first those that bring h
     within its limit, then (items shed, load after)."""
-    R = state.load.shape[0]
-    ca = float(state.costs[a])
+    R, ca = state.load.shape[0], float(state.costs[a])
     starts = _rank_starts(state.dest[sel], R)
     lo, hi = starts[:-1], starts[1:]
     run_c = np.concatenate(([0.0], np.cumsum(state.costs[sel])))  # running sums with a leading 0

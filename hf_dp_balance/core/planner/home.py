@@ -10,7 +10,7 @@ import numpy as np
 
 from hf_dp_balance.core.planner.refine import _swap_fits
 from hf_dp_balance.core.planner.state import _BREADTH, _State
-from hf_dp_balance.core.planner.trade import _apply
+from hf_dp_balance.core.planner.trade import _apply, _first_touching
 from hf_dp_balance.core.planner.trade_index import _float_order
 
 _WORTH = 0.05  # runs only where the plan sends at least this share of the tokens (below, little to save)
@@ -22,9 +22,8 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     every x's _BREADTH candidates y nearest in cost, then pairs touching each rank once, most saved
     first. Returns the tokens saved. Guarantees: no slot goes over the cap; every rank and slot keeps
     its item count; no rank ends above max(its load now, `ceiling`)."""
-    cap, R = state.cap, state.load.shape[0]
-    tok, cost = state.tokens, state.costs
-    if cap is None or tok is None or R < 2:
+    R, tok, cost = state.load.shape[0], state.tokens, state.costs
+    if state.cap is None or tok is None or R < 2:
         return 0
     away = np.flatnonzero(state.dest != start)
     if away.size < 2 or float(tok[away].sum()) < _WORTH * float(tok.sum()):
@@ -39,15 +38,12 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     at = np.searchsorted(key, home + cost[away] * scale)
     pos = at[:, None] + np.arange(-(_BREADTH // 2), _BREADTH - _BREADTH // 2)[None, :]
     ok = (pos >= bounds[home][:, None]) & (pos < bounds[home + 1][:, None])
-    x = np.broadcast_to(away[:, None], pos.shape)[ok]
-    y = ys[pos[ok]]
-    A, B = start[x], state.dest[x]
-    saving = tok[x] + np.where(start[y] == B, tok[y], 0.0)
-    # most tokens saved first (ties: the item indexes); a candidate holds while x and y stay put
-    # (candidates were made in (x, y position) order: ties keep it)
+    x, y = np.broadcast_to(away[:, None], pos.shape)[ok], ys[pos[ok]]
+    # most tokens saved first (ties: the candidates' (x, y position) order); one holds while x and y stay put
+    saving = tok[x] + np.where(start[y] == state.dest[x], tok[y], 0.0)
     o = _float_order(saving, descending=True)
-    x, y, A, B, saving = x[o], y[o], A[o], B[o], saving[o]
-    dc = cost[x] - cost[y]  # gathered once, not every round
+    x, y, saving = x[o], y[o], saving[o]
+    A, B, dc = start[x], state.dest[x], cost[x] - cost[y]
     saved_total = 0.0
     for _ in range(rounds):
         load_A, load_B = state.load[A], state.load[B]
@@ -57,11 +53,7 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
                            & _swap_fits(state, A, y, x, B))  # a one-for-one swap of y on A and x on B
         if g.size == 0:
             break
-        # every rank in at most one pair, the first (most saved) that touches it
-        touched = np.full(R, g.size, dtype=np.int64)
-        np.minimum.at(touched, A[g], np.arange(g.size))
-        np.minimum.at(touched, B[g], np.arange(g.size))
-        win = g[(touched[A[g]] == np.arange(g.size)) & (touched[B[g]] == np.arange(g.size))]
+        win = g[_first_touching(R, A[g], B[g])]  # every rank in at most one pair, the first (most saved)
         _apply(state, np.concatenate((x[win], y[win])), np.concatenate((A[win], B[win])),
                np.concatenate((state.micro[y[win]], state.micro[x[win]])))
         saved_total += float(saving[win].sum())

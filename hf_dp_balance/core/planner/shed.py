@@ -14,34 +14,29 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
                  relocate: bool = True) -> np.ndarray:
     """Items to take off every over-budget rank, chosen in vectorised rounds; removed from `state`.
 
-    Each round takes at most one item per rank that is still above budget + slack:
-    the lightest item that covers the remaining excess on its own (one move,
-    little overshoot), or, if none does, the heaviest item (fewest moves toward
-    it). With `relocate`, an item over its own rank's budget on its own (a long
-    sample on a slow rank) leaves first, if some rank's budget can hold it.
-    Items heavier than the largest free room anywhere (budget - load of the
-    emptiest rank) are never taken: no rank could receive them without becoming
-    the new slowest. A rank keeps at least `state.min_count` items.
-    Cost: O(items on over ranks) numpy per round.
+    Each round takes at most one item per rank still above budget + slack: the lightest that covers
+    the remaining excess alone (one move, little overshoot), else the heaviest (fewest moves). With
+    `relocate`, an item over its own rank's budget alone (a long sample on a slow rank) leaves first
+    if some rank's budget can hold it. Never taken: items heavier than the largest free room (budget
+    - load of the emptiest rank: whoever took them would be the new slowest), and a rank's last
+    `state.min_count` items. Cost: O(items on over ranks) numpy per round.
     """
-    costs, owners = state.costs, state.dest
     excess = state.load - budget
     room = float(np.max(-excess))
     over = excess > slack
     if not over.any():
         return np.zeros(0, dtype=np.int64)
-    sel = np.flatnonzero(over[owners] & (owners >= 0))  # not the items the token repair took off
-    so = owners[sel]
+    sel = np.flatnonzero(over[state.dest] & (state.dest >= 0))  # not the items the token repair took off
+    so = state.dest[sel]
     if so.size > 1 and np.any(so[1:] < so[:-1]):
         order = _stable_order(so, state.load.shape[0])  # items grouped by owner, index order inside
         sel, so = sel[order], so[order]
-    sc = costs[sel]
+    sc = state.costs[sel]
     movable = (sc > 0) & (sc <= room)
     taken_all = []
     starts = _group_starts(so)
     ranks = so[starts]
-    rem = excess[ranks]
-    lim = slack[ranks]
+    rem, lim = excess[ranks], slack[ranks]
     left = state.count[ranks] - state.min_count if state.count is not None else np.full(ranks.size, sel.size)
     group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, sel.size)))
 
@@ -54,15 +49,12 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
         rem[g] -= sc[hit]
         left[g] -= 1
 
-    # an item over its own rank's budget on its own, that fits the budget of some other rank
-    # (e.g. a long sample on a slow rank), leaves first whatever the free room says
     misplaced = (sc > budget[so] + slack[so]) & (sc <= float(budget.max()))
-    if relocate and misplaced.any():
+    if relocate and misplaced.any():  # whatever the free room says
         take(np.flatnonzero(misplaced))
     for _ in range(max_rounds):
         active = (rem > lim) & (left > 0)
-        if not active.all():
-            # keep only the ranks still over budget (smaller arrays for the next rounds)
+        if not active.all():  # only the ranks still over budget go on (smaller arrays)
             keep_items = active[group]
             sel, so, sc, movable = sel[keep_items], so[keep_items], sc[keep_items], movable[keep_items]
             rem, lim, left = rem[active], lim[active], left[active]
@@ -79,9 +71,7 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
             break
         take(np.flatnonzero(movable & (sc == pick[group]) & ok[group]))  # lowest index wins ties
         left[~ok] = 0  # nothing movable left on these ranks
-    if not taken_all:
-        return np.zeros(0, dtype=np.int64)
-    pool = np.sort(np.concatenate(taken_all))
+    pool = np.sort(np.concatenate(taken_all)) if taken_all else np.zeros(0, dtype=np.int64)
     _remove(state, pool)
     return pool
 
@@ -89,38 +79,35 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
 def _shed_tokens(state: _State) -> np.ndarray:
     """Items to take off every slot over the token cap, few and small; removed from `state`.
 
-    Only needed when the current placement already breaks the cap. Per slot, among the items that
-    fit some other slot's room: the one with the fewest tokens that covers the remaining excess on
-    its own, else the one with the most tokens, until the excess is covered (a slot a few tokens
-    over gives away one small item, which any slot with a little room takes). Where those cannot
-    cover it (a slot of long videos), `_token_swap` trades one of its items for small items of a
-    roomier slot. Python over the items of the offending slots.
+    Only needed when the placement already breaks the cap. Per slot, the first that works: its items
+    move to its rank's other slots (`_repair_within_rank`); it sheds by `_cover_excess` among its items
+    that fit some other slot's room (a slot a few tokens over gives away one small item, which any slot
+    with a little room takes); one of its items is swapped for small items of a roomier slot
+    (`_token_swap`, for a slot of long videos); it sheds by `_cover_excess` among all its items.
+    Python over the items of the offending slots.
     """
-    if state.cap is None:
+    over = np.flatnonzero(state.slot_tok.reshape(-1) > state.cap) if state.cap is not None else []
+    if len(over) == 0:
         return np.zeros(0, dtype=np.int64)
-    over = np.flatnonzero(state.slot_tok.reshape(-1) > state.cap)
-    if over.size == 0:
-        return np.zeros(0, dtype=np.int64)
+    flat_tok = state.slot_tok.reshape(-1)  # a view: moves update it
     slot_of = state.dest * state.M + state.micro
     pool = []
     # room that items shed from earlier slots will fill (best fit): a later slot neither counts on it
     # nor swaps into it, or two repairs plan with the same room and the placement finds none
-    reserved = np.zeros(state.slot_tok.size)
+    reserved = np.zeros(flat_tok.size)
     for s in over.tolist():
         items = np.flatnonzero(slot_of == s)
-        excess = float(state.slot_tok.reshape(-1)[s]) - state.cap
-        r = s // state.M
-        left = int(state.count[r]) - state.min_count if state.count is not None else items.size
+        excess = float(flat_tok[s]) - state.cap
         if _repair_within_rank(state, s, items, slot_of, excess, reserved):
             continue  # the rank's other micro-batches took it: nothing changes rank, no load moves
-        room = state.cap - state.slot_tok.reshape(-1) - reserved
+        room = state.cap - flat_tok - reserved
         room[s] = -np.inf
         taken = _cover_excess(items, state.tokens, excess, float(room.max()))  # of those some other slot takes
-        if taken is None:
-            if _token_swap(state, s, slot_of, excess, reserved):
-                continue  # a swap with a roomier slot repaired it
-            taken = _cover_excess(items, state.tokens, excess)
-        if len(taken) > left:
+        if taken is None and _token_swap(state, s, slot_of, excess, reserved):
+            continue
+        taken = taken if taken is not None else _cover_excess(items, state.tokens, excess)
+        r = s // state.M
+        if state.count is not None and len(taken) > int(state.count[r]) - state.min_count:
             raise _Infeasible(f"slot (rank {r}, micro-batch {s % state.M}) cannot shed tokens and keep "
                               f"{state.min_count} items")
         for i, j in _best_fit(room, taken, state.tokens):
@@ -134,22 +121,19 @@ def _shed_tokens(state: _State) -> np.ndarray:
 
 def _repair_within_rank(state: _State, s: int, items: np.ndarray, slot_of: np.ndarray, excess: float,
                         reserved: np.ndarray) -> bool:
-    """Repair slot s by moving items to its rank's other micro-batches (their free room, less what is
+    """Repair slot s by moving items to its rank's other micro-batches (their free room less what is
     `reserved`); True if done. Its items are taken by the `_cover_excess` rule among those that fit the
-    roomiest of those slots, each placed best fit; nothing is moved unless all of them fit and s keeps
-    an item. A rank's load is the sum of its micro-batches' (`sync="step"`), so this costs nothing."""
-    M = state.M
+    roomiest of those slots, each placed best fit; nothing moves unless all of them fit and s keeps an
+    item. A rank's load is the sum of its micro-batches' (`sync="step"`), so this costs nothing."""
+    M, r = state.M, s // state.M
     if M < 2:
         return False
-    r = s // M
     own = np.arange(r * M, (r + 1) * M)
     own = own[own != s]
     room = state.cap - state.slot_tok.reshape(-1)[own] - reserved[own]
     taken = _cover_excess(items, state.tokens, excess, float(room.max()))
-    if taken is None or len(taken) >= items.size:
-        return False
-    to = _best_fit(room, taken, state.tokens)
-    if any(j < 0 for _, j in to):
+    to = _best_fit(room, taken, state.tokens) if taken is not None and len(taken) < items.size else None
+    if to is None or any(j < 0 for _, j in to):
         return False
     for i, j in to:
         state.move(i, r, int(own[j]) % M)
@@ -189,15 +173,13 @@ def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float, largest:
 def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reserved: np.ndarray) -> bool:
     """Repair slot s, `excess` tokens over the cap, by a one-for-many swap; True if done.
 
-    One item i of s that covers the excess alone (fewest tokens first) goes to a
-    slot s2 with room (most room first, among the 16 roomiest), which
-    gives s back its largest items that fit, totalling between t_i - room(s2)
-    (so s2 holds i) and t_i - excess (so s ends within the cap). Loads are left to
-    the refinement that follows. Moves 1 + a few items. O(items of s x partners). `reserved`: room
-    that items shed from other slots will fill, not counted as free.
-    """
-    cap, tok, M = state.cap, state.tokens, state.M
-    free = cap - state.slot_tok.reshape(-1) - reserved
+    One item i of s that covers the excess alone (fewest tokens first) goes to a slot s2 with room
+    (most room first, among the 16 roomiest; `reserved` room is not free), which gives s back its
+    largest items that fit (ties: lowest index), totalling between t_i - room(s2) (so s2 holds i) and
+    t_i - excess (so s ends within the cap). Loads are left to the refinement that follows. Moves 1 +
+    a few items. O(items of s x partners)."""
+    tok, M = state.tokens, state.M
+    free = state.cap - state.slot_tok.reshape(-1) - reserved
     free[s] = -np.inf
     partners = np.lexsort((np.arange(free.size), -free))[:16].tolist()
     mine = np.flatnonzero(slot_of == s)
@@ -208,30 +190,20 @@ def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reser
             need, upper = t - float(free[s2]), t - excess  # tokens s2 gives back: at least need, at most upper
             if need > upper:
                 break  # the other partners have less room still
-            picked = _fill_between(slot_of, tok, s2, need, upper)
+            theirs = np.flatnonzero(slot_of == s2)
+            picked, got = [], 0.0
+            for j in theirs[np.lexsort((theirs, -tok[theirs]))].tolist():
+                if got >= need:
+                    break
+                if got + float(tok[j]) <= upper:
+                    picked.append(j)
+                    got += float(tok[j])
             r, r2 = s // M, s2 // M
-            if picked is None or (state.count is not None and r2 != r
-                                  and state.count[r2] - len(picked) + 1 < state.min_count):
+            if got < need or (state.count is not None and r2 != r
+                              and state.count[r2] - len(picked) + 1 < state.min_count):
                 continue
-            state.move(i, r2, s2 % M)
-            slot_of[i] = s2
-            for j in picked:
-                state.move(j, r, s % M)
-                slot_of[j] = s
+            for j, to in [(i, s2)] + [(j, s) for j in picked]:
+                state.move(j, to // M, to % M)
+                slot_of[j] = to
             return True
     return False
-
-
-def _fill_between(slot_of: np.ndarray, tok: np.ndarray, s2: int, need: float, upper: float):
-    """Items of slot s2, most tokens first (ties: lowest index), taken while they fit under
-    `upper` until they total at least `need`; None if they cannot."""
-    theirs = np.flatnonzero(slot_of == s2)
-    theirs = theirs[np.lexsort((theirs, -tok[theirs]))].tolist()
-    picked, got = [], 0.0
-    for j in theirs:
-        if got >= need:
-            break
-        if got + float(tok[j]) <= upper:
-            picked.append(j)
-            got += float(tok[j])
-    return picked if got >= need else None

@@ -1,9 +1,8 @@
 """Trades for a full token cap: one item for a few small ones, between paired ranks, in vectorised rounds.
 
-With fixed-length packing every slot is filled to the cap, so an item can move only where a
-slot has room for it, and rooms are a few hundred tokens: only exchanges help. What an exchange
-costs is the tokens it sends over the side network (both directions), so a trade is judged by
-the load it takes off the fuller rank per token sent.
+With fixed-length packing every slot is filled to the cap, so an item can move only where a slot has
+room for it (a few hundred tokens): only exchanges help. An exchange costs the tokens it sends over the
+side network (both ways), so a trade is judged by the load it takes off the fuller rank per token sent.
 """
 
 from __future__ import annotations
@@ -20,44 +19,36 @@ _WINDOW = 4  # large items of h tried per pair: this many each side of the cost 
 def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    Each round pairs the over-full ranks, most over first, with _BREADTH partners under budget (one
-    beyond _FEW_SLOTS slots: their items give one partner choice enough). A trade sends an item `a`
-    of h to l: a large one (over cap x _LARGE tokens; the _WINDOW each side of the cost h should shed,
-    twice as many each time h found no trade) into l's roomiest slot or in place of a large item `b`
-    of l, the receiving slot paying back the fewest of its small items (at most cap x _SMALL tokens)
-    that make room; or a smaller one alone where it fits. Kept per over-full rank: the trade with the
-    most load taken off h per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a
-    partner takes one trade per round, an item moves once. Guarantees: no slot goes over the cap,
-    the fullest rank never rises, ranks keep `state.min_count` items. Cost: one O(n) grouping, then
-    per round O(items of the pairs' windows x options) numpy.
+    Each round pairs the over-full ranks h, most over first, with _BREADTH partners l under budget (one
+    beyond _FEW_SLOTS slots: their items give one partner choice enough). A trade sends h's item `a` to l:
+    a large one (over cap x _LARGE tokens; the _WINDOW each side of the cost h should shed, doubled each
+    time h found no trade) into l's roomiest slot or for a large item `b` of l, the receiving slot paying
+    back the fewest of its small items (<= cap x _SMALL tokens) that make room; or a smaller one alone
+    where it fits. Per h: the trade taking the most load off h per token sent (+ cap x _OVERHEAD) that
+    keeps l within its limit; a partner trades once per round, an item moves once. Guarantees: no slot
+    goes over the cap, the fullest rank never rises, ranks keep `state.min_count` items. Cost: one O(n)
+    grouping, then O(items of the pairs' windows x options) numpy per round.
     """
-    cap = state.cap
-    R, M = state.load.shape[0], state.M
+    cap, R = state.cap, state.load.shape[0]
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
     moved = np.zeros(state.costs.shape[0], dtype=bool)
     order, slot_starts, large, rest_items = _trade_index(state, limit)
     pay_back = _PayBack(order, slot_starts, state.tokens, state.costs, cap * _SMALL, moved)
-    overhead = cap * _OVERHEAD
     reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
     failed_before = np.zeros(R, dtype=bool)
-    R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max())) if R else 0
-    partners = _BREADTH if M <= _FEW_SLOTS else 1
+    R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max()))
+    partners = _BREADTH if state.M <= _FEW_SLOTS else 1
     for k in range(_ROUNDS * _BREADTH // partners):
         over, h, l = _pair_ranks(state, budget, limit, state.load - limit, partners, k)
-        if over.size == 0:
-            return True
-        if h is None:
-            return False
-        # a rank that found no trade among its items nearest what it should shed tries twice as many next
-        window = reach[h]
-        traded = _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead)
+        if over.size == 0 or h is None:
+            return over.size == 0
+        traded = _round(state, h, l, reach[h], budget, limit, pay_back, rest_items, large, moved, cap * _OVERHEAD)
         if traded.size == 0 and bool(np.all(failed_before[h] & (reach[h] >= R_items))):
             return False  # every rank failed before and has now tried all its items
-        stuck = np.ones(R, dtype=bool)
-        stuck[traded] = False
-        failed = h[stuck[h]]  # repeats are harmless: every copy writes the same value
+        # a rank that found no trade among its items nearest what it should shed tries twice as many next
+        failed = h[~np.isin(h, traded)]  # repeats are harmless: every copy writes the same value
         failed_before[failed] = True
         reach[failed] = np.minimum(reach[failed] * 2, R_items)
     return not np.any(state.load > limit)
@@ -66,214 +57,196 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
 def _trade_index(state: _State, limit: np.ndarray):
     """What the rounds of `_trade` read: the items grouped by slot (`order`, where each slot's begin), and
     by rank, cheapest first, with their tokens, costs and slots: the large items of every rank, the
-    others of the ranks over `limit` (no other rank ever sheds: a trade never puts one over)."""
-    cap, R, M = state.cap, state.load.shape[0], state.M
-    tok, cost = state.tokens, state.costs
+    others of the ranks over `limit` (only they shed: a trade never puts a rank over)."""
+    R, M, tok, cost = state.load.shape[0], state.M, state.tokens, state.costs
     slot = state.dest * M + state.micro
-    S = R * M
-    order = np.argsort(_uint_key(slot, S), kind="stable")  # items grouped by slot, so by rank
-    slot_starts = np.zeros(S + 1, dtype=np.int64)  # where each slot's items begin along `order`
-    np.cumsum(np.bincount(slot, minlength=S), out=slot_starts[1:])
+    order = np.argsort(_uint_key(slot, R * M), kind="stable")  # items grouped by slot, so by rank
+    slot_starts = np.zeros(R * M + 1, dtype=np.int64)  # where each slot's items begin along `order`
+    np.cumsum(np.bincount(slot, minlength=R * M), out=slot_starts[1:])
     scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
-    is_large = tok[order] > cap * _LARGE
-    large = _by_rank_and_cost(order[np.flatnonzero(is_large)], state.dest, cost, scale, R)
-    large += (tok[large[0]], cost[large[0]], state.micro[large[0]])
-    over_start = np.flatnonzero(state.load > limit)
+
+    def indexed(items):  # (items, starts, key, scale) by rank and cost, then their tokens, costs and slots
+        got = _by_rank_and_cost(items, state.dest, cost, scale, R)
+        return got + (tok[got[0]], cost[got[0]], state.micro[got[0]])
+
+    is_large = tok[order] > state.cap * _LARGE
+    over = np.flatnonzero(state.load > limit)
     rank_starts = slot_starts[::M]  # `order` is rank-major: a rank's items are one stretch of it
-    at, _ = _ranges(rank_starts[over_start], rank_starts[over_start + 1])
-    rest_items = _by_rank_and_cost(order[at[np.flatnonzero(~is_large[at])]], state.dest, cost, scale, R)
-    rest_items += (tok[rest_items[0]], cost[rest_items[0]], state.micro[rest_items[0]])
-    return order, slot_starts, large, rest_items
+    at, _ = _ranges(rank_starts[over], rank_starts[over + 1])
+    rest = order[at[np.flatnonzero(~is_large[at])]]
+    return order, slot_starts, indexed(order[np.flatnonzero(is_large)]), indexed(rest)
+
+
+def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray):
+    """(positions in `index`, pair of each): the `reach` items of each of `ranks` each side of the cost
+    `want` it should shed (a cheaper one sheds less, a dearer one overshoots or needs more sent back)."""
+    _, starts, key, scale = index[:4]
+    near = np.searchsorted(key, ranks + np.minimum(want * scale, 0.5))
+    lo = np.maximum(near - reach, starts[ranks])
+    return _ranges(lo, np.maximum(np.minimum(near + reach, starts[ranks + 1]), lo))
 
 
 def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead) -> np.ndarray:
-    """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each
-    rank under budget in at most one; applied; returns the ranks h that traded.
-
-    Tried: h's other items (the `window` each side of the cost h should shed) that fit l's roomiest
-    slot, moved there (h's first partner only); h's large items (the same window) into l's roomiest
-    slot or in place of the two large items `b` of l nearest in cost to c_a - (what h should shed),
-    topped up with the fewest small items of the receiving slot that make room (`_PayBack`), all of
+    """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each rank
+    under budget in at most one; applied; returns the ranks h that traded. Tried: h's other items moved
+    alone (`_best_moves`); h's large items (the `window` each side of the cost h should shed) into l's
+    roomiest slot or for one of the two large items `b` of l nearest in cost to c_a - (what h should
+    shed), topped up with the fewest small items of the receiving slot that make room (`_PayBack`), all of
     it into a's slot on h."""
-    cap, M = state.cap, state.M
-    l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large  # by rank, cheapest first within one
+    l_order, l_tok, l_cost = large[0], large[4], large[5]  # by rank, cheapest first within one
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
-    # the large items of h whose cost is nearest `want` (W below, W above): a cheaper one sheds
-    # less, a dearer one overshoots or needs a dearer b back (more tokens sent)
-    near = np.searchsorted(l_key, h + np.minimum(want * scale, 0.5))
-    lo = np.maximum(near - window, l_starts[h])
-    pos, ga = _ranges(lo, np.maximum(np.minimum(near + window, l_starts[h + 1]), lo))
+    pos, ga = _window(large, h, want, window)
     # (filters index by np.flatnonzero: numpy's boolean-mask indexing of random masks is 2-4x slower)
     ok = np.flatnonzero(~moved[l_order[pos]])
     pa, ga = pos[ok], ga[ok]  # positions of the items a in `large`
     recv = np.argmin(state.slot_tok[l], axis=1)
-    rest, go, c_mv, mv_score, mv_ma = _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit,
-                                                  overhead)
-    if pa.size + rest.size == 0:
+    moves = _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead)
+    if pa.size + moves["a"].size == 0:
         return h[:0]
     # a large a scores at most min(c_a, what h sheds, room of l) / (t_a + overhead) whatever comes
     # back: one below its pair's best move cannot win
     best_move = np.full(h.size, -np.inf)
-    best_move[go] = mv_score
+    best_move[moves["g"]] = moves["score"]
     ll_a = l[ga]
     bound = np.minimum(np.minimum(l_cost[pa], excess[h[ga]]), limit[ll_a] - state.load[ll_a]) / (l_tok[pa] + overhead)
     ok = np.flatnonzero(bound >= best_move[ga])
     o = _large_options(state, h, l, pa[ok], ga[ok], want, recv, large, moved)
     # only a pair's best can win: the options that cannot beat it go no further (no search)
-    keep = np.flatnonzero(_worth_searching(state, h, o, go, mv_score, excess, limit, overhead))
+    keep = np.flatnonzero(_worth_searching(state, o, best_move, excess, limit, overhead))
     o = {k: v[keep] for k, v in o.items()}
-    a, b = l_order[o["pa"]], np.where(o["has_b"], l_order[o["pbs"]], -1)
-    hl, ll, ta, ma = o["hl"], o["ll"], o["ta"], o["ma"]
     # the receiving slot pays back the fewest of its small items (index order) that free enough
-    (back_tok, back_cost, n_back), lo, j, feasible = pay_back.search(ll * M + o["m"], o["need"])
+    (back_tok, back_cost, n_back), o["lo"], o["j"], feasible = pay_back.search(o["ll"] * state.M + o["m"], o["need"])
     back_tok = np.where(feasible, back_tok, np.inf) + o["tb"]
-    feasible &= back_tok <= ta + (cap - state.slot_tok[hl, ma])  # the pay-back fits a's slot on h
-    delta = o["ca"] - (back_cost + o["cb"])
-    feasible &= (delta > 0) & (state.load[ll] + delta <= limit[ll]) & _counts_hold(state, hl, ll, n_back + o["has_b"])
-    score = np.where(feasible, np.minimum(delta, excess[hl]) / (ta + back_tok + overhead), -np.inf)
+    fits = feasible & (back_tok <= o["ta"] + (state.cap - state.slot_tok[o["hl"], o["ma"]]))  # into a's slot on h
+    o["delta"] = o["ca"] - (back_cost + o["cb"])
+    o["score"] = _score(state, o["hl"], o["ll"], o["delta"], o["ta"] + back_tok, fits, n_back + o["has_b"], excess,
+                        limit, overhead)
+    o["a"], o["b"] = l_order[o["pa"]], np.where(o["has_b"], l_order[o["pbs"]], -1)
     # every candidate, the moves first (as they were tried first)
-    score = np.concatenate((mv_score, score))
-    if not np.isfinite(score).any():
-        return h[:0]
-    a, g, b = np.concatenate((rest, a)), np.concatenate((go, o["g"])), np.concatenate((np.full(rest.size, -1), b))
-    delta = np.concatenate((c_mv, delta))
-    lo = np.concatenate((np.zeros(go.size, dtype=np.int64), lo))  # a move pays nothing back
-    j = np.concatenate((np.full(go.size, -1, dtype=np.int64), j))
-    m, ma = np.concatenate((recv[go], o["m"])), np.concatenate((mv_ma, ma))
-    hl, ll = np.concatenate((h[go], hl)), np.concatenate((l[go], ll))
-    return _choose_and_apply(state, h.size, budget, pay_back, moved, a, g, b, m, ma, hl, ll, score, delta, lo, j)
+    cand = {k: np.concatenate((moves[k], o[k])) for k in moves}
+    return _choose_and_apply(state, h.size, budget, pay_back, moved, cand)
 
 
-def _counts_hold(state, h, l, n_back) -> np.ndarray:
-    """Whether h (sending one item, taking `n_back`) and l (the reverse) keep `state.min_count` items."""
-    if state.count is None:
-        return np.ones(h.size, dtype=bool)
-    return (state.count[h] - 1 + n_back >= state.min_count) & (state.count[l] + 1 - n_back >= state.min_count)
+def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.ndarray:
+    """A trade's score, the load it takes off h per token sent (+ overhead), where `ok` and it lowers h by
+    `delta`, keeps l within its limit and h (sending one item, taking `n_back`) and l (the reverse) keep
+    `state.min_count` items; -inf elsewhere."""
+    ok = ok & (delta > 0) & (state.load[l] + delta <= limit[l])
+    if state.count is not None:
+        ok = ok & (state.count[h] - 1 + n_back >= state.min_count) & (state.count[l] + 1 - n_back >= state.min_count)
+    return np.where(ok, np.minimum(delta, excess[h]) / (sent + overhead), -np.inf)
 
 
 def _large_options(state, h, l, pa, ga, want, recv, large, moved) -> dict:
-    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`,
-    pair `ga`) into l's roomiest slot `recv`, and in place of the b of l (never moved) whose cost is
-    nearest below and above c_a - want. Arrays: pair g, has_b, a's and b's positions, receiving slot
-    m, b's tokens and cost, a's tokens, cost and slot, h, l, tokens a small pay-back must free."""
+    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`, pair
+    `ga`) into l's roomiest slot `recv`, and for the b of l (never moved) nearest in cost below and above
+    c_a - want. Arrays: pair g, has_b, a's and b's positions, receiving slot m, b's tokens and cost, a's
+    tokens, cost and slot, h, l, tokens a small pay-back must free."""
     l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large
     ll_a = l[ga]
     p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
     lo_b, hi_b = l_starts[ll_a], l_starts[ll_a + 1]
-    a_opts, g_opts, b_opts = [pa], [ga], [np.full(pa.size, -1, dtype=np.int64)]
+    options = [(pa, ga, np.full(pa.size, -1, dtype=np.int64))]
     for p_b in (p_hi - 1, p_hi):
         inside = np.flatnonzero((p_b >= lo_b) & (p_b < hi_b))
         inside = inside[np.flatnonzero(~moved[l_order[p_b[inside]]])]
-        a_opts.append(pa[inside])
-        g_opts.append(ga[inside])
-        b_opts.append(p_b[inside])
+        options.append((pa[inside], ga[inside], p_b[inside]))
     alone = pa.size
-    pa, g, pb = np.concatenate(a_opts), np.concatenate(g_opts), np.concatenate(b_opts)
-    b_pos = pb[alone:]
+    pa, g, pb = (np.concatenate(x) for x in zip(*options))
+    b_pos, none = pb[alone:], np.zeros(alone)
     o = {"g": g, "has_b": pb >= 0, "pa": pa, "pbs": np.maximum(pb, 0),
          "m": np.concatenate((recv[g[:alone]], l_micro[b_pos])),
-         "tb": np.concatenate((np.zeros(alone), l_tok[b_pos])), "cb": np.concatenate((np.zeros(alone), l_cost[b_pos])),
+         "tb": np.concatenate((none, l_tok[b_pos])), "cb": np.concatenate((none, l_cost[b_pos])),
          "ta": l_tok[pa], "ca": l_cost[pa], "ma": l_micro[pa], "hl": h[g], "ll": l[g]}
     o["need"] = np.maximum(o["ta"] - o["tb"] - (state.cap - state.slot_tok[o["ll"], o["m"]]), 0.0)
     return o
 
 
-def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead):
-    """The moves of `_round`: per pair, the best other item of h (the `window` each side of the cost
-    h should shed, never moved) that fits l's roomiest slot `recv` (h's first partner only):
-    (items, pair, cost, score, slot on h) of each pair's best."""
-    cap = state.cap
-    # the other items of h that never moved and fit l's roomiest slot: moves, to h's first partner
+def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead) -> dict:
+    """The moves of `_round` (candidates as it keeps them): per pair, h's first partner only, the best
+    other item of h (the `window` each side of the cost h should shed, never moved: the best is the
+    cheapest that covers it or the dearest short of it) that fits l's roomiest slot `recv` as it is."""
     first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
-    movable, movable_starts, movable_key, mv_scale, mv_tok, mv_cost, mv_micro = rest_items
-    hf, lf = h[first_partner], l[first_partner]
-    room = cap - state.slot_tok[lf, recv[first_partner]]
-    # as for the large items: the `window` each side of the cost h should shed (for a cost that grows
-    # with the tokens, the best move is the cheapest that covers it, or the dearest one short of it)
-    near = np.searchsorted(movable_key, hf + np.minimum(want[first_partner] * mv_scale, 0.5))
-    wf = window[first_partner]
-    lo = np.maximum(near - wf, movable_starts[hf])
-    pos, gi = _ranges(lo, np.maximum(np.minimum(near + wf, movable_starts[hf + 1]), lo))
+    movable, mv_tok, mv_cost, mv_micro = rest_items[0], rest_items[4], rest_items[5], rest_items[6]
+    room = state.cap - state.slot_tok[l[first_partner], recv[first_partner]]
+    pos, gi = _window(rest_items, h[first_partner], want[first_partner], window[first_partner])
     ok = np.flatnonzero(~moved[movable[pos]] & (mv_tok[pos] <= room[gi]))
     pos, go = pos[ok], first_partner[gi[ok]]
-    # moves need no pay-back (a fits l's roomiest slot as it is): scored without the segments below
-    mv_h, mv_l = h[go], l[go]
-    t_mv, c_mv = mv_tok[pos], mv_cost[pos]
-    ok = (c_mv > 0) & (state.load[mv_l] + c_mv <= limit[mv_l]) & _counts_hold(state, mv_h, mv_l, 0)
-    mv_score = np.minimum(c_mv, excess[mv_h]) / (t_mv + overhead)
-    # only a pair's best move can win (ties: the first), so only those go on
-    keep = _first_best(go, np.where(ok, mv_score, -np.inf), h.size)
-    pos, go, c_mv, mv_score = pos[keep], go[keep], c_mv[keep], mv_score[keep]
-    return movable[pos], go, c_mv, mv_score, mv_micro[pos]
+    score = _score(state, h[go], l[go], mv_cost[pos], mv_tok[pos], True, 0, excess, limit, overhead)
+    keep = _first_best(go, score, h.size)  # only a pair's best move can win (ties: the first)
+    pos, go, n = pos[keep], go[keep], keep.size
+    return {"a": movable[pos], "g": go, "b": np.full(n, -1), "m": recv[go], "ma": mv_micro[pos], "hl": h[go],
+            "ll": l[go], "delta": mv_cost[pos], "lo": np.zeros(n, dtype=np.int64), "j": np.full(n, -1, dtype=np.int64),
+            "score": score[keep]}
 
 
-def _choose_and_apply(state, P, budget, pay_back, moved, a, g, b, m, ma, hl, ll, score, delta, lo, j):
-    """Of `_round`'s scored candidates (pair g, item a, item b or -1 sent back, into slot m of l, a's slot
-    ma on h, the pay-back's positions lo..j): the best of every pair (ties: the first); per over-full
-    rank its best, and its second best too when the best does not cover its excess and the two share
-    no item and no slot of h; every rank under budget trades once, the most over first. Applied;
-    returns the ranks h that traded."""
-    has_b = b >= 0
-    chosen = _first_best(g, score, P)  # ascending pair = over-full order, a run per h
+def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarray:
+    """Of `_round`'s scored candidates `cand` (pair g, item a, item b or -1 sent back, into slot m of l,
+    a's slot ma on h, the pay-back's positions lo..j), applied: per over-full rank its best (ties: the
+    first), and its second best too when the best leaves it over budget and the two share no item and
+    no slot of h; each rank under budget in one, the most over first. Returns the ranks h that traded."""
+    a, b, hl, ll, ma, delta, score = (cand[k] for k in ("a", "b", "hl", "ll", "ma", "delta", "score"))
+    chosen = _first_best(cand["g"], score, P)  # ascending pair = over-full order, a run per h
+    if chosen.size == 0:
+        return hl[:0]
     hc = hl[chosen]
     o = np.lexsort((chosen, -score[chosen], hc))  # within each h: best first
     chosen, hc = chosen[o], hc[o]
     lead = np.concatenate(([True], hc[1:] != hc[:-1]))
-    lead_of = np.maximum.accumulate(np.where(lead, np.arange(chosen.size), 0))
-    c0 = chosen[lead_of]
+    c0 = chosen[np.maximum.accumulate(np.where(lead, np.arange(chosen.size), 0))]  # the best of its h
     second = (~lead & np.concatenate(([False], lead[:-1]))  # the second of its h
               & (delta[c0] < state.load[hc] - budget[hc]) & (a[chosen] != a[c0]) & (ma[chosen] != ma[c0]))
     first = np.concatenate((chosen[lead], chosen[second]))
-    R = state.load.shape[0]
-    lr = ll[first]
-    taken = np.full(R, first.size, dtype=np.int64)
-    np.minimum.at(taken, lr, np.arange(first.size))
-    first = first[taken[lr] == np.arange(first.size)]
-    # small pay-back of each chosen trade: its slot's prefix up to its position
-    paid, pg = pay_back.paid(lo[first], j[first])
-    with_b = np.flatnonzero(has_b[first])
-    back = np.concatenate((paid, b[first][with_b]))
+    first = first[_first_touching(state.load.shape[0], ll[first])]
+    paid, pg = pay_back.paid(cand["lo"][first], cand["j"][first])  # its slot's prefix up to its position
+    with_b = np.flatnonzero(b[first] >= 0)
+    items = np.concatenate((a[first], paid, b[first][with_b]))  # a to l, the rest back to h
     back_of = np.concatenate((pg, with_b))
-    to_rank = np.concatenate((ll[first], hl[first][back_of]))
-    to_slot = np.concatenate((m[first], ma[first][back_of]))
-    _apply(state, np.concatenate((a[first], back)), to_rank, to_slot)
-    moved[a[first]] = True
-    moved[back] = True
+    _apply(state, items, np.concatenate((ll[first], hl[first][back_of])),
+           np.concatenate((cand["m"][first], ma[first][back_of])))
+    moved[items] = True
     return hl[first]
 
 
-def _worth_searching(state, h, o, go, mv_score, excess, limit, overhead) -> np.ndarray:
-    """Which large-item options `o` of `_round` can still be their pair's best: one that needs no
-    pay-back scores at least the pair's best move and such option; one that needs a pay-back scores
-    at most min(c_a - c_b, what h sheds, room of l) / (t_a + t_b + need + overhead), not below it."""
-    best = np.full(h.size, -np.inf)
-    best[go] = mv_score  # a pair's best move (one per pair at most)
+def _worth_searching(state, o, best_move, excess, limit, overhead) -> np.ndarray:
+    """Which large-item options `o` of `_round` can still be their pair's best (`best_move`: its best move's
+    score): one needing no pay-back scores at least that and every such option of the pair; one needing
+    a pay-back has a bound min(c_a - c_b, what h sheds, room of l) / (t_a + t_b + need + overhead) not
+    below them."""
+    best = best_move.copy()
     hl, ll, ta, tb, dc = o["hl"], o["ll"], o["ta"], o["tb"], o["ca"] - o["cb"]
     zero = o["need"] <= 0
     z = np.flatnonzero(zero)
-    dz, hz, lz, tz, tbz = dc[z], hl[z], ll[z], ta[z], tb[z]
-    ok = ((tbz <= tz + (state.cap - state.slot_tok[hz, o["ma"][z]])) & (dz > 0) & (state.load[lz] + dz <= limit[lz])
-          & _counts_hold(state, hz, lz, o["has_b"][z].astype(np.int64)))
+    hz, tz, tbz = hl[z], ta[z], tb[z]
+    fits = tbz <= tz + (state.cap - state.slot_tok[hz, o["ma"][z]])
+    score_z = _score(state, hz, ll[z], dc[z], tz + tbz, fits, o["has_b"][z].astype(np.int64), excess, limit, overhead)
     score = np.full(hl.size, -np.inf)
-    score_z = np.where(ok, np.minimum(dz, excess[hz]) / (tz + tbz + overhead), -np.inf)
     score[z] = score_z
     np.maximum.at(best, o["g"][z], score_z)
     bound = np.minimum(np.minimum(dc, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + o["need"] + overhead)
     return np.where(zero, np.isfinite(score) & (score >= best[o["g"]]), bound >= best[o["g"]])
 
 
+def _first_touching(num_ranks: int, *ranks: np.ndarray) -> np.ndarray:
+    """Which candidates are the first (in their order) to touch every rank they name in `ranks`: taking
+    those, each rank is in one at most."""
+    n = ranks[0].size
+    first = np.full(num_ranks, n, dtype=np.int64)
+    for r in ranks:
+        np.minimum.at(first, r, np.arange(n))
+    return np.logical_and.reduce([first[r] == np.arange(n) for r in ranks])
+
+
 def _apply(state: _State, allx, rank, slot) -> None:
     """Move items `allx` to (rank, slot) each, updating the sums."""
     R, M = state.load.shape[0], state.M
-    src = state.dest[allx]
-    c = state.costs[allx]
+    src, c = state.dest[allx], state.costs[allx]
     state.load += np.bincount(rank, weights=c, minlength=R) - np.bincount(src, weights=c, minlength=R)
     if state.slot_tok is not None:
         t = state.tokens[allx]
-        flat = state.slot_tok.reshape(-1)
-        flat += (np.bincount(rank * M + slot, weights=t, minlength=R * M)
-                 - np.bincount(src * M + state.micro[allx], weights=t, minlength=R * M))
+        state.slot_tok.reshape(-1)[:] += (np.bincount(rank * M + slot, weights=t, minlength=R * M)
+                                          - np.bincount(src * M + state.micro[allx], weights=t, minlength=R * M))
     if state.count is not None:
         state.count += np.bincount(rank, minlength=R) - np.bincount(src, minlength=R)
     state.prev[allx] = src
