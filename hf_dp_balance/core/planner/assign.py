@@ -68,7 +68,7 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     lg = np.flatnonzero(tok > state.cap * _LONG)
     if lg.size == 0:
         return lg, lg, 0.0
-    home = state.dest[lg].copy()
+    home = state.dest[lg]
     d = home.copy()
     cl, tl = state.costs[lg], tok[lg]
     CL, TL = np.bincount(d, weights=cl, minlength=R), np.bincount(d, weights=tl, minlength=R)
@@ -76,7 +76,6 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     base_room = state.cap * state.M - state.slot_tok.sum(axis=1) + TL
     by_cost = np.argsort(cl, kind="stable")
     partners = (by_cost, cl[by_cost], tl[by_cost], home[by_cost])  # the partners' arrays in cost order
-    cl_list, tl_list = cl.tolist(), tl.tolist()
     off = _offsets(R)
     watch, dirty = np.ones(lg.size, dtype=bool), np.zeros(R, dtype=bool)
     full, since_full, stop = True, 0, stop_share * float(tok.sum())
@@ -98,11 +97,9 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
             full = True
             continue
         good = good[np.argsort(g[good], kind="stable")]
-        gained, used_item, dirty = _apply_sweep(act[good], to[good], partner[good], g[good], d, cl_list, tl_list,
-                                                CL, TL)
+        gained, used_item, dirty = _apply_sweep(act[good], to[good], partner[good], g[good], d, cl, tl, CL, TL)
         watch[:] = False
-        watch[act[good]] = True
-        watch[used_item] = False  # applied: their ranks are dirty anyway
+        watch[act[good]] = ~used_item[act[good]]  # options that lost to another (applied: their ranks are dirty)
         since_full = 0 if full else since_full + 1
         if full and gained < stop and sweep > 0:
             break  # a full sweep gained too little to go on
@@ -145,20 +142,20 @@ def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, partners, off):
     return np.minimum(gm, gs), np.where(move, s[rows, jm], rb[rows, js]), np.where(move, -1, by_cost[q[rows, js]])
 
 
-def _apply_sweep(items, to, partner, gains, d, cl_list, tl_list, CL, TL):
+def _apply_sweep(items, to, partner, gains, d, cl, tl, CL, TL):
     """Apply the options (item to rank `to`, and for a swap its partner back), best first, each rank and long
     item at most once: (the gain, the long items applied, the ranks changed)."""
     # every option's ranks are read before any is applied: an item applied earlier (whose rank has changed)
     # marks its later options used, so the stale ranks never count
     used, used_item = bytearray(CL.shape[0]), bytearray(d.size)
-    gained = 0.0
+    cl_list, tl_list, gained = cl.tolist(), tl.tolist(), 0.0  # (Python floats: cheaper scalar updates per move)
     for i, j, a_rank, b_rank, gk in zip(items.tolist(), partner.tolist(), d[items].tolist(), to.tolist(),
                                         gains.tolist()):
         if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
             continue
         used[a_rank] = used[b_rank] = True
         for item, src, dst in ((i, a_rank, b_rank), (j, b_rank, a_rank))[:1 + (j >= 0)]:  # a swap: j goes back
-            used_item[item] = True  # (Python floats: per move, scalar updates cost less than numpy calls)
+            used_item[item] = True
             CL[src] -= cl_list[item]
             TL[src] -= tl_list[item]
             CL[dst] += cl_list[item]
