@@ -14,10 +14,8 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
     """Place pooled items by best-fit decreasing on the ranks' rooms (limit - load): heaviest first (ties: most
     tokens), onto the rank with the smallest room that still holds it and whose emptiest slot holds its tokens,
     there onto its slot with the fewest tokens. An item that fits no room goes to the roomiest rank with token
-    room (as LPT would), or, with `lpt_host` (long samples and unequal speeds), to the rank where it finishes
-    first counting only fixed load and long samples sent there. No rank with token room at all ->
-    _Infeasible. Rooms are kept in a sorted Python list (bisect): O(log R) search plus an O(R) memmove per
-    item."""
+    room (as LPT would), or with `lpt_host` (long samples, unequal speeds) to an LPT host (`_FullSearch.host`).
+    No rank with token room -> _Infeasible. Rooms in a sorted Python list: O(log R) bisect + O(R) memmove."""
     costs, tokens, cap = state.costs, state.tokens, state.cap
     if tokens is None:
         pool = pool[np.argsort(-costs[pool], kind="stable")]
@@ -35,13 +33,15 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
             j = last  # fits no room: the roomiest rank (LPT)
         t = slots.item_tok[k] if cap is not None else 0.0
         if j <= last and cap is not None and slots.free[ranks[j]] < t:
-            # the best fit lacks token room: a few larger rooms (or, from the roomiest, smaller ones); None: none
-            j = _scan_token_room(slots.free, ranks, j, t, downward=j == last and rooms[j] < c)
+            # the best fit lacks token room: the first of the next 16 larger rooms (or, from the roomiest, smaller
+            # ones) whose rank has it; None: none has
+            step = -1 if j == last and rooms[j] < c else 1
+            near = range(j + step, j + 17 * step, step)
+            j = next((x for x in near if 0 <= x <= last and slots.free[ranks[x]] >= t), None)
         if j is None or j > last:
             # no rank near the best fit has token room, or a long sample needs an LPT host: numpy, O(R)
             j = search.host(rooms, ranks, slots.free, int(pool[k]), c, t)
-        r = ranks.pop(j)
-        left = rooms.pop(j) - c
+        r, left = ranks.pop(j), rooms.pop(j) - c
         j = bisect_left(rooms, left)
         rooms.insert(j, left)
         ranks.insert(j, r)
@@ -183,14 +183,3 @@ class _FullSearch:
             j += 1
         return j
 
-
-def _scan_token_room(free: list, ranks: list, j: int, t: float, downward: bool, reach: int = 16):
-    """The next position from j (up: larger rooms; or down from the roomiest) whose rank has `t` tokens of room,
-    within `reach` steps (then a full search); None if none."""
-    step = -1 if downward else 1
-    for j in range(j + step, j + step * (reach + 1), step):
-        if j < 0 or j >= len(ranks):
-            return None
-        if free[ranks[j]] >= t:
-            return j
-    return None
