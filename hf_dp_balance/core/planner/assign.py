@@ -77,6 +77,7 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     by_cost = np.argsort(cl, kind="stable")
     partners = (by_cost, cl[by_cost], tl[by_cost], home[by_cost])  # the partners' arrays in cost order
     off = _offsets(R)
+    cl_list, tl_list = cl.tolist(), tl.tolist()  # (Python floats: per move, scalar updates cost less than numpy's)
     watch, dirty = np.ones(lg.size, dtype=bool), np.zeros(R, dtype=bool)
     full, since_full, stop = True, 0, stop_share * float(tok.sum())
     for sweep in range(sweeps):
@@ -97,7 +98,8 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
             full = True
             continue
         good = good[np.argsort(g[good], kind="stable")]
-        gained, used_item, dirty = _apply_sweep(act[good], to[good], partner[good], g[good], d, cl, tl, CL, TL)
+        gained, used_item, dirty = _apply_sweep(act[good], to[good], partner[good], g[good], d, cl_list, tl_list,
+                                                CL, TL)
         watch[:] = False
         watch[act[good]] = ~used_item[act[good]]  # options that lost to another (applied: their ranks are dirty)
         since_full = 0 if full else since_full + 1
@@ -142,13 +144,13 @@ def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, partners, off):
     return np.minimum(gm, gs), np.where(move, s[rows, jm], rb[rows, js]), np.where(move, -1, by_cost[q[rows, js]])
 
 
-def _apply_sweep(items, to, partner, gains, d, cl, tl, CL, TL):
+def _apply_sweep(items, to, partner, gains, d, cl_list, tl_list, CL, TL):
     """Apply the options (item to rank `to`, and for a swap its partner back), best first, each rank and long
     item at most once: (the gain, the long items applied, the ranks changed)."""
     # every option's ranks are read before any is applied: an item applied earlier (whose rank has changed)
     # marks its later options used, so the stale ranks never count
     used, used_item = bytearray(CL.shape[0]), bytearray(d.size)
-    cl_list, tl_list, gained = cl.tolist(), tl.tolist(), 0.0  # (Python floats: cheaper scalar updates per move)
+    gained = 0.0
     for i, j, a_rank, b_rank, gk in zip(items.tolist(), partner.tolist(), d[items].tolist(), to.tolist(),
                                         gains.tolist()):
         if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
@@ -361,13 +363,15 @@ def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
         fits = room[None, :] >= ti
         fits[:, o] = False
         fits_s = (diff > 0) & (diff <= room[state.micro[others]][None, :])
-        # score: the overflow left (0 best), then the fewest tokens shifted; one inf more is the pick of none
-        left_m = np.append(np.where(fits, np.maximum(excess - ti, 0.0) * 1e6 + ti, np.inf), np.inf)
-        left_s = np.append(np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf), np.inf)
-        km, ks = int(np.argmin(left_m)), int(np.argmin(left_s))
-        if not np.isfinite(min(left_m[km], left_s[ks])):
+        # score: the overflow left (0 best), then the fewest tokens shifted
+        left_m = np.where(fits, np.maximum(excess - ti, 0.0) * 1e6 + ti, np.inf).reshape(-1)
+        left_s = np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf).reshape(-1)
+        km = int(np.argmin(left_m)) if left_m.size else -1
+        ks = int(np.argmin(left_s)) if left_s.size else -1
+        bm, bs = left_m[km] if km >= 0 else np.inf, left_s[ks] if ks >= 0 else np.inf
+        if not np.isfinite(min(bm, bs)):
             return False
-        if left_m[km] <= left_s[ks]:
+        if bm <= bs:
             state.move(int(mine[km // state.M]), r, km % state.M)
         else:
             _apply_swap(state, int(mine[ks // others.size]), int(others[ks % others.size]))
