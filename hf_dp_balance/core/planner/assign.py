@@ -241,7 +241,6 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
     spills (`_spill`). Returns the moves. Cost: O(R) numpy per item tried."""
     limit = budget * (1.0 + tolerance / 2.0)
     dens = state.costs / np.maximum(state.tokens, 1e-300)
-    band = limit * (tolerance / 2.0)
     view = _Rooms(state, limit)
     moves = 0
     for _ in range(rounds):
@@ -251,7 +250,8 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
             over = state.slot_tok.sum(axis=1) - state.cap * state.M if tokens_only else state.load - limit
             todo = np.flatnonzero(over > 0)
             for h in (todo if tokens_only else todo[np.argsort(-over[todo], kind="stable")]).tolist():
-                made += _send_from(state, view, members.of(h), h, limit, band, small, dens, over_shoot, tokens_only)
+                slack = over_shoot * float(limit[h] * (tolerance / 2.0))  # a load sender's overshoot allowed
+                made += _send_from(state, view, members.of(h), h, small, dens, slack, tokens_only)
         bad = np.flatnonzero((state.slot_tok > state.cap).any(axis=1))
         members = _Members(state.dest, state.load.shape[0]) if bad.size else None
         for r in bad.tolist():
@@ -305,12 +305,12 @@ class _Rooms:
         self.fit[r] = np.minimum((state.cap - state.slot_tok[r]).max(axis=-1), free)
 
 
-def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only, tries: int = 32) -> int:
+def _send_from(state, view, mine, h, small, dens, slack, tokens_only, tries: int = 32) -> int:
     """One rank's part of `_short_flow`: its small items `mine` (those still on h) out until its tokens
     (`tokens_only`) or its load are within bounds, densest first where the load is over (fewest tokens for the
     cost shed), else cheapest per token first; it stops after `tries` items in a row find no rank. Returns the
     moves."""
-    full, tok = state.cap * state.M, state.tokens
+    full, tok, limit = state.cap * state.M, state.tokens, view.limit
     mine = mine[(state.dest[mine] == h) & (tok[mine] <= small)]
     over_load, over_tok = float(state.load[h] - limit[h]), float(state.slot_tok[h].sum() - full)
     if over_load > 0 and over_tok > 0:
@@ -320,7 +320,6 @@ def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, token
         key = -dens[mine] if over_load > 0 else dens[mine]
     mine = mine[np.argsort(key, kind="stable")]
     log_dens = np.log(np.maximum(dens[mine], 1e-300)).tolist()
-    slack = over_shoot * float(band[h])
     made = misses = 0
     for i, ci, ti, ld in zip(mine.tolist(), state.costs[mine].tolist(), tok[mine].tolist(), log_dens):
         if (over_tok if tokens_only else over_load) <= 0 or misses >= tries:

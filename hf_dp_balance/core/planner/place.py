@@ -131,7 +131,7 @@ class _FullSearch:
 
     def __init__(self, state: _State, limit: np.ndarray, lpt_host: bool):
         self.state, self.limit, self.lpt_host = state, limit, lpt_host
-        self.claimed = state.fixed.copy()  # per rank: fixed load + long samples sent there by this call
+        self.claimed = state.fixed.copy()  # per rank: fixed load + long samples sent there by this call (LPT host)
         self.room, self.free, self.dirty = None, None, {}  # dirty: rank -> its room, placed on since the last sync
 
     def placed(self, r: int, left: float) -> None:
@@ -168,16 +168,15 @@ class _FullSearch:
         holds = None if rooms[-1] < c else self.room >= c if ok is None else ok & (self.room >= c)
         if holds is not None and holds.any():  # the smallest room that holds it
             r0 = int(np.argmin(np.where(holds, self.room, np.inf)))
-        else:
-            if self.lpt_host:  # the next shedding pass moves the rest away
-                finish = (self.claimed + c) / np.maximum(self.limit, np.finfo(np.float64).tiny)
-                if ok is not None:
-                    finish = np.where(ok, finish, np.inf)
-                best = np.flatnonzero(finish == finish.min())
-                r0 = int(best[np.argmax(self.room[best])])
-            else:  # the roomiest rank with token room
-                r0 = int(np.argmax(self.room if ok is None else np.where(ok, self.room, -np.inf)))
+        elif self.lpt_host:  # (the next shedding pass moves the rest away)
+            finish = (self.claimed + c) / np.maximum(self.limit, np.finfo(np.float64).tiny)
+            if ok is not None:
+                finish = np.where(ok, finish, np.inf)
+            best = np.flatnonzero(finish == finish.min())
+            r0 = int(best[np.argmax(self.room[best])])
             self.claimed[r0] += c
+        else:  # the roomiest rank with token room
+            r0 = int(np.argmax(self.room if ok is None else np.where(ok, self.room, -np.inf)))
         j = bisect_left(rooms, float(self.room[r0]))
         while ranks[j] != r0:
             j += 1
