@@ -68,9 +68,8 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
     lg = np.flatnonzero(tok > state.cap * _LONG)
     if lg.size == 0:
         return lg, lg, 0.0
-    home = state.dest[lg]
+    home, cl, tl = state.dest[lg], state.costs[lg], tok[lg]
     d = home.copy()
-    cl, tl = state.costs[lg], tok[lg]
     CL, TL = np.bincount(d, weights=cl, minlength=R), np.bincount(d, weights=tl, minlength=R)
     base_x = state.load - CL - limit  # the rest's load against the limit
     base_room = state.cap * state.M - state.slot_tok.sum(axis=1) + TL
@@ -313,11 +312,9 @@ def _send_from(state, view, mine, h, small, dens, slack, tokens_only, tries: int
     full, tok, limit = state.cap * state.M, state.tokens, view.limit
     mine = mine[(state.dest[mine] == h) & (tok[mine] <= small)]
     over_load, over_tok = float(state.load[h] - limit[h]), float(state.slot_tok[h].sum() - full)
-    if over_load > 0 and over_tok > 0:
-        # over in both: items near the density that brings both under together (load excess per token over)
+    key = -dens[mine] if over_load > 0 else dens[mine]
+    if over_load > 0 and over_tok > 0:  # over in both: near the density that brings both under together
         key = np.abs(np.log(dens[mine]) - np.log(over_load / over_tok))
-    else:
-        key = -dens[mine] if over_load > 0 else dens[mine]
     mine = mine[np.argsort(key, kind="stable")]
     log_dens = np.log(np.maximum(dens[mine], 1e-300)).tolist()
     made = misses = 0
