@@ -1,26 +1,20 @@
 """Long items assigned to ranks first at a full cap, then short items as the filler.
 
-At max_tokens = the pack length with a strongly quadratic cost, the imbalance sits in the long
-items, and every rank must end almost exactly at the goal (the ranks' total load room under it is
-~1-2 ranks' worth). Moving a small amount of cost between two full ranks is dear: an item of
-surplus q L^2 >= T must go one way and about as many tokens back, ~2 sqrt(T / q) tokens for a
-transfer T. Moving cost into a rank with free tokens is cheap (~T tokens of short items). So the
-plan is made in the order the cost of it is decided:
+At max_tokens = the pack length with a strongly quadratic cost, the imbalance sits in the long items, and every
+rank must end almost exactly at the goal (the ranks' total load room under it is ~1-2 ranks' worth). Moving cost
+between two full ranks is dear: an item of surplus q L^2 >= T goes one way and about as many tokens back, ~2
+sqrt(T / q) tokens for a transfer T; moving cost into a rank with free tokens is cheap (~T tokens of short
+items). So the plan is made in the order its cost is decided:
 
-1. `_assign_long`: which rank holds each long item, by a local search on a per-rank estimate of
-   what the short items will then send: a rank over the goal sends its excess in short items
-   (`_DENSITY` cost per token), a rank over M x cap tokens sends the tokens, and a rank left short
-   of load without the free tokens to take it in short items ("dead" deficit) is charged
-   `_DEAD` tokens per unit of cost (what a trade between full ranks pays for it), and a rank over
-   M x cap by more tokens than its load excess carries `_DEAD_TOKENS` per token.
-2. `_place_long`: the moves made, each long item into its rank's roomiest slot after that slot
-   passed items to the rank's other slots (a new micro-batch on the same rank sends nothing).
-3. `_short_flow`: ranks over the load limit and then ranks over M x cap tokens send short items to
-   the ranks with load and token room, densest to the ranks shortest of tokens; slots over the cap
-   are mended inside their rank (`_fix_slots`).
+1. `_assign_long`: which rank holds each long item, by a local search on a per-rank estimate of what the short
+   items will then send (`_rank_charge`).
+2. `_place_long`: the moves made, each long item into its rank's roomiest slot after that slot passed items to
+   the rank's other slots (a new micro-batch on the same rank sends nothing).
+3. `_short_flow`: ranks over the load limit, then ranks over M x cap tokens, send short items to the ranks with
+   load and token room, densest to the ranks shortest of tokens; slots over the cap are mended inside their
+   rank (`_fix_slots`).
 
-The incremental method and the full-cap trades then finish what is left (core/planner/pipeline.py,
-stage 2, says when this runs).
+The incremental method and the full-cap trades then finish what is left (pipeline.py, stage 2, says when).
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.refine import _apply_swap
-from hf_dp_balance.core.planner.state import _FEW_SLOTS, _State, _smallest_room
+from hf_dp_balance.core.planner.state import _FEW_SLOTS, _Members, _State, _smallest_room
 
 _LONG = 0.25  # items over this share of the cap are assigned first (8192 tokens at 32K packs)
 _DENSITY = 1.5  # cost per token at which the estimate has short items carry a rank's excess
@@ -38,19 +32,16 @@ _NEAR = 32  # candidates per long item and side: receivers nearest in load room,
 
 
 def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
-    """Estimated tokens the short items of a rank will send (or cost, for a dead deficit), from its
-    load over the limit `x` (negative: under) and its free tokens `room` (negative: over M x cap; both
-    float64 arrays, overwritten):
-    the tokens that carry the load excess out (at _DENSITY) or those over M x cap, whichever is more;
-    plus _DEAD per unit of a deficit the free tokens cannot take at _DENSITY; plus, over M x cap,
-    _DEAD_TOKENS per token the load excess does not carry out (they shed >= 1 cost per token)."""
-    # in place, x and room too (every caller passes fresh arrays): in the search these are (long items x
-    # candidates), and temporaries cost most of its time
+    """Estimated tokens a rank's short items will send, from its load over the limit `x` (negative: under) and
+    its free tokens `room` (negative: over M x cap): the tokens that carry the load excess out (at _DENSITY cost
+    per token) or those over M x cap, whichever is more; plus _DEAD per unit of a deficit the free tokens cannot
+    take at _DENSITY; plus, over M x cap, _DEAD_TOKENS per token the load excess does not carry out (it sheds >=
+    1 cost per token). Overwrites x and room: in the search these are (long items x candidates), and
+    temporaries cost most of its time."""
     dead = np.maximum(room, 0.0)
     dead *= _DENSITY
     dead += x
-    np.negative(dead, out=dead)
-    np.maximum(dead, 0.0, out=dead)
+    np.maximum(np.negative(dead, out=dead), 0.0, out=dead)
     dead *= _DEAD
     carried = np.maximum(x, 0.0, out=x)
     carried /= _DENSITY
@@ -58,94 +49,71 @@ def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
     charge = np.maximum(carried, over)
     charge += dead
     over -= carried
-    np.maximum(over, 0.0, out=over)
-    over *= _DEAD_TOKENS
-    charge += over
+    charge += np.multiply(np.maximum(over, 0.0, out=over), _DEAD_TOKENS, out=over)
     return charge
 
 
 def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = 128, full_every: int = 8,
                  stop_share: float = 1e-4):
-    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a
-    long item to another rank) and swaps (two long items of two ranks), minimising the long items'
-    tokens away from their rank now plus `_rank_charge` summed over the ranks. Each sweep scores, for
-    every long item on a rank with a charge, the _NEAR ranks on either side of its best fit in load
-    room and the _NEAR long items on either side of the cost that would leave its rank at the limit
-    (spread wider above 512 ranks: `_offsets`), then applies the improving ones, best first, each
-    rank at most once; at most `sweeps` sweeps, a full one every `full_every` (between them only the
-    items of ranks that changed), until a full sweep gains less than `stop_share` of the step's
-    tokens. The state is not changed. Cost per sweep: O(long items x _NEAR) numpy and a Python loop
-    over the improving candidates; O(n) before the first."""
-    cap, M = state.cap, state.M
-    R = state.load.shape[0]
-    tok, cost = state.tokens, state.costs
+    """(long items, their ranks, the estimate at those ranks in tokens): a local search over moves (a long item
+    to another rank) and swaps (two long items of two ranks), minimising the long items' tokens away from their
+    rank now plus `_rank_charge` summed over the ranks. Each sweep scores the long items of the ranks with a
+    charge (`_score_sweep`) and applies the improving options best first, each rank at most once
+    (`_apply_sweep`); at most `sweeps` sweeps, a full one every `full_every` (between them only the items of
+    ranks that changed and those whose option lost to another), until a full sweep finds nothing or gains less
+    than `stop_share` of the step's tokens. The state is not changed. Cost per sweep: O(long items x _NEAR)
+    numpy and a Python loop over the improving options; O(n) before the first."""
+    R, tok = state.load.shape[0], state.tokens
     limit = budget * (1.0 + tolerance / 2.0)
-    lg = np.flatnonzero(tok > cap * _LONG)
+    lg = np.flatnonzero(tok > state.cap * _LONG)
     if lg.size == 0:
         return lg, lg, 0.0
-    home = state.dest[lg].copy()
+    home, cl, tl = state.dest[lg], state.costs[lg], tok[lg]
     d = home.copy()
-    cl, tl = cost[lg], tok[lg]
-    CL = np.bincount(d, weights=cl, minlength=R)
-    TL = np.bincount(d, weights=tl, minlength=R)
+    CL, TL = np.bincount(d, weights=cl, minlength=R), np.bincount(d, weights=tl, minlength=R)
     base_x = state.load - CL - limit  # the rest's load against the limit
-    base_room = cap * M - state.slot_tok.sum(axis=1) + TL
+    base_room = state.cap * state.M - state.slot_tok.sum(axis=1) + TL
     by_cost = np.argsort(cl, kind="stable")
-    cost_sorted = cl[by_cost]
-    tok_sorted, home_sorted = tl[by_cost], home[by_cost]  # the partners' arrays in cost order (one gather)
-    cl_list, tl_list = cl.tolist(), tl.tolist()
+    partners = (by_cost, cl[by_cost], tl[by_cost], home[by_cost])  # the partners' arrays in cost order
     off = _offsets(R)
-    # after a full sweep, only the long items of ranks that changed and those whose improving option
-    # lost to another one are scored, with a full sweep every `full_every` (and whenever that finds none)
-    watch = np.ones(lg.size, dtype=bool)
-    dirty = np.zeros(R, dtype=bool)
-    full = True
-    since_full = 0
-    stop = stop_share * float(tok.sum())
-    for _ in range(sweeps):
-        fr = _rank_charge(base_x + CL, base_room - TL)
+    cl_list, tl_list = cl.tolist(), tl.tolist()  # (Python floats: per move, scalar updates cost less than numpy's)
+    watch, dirty = np.ones(lg.size, dtype=bool), np.zeros(R, dtype=bool)
+    full, since_full, stop = True, 0, stop_share * float(tok.sum())
+    for sweep in range(sweeps):
+        x_all, room_all = base_x + CL, base_room - TL
+        fr = _rank_charge(x_all.copy(), room_all.copy())
         pick = fr[d] > 0
-        if not full:
-            pick &= watch | dirty[d]
-        act = np.flatnonzero(pick)
-        if act.size == 0:
-            if full:
-                break
-            full = True
-            continue
-        # in blocks of rows whose temporaries stay in cache (without: 1.3-1.5x the whole call at long-tail 512-2048 x 4)
-        gm, gs, move_to, partner_at = (np.concatenate(x) for x in zip(*[
-            _score_sweep(act[b:b + 256], d, home, cl, tl, base_x + CL, base_room - TL, fr, by_cost,
-                         (cost_sorted, tok_sorted, home_sorted), off) for b in range(0, act.size, 256)]))
-        g = np.minimum(gm, gs)
-        good = np.flatnonzero(g < -1e-6)
+        act = np.flatnonzero(pick if full else pick & (watch | dirty[d]))
+        good = act
+        if act.size:
+            # in blocks of rows whose temporaries stay in cache (without: 1.3-1.5x the whole call at 512-2048 x 4)
+            g, to, partner = (np.concatenate(x) for x in zip(*[
+                _score_sweep(act[b:b + 256], d, home, cl, tl, x_all, room_all, fr, partners, off)
+                for b in range(0, act.size, 256)]))
+            good = np.flatnonzero(g < -1e-6)
         if good.size == 0:
             if full:
                 break
             full = True
             continue
         good = good[np.argsort(g[good], kind="stable")]
-        gained, used_item, dirty = _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, lg.size,
-                                                cl_list, tl_list, CL, TL)
+        gained, used_item, dirty = _apply_sweep(act[good], to[good], partner[good], g[good], d, cl_list, tl_list,
+                                                CL, TL)
         watch[:] = False
-        watch[act[good]] = True
-        watch[used_item] = False  # applied: their ranks are dirty anyway
+        watch[act[good]] = ~used_item[act[good]]  # options that lost to another (applied: their ranks are dirty)
         since_full = 0 if full else since_full + 1
-        if full and gained < stop and _ > 0:
+        if full and gained < stop and sweep > 0:
             break  # a full sweep gained too little to go on
         full = since_full + 1 >= full_every
-    estimate = float(tl[d != home].sum() + _rank_charge(base_x + CL, base_room - TL).sum())
-    return lg, d, estimate
+    return lg, d, float(tl[d != home].sum() + _rank_charge(base_x + CL, base_room - TL).sum())
 
 
-def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, by_cost, by_cost_arrays, off):
-    """One sweep's scores of the long items `act` (a on rank r = d[a]): (best move's gain, best swap's
-    gain, the move's receiver, the swap partner's place in cost order) each. Receivers: the ranks at
-    `off` around a's best fit in load room (x + c_a just under 0), the gain f_left + charge at s -
-    charge now at s + a's tokens away after - before; partners: the long items at `off` around the
-    cost that leaves r at its limit, the gain of both ranks' charges and both items' tokens away (a
-    rank with itself: no option)."""
-    cost_sorted, tok_sorted, home_sorted = by_cost_arrays
+def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, partners, off):
+    """The best option of each long item a in `act` (on rank r = d[a]): (its gain, the other rank, the swap
+    partner or -1 for a move). Receivers: the ranks at `off` around a's best fit in load room (x + c_a just
+    under 0); partners: the long items at `off` around the cost that leaves r at its limit. A gain: both ranks'
+    charges after - before plus the items' tokens away after - before (a rank with itself: no option)."""
+    by_cost, cost_sorted, tok_sorted, home_sorted = partners
     r = d[act]
     ca, ta, home_a = cl[act][:, None], tl[act][:, None], home[act][:, None]
     away_now = (r != home[act]).astype(np.float64)[:, None]
@@ -170,30 +138,25 @@ def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, by_cost, by_cost_arr
     gain_s[rb == r[:, None]] = np.inf
     rows = np.arange(act.size)
     jm, js = np.argmin(gain_m, axis=1), np.argmin(gain_s, axis=1)
-    return gain_m[rows, jm], gain_s[rows, js], s[rows, jm], q[rows, js]
+    gm, gs = gain_m[rows, jm], gain_s[rows, js]
+    move = gm <= gs
+    return np.minimum(gm, gs), np.where(move, s[rows, jm], rb[rows, js]), np.where(move, -1, by_cost[q[rows, js]])
 
 
-def _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, n_long, cl_list, tl_list, CL, TL):
-    """Apply the improving candidates `good` of a sweep, best first, each rank and long item at most
-    once: (the gain, the long items applied, the ranks changed)."""
-    # each candidate's items and ranks read before any is applied: an item applied earlier
-    # (whose rank has changed) marks its later candidates used, so the stale ranks never count
-    is_move = gm[good] <= gs[good]
-    partner = by_cost[partner_at[good]]
-    item_a = act[good]
-    rank_a = d[item_a]
-    rank_b = np.where(is_move, move_to[good], d[partner])
-    partner = np.where(is_move, -1, partner)
-    used = bytearray(R)
-    used_item = bytearray(n_long)
+def _apply_sweep(items, to, partner, gains, d, cl_list, tl_list, CL, TL):
+    """Apply the options (item to rank `to`, and for a swap its partner back), best first, each rank and long
+    item at most once: (the gain, the long items applied, the ranks changed)."""
+    # every option's ranks are read before any is applied: an item applied earlier (whose rank has changed)
+    # marks its later options used, so the stale ranks never count
+    used, used_item = bytearray(CL.shape[0]), bytearray(d.size)
     gained = 0.0
-    for i, j, a_rank, b_rank, gk in zip(item_a.tolist(), partner.tolist(), rank_a.tolist(), rank_b.tolist(),
-                                        g[good].tolist()):
+    for i, j, a_rank, b_rank, gk in zip(items.tolist(), partner.tolist(), d[items].tolist(), to.tolist(),
+                                        gains.tolist()):
         if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
             continue
         used[a_rank] = used[b_rank] = True
         for item, src, dst in ((i, a_rank, b_rank), (j, b_rank, a_rank))[:1 + (j >= 0)]:  # a swap: j goes back
-            used_item[item] = True  # (Python floats: per move, scalar updates cost less than numpy calls)
+            used_item[item] = True
             CL[src] -= cl_list[item]
             TL[src] -= tl_list[item]
             CL[dst] += cl_list[item]
@@ -204,28 +167,10 @@ def _apply_sweep(good, g, gm, gs, act, d, by_cost, partner_at, move_to, R, n_lon
 
 
 def _offsets(num_ranks: int, span: int = 512) -> np.ndarray:
-    """The search's candidate window around a best fit: _NEAR places on either side, every
-    (R // span)-th above `span` ranks, so that it spans the same share of the ranks (and of
-    the long items, about proportional to R) at any R, for the same work."""
+    """The search's candidate window around a best fit: _NEAR places on either side, every (R // span)-th above
+    `span` ranks, so that it spans the same share of the ranks (and of the long items, ~R) at any R."""
     step = max(1, num_ranks // span)
     return np.arange(-_NEAR * step, _NEAR * step, step)
-
-
-def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
-    """Move `items` to `ranks` (longest first), each into its rank's roomiest slot after that slot
-    passed what it can to the rank's other slots (`_make_room`); a slot may end over the cap, which
-    `_short_flow` and the token repair of the incremental method then mend. A move that would leave
-    its rank with fewer than `state.min_count` items is not made."""
-    move = np.flatnonzero(state.dest[items] != ranks)
-    items, ranks = items[move], ranks[move]
-    order = np.argsort(-state.tokens[items], kind="stable")
-    by_rank, bounds = _by_rank(state)  # the items of each rank before the moves
-    for i, r in zip(items[order].tolist(), ranks[order].tolist()):
-        if state.count is not None and state.count[state.dest[i]] - 1 < state.min_count:
-            continue  # the rank keeps its item count (one per micro-batch)
-        m = int(np.argmax(state.cap - state.slot_tok[r]))
-        _make_room(state, r, m, float(state.tokens[i]), by_rank[bounds[r]:bounds[r + 1]])
-        state.move(i, r, m)
 
 
 def _long_first_applies(state: _State) -> bool:
@@ -239,125 +184,113 @@ def _long_first(state: _State, budget: np.ndarray, tolerance: float, assigned=No
     if not _long_first_applies(state):
         return
     items, ranks, _ = _assign_long(state, budget, tolerance) if assigned is None else assigned
-    if items.size == 0:
-        return
-    _place_long(state, items, ranks)
-    _short_flow(state, budget, tolerance, state.cap * _LONG)
+    if items.size:
+        _place_long(state, items, ranks)
+        _short_flow(state, budget, tolerance, state.cap * _LONG)
 
 
-def _make_room(state: _State, r: int, m: int, need: float, members=None) -> bool:
-    """Free `need` tokens in slot (r, m) by passing its items (largest that fit first) to r's other
-    slots (best fit); nothing moves and False if they cannot. `members`: indexes that hold r's
-    items (others may be among them: filtered)."""
-    cap = state.cap
-    room = cap - state.slot_tok[r].astype(np.float64)
+def _place_long(state: _State, items: np.ndarray, ranks: np.ndarray) -> None:
+    """Move `items` to `ranks` (longest first), each into its rank's roomiest slot after that slot passed what
+    it can to the rank's other slots (`_make_room`); a slot may end over the cap, which `_short_flow` and the
+    token repair of the incremental method then mend. A move that would leave its rank with fewer than
+    `state.min_count` items is not made."""
+    move = np.flatnonzero(state.dest[items] != ranks)
+    items, ranks = items[move], ranks[move]
+    order = np.argsort(-state.tokens[items], kind="stable")
+    members = _Members(state.dest, state.load.shape[0])  # the items of each rank before the moves
+    for i, r in zip(items[order].tolist(), ranks[order].tolist()):
+        if state.count is not None and state.count[state.dest[i]] - 1 < state.min_count:
+            continue  # the rank keeps its item count (one per micro-batch)
+        m = int(np.argmax(state.cap - state.slot_tok[r]))
+        _make_room(state, r, m, float(state.tokens[i]), members.of(r))
+        state.move(i, r, m)
+
+
+def _make_room(state: _State, r: int, m: int, need: float, members: np.ndarray) -> None:
+    """Free `need` tokens in slot (r, m) by passing its items (largest that fit first) to r's other slots (best
+    fit); nothing moves if they cannot. `members`: indexes that hold r's items (others may be among them)."""
+    room = state.cap - state.slot_tok[r].astype(np.float64)
     need = need - room[m]
     if need <= 0:
-        return True
-    items = np.flatnonzero(state.dest == r) if members is None else members
-    items = items[(state.dest[items] == r) & (state.micro[items] == m)]
+        return
+    items = members[(state.dest[members] == r) & (state.micro[members] == m)]
     items = items[np.argsort(-state.tokens[items], kind="stable")]
     other = room.tolist()
     other[m] = -np.inf
-    plan = []
-    freed = 0.0
+    plan, freed = [], 0.0
     for i, t in zip(items.tolist(), state.tokens[items].tolist()):
         s = _smallest_room(other, t)
-        if s < 0:
-            continue
-        other[s] -= t
-        plan.append((i, s))
-        freed += t
-        if freed >= need:
-            break
-    if freed < need:
-        return False
-    for i, s in plan:
-        state.move(i, r, s)
-    return True
+        if s >= 0:
+            other[s] -= t
+            plan.append((i, s))
+            freed += t
+            if freed >= need:
+                break
+    if freed >= need:
+        for i, s in plan:
+            state.move(i, r, s)
 
 
 def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: float, rounds: int = 3,
                 over_shoot: float = 0.5) -> int:
-    """Ranks over their load limit, then ranks over M x cap tokens, send items of at most `small`
-    tokens (densest first where the load is over: fewest tokens for the cost shed; else cheapest per
-    token first), each to the rank with load and token room whose load room per token of room is
-    nearest the item's cost per token (dense items to ranks short of tokens), into its best-fitting
-    slot; then a rank with a slot over the cap mends it inside the rank (`_fix_slots`). Returns the
-    moves. Cost: O(R) numpy per item tried (at most 32 failures in a row per rank: `_send_from`)."""
-    cap, M = state.cap, state.M
+    """Ranks over their load limit (most over first), then ranks over M x cap tokens, send items of at most
+    `small` tokens (`_send_from`), each to the rank with load and token room whose load room per token of room
+    is nearest the item's cost per token (dense items to ranks short of tokens), into its best-fitting slot;
+    then a rank with a slot over the cap mends it inside the rank (`_fix_slots`), and what is still over it
+    spills (`_spill`). Returns the moves. Cost: O(R) numpy per item tried."""
     limit = budget * (1.0 + tolerance / 2.0)
-    tok, cost = state.tokens, state.costs
-    dens = cost / np.maximum(tok, 1e-300)
-    band = limit * (tolerance / 2.0)
+    dens = state.costs / np.maximum(state.tokens, 1e-300)
     view = _Rooms(state, limit)
     moves = 0
     for _ in range(rounds):
         made = 0
-        order, bounds = _by_rank(state)
-        todo = np.flatnonzero(state.load > limit)
-        todo = todo[np.argsort(-(state.load[todo] - limit[todo]), kind="stable")]
-        for h in todo.tolist():
-            made += _send_from(state, view, order[bounds[h]:bounds[h + 1]], h, limit, band, small, dens,
-                               over_shoot, tokens_only=False)
-        for h in np.flatnonzero(state.slot_tok.sum(axis=1) > cap * M).tolist():
-            made += _send_from(state, view, order[bounds[h]:bounds[h + 1]], h, limit, band, small, dens,
-                               over_shoot, tokens_only=True)
-        bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
-        if bad.size:
-            order, bounds = _by_rank(state)
-            for r in bad.tolist():
-                _fix_slots(state, r, members=order[bounds[r]:bounds[r + 1]])
-                view.update(state, r)
+        members = _Members(state.dest, state.load.shape[0])
+        for tokens_only in (False, True):
+            over = state.slot_tok.sum(axis=1) - state.cap * state.M if tokens_only else state.load - limit
+            todo = np.flatnonzero(over > 0)
+            for h in (todo if tokens_only else todo[np.argsort(-over[todo], kind="stable")]).tolist():
+                slack = over_shoot * float(limit[h] * (tolerance / 2.0))  # a load sender's overshoot allowed
+                made += _send_from(state, view, members.of(h), h, small, dens, slack, tokens_only)
+        bad = np.flatnonzero((state.slot_tok > state.cap).any(axis=1))
+        members = _Members(state.dest, state.load.shape[0]) if bad.size else None
+        for r in bad.tolist():
+            _fix_slots(state, r, members=members.of(r))
+            view.update(state, r)
         moves += made
         if made == 0:
             break
-    moves += _spill(state, limit)
-    return moves
-
-
-def _by_rank(state: _State):
-    """(items by rank, index order inside; where each rank's run starts, R + 1 of them)."""
-    order = np.argsort(state.dest, kind="stable")
-    return order, np.searchsorted(state.dest[order], np.arange(state.load.shape[0] + 1))
+    return moves + _spill(state, limit)
 
 
 def _spill(state: _State, limit: np.ndarray) -> int:
-    """What is still over the cap at the end: a slot over it sends its smallest items, each to the
-    slot with room for it on the rank (other than its own) that ends least full against its limit;
-    the loads that this raises are left to the trades. Returns the moves."""
+    """What is still over the cap at the end: a slot over it sends its smallest items, each to the slot with
+    room for it on the rank (other than its own) that ends least full against its limit; the loads that this
+    raises are left to the trades. Returns the moves."""
     cap, tok = state.cap, state.tokens
-    bad = np.flatnonzero((state.slot_tok > cap).any(axis=1))
     made = 0
-    for h in bad.tolist():
+    for h in np.flatnonzero((state.slot_tok > cap).any(axis=1)).tolist():
         items = np.flatnonzero(state.dest == h)
         for m in np.flatnonzero(state.slot_tok[h] > cap).tolist():
             mine = items[(state.micro[items] == m) & (state.dest[items] == h)]
-            mine = mine[np.argsort(tok[mine], kind="stable")]
-            for i in mine[:-1].tolist():  # the slot keeps one item
-                if state.slot_tok[h, m] <= cap:
+            for i in mine[np.argsort(tok[mine], kind="stable")][:-1].tolist():  # the slot keeps one item
+                if state.slot_tok[h, m] <= cap or (state.count is not None and state.count[h] - 1 < state.min_count):
                     break
-                if state.count is not None and state.count[h] - 1 < state.min_count:
-                    break
-                t = float(tok[i])
                 room = cap - state.slot_tok
-                fits = room >= t
+                fits = room >= tok[i]
                 fits[h] = False
                 ok = fits.any(axis=1)
                 if not ok.any():
                     break
-                after = (state.load + state.costs[i]) / limit
-                r = int(np.argmin(np.where(ok, after, np.inf)))
-                s = int(np.argmin(np.where(fits[r], room[r], np.inf)))
-                state.move(i, r, s)
+                r = int(np.argmin(np.where(ok, (state.load + state.costs[i]) / limit, np.inf)))
+                state.move(i, r, int(np.argmin(np.where(fits[r], room[r], np.inf))))
                 made += 1
     return made
 
 
 class _Rooms:
     """Per rank: load room under the limit, the largest item its tokens take (min(the roomiest slot's room,
-    free tokens)), and the log of load room per free token (what a receiver needs per token); updated per
-    rank on every move."""
+    free tokens)), and the log of load room per free token (what a receiver needs per token); updated per rank
+    on every move."""
 
     def __init__(self, state: _State, limit: np.ndarray):
         self.limit = limit
@@ -371,55 +304,46 @@ class _Rooms:
         self.fit[r] = np.minimum((state.cap - state.slot_tok[r]).max(axis=-1), free)
 
 
-def _send_from(state, view, mine, h, limit, band, small, dens, over_shoot, tokens_only, tries: int = 32) -> int:
-    """One rank's part of `_short_flow`: its small items `mine` (those still on h) out until its
-    tokens (`tokens_only`) or its load are within bounds; returns the moves."""
-    cap, M = state.cap, state.M
-    tok, cost = state.tokens, state.costs
+def _send_from(state, view, mine, h, small, dens, slack, tokens_only, tries: int = 32) -> int:
+    """One rank's part of `_short_flow`: its small items `mine` (those still on h) out until its tokens
+    (`tokens_only`) or its load are within bounds, densest first where the load is over (fewest tokens for the
+    cost shed), else cheapest per token first; it stops after `tries` items in a row find no rank. Returns the
+    moves."""
+    full, tok, limit = state.cap * state.M, state.tokens, view.limit
     mine = mine[(state.dest[mine] == h) & (tok[mine] <= small)]
-    over_load = float(state.load[h] - limit[h])
-    over_tok = float(state.slot_tok[h].sum() - cap * M)
-    if over_load > 0 and over_tok > 0:
-        # over in both: items near the density that brings both under together (load excess per token over)
+    over_load, over_tok = float(state.load[h] - limit[h]), float(state.slot_tok[h].sum() - full)
+    key = -dens[mine] if over_load > 0 else dens[mine]
+    if over_load > 0 and over_tok > 0:  # over in both: near the density that brings both under together
         key = np.abs(np.log(dens[mine]) - np.log(over_load / over_tok))
-    else:
-        key = -dens[mine] if over_load > 0 else dens[mine]
     mine = mine[np.argsort(key, kind="stable")]
-    made = 0
-    misses = 0
     log_dens = np.log(np.maximum(dens[mine], 1e-300)).tolist()
-    costs, tokens = cost[mine].tolist(), tok[mine].tolist()
-    slack = over_shoot * float(band[h])
-    e, t_over = over_load, over_tok  # h's excesses change only when it sends an item
-    for k, i in enumerate(mine.tolist()):
-        if ((t_over <= 0) if tokens_only else (e <= 0)) or misses >= tries:
+    made = misses = 0
+    for i, ci, ti, ld in zip(mine.tolist(), state.costs[mine].tolist(), tok[mine].tolist(), log_dens):
+        if (over_tok if tokens_only else over_load) <= 0 or misses >= tries:
             break
-        ci, ti = costs[k], tokens[k]
-        if not tokens_only and ci > e + slack and ci > 2.0 * e:
+        if not tokens_only and ci > over_load + slack and ci > 2.0 * over_load:
             continue
         if state.count is not None and state.count[h] - 1 < state.min_count:
             break
         ok = (view.load >= ci) & (view.fit >= ti)
         ok[h] = False
-        near = np.where(ok, np.abs(view.ratio - log_dens[k]), np.inf)
+        near = np.where(ok, np.abs(view.ratio - ld), np.inf)
         r = int(np.argmin(near))
         if not near[r] < np.inf:  # no rank with room for it
             misses += 1
             continue
         misses = 0
-        s = max(_smallest_room((cap - state.slot_tok[r]).tolist(), ti), 0)
-        state.move(i, r, s)
+        state.move(i, r, max(_smallest_room((state.cap - state.slot_tok[r]).tolist(), ti), 0))
         view.update(state, [h, r])
         made += 1
-        e = float(state.load[h] - limit[h])
-        t_over = float(state.slot_tok[h].sum() - cap * M)
+        over_load, over_tok = float(state.load[h] - limit[h]), float(state.slot_tok[h].sum() - full)
     return made
 
 
 def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
-    """Mend rank r's slots over the cap by moves and swaps of its items between its own slots (they
-    send nothing): the most over slot o passes the item, or swaps the pair, whose tokens just cover
-    o's excess (else the largest part of it) into a slot with room. True when no slot is over."""
+    """Mend rank r's slots over the cap by moves and swaps of its items between its own slots (they send
+    nothing): the most over slot o passes the item, or swaps the pair, whose tokens just cover o's excess (else
+    the largest part of it) into a slot with room. True when no slot is over."""
     cap, tok = state.cap, state.tokens
     items = np.flatnonzero(state.dest == r) if members is None else members[state.dest[members] == r]
     for _ in range(steps):

@@ -10,38 +10,28 @@ from hf_dp_balance.core.planner.validation import _as_item_values, _check_count,
 def lower_bound(costs, num_ranks: int, *, prior_loads=None, speeds=None) -> float:
     """Makespan (time units) that no placement can beat, ignoring the token cap.
 
-    The larger of: the water level T with ``sum_r max(0, T*s_r - p_r) = total``
-    (no rank can finish before the fixed work it already has: ``max_r p_r/s_r``
-    is included), and the heaviest item on the rank where it would finish
-    first, ``min_r (p_r + c_max) / s_r``. O(n + R log R).
+    The larger of: the water level T with ``sum_r max(0, T*s_r - p_r) = total`` (no rank can finish before the
+    fixed work it already has: ``max_r p_r/s_r`` is included), and the heaviest item on the rank where it would
+    finish first, ``min_r (p_r + c_max) / s_r``. O(n + R log R).
     """
     num_ranks = _check_count(num_ranks, "num_ranks")
-    c = _as_item_values(costs, "costs", None)
-    prior = _per_rank(prior_loads, "prior_loads", num_ranks, 0.0, positive=False)
-    speeds = _per_rank(speeds, "speeds", num_ranks, 1.0, positive=True)
-    return _lower_bound(c, prior, speeds)
+    return _lower_bound(_as_item_values(costs, "costs", None),
+                        _per_rank(prior_loads, "prior_loads", num_ranks, 0.0, positive=False),
+                        _per_rank(speeds, "speeds", num_ranks, 1.0, positive=True))
 
 
 def _fill_time(total: float, prior: np.ndarray, speeds: np.ndarray) -> float:
-    """Time T at which the ranks absorb `total` work on top of their fixed loads: the smallest
-    T with sum_r max(0, T*s_r - p_r) >= total (piecewise linear, increasing in T). O(R log R).
-
-    Not the look-ahead's `_cost_level_over_bounds`: that one is a cost level over per-step
-    floors with the floors counted in its total, one speed, and 0 when the floors exceed it."""
+    """Time T at which the ranks absorb `total` work on top of their fixed loads: the smallest T with
+    sum_r max(0, T*s_r - p_r) >= total (piecewise linear, increasing in T). O(R log R). (Not the look-ahead's
+    `_cost_level_over_bounds`: a cost level over per-step floors counted in its total, one speed.)"""
     start = prior / speeds
     order = np.argsort(start, kind="stable")
-    a = start[order]
-    cum_s = np.cumsum(speeds[order])
-    cum_p = np.cumsum(prior[order])
-    filled_at = a * cum_s - cum_p  # load that fits below level a[k] on ranks 0..k
-    k = int(np.searchsorted(filled_at, total, side="right")) - 1
+    a, cum_s, cum_p = start[order], np.cumsum(speeds[order]), np.cumsum(prior[order])
+    k = int(np.searchsorted(a * cum_s - cum_p, total, side="right")) - 1  # (load below level a[k] on ranks 0..k)
     return float(max((total + cum_p[k]) / cum_s[k], a[k]))
 
 
 def _lower_bound(c: np.ndarray, prior: np.ndarray, speeds: np.ndarray) -> float:
-    level = _fill_time(float(c.sum()), prior, speeds)
-    level = max(level, float(np.max(prior / speeds)))
-    if c.size:
-        level = max(level, float(np.min((prior + c.max()) / speeds)))
-    return level
-
+    """`lower_bound` of checked arrays."""
+    level = max(_fill_time(float(c.sum()), prior, speeds), float(np.max(prior / speeds)))
+    return max(level, float(np.min((prior + c.max()) / speeds))) if c.size else level
