@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _FEW_SLOTS, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _first_best, _PayBack, _ranges, _uint_key
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _first_best, _PayBack, _ranges, _stable_order
 
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
 _WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
@@ -60,7 +60,7 @@ def _trade_index(state: _State, limit: np.ndarray):
     others of the ranks over `limit` (only they shed: a trade never puts a rank over)."""
     R, M, tok, cost = state.load.shape[0], state.M, state.tokens, state.costs
     slot = state.dest * M + state.micro
-    order = np.argsort(_uint_key(slot, R * M), kind="stable")  # items grouped by slot, so by rank
+    order = _stable_order(slot, R * M)  # items grouped by slot, so by rank
     slot_starts = np.zeros(R * M + 1, dtype=np.int64)  # where each slot's items begin along `order`
     np.cumsum(np.bincount(slot, minlength=R * M), out=slot_starts[1:])
     scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
@@ -214,18 +214,14 @@ def _worth_searching(state, o, best_move, excess, limit, overhead) -> np.ndarray
     score): one needing no pay-back scores at least that and every such option of the pair; one needing
     a pay-back has a bound min(c_a - c_b, what h sheds, room of l) / (t_a + t_b + need + overhead) not
     below them."""
-    best = best_move.copy()
-    hl, ll, ta, tb, dc = o["hl"], o["ll"], o["ta"], o["tb"], o["ca"] - o["cb"]
+    hl, ll, ta, tb, dc, g = o["hl"], o["ll"], o["ta"], o["tb"], o["ca"] - o["cb"], o["g"]
     zero = o["need"] <= 0
-    z = np.flatnonzero(zero)
-    hz, tz, tbz = hl[z], ta[z], tb[z]
-    fits = tbz <= tz + (state.cap - state.slot_tok[hz, o["ma"][z]])
-    score_z = _score(state, hz, ll[z], dc[z], tz + tbz, fits, o["has_b"][z].astype(np.int64), excess, limit, overhead)
-    score = np.full(hl.size, -np.inf)
-    score[z] = score_z
-    np.maximum.at(best, o["g"][z], score_z)
+    fits = zero & (tb <= ta + (state.cap - state.slot_tok[hl, o["ma"]]))
+    score = _score(state, hl, ll, dc, ta + tb, fits, o["has_b"].astype(np.int64), excess, limit, overhead)
+    best = best_move.copy()
+    np.maximum.at(best, g, score)
     bound = np.minimum(np.minimum(dc, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + o["need"] + overhead)
-    return np.where(zero, np.isfinite(score) & (score >= best[o["g"]]), bound >= best[o["g"]])
+    return np.where(zero, np.isfinite(score) & (score >= best[g]), bound >= best[g])
 
 
 def _first_touching(num_ranks: int, *ranks: np.ndarray) -> np.ndarray:

@@ -48,15 +48,11 @@ def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     return pos
 
 
-def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
-    """`values` (integers in [0, below)) as uint16 where they fit: numpy's stable sort of it is a radix sort."""
-    return values.astype(np.uint16) if below <= _RADIX else values.astype(np.int64)
-
-
 def _stable_order(values: np.ndarray, below: int) -> np.ndarray:
-    """np.argsort(values, kind="stable") of integers < `below` (by `_uint_key` where none is negative)."""
-    narrow = values.size == 0 or int(values.min()) >= 0
-    return np.argsort(_uint_key(values, below) if narrow else values, kind="stable")
+    """np.argsort(values, kind="stable") of integers < `below`: as uint16 where they fit and none is negative
+    (numpy's stable sort of 16-bit keys is a radix sort, O(n))."""
+    narrow = below <= _RADIX and (values.size == 0 or int(values.min()) >= 0)
+    return np.argsort(values.astype(np.uint16) if narrow else values, kind="stable")
 
 
 class _PayBack:
