@@ -1,20 +1,11 @@
 """Long items assigned to ranks first at a full cap, then short items as the filler.
 
 At max_tokens = the pack length with a strongly quadratic cost, the imbalance sits in the long items, and every
-rank must end almost exactly at the goal (the ranks' total load room under it is ~1-2 ranks' worth). Moving cost
-between two full ranks is dear: an item of surplus q L^2 >= T goes one way and about as many tokens back, ~2
-sqrt(T / q) tokens for a transfer T; moving cost into a rank with free tokens is cheap (~T tokens of short
-items). So the plan is made in the order its cost is decided:
-
-1. `_assign_long`: which rank holds each long item, by a local search on a per-rank estimate of what the short
-   items will then send (`_rank_charge`).
-2. `_place_long`: the moves made, each long item into its rank's roomiest slot after that slot passed items to
-   the rank's other slots (a new micro-batch on the same rank sends nothing).
-3. `_short_flow`: ranks over the load limit, then ranks over M x cap tokens, send short items to the ranks with
-   load and token room, densest to the ranks shortest of tokens; slots over the cap are mended inside their
-   rank (`_fix_slots`).
-
-The incremental method and the full-cap trades then finish what is left (pipeline.py, stage 2, says when).
+rank must end almost exactly at the goal. Moving cost between two full ranks is dear (an item of surplus
+q L^2 >= T goes one way and about as many tokens back, ~2 sqrt(T / q) tokens for a transfer T); into a rank
+with free tokens it is cheap (~T tokens of short items). So the plan is made in the order its cost is decided:
+1. `_assign_long`: which rank holds each long item; 2. `_place_long`: those moves; 3. `_short_flow`: short
+items as the filler. The incremental method and the full-cap trades then finish what is left (pipeline.py).
 """
 
 from __future__ import annotations
@@ -35,9 +26,8 @@ def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
     """Estimated tokens a rank's short items will send, from its load over the limit `x` (negative: under) and
     its free tokens `room` (negative: over M x cap): the tokens that carry the load excess out (at _DENSITY cost
     per token) or those over M x cap, whichever is more; plus _DEAD per unit of a deficit the free tokens cannot
-    take at _DENSITY; plus, over M x cap, _DEAD_TOKENS per token the load excess does not carry out (it sheds >=
-    1 cost per token). Overwrites x and room: in the search these are (long items x candidates), and
-    temporaries cost most of its time."""
+    take at _DENSITY; plus, over M x cap, _DEAD_TOKENS per token the load excess does not carry out. Overwrites
+    x and room (in the search, temporaries cost most of its time)."""
     dead = np.maximum(room, 0.0)
     dead *= _DENSITY
     dead += x
@@ -179,10 +169,8 @@ def _long_first_applies(state: _State) -> bool:
 
 
 def _long_first(state: _State, budget: np.ndarray, tolerance: float, assigned=None) -> None:
-    """Steps 1-3 of the module docstring on `state` (where `_long_first_applies`); `assigned`: what
+    """Steps 1-3 of the module docstring on `state` (the caller checks `_long_first_applies`); `assigned`: what
     `_assign_long` returned for this state (else it runs here)."""
-    if not _long_first_applies(state):
-        return
     items, ranks, _ = _assign_long(state, budget, tolerance) if assigned is None else assigned
     if items.size:
         _place_long(state, items, ranks)
@@ -362,13 +350,13 @@ def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
         # score: the overflow left (0 best), then the fewest tokens shifted
         left_m = np.where(fits, np.maximum(excess - ti, 0.0) * 1e6 + ti, np.inf).reshape(-1)
         left_s = np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf).reshape(-1)
-        km = int(np.argmin(left_m)) if left_m.size else -1
-        ks = int(np.argmin(left_s)) if left_s.size else -1
-        bm, bs = left_m[km] if km >= 0 else np.inf, left_s[ks] if ks >= 0 else np.inf
-        if not np.isfinite(min(bm, bs)):
+        left = np.concatenate((left_m, left_s, [np.inf]))  # (ties: a move, then the first)
+        k = int(np.argmin(left))
+        if not np.isfinite(left[k]):
             return False
-        if bm <= bs:
-            state.move(int(mine[km // state.M]), r, km % state.M)
+        if k < left_m.size:
+            state.move(int(mine[k // state.M]), r, k % state.M)
         else:
-            _apply_swap(state, int(mine[ks // others.size]), int(others[ks % others.size]))
+            k -= left_m.size
+            _apply_swap(state, int(mine[k // others.size]), int(others[k % others.size]))
     return not (state.slot_tok[r] > cap).any()
