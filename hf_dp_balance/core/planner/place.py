@@ -22,11 +22,8 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
     else:
         pool = pool[np.lexsort((pool, -tokens[pool], -costs[pool]))]
     order = np.argsort(limit - state.load, kind="stable")
-    rooms, ranks = (limit - state.load)[order].tolist(), order.tolist()  # rooms ascending
-    last = len(rooms) - 1
-    dest = []
-    slots = _SlotTokens(state, pool)
-    search = _FullSearch(state, limit, lpt_host)
+    rooms, ranks, last = (limit - state.load)[order].tolist(), order.tolist(), order.size - 1  # rooms ascending
+    dest, slots, search = [], _SlotTokens(state, pool), _FullSearch(state, limit, lpt_host)
     for k, c in enumerate(costs[pool].tolist()):
         j = bisect_left(rooms, c)
         if j > last and not lpt_host:
@@ -61,8 +58,7 @@ def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.nd
     load = state.load.tolist()
     heap = [(load[r] * inv[r], r) for r in ranks.tolist()]
     heapq.heapify(heap)
-    slots = _SlotTokens(state, pool)
-    dest = []
+    dest, slots = [], _SlotTokens(state, pool)
     for k, c in enumerate(costs[pool].tolist()):
         t = slots.item_tok[k] if cap is not None else 0.0
         aside = []  # ranks less full than the one chosen, without the token room: back in the heap after
@@ -111,8 +107,7 @@ class _SlotTokens:
                 self.free[r] = self.state.cap - min(row)
 
     def commit(self, pool: np.ndarray, dest: np.ndarray) -> None:
-        state = self.state
-        R = state.load.shape[0]
+        state, R = self.state, self.state.load.shape[0]
         state.load += np.bincount(dest, weights=state.costs[pool], minlength=R)
         if self.single:
             state.slot_tok[:, 0] = state.cap - np.asarray(self.free)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _FEW_SLOTS, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _first_best, _PayBack, _ranges, _stable_order
+from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _first_best, _PayBack, _ranges,
+                                                    _rank_starts, _stable_order)
 
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
 _WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
@@ -60,9 +61,7 @@ def _trade_index(state: _State, limit: np.ndarray):
     others of the ranks over `limit` (only they shed: a trade never puts a rank over)."""
     R, M, tok, cost = state.load.shape[0], state.M, state.tokens, state.costs
     slot = state.dest * M + state.micro
-    order = _stable_order(slot, R * M)  # items grouped by slot, so by rank
-    slot_starts = np.zeros(R * M + 1, dtype=np.int64)  # where each slot's items begin along `order`
-    np.cumsum(np.bincount(slot, minlength=R * M), out=slot_starts[1:])
+    order, slot_starts = _stable_order(slot, R * M), _rank_starts(slot, R * M)  # items by slot, so by rank
     scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
 
     def indexed(items):  # (items, starts, key, scale) by rank and cost, then their tokens, costs and slots

@@ -104,12 +104,11 @@ class _PayBack:
 
 
 def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
-    """(items, starts, key, scale): `items` (grouped by rank) by rank, then cost (ties: their order),
-    starts[r] where rank r's begin, and the sorted key rank + cost x scale (scale < 1 / (2 max cost):
-    rank r's keys lie in [r, r + 1/2))."""
+    """(items, starts, key, scale): `items` by rank, then cost (ties: their order), starts[r] where rank r's
+    begin, and the sorted key rank + cost x scale (scale < 1 / (2 max cost): rank r's keys lie in [r, r + 1/2))."""
     ranks = rank_of[items]
     key = ranks + cost[items] * scale
-    o = _float_order(key)  # (grouped by rank already: the sort only orders each rank's stretch)
+    o = _float_order(key)  # (items grouped by rank sort faster: only each rank's stretch moves)
     return items[o], _rank_starts(ranks, num_ranks), key[o], scale
 
 
