@@ -110,21 +110,15 @@ def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, partners, off):
     f_left = _rank_charge(x_all[r] - cl[act], room_all[r] + tl[act]) - fr[r]
     by_x = np.argsort(x_all, kind="stable")
     s = by_x[np.clip(np.searchsorted(x_all[by_x], -cl[act])[:, None] + off, 0, x_all.shape[0] - 1)]
-    gain_m = _rank_charge(x_all[s] + ca, room_all[s] - ta)
-    gain_m += f_left[:, None]
-    gain_m -= fr[s]
-    gain_m += ((s != home_a) - away_now) * ta
+    gain_m = _rank_charge(x_all[s] + ca, room_all[s] - ta) + f_left[:, None] - fr[s] + ((s != home_a) - away_now) * ta
     gain_m[s == r[:, None]] = np.inf
     want = cl[act] - np.maximum(x_all[r], 0.0)
     q = np.clip(np.searchsorted(cost_sorted, want)[:, None] + off, 0, cost_sorted.shape[0] - 1)
     rb, dc, t_b, home_b = d[by_cost[q]], ca - cost_sorted[q], tok_sorted[q], home_sorted[q]
     dt = ta - t_b
-    gain_s = _rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt)
-    gain_s -= fr[r][:, None]
-    gain_s += _rank_charge(x_all[rb] + dc, room_all[rb] - dt)
-    gain_s -= fr[rb]
-    gain_s += ((rb != home_a) - away_now) * ta
-    gain_s += ((r[:, None] != home_b) * 1.0 - (rb != home_b)) * t_b
+    gain_s = (_rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt) - fr[r][:, None]
+              + _rank_charge(x_all[rb] + dc, room_all[rb] - dt) - fr[rb] + ((rb != home_a) - away_now) * ta
+              + ((r[:, None] != home_b) * 1.0 - (rb != home_b)) * t_b)
     gain_s[rb == r[:, None]] = np.inf
     rows = np.arange(act.size)
     jm, js = np.argmin(gain_m, axis=1), np.argmin(gain_s, axis=1)
@@ -138,8 +132,7 @@ def _apply_sweep(items, to, partner, gains, d, cl_list, tl_list, CL, TL):
     item at most once: (the gain, the long items applied, the ranks changed)."""
     # every option's ranks are read before any is applied: an item applied earlier (whose rank has changed)
     # marks its later options used, so the stale ranks never count
-    used, used_item = bytearray(CL.shape[0]), bytearray(d.size)
-    gained = 0.0
+    used, used_item, gained = bytearray(CL.shape[0]), bytearray(d.size), 0.0
     for i, j, a_rank, b_rank, gk in zip(items.tolist(), partner.tolist(), d[items].tolist(), to.tolist(),
                                         gains.tolist()):
         if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
@@ -228,11 +221,9 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
     spills (`_spill`). Returns the moves. Cost: O(R) numpy per item tried."""
     limit = budget * (1.0 + tolerance / 2.0)
     dens = state.costs / np.maximum(state.tokens, 1e-300)
-    view = _Rooms(state, limit)
-    moves = 0
+    view, moves = _Rooms(state, limit), 0
     for _ in range(rounds):
-        made = 0
-        members = _Members(state.dest, state.load.shape[0])
+        made, members = 0, _Members(state.dest, state.load.shape[0])
         for tokens_only in (False, True):
             over = state.slot_tok.sum(axis=1) - state.cap * state.M if tokens_only else state.load - limit
             todo = np.flatnonzero(over > 0)
@@ -254,8 +245,7 @@ def _spill(state: _State, limit: np.ndarray) -> int:
     """What is still over the cap at the end: a slot over it sends its smallest items, each to the slot with
     room for it on the rank (other than its own) that ends least full against its limit; the loads that this
     raises are left to the trades. Returns the moves."""
-    cap, tok = state.cap, state.tokens
-    made = 0
+    cap, tok, made = state.cap, state.tokens, 0
     for h in np.flatnonzero((state.slot_tok > cap).any(axis=1)).tolist():
         items = np.flatnonzero(state.dest == h)
         for m in np.flatnonzero(state.slot_tok[h] > cap).tolist():

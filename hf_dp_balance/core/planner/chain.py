@@ -312,12 +312,11 @@ def _stretches(state, order, lo, size):
 def _place_back(state, order, base, n_back, h, ma, ta):
     """(items, their slots on h, trade ok) of the pay-backs (ladder base .. base + n_back): into a's slot
     while it has room, else h's roomiest slot; a trade whose pay-back does not fit is not ok."""
-    cap = state.cap
     back, tk, of, first, run = _stretches(state, order, base, n_back)
     to = np.repeat(ma, n_back)
     # the trades whose pay-back outgrows a's slot place it item by item into h's slots, all at once
-    t = np.unique(of[run > (cap - state.slot_tok[h, ma] + ta)[of]])
-    room = cap - state.slot_tok[h[t]]
+    t = np.unique(of[run > (state.cap - state.slot_tok[h, ma] + ta)[of]])
+    room = state.cap - state.slot_tok[h[t]]
     room[np.arange(t.size), ma[t]] += ta[t]
     return back, to, _fit_one_by_one(tk, first, n_back, t, room, to, lambda room, row, t, tk: np.where(
         room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1)))
@@ -353,8 +352,7 @@ def _fit_one_by_one(tok, first, size, t, room, to, choose, reverse=False) -> np.
     the end with `reverse`) of `tok`, into the slot `choose(room, row, t, tk)` picks in its row of `room`
     (tokens free per slot), written to `to`. Returns whether each trade placed all (it stops at an item that
     fits nowhere)."""
-    ok = np.ones(size.size, dtype=bool)
-    row = np.arange(t.size)
+    ok, row = np.ones(size.size, dtype=bool), np.arange(t.size)
     for k in range(int(size[t].max()) if t.size else 0):
         go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
         t, row = t[go], row[go]

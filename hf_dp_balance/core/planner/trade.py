@@ -87,11 +87,9 @@ def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray
 
 def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead) -> np.ndarray:
     """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each rank
-    under budget in at most one; applied; returns the ranks h that traded. Tried: h's other items moved
-    alone (`_best_moves`); h's large items (the `window` each side of the cost h should shed) into l's
-    roomiest slot or for one of the two large items `b` of l nearest in cost to c_a - (what h should
-    shed), topped up with the fewest small items of the receiving slot that make room (`_PayBack`), all of
-    it into a's slot on h."""
+    under budget in at most one; applied; returns the ranks h that traded. Tried: h's other items moved alone
+    (`_best_moves`); h's large items (the `window` each side of the cost h should shed) as `_large_options`,
+    topped up with the fewest small items of the receiving slot that make room (`_PayBack`) into a's slot."""
     l_order, l_tok, l_cost = large[0], large[4], large[5]  # by rank, cheapest first within one
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
@@ -138,10 +136,9 @@ def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.
 
 
 def _large_options(state, h, l, pa, ga, want, recv, large, moved) -> dict:
-    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`, pair
-    `ga`) into l's roomiest slot `recv`, and for the b of l (never moved) nearest in cost below and above
-    c_a - want. Arrays: pair g, has_b, a's and b's positions, receiving slot m, b's tokens and cost, a's
-    tokens, cost and slot, h, l, tokens a small pay-back must free."""
+    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`, pair `ga`)
+    into l's roomiest slot `recv`, and for the b of l (never moved) nearest in cost below and above c_a - want;
+    "need": the tokens a small pay-back must free."""
     l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large
     ll_a = l[ga]
     p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
@@ -181,10 +178,10 @@ def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limi
 
 
 def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarray:
-    """Of `_round`'s scored candidates `cand` (pair g, item a, item b or -1 sent back, into slot m of l,
-    a's slot ma on h, the pay-back's positions lo..j), applied: per over-full rank its best (ties: the
-    first), and its second best too when the best leaves it over budget and the two share no item and
-    no slot of h; each rank under budget in one, the most over first. Returns the ranks h that traded."""
+    """Of `_round`'s scored candidates `cand` (pair g, item a, item b or -1 sent back, into slot m of l, a's
+    slot ma on h, the pay-back's positions lo..j), applied: per over-full rank its best (ties: the first), and
+    its second best too when the best leaves it over budget and the two share no item and no slot of h; each
+    rank under budget in one, the most over first. Returns the ranks h that traded."""
     a, b, hl, ll, ma, delta, score = (cand[k] for k in ("a", "b", "hl", "ll", "ma", "delta", "score"))
     chosen = _first_best(cand["g"], score, P)  # ascending pair = over-full order, a run per h
     if chosen.size == 0:

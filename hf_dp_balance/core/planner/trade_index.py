@@ -73,8 +73,6 @@ class _PayBack:
         lo, j, feasible = np.zeros(slot.size, dtype=np.int64), np.full(slot.size, -1, dtype=np.int64), need <= 0
         idx = np.flatnonzero(~feasible)
         self.items = self.order[:0]
-        if idx.size == 0:
-            return sums, lo, j, feasible
         used, inv = np.unique(slot[idx], return_inverse=True)  # the slots asked, each query's among them
         pos, grp = _ranges(self.starts[used], self.starts[used + 1])
         items = self.order[pos]
