@@ -36,7 +36,6 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
     prior = _per_rank(prior_loads, "prior_loads", num_ranks, 0.0, positive=False)
     spd = _per_rank(speeds, "speeds", num_ranks, 1.0, positive=True)
     min_gain, tolerance = _check_fraction(min_gain, "min_gain"), _check_fraction(tolerance, "tolerance")
-
     loads_before = prior + np.bincount(own, weights=c, minlength=num_ranks)
     mk_before, lb = float(np.max(loads_before / spd)), _lower_bound(c, prior, spd)
     ntok = None if cap is None else np.bincount(own, weights=tok, minlength=num_ranks)
@@ -92,7 +91,6 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
     min_gain, tolerance = _check_fraction(min_gain, "min_gain"), _check_fraction(tolerance, "tolerance")
     if sync not in SYNC_MODES:
         raise ValueError(f"sync={sync!r}: must be one of {SYNC_MODES}")
-
     slot = own * num_mb + mb  # (once: the step loads and the cap check read it)
     before = slot_sums(c, slot, num_ranks, num_mb)
     mk_before, lb = step_makespan(before, sync, spd), _step_bound(c, spd, sync)

@@ -205,11 +205,10 @@ def _make_room(state: _State, r: int, m: int, need: float, members: np.ndarray) 
             other[s] -= t
             plan.append((i, s))
             freed += t
-            if freed >= need:
-                break
-    if freed >= need:
-        for i, s in plan:
-            state.move(i, r, s)
+            if freed >= need:  # enough: the passes are made
+                for k, s in plan:
+                    state.move(k, r, s)
+                return
 
 
 def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: float, rounds: int = 3,
