@@ -112,7 +112,7 @@ def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, partners, off):
     s = by_x[np.clip(np.searchsorted(x_all[by_x], -cl[act])[:, None] + off, 0, x_all.shape[0] - 1)]
     gain_m = _rank_charge(x_all[s] + ca, room_all[s] - ta) + f_left[:, None] - fr[s] + ((s != home_a) - away_now) * ta
     gain_m[s == r[:, None]] = np.inf
-    want = cl[act] - np.maximum(x_all[r], 0.0)
+    want = cl[act] - np.maximum(x_all[r], 0.0)  # the cost that leaves r at its limit
     q = np.clip(np.searchsorted(cost_sorted, want)[:, None] + off, 0, cost_sorted.shape[0] - 1)
     rb, dc, t_b, home_b = d[by_cost[q]], ca - cost_sorted[q], tok_sorted[q], home_sorted[q]
     dt = ta - t_b

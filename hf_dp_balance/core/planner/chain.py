@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
-from hf_dp_balance.core.planner.trade import _apply
+from hf_dp_balance.core.planner.trade import _apply, _first_touching
 from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _first_best, _float_order, _ranges,
                                                     _search_within, _stable_order)
 
@@ -85,11 +85,9 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
     lad.large, lad.surplus_key = mine[by], key[by]
     lad.by_cost, starts, lad.cost_key, _ = _by_rank_and_cost(mine, state.dest, state.costs, cost_scale, R)
     lad.l_lo, lad.l_hi = starts[:-1], starts[1:]
-    # the largest cost key of the ranks below each rank (what the keys of all ranks hold just before its
-    # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
-    top = np.full(R, -np.inf)
-    np.maximum.at(top, ranks, lad.cost_key)
-    lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
+    # the largest cost key of the ranks below each rank (the keys ascend: the one just before its stretch): a
+    # swap search whose answer falls below a partner's stretch finds no b there either
+    lad.below_top = np.concatenate(([-np.inf], lad.cost_key))[starts[:-1]]
     if not partners_only:
         _build_partner_ladders(state, lad, np.arange(R))
     return lad
@@ -209,10 +207,9 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     if opt is None:
         return 0
     # per over-full rank its best trade (ties: the first option); in over-full order, every l's first
-    R = state.load.shape[0]
-    chosen = _first_best(h[pair], opt["score"], R)
+    chosen = _first_best(h[pair], opt["score"], state.load.shape[0])
     chosen = chosen[np.argsort(pair[chosen], kind="stable")]
-    chosen = chosen[np.sort(_first_best(l[pair[chosen]], np.zeros(chosen.size), R))]
+    chosen = chosen[_first_touching(state.load.shape[0], l[pair[chosen]])]
     return _carry_out(state, lad, {k: v[chosen] for k, v in opt.items()})
 
 
