@@ -149,29 +149,24 @@ class _FullSearch:
             if cap is not None:
                 self.free[idx] = [free[x] for x in idx]
             self.dirty.clear()
-        ok = None
-        if cap is not None:
-            ok = self.free >= t
-            if not ok.any():
-                home = int(self.state.prev[item])
-                if free[home] < t:
-                    raise _Infeasible(f"item {item} ({t:.0f} tokens) has no room: under the token cap {cap:.0f} "
-                                      f"the roomiest rank has {float(np.max(free)):.0f} tokens left, its home rank "
-                                      f"{home} {float(free[home]):.0f}")
-                ok[home] = True  # back where it came from (its tokens left that rank)
+        ok = np.ones(self.room.size, dtype=bool) if cap is None else self.free >= t  # ranks with token room
+        if not ok.any():
+            home = int(self.state.prev[item])
+            if free[home] < t:
+                raise _Infeasible(f"item {item} ({t:.0f} tokens) has no room: under the token cap {cap:.0f} "
+                                  f"the roomiest rank has {float(np.max(free)):.0f} tokens left, its home rank "
+                                  f"{home} {float(free[home]):.0f}")
+            ok[home] = True  # back where it came from (its tokens left that rank)
         # (`rooms` ascends: when the largest is under c, no rank holds it, and the mask is not built)
-        holds = None if rooms[-1] < c else self.room >= c if ok is None else ok & (self.room >= c)
-        if holds is not None and holds.any():  # the smallest room that holds it
+        if rooms[-1] >= c and (holds := ok & (self.room >= c)).any():  # the smallest room that holds it
             r0 = int(np.argmin(np.where(holds, self.room, np.inf)))
         elif self.lpt_host:  # (the next shedding pass moves the rest away)
-            finish = (self.claimed + c) / np.maximum(self.limit, np.finfo(np.float64).tiny)
-            if ok is not None:
-                finish = np.where(ok, finish, np.inf)
+            finish = np.where(ok, (self.claimed + c) / np.maximum(self.limit, np.finfo(np.float64).tiny), np.inf)
             best = np.flatnonzero(finish == finish.min())
             r0 = int(best[np.argmax(self.room[best])])
             self.claimed[r0] += c
         else:  # the roomiest rank with token room
-            r0 = int(np.argmax(self.room if ok is None else np.where(ok, self.room, -np.inf)))
+            r0 = int(np.argmax(np.where(ok, self.room, -np.inf)))
         j = bisect_left(rooms, float(self.room[r0]))
         while ranks[j] != r0:
             j += 1
