@@ -186,9 +186,8 @@ def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarr
     chosen = _first_best(cand["g"], score, P)  # ascending pair = over-full order, a run per h
     if chosen.size == 0:
         return hl[:0]
+    chosen = chosen[np.lexsort((chosen, -score[chosen], hl[chosen]))]  # within each h: best first
     hc = hl[chosen]
-    o = np.lexsort((chosen, -score[chosen], hc))  # within each h: best first
-    chosen, hc = chosen[o], hc[o]
     lead = np.concatenate(([True], hc[1:] != hc[:-1]))
     c0 = chosen[np.maximum.accumulate(np.where(lead, np.arange(chosen.size), 0))]  # the best of its h
     second = (~lead & np.concatenate(([False], lead[:-1]))  # the second of its h
