@@ -43,8 +43,7 @@ def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     if clamp != "high":
         outside |= (hi < a.size) & passes(a[np.minimum(hi, a.size - 1)], v)
     again = np.flatnonzero(outside)
-    if again.size:
-        pos[again] = np.minimum(np.searchsorted(a, v[again], side=side), hi[again] if clamp == "high" else a.size)
+    pos[again] = np.minimum(np.searchsorted(a, v[again], side=side), hi[again] if clamp == "high" else a.size)
     return pos
 
 
