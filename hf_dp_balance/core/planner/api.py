@@ -36,7 +36,6 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
     prior = _per_rank(prior_loads, "prior_loads", num_ranks, 0.0, positive=False)
     spd = _per_rank(speeds, "speeds", num_ranks, 1.0, positive=True)
     min_gain, tolerance = _check_fraction(min_gain, "min_gain"), _check_fraction(tolerance, "tolerance")
-
     loads_before = prior + np.bincount(own, weights=c, minlength=num_ranks)
     mk_before, lb = float(np.max(loads_before / spd)), _lower_bound(c, prior, spd)
     ntok = None if cap is None else np.bincount(own, weights=tok, minlength=num_ranks)
@@ -55,13 +54,12 @@ def plan_balance(costs, owners, num_ranks, *, tokens=None, max_tokens=None, prio
         state = _balance(state, lb * spd, tolerance, repack_gain=0.0 if violated is None else min_gain)
         # the cap checked exactly, not by the running sums
         still = None if cap is None else _first(np.bincount(state.dest, weights=tok, minlength=num_ranks) > cap)
-        failure = None if still is None else f"rank {still} still over the cap"
+        if still is not None:
+            raise _Infeasible(f"rank {still} still over the cap")
     except _Infeasible as exc:
-        failure = exc.where
-    if failure is not None:
         if violated is None:
             return keep("no feasible plan found; kept in place")
-        raise _cap_error(ntok, cap, violated, failure) from None
+        raise _cap_error(ntok, cap, violated, exc.where) from None
     dest = state.dest
     loads_after = prior + np.bincount(dest, weights=c, minlength=num_ranks)
     made = Plan(dest=dest, applied=True, reason="", loads_before=loads_before, loads_after=loads_after,
@@ -93,7 +91,6 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
     min_gain, tolerance = _check_fraction(min_gain, "min_gain"), _check_fraction(tolerance, "tolerance")
     if sync not in SYNC_MODES:
         raise ValueError(f"sync={sync!r}: must be one of {SYNC_MODES}")
-
     slot = own * num_mb + mb  # (once: the step loads and the cap check read it)
     before = slot_sums(c, slot, num_ranks, num_mb)
     mk_before, lb = step_makespan(before, sync, spd), _step_bound(c, spd, sync)
@@ -119,13 +116,12 @@ def plan_step(costs, owners, micro_batches, num_ranks, num_micro_batches, *, tok
             rank, micro, path = _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots)
         slot = rank * num_mb + micro
         still = None if cap is None else _first(np.bincount(slot, weights=tok, minlength=num_ranks * num_mb) > cap)
-        failure = None if still is None else f"slot {divmod(still, num_mb)} still over the cap"
+        if still is not None:
+            raise _Infeasible(f"slot {divmod(still, num_mb)} still over the cap")
     except _Infeasible as exc:
-        failure = exc.where
-    if failure is not None:
         if required is None:
             return keep("no feasible plan found; kept in place")
-        raise _slot_error(bad_slot, slot_tok, cap, num_mb, failure) from None
+        raise _slot_error(bad_slot, slot_tok, cap, num_mb, exc.where) from None
     after = slot_sums(c, slot, num_ranks, num_mb)
     made = StepPlan(dest_rank=rank, dest_micro_batch=micro, applied=True, reason="", loads_before=before,
                     loads_after=after, lower_bound=lb, makespan_before=mk_before,

@@ -1,20 +1,11 @@
 """Long items assigned to ranks first at a full cap, then short items as the filler.
 
 At max_tokens = the pack length with a strongly quadratic cost, the imbalance sits in the long items, and every
-rank must end almost exactly at the goal (the ranks' total load room under it is ~1-2 ranks' worth). Moving cost
-between two full ranks is dear: an item of surplus q L^2 >= T goes one way and about as many tokens back, ~2
-sqrt(T / q) tokens for a transfer T; moving cost into a rank with free tokens is cheap (~T tokens of short
-items). So the plan is made in the order its cost is decided:
-
-1. `_assign_long`: which rank holds each long item, by a local search on a per-rank estimate of what the short
-   items will then send (`_rank_charge`).
-2. `_place_long`: the moves made, each long item into its rank's roomiest slot after that slot passed items to
-   the rank's other slots (a new micro-batch on the same rank sends nothing).
-3. `_short_flow`: ranks over the load limit, then ranks over M x cap tokens, send short items to the ranks with
-   load and token room, densest to the ranks shortest of tokens; slots over the cap are mended inside their
-   rank (`_fix_slots`).
-
-The incremental method and the full-cap trades then finish what is left (pipeline.py, stage 2, says when).
+rank must end almost exactly at the goal. Moving cost between two full ranks is dear (an item of surplus
+q L^2 >= T goes one way and about as many tokens back, ~2 sqrt(T / q) tokens for a transfer T); into a rank
+with free tokens it is cheap (~T tokens of short items). So the plan is made in the order its cost is decided:
+1. `_assign_long`: which rank holds each long item; 2. `_place_long`: those moves; 3. `_short_flow`: short
+items as the filler. The incremental method and the full-cap trades then finish what is left (pipeline.py).
 """
 
 from __future__ import annotations
@@ -35,9 +26,8 @@ def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
     """Estimated tokens a rank's short items will send, from its load over the limit `x` (negative: under) and
     its free tokens `room` (negative: over M x cap): the tokens that carry the load excess out (at _DENSITY cost
     per token) or those over M x cap, whichever is more; plus _DEAD per unit of a deficit the free tokens cannot
-    take at _DENSITY; plus, over M x cap, _DEAD_TOKENS per token the load excess does not carry out (it sheds >=
-    1 cost per token). Overwrites x and room: in the search these are (long items x candidates), and
-    temporaries cost most of its time."""
+    take at _DENSITY; plus, over M x cap, _DEAD_TOKENS per token the load excess does not carry out. Overwrites
+    x and room (in the search, temporaries cost most of its time)."""
     dead = np.maximum(room, 0.0)
     dead *= _DENSITY
     dead += x
@@ -120,21 +110,15 @@ def _score_sweep(act, d, home, cl, tl, x_all, room_all, fr, partners, off):
     f_left = _rank_charge(x_all[r] - cl[act], room_all[r] + tl[act]) - fr[r]
     by_x = np.argsort(x_all, kind="stable")
     s = by_x[np.clip(np.searchsorted(x_all[by_x], -cl[act])[:, None] + off, 0, x_all.shape[0] - 1)]
-    gain_m = _rank_charge(x_all[s] + ca, room_all[s] - ta)
-    gain_m += f_left[:, None]
-    gain_m -= fr[s]
-    gain_m += ((s != home_a) - away_now) * ta
+    gain_m = _rank_charge(x_all[s] + ca, room_all[s] - ta) + f_left[:, None] - fr[s] + ((s != home_a) - away_now) * ta
     gain_m[s == r[:, None]] = np.inf
-    want = cl[act] - np.maximum(x_all[r], 0.0)
+    want = cl[act] - np.maximum(x_all[r], 0.0)  # the cost that leaves r at its limit
     q = np.clip(np.searchsorted(cost_sorted, want)[:, None] + off, 0, cost_sorted.shape[0] - 1)
     rb, dc, t_b, home_b = d[by_cost[q]], ca - cost_sorted[q], tok_sorted[q], home_sorted[q]
     dt = ta - t_b
-    gain_s = _rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt)
-    gain_s -= fr[r][:, None]
-    gain_s += _rank_charge(x_all[rb] + dc, room_all[rb] - dt)
-    gain_s -= fr[rb]
-    gain_s += ((rb != home_a) - away_now) * ta
-    gain_s += ((r[:, None] != home_b) * 1.0 - (rb != home_b)) * t_b
+    gain_s = (_rank_charge(x_all[r][:, None] - dc, room_all[r][:, None] + dt) - fr[r][:, None]
+              + _rank_charge(x_all[rb] + dc, room_all[rb] - dt) - fr[rb] + ((rb != home_a) - away_now) * ta
+              + ((r[:, None] != home_b) * 1.0 - (rb != home_b)) * t_b)
     gain_s[rb == r[:, None]] = np.inf
     rows = np.arange(act.size)
     jm, js = np.argmin(gain_m, axis=1), np.argmin(gain_s, axis=1)
@@ -148,8 +132,7 @@ def _apply_sweep(items, to, partner, gains, d, cl_list, tl_list, CL, TL):
     item at most once: (the gain, the long items applied, the ranks changed)."""
     # every option's ranks are read before any is applied: an item applied earlier (whose rank has changed)
     # marks its later options used, so the stale ranks never count
-    used, used_item = bytearray(CL.shape[0]), bytearray(d.size)
-    gained = 0.0
+    used, used_item, gained = bytearray(CL.shape[0]), bytearray(d.size), 0.0
     for i, j, a_rank, b_rank, gk in zip(items.tolist(), partner.tolist(), d[items].tolist(), to.tolist(),
                                         gains.tolist()):
         if used[a_rank] or used[b_rank] or used_item[i] or (j >= 0 and used_item[j]):
@@ -179,10 +162,8 @@ def _long_first_applies(state: _State) -> bool:
 
 
 def _long_first(state: _State, budget: np.ndarray, tolerance: float, assigned=None) -> None:
-    """Steps 1-3 of the module docstring on `state` (where `_long_first_applies`); `assigned`: what
+    """Steps 1-3 of the module docstring on `state` (the caller checks `_long_first_applies`); `assigned`: what
     `_assign_long` returned for this state (else it runs here)."""
-    if not _long_first_applies(state):
-        return
     items, ranks, _ = _assign_long(state, budget, tolerance) if assigned is None else assigned
     if items.size:
         _place_long(state, items, ranks)
@@ -224,11 +205,10 @@ def _make_room(state: _State, r: int, m: int, need: float, members: np.ndarray) 
             other[s] -= t
             plan.append((i, s))
             freed += t
-            if freed >= need:
-                break
-    if freed >= need:
-        for i, s in plan:
-            state.move(i, r, s)
+            if freed >= need:  # enough: the passes are made
+                for k, s in plan:
+                    state.move(k, r, s)
+                return
 
 
 def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: float, rounds: int = 3,
@@ -240,11 +220,9 @@ def _short_flow(state: _State, budget: np.ndarray, tolerance: float, small: floa
     spills (`_spill`). Returns the moves. Cost: O(R) numpy per item tried."""
     limit = budget * (1.0 + tolerance / 2.0)
     dens = state.costs / np.maximum(state.tokens, 1e-300)
-    view = _Rooms(state, limit)
-    moves = 0
+    view, moves = _Rooms(state, limit), 0
     for _ in range(rounds):
-        made = 0
-        members = _Members(state.dest, state.load.shape[0])
+        made, members = 0, _Members(state.dest, state.load.shape[0])
         for tokens_only in (False, True):
             over = state.slot_tok.sum(axis=1) - state.cap * state.M if tokens_only else state.load - limit
             todo = np.flatnonzero(over > 0)
@@ -266,8 +244,7 @@ def _spill(state: _State, limit: np.ndarray) -> int:
     """What is still over the cap at the end: a slot over it sends its smallest items, each to the slot with
     room for it on the rank (other than its own) that ends least full against its limit; the loads that this
     raises are left to the trades. Returns the moves."""
-    cap, tok = state.cap, state.tokens
-    made = 0
+    cap, tok, made = state.cap, state.tokens, 0
     for h in np.flatnonzero((state.slot_tok > cap).any(axis=1)).tolist():
         items = np.flatnonzero(state.dest == h)
         for m in np.flatnonzero(state.slot_tok[h] > cap).tolist():
@@ -362,13 +339,13 @@ def _fix_slots(state: _State, r: int, steps: int = 64, members=None) -> bool:
         # score: the overflow left (0 best), then the fewest tokens shifted
         left_m = np.where(fits, np.maximum(excess - ti, 0.0) * 1e6 + ti, np.inf).reshape(-1)
         left_s = np.where(fits_s, np.maximum(excess - diff, 0.0) * 1e6 + diff, np.inf).reshape(-1)
-        km = int(np.argmin(left_m)) if left_m.size else -1
-        ks = int(np.argmin(left_s)) if left_s.size else -1
-        bm, bs = left_m[km] if km >= 0 else np.inf, left_s[ks] if ks >= 0 else np.inf
-        if not np.isfinite(min(bm, bs)):
+        left = np.concatenate((left_m, left_s, [np.inf]))  # (ties: a move, then the first)
+        k = int(np.argmin(left))
+        if not np.isfinite(left[k]):
             return False
-        if bm <= bs:
-            state.move(int(mine[km // state.M]), r, km % state.M)
+        if k < left_m.size:
+            state.move(int(mine[k // state.M]), r, k % state.M)
         else:
-            _apply_swap(state, int(mine[ks // others.size]), int(others[ks % others.size]))
+            k -= left_m.size
+            _apply_swap(state, int(mine[k // others.size]), int(others[k % others.size]))
     return not (state.slot_tok[r] > cap).any()

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
-from hf_dp_balance.core.planner.trade import _apply
-from hf_dp_balance.core.planner.trade_index import (_RADIX, _first_best, _float_order, _rank_starts, _ranges,
+from hf_dp_balance.core.planner.trade import _apply, _first_touching
+from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _first_best, _float_order, _ranges,
                                                     _search_within, _stable_order)
 
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
@@ -25,22 +25,20 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
                    near: bool = False, partners_only: bool = False) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    A trade sends a large item `a` (over cap x _LARGE tokens) of an over-full rank h to a slot (l, m)
-    of a rank l under budget, alone or in place of a large item `b` of that slot (b takes a's slot);
-    (l, m) frees what a needs with a prefix of its ladder: its first items move to l's other slots
-    while they have room, the rest go back to h. Each round pairs the over-full ranks, most over
-    first, with _BREADTH partners each (`_pair_ranks`), tries h's large items (most cost above their
-    tokens first; with `near`, those whose surplus just covers h's excess) and keeps per h the
-    option with the most load taken off h per token sent (+ cap x _OVERHEAD), if at least `min_rate`
-    x the mean cost per token; a partner takes one trade per round, an item moves once, a slot gives
-    back once. A pass ends after 3 rounds in a row that trade for at most 2% of the over-full ranks.
-    `partners_only` builds the ladders of the ranks a round pairs as it pairs them (a residue pass
-    reads few): the same trades up to the last bits of the costs' prefix sums.
-
-    Guarantees: every item keeps one (rank, slot); no slot goes over the cap; a trade lowers the
-    larger of its two ranks' loads, so the fullest rank never rises; a rank keeps `state.min_count`
-    items and a slot with items keeps one. Cost: one O(n) radix sort, then per round O(over-full
-    ranks x 2 _BREADTH^3) binary searches inside one slot's ladder each.
+    A trade sends a large item `a` (over cap x _LARGE tokens) of an over-full rank h to a slot (l, m) of a
+    rank l under budget, alone or in place of a large item `b` of that slot (b takes a's slot); (l, m) frees
+    what a needs with a prefix of its ladder: its first items move to l's other slots while they have room,
+    the rest go back to h. Each round pairs the over-full ranks, most over first, with _BREADTH partners
+    (`_pair_ranks`), tries h's large items (most cost above their tokens first; with `near`, those whose
+    surplus just covers h's excess) and keeps per h the option taking the most load off h per token sent
+    (+ cap x _OVERHEAD), if at least `min_rate` x the mean cost per token; a partner takes one trade per
+    round, an item moves once, a slot gives back once. A pass ends after 3 rounds in a row that trade for at
+    most 2% of the over-full ranks. `partners_only` builds only the ladders of the ranks a round pairs (a
+    residue pass reads few): the same trades up to the last bits of the costs' prefix sums.
+    Guarantees: every item keeps one (rank, slot); no slot goes over the cap; the fullest rank never rises
+    (a trade lowers the larger of its two ranks' loads); a rank keeps `state.min_count` items and a slot with
+    items keeps one. Cost: one O(n) radix sort, then per round O(over-full ranks x 2 _BREADTH^3) binary
+    searches inside one slot's ladder each.
     """
     limit = budget * (1.0 + tolerance / 2.0)
     if state.cap is None or state.load.shape[0] < 2 or not np.any(state.load > limit):
@@ -61,9 +59,8 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
 
 
 def _make_ladders(state: _State, near: bool, partners_only: bool):
-    """What the rounds of `_ladder_trades` read (None without large items): the large items of every rank,
-    and the ladders of every rank at once or, with `partners_only`, of the ranks the rounds pair as they
-    pair them (`_build_partner_ladders`)."""
+    """What the rounds of `_ladder_trades` read (None without large items): the large items of every rank, and
+    the ladders of every rank, or with `partners_only` of the ranks the rounds pair (`_build_partner_ladders`)."""
     R, M, n = state.load.shape[0], state.M, state.costs.shape[0]
     bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
@@ -83,19 +80,14 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
     # under 1/2, ties by index
     by_rank = _stable_order(state.dest[large], R)
     mine, ranks = large[by_rank], state.dest[large[by_rank]]
-    starts = _rank_starts(ranks, R)
-    lad.l_lo, lad.l_hi = starts[:-1], starts[1:]
     key = ranks + (1.0 - (surplus[by_rank] + 1.0) * scale)
     by = _float_order(key)
     lad.large, lad.surplus_key = mine[by], key[by]
-    key = ranks + state.costs[mine] * cost_scale
-    by = _float_order(key)
-    lad.by_cost, lad.cost_key = mine[by], key[by]
-    # the largest cost key of the ranks below each rank (what the keys of all ranks hold just before its
-    # stretch): a swap search whose answer falls below a partner's stretch finds no b there either
-    top = np.full(R, -np.inf)
-    np.maximum.at(top, ranks, key)
-    lad.below_top = np.concatenate(([-np.inf], np.maximum.accumulate(top)[:-1]))
+    lad.by_cost, starts, lad.cost_key, _ = _by_rank_and_cost(mine, state.dest, state.costs, cost_scale, R)
+    lad.l_lo, lad.l_hi = starts[:-1], starts[1:]
+    # the largest cost key of the ranks below each rank (the keys ascend: the one just before its stretch): a
+    # swap search whose answer falls below a partner's stretch finds no b there either
+    lad.below_top = np.concatenate(([-np.inf], lad.cost_key))[starts[:-1]]
     if not partners_only:
         _build_partner_ladders(state, lad, np.arange(R))
     return lad
@@ -129,9 +121,9 @@ def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
 
 
 def _item_keys(state: _State):
-    """Of the items alone, once per planning call (`state.item_memo`): log-spaced density bins (uint16),
-    the large items, their cost above their tokens at the lowest density and its key scale, the scale of
-    the large items' cost key, the mean cost per token."""
+    """Of the items alone, once per planning call (`state.item_memo`): log-spaced density bins (uint16), the
+    large items, their cost above their tokens at the lowest density and its key scale, the scale of the large
+    items' cost key, the mean cost per token."""
     got = state.item_memo.get("ladder")
     if got is None:
         tok, cost = state.tokens, state.costs
@@ -175,9 +167,9 @@ def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi:
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
-    """One trade per over-full rank h of the pairs (h[i], l[i]), every l in at most one; applied; returns
-    how many. Options: a large item `a` of h into the _BREADTH roomiest slots of l, or in place of one of
-    the _BREADTH large items `b` of l nearest in cost to what a should leave behind (`_evaluate`)."""
+    """One trade per over-full rank h of the pairs (h[i], l[i]), every l in at most one; applied; returns how
+    many. Options: a large item `a` of h into the _BREADTH roomiest slots of l, or in place of one of the
+    _BREADTH large items `b` of l nearest in cost to what a should leave behind (`_evaluate`)."""
     M, tok, cost, excess = state.M, state.tokens, state.costs, state.load - budget
     # h's first _BREADTH unmoved large items (read from a window of twice as many), or (`near`) those whose
     # surplus is nearest h's excess: a small excess is shed by a small trade
@@ -215,10 +207,9 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     if opt is None:
         return 0
     # per over-full rank its best trade (ties: the first option); in over-full order, every l's first
-    R = state.load.shape[0]
-    chosen = _first_best(h[pair], opt["score"], R)
+    chosen = _first_best(h[pair], opt["score"], state.load.shape[0])
     chosen = chosen[np.argsort(pair[chosen], kind="stable")]
-    chosen = chosen[np.sort(_first_best(l[pair[chosen]], np.zeros(chosen.size), R))]
+    chosen = chosen[_first_touching(state.load.shape[0], l[pair[chosen]])]
     return _carry_out(state, lad, {k: v[chosen] for k, v in opt.items()})
 
 
@@ -230,11 +221,10 @@ def _roomiest(full: np.ndarray, W: int) -> np.ndarray:
 
 def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=True):
     """Every option's ladder cut and score (cost taken off h per token sent); None if none is feasible.
-
-    (l, m) frees what a needs (beyond b's tokens) with a ladder prefix: its first items move to l's
-    other slots while they have room (free: same rank; 10% kept for the packing; only without b), the
-    rest go back to h, costing what h should shed as far as l can take it (`want`); where h's room
-    allows no more pay-back, l may end over its limit if both end under h's load now."""
+    (l, m) frees what a needs (beyond b's tokens) with a ladder prefix: its first items move to l's other
+    slots while they have room (free: same rank; 10% kept for the packing; only without b), the rest go back
+    to h, costing what h should shed as far as l can take it (`want`); where h's room allows no more pay-back,
+    l may end over its limit if both end under h's load now."""
     cap, M, CT, CC = state.cap, state.M, lad.CT, lad.CC
     dst, ma = ll * M + m, state.micro[a]
     src = hl * M + ma
@@ -319,12 +309,11 @@ def _stretches(state, order, lo, size):
 def _place_back(state, order, base, n_back, h, ma, ta):
     """(items, their slots on h, trade ok) of the pay-backs (ladder base .. base + n_back): into a's slot
     while it has room, else h's roomiest slot; a trade whose pay-back does not fit is not ok."""
-    cap = state.cap
     back, tk, of, first, run = _stretches(state, order, base, n_back)
     to = np.repeat(ma, n_back)
     # the trades whose pay-back outgrows a's slot place it item by item into h's slots, all at once
-    t = np.unique(of[run > (cap - state.slot_tok[h, ma] + ta)[of]])
-    room = cap - state.slot_tok[h[t]]
+    t = np.unique(of[run > (state.cap - state.slot_tok[h, ma] + ta)[of]])
+    room = state.cap - state.slot_tok[h[t]]
     room[np.arange(t.size), ma[t]] += ta[t]
     return back, to, _fit_one_by_one(tk, first, n_back, t, room, to, lambda room, row, t, tk: np.where(
         room[row, ma[t]] >= tk, ma[t], np.argmax(room[row], axis=1)))
@@ -356,12 +345,11 @@ def _place_intra(state, order, lo, hi, l, m):
 
 
 def _fit_one_by_one(tok, first, size, t, room, to, choose, reverse=False) -> np.ndarray:
-    """Place the items of trades `t` one by one, all trades at once: item k of trade t, position first[t] + k
-    (from the end with `reverse`) of `tok` (their tokens), into the slot `choose(room, row, t, tk)` picks in its
-    row of `room` (tokens free per slot), written to `to`. Returns whether each trade placed all (a trade stops
-    at an item that fits nowhere)."""
-    ok = np.ones(size.size, dtype=bool)
-    row = np.arange(t.size)
+    """Place the items of trades `t` one by one, all trades at once: item k of trade t, at first[t] + k (from
+    the end with `reverse`) of `tok`, into the slot `choose(room, row, t, tk)` picks in its row of `room`
+    (tokens free per slot), written to `to`. Returns whether each trade placed all (it stops at an item that
+    fits nowhere)."""
+    ok, row = np.ones(size.size, dtype=bool), np.arange(t.size)
     for k in range(int(size[t].max()) if t.size else 0):
         go = np.flatnonzero(size[t] > k)  # trades still placing (a failed one is dropped below)
         t, row = t[go], row[go]

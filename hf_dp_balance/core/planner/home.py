@@ -11,7 +11,7 @@ import numpy as np
 from hf_dp_balance.core.planner.refine import _swap_fits
 from hf_dp_balance.core.planner.state import _BREADTH, _State
 from hf_dp_balance.core.planner.trade import _apply, _first_touching
-from hf_dp_balance.core.planner.trade_index import _float_order
+from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _float_order
 
 _WORTH = 0.05  # runs only where the plan sends at least this share of the tokens (below, little to save)
 
@@ -28,12 +28,8 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     away = np.flatnonzero(state.dest != start)
     if away.size < 2 or float(tok[away].sum()) < _WORTH * float(tok.sum()):
         return 0
-    # the items away from home grouped by the rank they are on, cheapest first: a key rank + cost x scale
-    scale = 1.0 / (2.0 * float(cost[away].max()) + 2.0)
-    key = state.dest[away] + cost[away] * scale
-    by = _float_order(key)
-    ys, key = away[by], key[by]
-    bounds = np.searchsorted(state.dest[ys], np.arange(R + 1))
+    # the items away from home by the rank they are on, cheapest first: a key rank + cost x scale
+    ys, bounds, key, scale = _by_rank_and_cost(away, state.dest, cost, 1.0 / (2.0 * float(cost[away].max()) + 2.0), R)
     home = start[away]
     at = np.searchsorted(key, home + cost[away] * scale)
     pos = at[:, None] + np.arange(-(_BREADTH // 2), _BREADTH - _BREADTH // 2)[None, :]

@@ -22,11 +22,8 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
     else:
         pool = pool[np.lexsort((pool, -tokens[pool], -costs[pool]))]
     order = np.argsort(limit - state.load, kind="stable")
-    rooms, ranks = (limit - state.load)[order].tolist(), order.tolist()  # rooms ascending
-    last = len(rooms) - 1
-    dest = []
-    slots = _SlotTokens(state, pool)
-    search = _FullSearch(state, limit, lpt_host)
+    rooms, ranks, last = (limit - state.load)[order].tolist(), order.tolist(), order.size - 1  # rooms ascending
+    dest, slots, search = [], _SlotTokens(state, pool), _FullSearch(state, limit, lpt_host)
     for k, c in enumerate(costs[pool].tolist()):
         j = bisect_left(rooms, c)
         if j > last and not lpt_host:
@@ -61,8 +58,7 @@ def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.nd
     load = state.load.tolist()
     heap = [(load[r] * inv[r], r) for r in ranks.tolist()]
     heapq.heapify(heap)
-    slots = _SlotTokens(state, pool)
-    dest = []
+    dest, slots = [], _SlotTokens(state, pool)
     for k, c in enumerate(costs[pool].tolist()):
         t = slots.item_tok[k] if cap is not None else 0.0
         aside = []  # ranks less full than the one chosen, without the token room: back in the heap after
@@ -111,8 +107,7 @@ class _SlotTokens:
                 self.free[r] = self.state.cap - min(row)
 
     def commit(self, pool: np.ndarray, dest: np.ndarray) -> None:
-        state = self.state
-        R = state.load.shape[0]
+        state, R = self.state, self.state.load.shape[0]
         state.load += np.bincount(dest, weights=state.costs[pool], minlength=R)
         if self.single:
             state.slot_tok[:, 0] = state.cap - np.asarray(self.free)
@@ -154,29 +149,24 @@ class _FullSearch:
             if cap is not None:
                 self.free[idx] = [free[x] for x in idx]
             self.dirty.clear()
-        ok = None
-        if cap is not None:
-            ok = self.free >= t
-            if not ok.any():
-                home = int(self.state.prev[item])
-                if free[home] < t:
-                    raise _Infeasible(f"item {item} ({t:.0f} tokens) has no room: under the token cap {cap:.0f} "
-                                      f"the roomiest rank has {float(np.max(free)):.0f} tokens left, its home rank "
-                                      f"{home} {float(free[home]):.0f}")
-                ok[home] = True  # back where it came from (its tokens left that rank)
+        ok = np.ones(self.room.size, dtype=bool) if cap is None else self.free >= t  # ranks with token room
+        if not ok.any():
+            home = int(self.state.prev[item])
+            if free[home] < t:
+                raise _Infeasible(f"item {item} ({t:.0f} tokens) has no room: under the token cap {cap:.0f} "
+                                  f"the roomiest rank has {float(np.max(free)):.0f} tokens left, its home rank "
+                                  f"{home} {float(free[home]):.0f}")
+            ok[home] = True  # back where it came from (its tokens left that rank)
         # (`rooms` ascends: when the largest is under c, no rank holds it, and the mask is not built)
-        holds = None if rooms[-1] < c else self.room >= c if ok is None else ok & (self.room >= c)
-        if holds is not None and holds.any():  # the smallest room that holds it
+        if rooms[-1] >= c and (holds := ok & (self.room >= c)).any():  # the smallest room that holds it
             r0 = int(np.argmin(np.where(holds, self.room, np.inf)))
         elif self.lpt_host:  # (the next shedding pass moves the rest away)
-            finish = (self.claimed + c) / np.maximum(self.limit, np.finfo(np.float64).tiny)
-            if ok is not None:
-                finish = np.where(ok, finish, np.inf)
+            finish = np.where(ok, (self.claimed + c) / np.maximum(self.limit, np.finfo(np.float64).tiny), np.inf)
             best = np.flatnonzero(finish == finish.min())
             r0 = int(best[np.argmax(self.room[best])])
             self.claimed[r0] += c
         else:  # the roomiest rank with token room
-            r0 = int(np.argmax(self.room if ok is None else np.where(ok, self.room, -np.inf)))
+            r0 = int(np.argmax(np.where(ok, self.room, -np.inf)))
         j = bisect_left(rooms, float(self.room[r0]))
         while ranks[j] != r0:
             j += 1

@@ -59,10 +59,6 @@ class StepPlan(_GainMixin):
     path: str  # what produced the destinations: one of PATHS
 
 
-def _pct(x: float) -> str:
-    return f"{100.0 * x:.1f}%"
-
-
 def _first(mask: np.ndarray) -> Optional[int]:
     idx = np.flatnonzero(mask)
     return int(idx[0]) if idx.size else None
@@ -77,8 +73,8 @@ def _verdict(made, keep, required: Optional[str], min_gain: float):
         return keep("no plan beats keeping in place")
     gain = 1.0 - made.makespan_after / made.makespan_before
     if gain < min_gain:
-        return keep(f"gain {_pct(gain)} < min_gain {_pct(min_gain)}")
-    return replace(made, reason=f"gain {_pct(gain)} >= min_gain {_pct(min_gain)}")
+        return keep(f"gain {gain:.1%} < min_gain {min_gain:.1%}")
+    return replace(made, reason=f"gain {gain:.1%} >= min_gain {min_gain:.1%}")
 
 
 def _cap_error(ntok, cap, rank, detail="") -> ValueError:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from hf_dp_balance.core.planner.state import _BREADTH, _FEW_SLOTS, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
-from hf_dp_balance.core.planner.trade_index import _by_rank_and_cost, _first_best, _PayBack, _ranges, _uint_key
+from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _first_best, _PayBack, _ranges,
+                                                    _rank_starts, _stable_order)
 
 _SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
 _WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
@@ -60,9 +61,7 @@ def _trade_index(state: _State, limit: np.ndarray):
     others of the ranks over `limit` (only they shed: a trade never puts a rank over)."""
     R, M, tok, cost = state.load.shape[0], state.M, state.tokens, state.costs
     slot = state.dest * M + state.micro
-    order = np.argsort(_uint_key(slot, R * M), kind="stable")  # items grouped by slot, so by rank
-    slot_starts = np.zeros(R * M + 1, dtype=np.int64)  # where each slot's items begin along `order`
-    np.cumsum(np.bincount(slot, minlength=R * M), out=slot_starts[1:])
+    order, slot_starts = _stable_order(slot, R * M), _rank_starts(slot, R * M)  # items by slot, so by rank
     scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
 
     def indexed(items):  # (items, starts, key, scale) by rank and cost, then their tokens, costs and slots
@@ -88,11 +87,9 @@ def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray
 
 def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead) -> np.ndarray:
     """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each rank
-    under budget in at most one; applied; returns the ranks h that traded. Tried: h's other items moved
-    alone (`_best_moves`); h's large items (the `window` each side of the cost h should shed) into l's
-    roomiest slot or for one of the two large items `b` of l nearest in cost to c_a - (what h should
-    shed), topped up with the fewest small items of the receiving slot that make room (`_PayBack`), all of
-    it into a's slot on h."""
+    under budget in at most one; applied; returns the ranks h that traded. Tried: h's other items moved alone
+    (`_best_moves`); h's large items (the `window` each side of the cost h should shed) as `_large_options`,
+    topped up with the fewest small items of the receiving slot that make room (`_PayBack`) into a's slot."""
     l_order, l_tok, l_cost = large[0], large[4], large[5]  # by rank, cheapest first within one
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
@@ -139,10 +136,9 @@ def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.
 
 
 def _large_options(state, h, l, pa, ga, want, recv, large, moved) -> dict:
-    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`, pair
-    `ga`) into l's roomiest slot `recv`, and for the b of l (never moved) nearest in cost below and above
-    c_a - want. Arrays: pair g, has_b, a's and b's positions, receiving slot m, b's tokens and cost, a's
-    tokens, cost and slot, h, l, tokens a small pay-back must free."""
+    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`, pair `ga`)
+    into l's roomiest slot `recv`, and for the b of l (never moved) nearest in cost below and above c_a - want;
+    "need": the tokens a small pay-back must free."""
     l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large
     ll_a = l[ga]
     p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
@@ -182,17 +178,16 @@ def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limi
 
 
 def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarray:
-    """Of `_round`'s scored candidates `cand` (pair g, item a, item b or -1 sent back, into slot m of l,
-    a's slot ma on h, the pay-back's positions lo..j), applied: per over-full rank its best (ties: the
-    first), and its second best too when the best leaves it over budget and the two share no item and
-    no slot of h; each rank under budget in one, the most over first. Returns the ranks h that traded."""
+    """Of `_round`'s scored candidates `cand` (pair g, item a, item b or -1 sent back, into slot m of l, a's
+    slot ma on h, the pay-back's positions lo..j), applied: per over-full rank its best (ties: the first), and
+    its second best too when the best leaves it over budget and the two share no item and no slot of h; each
+    rank under budget in one, the most over first. Returns the ranks h that traded."""
     a, b, hl, ll, ma, delta, score = (cand[k] for k in ("a", "b", "hl", "ll", "ma", "delta", "score"))
     chosen = _first_best(cand["g"], score, P)  # ascending pair = over-full order, a run per h
     if chosen.size == 0:
         return hl[:0]
+    chosen = chosen[np.lexsort((chosen, -score[chosen], hl[chosen]))]  # within each h: best first
     hc = hl[chosen]
-    o = np.lexsort((chosen, -score[chosen], hc))  # within each h: best first
-    chosen, hc = chosen[o], hc[o]
     lead = np.concatenate(([True], hc[1:] != hc[:-1]))
     c0 = chosen[np.maximum.accumulate(np.where(lead, np.arange(chosen.size), 0))]  # the best of its h
     second = (~lead & np.concatenate(([False], lead[:-1]))  # the second of its h
@@ -214,18 +209,14 @@ def _worth_searching(state, o, best_move, excess, limit, overhead) -> np.ndarray
     score): one needing no pay-back scores at least that and every such option of the pair; one needing
     a pay-back has a bound min(c_a - c_b, what h sheds, room of l) / (t_a + t_b + need + overhead) not
     below them."""
-    best = best_move.copy()
-    hl, ll, ta, tb, dc = o["hl"], o["ll"], o["ta"], o["tb"], o["ca"] - o["cb"]
+    hl, ll, ta, tb, dc, g = o["hl"], o["ll"], o["ta"], o["tb"], o["ca"] - o["cb"], o["g"]
     zero = o["need"] <= 0
-    z = np.flatnonzero(zero)
-    hz, tz, tbz = hl[z], ta[z], tb[z]
-    fits = tbz <= tz + (state.cap - state.slot_tok[hz, o["ma"][z]])
-    score_z = _score(state, hz, ll[z], dc[z], tz + tbz, fits, o["has_b"][z].astype(np.int64), excess, limit, overhead)
-    score = np.full(hl.size, -np.inf)
-    score[z] = score_z
-    np.maximum.at(best, o["g"][z], score_z)
+    fits = zero & (tb <= ta + (state.cap - state.slot_tok[hl, o["ma"]]))
+    score = _score(state, hl, ll, dc, ta + tb, fits, o["has_b"].astype(np.int64), excess, limit, overhead)
+    best = best_move.copy()
+    np.maximum.at(best, g, score)
     bound = np.minimum(np.minimum(dc, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + o["need"] + overhead)
-    return np.where(zero, np.isfinite(score) & (score >= best[o["g"]]), bound >= best[o["g"]])
+    return np.where(zero, np.isfinite(score) & (score >= best[g]), bound >= best[g])
 
 
 def _first_touching(num_ranks: int, *ranks: np.ndarray) -> np.ndarray:

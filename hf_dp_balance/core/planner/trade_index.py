@@ -43,20 +43,15 @@ def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     if clamp != "high":
         outside |= (hi < a.size) & passes(a[np.minimum(hi, a.size - 1)], v)
     again = np.flatnonzero(outside)
-    if again.size:
-        pos[again] = np.minimum(np.searchsorted(a, v[again], side=side), hi[again] if clamp == "high" else a.size)
+    pos[again] = np.minimum(np.searchsorted(a, v[again], side=side), hi[again] if clamp == "high" else a.size)
     return pos
 
 
-def _uint_key(values: np.ndarray, below: int) -> np.ndarray:
-    """`values` (integers in [0, below)) as uint16 where they fit: numpy's stable sort of it is a radix sort."""
-    return values.astype(np.uint16) if below <= _RADIX else values.astype(np.int64)
-
-
 def _stable_order(values: np.ndarray, below: int) -> np.ndarray:
-    """np.argsort(values, kind="stable") of integers < `below` (by `_uint_key` where none is negative)."""
-    narrow = values.size == 0 or int(values.min()) >= 0
-    return np.argsort(_uint_key(values, below) if narrow else values, kind="stable")
+    """np.argsort(values, kind="stable") of integers < `below`: as uint16 where they fit and none is negative
+    (numpy's stable sort of 16-bit keys is a radix sort, O(n))."""
+    narrow = below <= _RADIX and (values.size == 0 or int(values.min()) >= 0)
+    return np.argsort(values.astype(np.uint16) if narrow else values, kind="stable")
 
 
 class _PayBack:
@@ -77,8 +72,6 @@ class _PayBack:
         lo, j, feasible = np.zeros(slot.size, dtype=np.int64), np.full(slot.size, -1, dtype=np.int64), need <= 0
         idx = np.flatnonzero(~feasible)
         self.items = self.order[:0]
-        if idx.size == 0:
-            return sums, lo, j, feasible
         used, inv = np.unique(slot[idx], return_inverse=True)  # the slots asked, each query's among them
         pos, grp = _ranges(self.starts[used], self.starts[used + 1])
         items = self.order[pos]
@@ -108,12 +101,11 @@ class _PayBack:
 
 
 def _by_rank_and_cost(items: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, scale: float, num_ranks: int):
-    """(items, starts, key, scale): `items` (grouped by rank) by rank, then cost (ties: their order),
-    starts[r] where rank r's begin, and the sorted key rank + cost x scale (scale < 1 / (2 max cost):
-    rank r's keys lie in [r, r + 1/2))."""
+    """(items, starts, key, scale): `items` by rank, then cost (ties: their order), starts[r] where rank r's
+    begin, and the sorted key rank + cost x scale (scale < 1 / (2 max cost): rank r's keys lie in [r, r + 1/2))."""
     ranks = rank_of[items]
     key = ranks + cost[items] * scale
-    o = _float_order(key)  # (grouped by rank already: the sort only orders each rank's stretch)
+    o = _float_order(key)  # (items grouped by rank sort faster: only each rank's stretch moves)
     return items[o], _rank_starts(ranks, num_ranks), key[o], scale
 
 

@@ -21,12 +21,10 @@ def _one_d(arr: np.ndarray, name: str, n: Optional[int]) -> np.ndarray:
     return arr
 
 
-def _as_item_values(values, name: str, n: Optional[int], allow_zero: bool = True) -> np.ndarray:
-    """1-D float64 array of finite, non-negative values (positive unless `allow_zero`)."""
+def _as_item_values(values, name: str, n: Optional[int]) -> np.ndarray:
+    """1-D float64 array of finite, non-negative values."""
     arr = _one_d(np.asarray(values, dtype=np.float64), name, n)
-    need = "finite and >= 0" if allow_zero else "finite and > 0"
-    _refuse_first(~np.isfinite(arr) | ((arr < 0) if allow_zero else (arr <= 0)),
-                  lambda i: f"{name}[{i}]={float(arr[i])!r}: must be {need}")
+    _refuse_first(~np.isfinite(arr) | (arr < 0), lambda i: f"{name}[{i}]={float(arr[i])!r}: must be finite and >= 0")
     return arr
 
 
@@ -81,7 +79,6 @@ def _check_tokens(tokens, max_tokens, n: int):
         raise ValueError(f"max_tokens={max_tokens!r}: must be a positive token count or None")
     if tok is None:
         raise ValueError("max_tokens is given but tokens is None: the cap needs each item's token count")
-    if tok.size and float(tok.max()) > cap:
-        _refuse_first(tok > cap, lambda i: f"tokens[{i}]={float(tok[i])!r} exceeds max_tokens={cap!r} on its own: "
-                                           "no placement can hold it")
+    _refuse_first(tok > cap, lambda i: f"tokens[{i}]={float(tok[i])!r} exceeds max_tokens={cap!r} on its own: "
+                                       "no placement can hold it")
     return tok, cap
