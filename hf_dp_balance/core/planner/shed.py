@@ -182,7 +182,7 @@ def _swap_smaller(state: _State, s: int, slot_of: np.ndarray, excess: float, roo
     """Swap one item of slot s for a smaller item of another slot whose `room` takes the difference: the
     smallest difference that covers `excess`, else the largest (ties: lowest pair); False if none fits.
     Loads are left to the refinement that follows. O(items of s x items)."""
-    mine, theirs = np.flatnonzero(slot_of == s), np.flatnonzero(slot_of != s)
+    mine, theirs = np.flatnonzero(slot_of == s), np.flatnonzero((slot_of != s) & (state.dest >= 0))
     drop = state.tokens[mine][:, None] - state.tokens[theirs][None, :]
     fits = (drop > 0) & (drop <= room[slot_of[theirs]][None, :])
     if not fits.any():
