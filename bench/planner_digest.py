@@ -5,7 +5,8 @@ Run before and after a change that should not change plans: python bench/planner
 (620951a and the planner split: 6720 da4468e1...; the cap-repair change alters only plans whose start breaks the cap;
 27df345: 6720 e229d4dd..., with lookahead e8ca8d85...; the full-cap trades, the moves budget and the repack's
 renaming by tokens change it deliberately to 6720 f745e5d1..., with lookahead 75e41161...; trades that try
-the large items nearest the cost a rank should shed first: 6720 61cebecb..., with lookahead 95bb1dd4...).
+the large items nearest the cost a rank should shed first: 6720 61cebecb..., with lookahead 95bb1dd4...;
+the cap repair's retry that swaps long items for smaller ones: 6720 b61fbf70..., with lookahead ce347000...).
 """
 import hashlib, sys
 import numpy as np

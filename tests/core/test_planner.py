@@ -533,6 +533,27 @@ def test_cap_repair_moves_few_items(case):
     assert plan.moved <= 4 * cover + 16, (plan.moved, cover, costs.size, plan.path)
 
 
+def test_a_slot_of_two_long_videos_is_repaired_by_swapping_them_for_smaller_ones():
+    # 8 ranks x 2 micro-batches (slot = rank * 2 + micro-batch), a draw of the property above: slot 2 holds
+    # 7507 + 7237 + 114 tokens, 501 over the cap; no other slot has room for either video, nor gives back
+    # small items enough for one. Before, 89 of the 112 items moved (a repack); swapping the videos for
+    # slightly smaller ones (7237 for 6965, 475 tokens free there) repairs it with a few moves.
+    slots = [[293, 5060, 167, 556, 421, 783, 4169, 674, 786, 595, 440], [6973, 293, 702, 352, 3329, 718, 530, 512, 600],
+             [7507, 114, 7237], [4928, 7464, 172, 221], [633, 734, 5421, 5891, 706, 673],
+             [403, 5381, 702, 696, 324, 459, 468, 225, 4948, 259, 328], [5343, 5079, 4430],
+             [3686, 204, 4050, 382, 248, 4460, 781], [4248, 344, 3117, 5221, 665, 246, 516], [469, 7851, 605, 4959],
+             [3638, 224, 342, 433, 102, 3224, 443, 397, 502, 650, 707, 460, 253, 405, 730, 485, 608, 516],
+             [7279, 607, 178, 654, 424, 170, 602, 288, 3796], [6965, 5894, 331, 435, 257], [6103, 434, 7340],
+             [202, 442, 7945, 463, 364, 3701, 756], [3957, 3454, 111, 698, 6036]]
+    tokens = np.array([t for slot in slots for t in slot], float)
+    slot = np.repeat(np.arange(16), [len(s) for s in slots])
+    costs = tokens ** 2 / 53000.0 + tokens + 64.0  # the cost of video_heavy_step
+    plan = plan_step(costs, slot // 2, slot % 2, 8, 2, tokens=tokens, max_tokens=14357.0, min_gain=0.5)
+    assert plan.applied and plan.reason.startswith("required") and plan.path != "repack"
+    assert np.bincount(plan.dest_rank * 2 + plan.dest_micro_batch, weights=tokens, minlength=16).max() <= 14357
+    assert plan.moved <= 8, plan.moved  # about the hand repair's 7 (two swaps, a one-for-two exchange)
+
+
 def test_a_slot_over_the_cap_is_repaired_inside_its_rank_when_its_other_micro_batch_has_room():
     # sync="step": a rank's load is the sum of its micro-batches', so moving items between them is free.
     # Rank 0's first micro-batch is 2 tokens over; its second has room for two 1-token items. Before, the

@@ -18,8 +18,9 @@ def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, re
     False): shed and place only (where ladder trades follow that do that work).
 
     When the placement breaks the token cap and shedding for cost takes an item that no slot can hold any
-    more, the cap is repaired alone (token shedding, then refine / exchanges, which keep the cap): the repair
-    moves a few small items instead of failing over to a repack that moves most of them."""
+    more, the cap is repaired alone (token shedding, with swaps for smaller items where the slot's items fit
+    nowhere, then refine / exchanges, which keep the cap): the repair moves a few small items instead of
+    failing over to a repack that moves most of them."""
     repair_only = _copy_state(state) if state.cap is not None and bool(np.any(state.slot_tok > state.cap)) else None
     slack = budget * (tolerance / 2.0)
     try:
@@ -56,7 +57,7 @@ def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, toleranc
     limit = budget * (1.0 + tolerance / 2.0)
     # the token repair first: a slot over the cap gives away a few small items, so an item the cost
     # shedding then takes from it still fits back home (after the repair, its slot has room)
-    repair = _shed_tokens(state)
+    repair = _shed_tokens(state, swap=not shed_cost)  # the retry of a repair swaps long items for smaller ones
     pool = _shed_rounds(state, budget, slack, relocate=relocate) if shed_cost else repair[:0]
     if repair.size:
         pool = np.concatenate((repair, pool))

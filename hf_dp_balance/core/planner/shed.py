@@ -6,7 +6,8 @@ from bisect import bisect_left
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _Infeasible, _State, _group_starts, _remove, _smallest_room
+from hf_dp_balance.core.planner.refine import _apply_swap
+from hf_dp_balance.core.planner.state import _ROUNDS, _Infeasible, _State, _group_starts, _remove, _smallest_room
 from hf_dp_balance.core.planner.trade_index import _stable_order
 
 
@@ -76,14 +77,16 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
     return pool
 
 
-def _shed_tokens(state: _State) -> np.ndarray:
+def _shed_tokens(state: _State, swap: bool = False) -> np.ndarray:
     """Items to take off every slot over the token cap, few and small; removed from `state`.
 
     Only needed when the placement already breaks the cap. Per slot, the first that works: its items
     move to its rank's other slots (`_repair_within_rank`); it sheds by `_cover_excess` among its items
     that fit some other slot's room (a slot a few tokens over gives away one small item, which any slot
     with a little room takes); one of its items is swapped for small items of a roomier slot
-    (`_token_swap`, for a slot of long videos); it sheds by `_cover_excess` among all its items.
+    (`_token_swap`, for a slot of long videos); with `swap` (the retry when what it shed found no place),
+    one of its items is swapped for a smaller one of a slot with room for the difference (`_swap_smaller`)
+    and these rules are tried again (up to _ROUNDS swaps); it sheds by `_cover_excess` among all its items.
     Python over the items of the offending slots.
     """
     over = np.flatnonzero(state.slot_tok.reshape(-1) > state.cap) if state.cap is not None else []
@@ -96,15 +99,20 @@ def _shed_tokens(state: _State) -> np.ndarray:
     # nor swaps into it, or two repairs plan with the same room and the placement finds none
     reserved = np.zeros(flat_tok.size)
     for s in over.tolist():
-        items = np.flatnonzero(slot_of == s)
-        excess = float(flat_tok[s]) - state.cap
-        if _repair_within_rank(state, s, items, slot_of, excess, reserved):
-            continue  # the rank's other micro-batches took it: nothing changes rank, no load moves
-        room = state.cap - flat_tok - reserved
-        room[s] = -np.inf
-        taken = _cover_excess(items, state.tokens, excess, float(room.max()))  # of those some other slot takes
-        if taken is None and _token_swap(state, s, slot_of, excess, reserved):
-            continue
+        for swaps_left in range(_ROUNDS if swap else 0, -1, -1):  # a swap for a smaller item, the rules again
+            items = np.flatnonzero(slot_of == s)
+            excess = float(flat_tok[s]) - state.cap
+            # within the rank nothing changes rank and no load moves
+            if excess <= 0 or _repair_within_rank(state, s, items, slot_of, excess, reserved):
+                break
+            room = state.cap - flat_tok - reserved
+            room[s] = -np.inf
+            taken = _cover_excess(items, state.tokens, excess, float(room.max()))  # of those some other slot takes
+            if taken is not None or not (_token_swap(state, s, slot_of, excess, reserved)
+                                         or swaps_left and _swap_smaller(state, s, slot_of, excess, room)):
+                break
+        if float(flat_tok[s]) <= state.cap:
+            continue  # repaired in place (within its rank or by swaps)
         taken = taken if taken is not None else _cover_excess(items, state.tokens, excess)
         r = s // state.M
         if state.count is not None and len(taken) > int(state.count[r]) - state.min_count:
@@ -168,6 +176,23 @@ def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float, largest:
         taken.append(items.pop(j))
         excess -= values.pop(j)
     return taken if excess <= 0 else None
+
+
+def _swap_smaller(state: _State, s: int, slot_of: np.ndarray, excess: float, room: np.ndarray) -> bool:
+    """Swap one item of slot s for a smaller item of another slot whose `room` takes the difference: the
+    smallest difference that covers `excess`, else the largest (ties: lowest pair); False if none fits.
+    Loads are left to the refinement that follows. O(items of s x items)."""
+    mine, theirs = np.flatnonzero(slot_of == s), np.flatnonzero((slot_of != s) & (state.dest >= 0))
+    drop = state.tokens[mine][:, None] - state.tokens[theirs][None, :]
+    fits = (drop > 0) & (drop <= room[slot_of[theirs]][None, :])
+    if not fits.any():
+        return False
+    covers = fits & (drop >= excess)
+    k = int(np.argmin(np.where(covers, drop, np.inf) if covers.any() else np.where(fits, -drop, np.inf)))
+    a, b = int(mine[k // theirs.size]), int(theirs[k % theirs.size])
+    _apply_swap(state, a, b)
+    slot_of[a], slot_of[b] = slot_of[b], slot_of[a]
+    return True
 
 
 def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reserved: np.ndarray) -> bool:
