@@ -355,6 +355,9 @@ def fit_step_max_noisy(x: np.ndarray, y: np.ndarray, robust: bool, temperature: 
     starts = [theta]
     if shape is not None and shape.pairs:  # the prior-free start (without a prior: the same fit again)
         starts.append(fit_step_max(x, y, False, temperature)[0])
+        # with a prior, starts along the attention / per-sample ridge too (without a prior they cost a cell of
+        # bench/cost_fit.py --plans 30 points)
+        starts += ridge_starts(x, theta)
         # in the units of the relative residuals (variance spread^2 each in the likelihood); the weak pulls
         # on the free terms regularise, they do not free degrees of freedom for the noise estimate
         info_rows = spread * shape.rows(np.maximum(theta, 1e-9 * max(float(theta.max()), 1e-300)), free=False)
@@ -362,8 +365,6 @@ def fit_step_max_noisy(x: np.ndarray, y: np.ndarray, robust: bool, temperature: 
         info_rows = penalty
     if y.size - _effective_parameters(x, y, theta, info_rows, temp) < _MIN_NOISE_DOF:
         return theta, inliers, None
-    if shape is not None and shape.pairs:  # without a prior they cost a cell of bench/cost_fit.py --plans 30 points
-        starts += ridge_starts(x, starts[0], RIDGE_SHARES)
     best = None
     for start in starts:
         fitted = _max_likelihood(x, y, start, math.log(spread), likelihood_rows, spread, (_MIN_NOISE, _MAX_NOISE), shape)

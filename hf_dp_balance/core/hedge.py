@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hf_dp_balance.core.steps import slot_loads, step_imbalance
+from hf_dp_balance.core.steps import slot_loads, slot_sums, step_imbalance
 
 
 def blend(hypotheses: np.ndarray) -> np.ndarray:
@@ -149,9 +149,9 @@ def short_companions(dest_rank: np.ndarray, dest_micro: np.ndarray, prior_costs:
     heavy = np.asarray(heavy_costs, dtype=np.float64)
     slots = num_ranks * num_micro
     slot = rank * num_micro + micro
-    prior_load = np.bincount(slot, weights=np.asarray(prior_costs, dtype=np.float64), minlength=slots)
-    heavy_load = np.bincount(slot, weights=heavy, minlength=slots)
-    token_load = np.bincount(slot, weights=tokens, minlength=slots)
+    prior_load = slot_sums(prior_costs, slot, num_ranks, num_micro).ravel()
+    heavy_load = slot_sums(heavy, slot, num_ranks, num_micro).ravel()
+    token_load = slot_sums(tokens, slot, num_ranks, num_micro).ravel()
     ceiling = float(token_load.max())
     n_receivers = min(max(1, int(round(receiver_share * slots))), slots - 1)
     receivers = np.argsort(-prior_load, kind="stable")[:n_receivers]
@@ -179,14 +179,16 @@ def short_companions(dest_rank: np.ndarray, dest_micro: np.ndarray, prior_costs:
                         break
                     shorts.append(i)
                     room -= tokens[i]
-                if len(shorts) >= 2 and token_load[d] + tokens[m] - tokens[shorts].sum() <= ceiling:
-                    best = d, shorts
+                if len(shorts) >= 2:
+                    given = tokens[shorts].sum()
+                    if token_load[d] + tokens[m] - given <= ceiling:
+                        best = d, shorts, given
             for entry in passed:
                 heapq.heappush(lightest, entry)
             if best is None:
                 continue
-            d, shorts = best
-            moved_tokens, moved_heavy = tokens[shorts].sum(), heavy[shorts].sum()
+            d, shorts, moved_tokens = best
+            moved_heavy = heavy[shorts].sum()
             slot[shorts], slot[m] = r, d
             token_load[r] += moved_tokens - tokens[m]
             token_load[d] += tokens[m] - moved_tokens
@@ -214,12 +216,12 @@ def probe_plan(plan_costs: Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]
     token_score = worst_excess(hypotheses, *token_plan, num_ranks, num_micro, sync, speeds)
     position = step % len(PROBE_CYCLE)
     factor = float(PROBE_CYCLE[position])
-    if factor == 0.0 and position == COMPANION_POSITION and num_ranks * num_micro >= MIN_COMPANION_SLOTS:
-        probe = short_companions(*token_plan, prior_costs, tokens, num_ranks, num_micro, hypotheses[2])
-        score = worst_excess(hypotheses, *probe, num_ranks, num_micro, sync, speeds)
-        if score <= token_score:
-            return probe[0], probe[1], PROBES[3], score
     if factor == 0.0:
+        if position == COMPANION_POSITION and num_ranks * num_micro >= MIN_COMPANION_SLOTS:
+            probe = short_companions(*token_plan, prior_costs, tokens, num_ranks, num_micro, hypotheses[2])
+            score = worst_excess(hypotheses, *probe, num_ranks, num_micro, sync, speeds)
+            if score <= token_score:
+                return probe[0], probe[1], PROBES[3], score
         return token_plan[0], token_plan[1], PROBES[0], token_score
     probe = plan_costs(extrapolate(prior_costs, tokens, factor))
     score = worst_excess(hypotheses, *probe, num_ranks, num_micro, sync, speeds)
