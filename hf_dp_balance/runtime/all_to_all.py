@@ -48,7 +48,9 @@ def _exchange(out: torch.Tensor, rows: torch.Tensor, out_counts, in_counts, grou
                                     input_split_sizes=in_counts, group=group, async_op=True), timeout_s)
 
 
-def _named(where: str, timeout_s: Optional[float], exc: Exception) -> ExchangeError:
+def named_failure(where: str, timeout_s: Optional[float], exc: Exception) -> ExchangeError:
+    """The error of a collective at `where`: the collective's failure (a peer died, hung or failed) or this
+    rank's own error, each named as such."""
     limit = f"timeout {timeout_s:g}s; " if timeout_s is not None else ""
     if not is_collective_failure(exc):
         return ExchangeError(f"{where}: failed on this rank: {type(exc).__name__}: {exc}")
@@ -76,7 +78,7 @@ class _AllToAllRows(torch.autograd.Function):
         try:
             _exchange(grad_in, grad_out, ctx.send_counts, ctx.recv_counts, ctx.group, ctx.timeout_s)
         except Exception as exc:  # noqa: BLE001 - the backward runs far from the forward: say which exchange it was
-            raise _named(ctx.where or "all_to_all_rows backward", ctx.timeout_s, exc) from exc
+            raise named_failure(ctx.where or "all_to_all_rows backward", ctx.timeout_s, exc) from exc
         return grad_in, None, None, None, None, None
 
 
@@ -103,4 +105,4 @@ def all_to_all_rows(tensor: torch.Tensor, send_counts: Sequence[int], recv_count
     return _AllToAllRows.apply(tensor, send_counts, recv_counts, group, where, timeout_s)
 
 
-__all__ = ["CollectiveFailure", "all_to_all_rows", "is_collective_failure", "wait_for"]
+__all__ = ["CollectiveFailure", "all_to_all_rows", "is_collective_failure", "named_failure", "wait_for"]

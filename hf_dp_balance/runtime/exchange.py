@@ -53,6 +53,14 @@ def failure_detail(failed: Mapping[int, str]) -> str:
     return "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
 
 
+def differing_ranks(digests: np.ndarray) -> List[int]:
+    """The ranks whose plan digest differs from the majority's (a tie: rank 0's plan is the reference)."""
+    values, counts = np.unique(digests, return_counts=True)
+    top = np.flatnonzero(counts == counts.max())
+    reference = values[top[0]] if top.size == 1 else digests[0]
+    return np.flatnonzero(digests != reference).tolist()
+
+
 # Fixed header every rank contributes to the first gather of a step.
 H_STATUS, H_NUM_SAMPLES, H_NUM_MICRO, H_FLAGS, H_SPEED, H_WIDTH = range(6)
 _MSG_BYTES = 512  # a failed rank's message, in the one all_gather that follows a failed agreement
@@ -538,7 +546,7 @@ class StepOrders:
         return cls(head, *parts, raw[8 * n_ints:].decode("utf-8", "replace"))
 
 
-__all__ = ["ExchangeError", "failure_detail", "is_distributed_error", "SampleExchange", "GatheredMetadata", "StepOrders", "PLANNER", "O_STATUS",
+__all__ = ["ExchangeError", "failure_detail", "differing_ranks", "is_distributed_error", "SampleExchange", "GatheredMetadata", "StepOrders", "PLANNER", "O_STATUS",
            "O_NUM_MICRO", "O_NUM_SAMPLES", "O_OFFSET", "O_APPLIED", "O_BEFORE", "O_AFTER", "O_MOVED", "O_MOVED_BYTES",
            "O_WIDTH", "STATUS_OK", "STATUS_END", "STATUS_FAILED", "H_STATUS", "H_NUM_SAMPLES", "H_NUM_MICRO",
            "H_FLAGS", "H_SPEED", "H_WIDTH"]

@@ -17,7 +17,7 @@ import numpy as np
 from hf_dp_balance.core.codec import encoded_nbytes, sample_entries
 from hf_dp_balance.core.costing import item_grids, planning_costs
 from hf_dp_balance.runtime.exchange import (H_FLAGS, H_NUM_MICRO, H_NUM_SAMPLES, H_SPEED, H_STATUS, H_WIDTH,
-                                            ExchangeError, SampleExchange, failure_detail)
+                                            ExchangeError, SampleExchange, differing_ranks, failure_detail)
 from hf_dp_balance.runtime.logs import get_logger
 
 logger = get_logger(__name__)
@@ -277,10 +277,7 @@ def agree_digests(ex: SampleExchange, step: int, where: str, phase: str, digest:
         return failed
     if not same:
         digests = ex.all_values(step, phase, digest)
-        values, counts = np.unique(digests, return_counts=True)
-        top = np.flatnonzero(counts == counts.max())
-        reference = values[top[0]] if top.size == 1 else digests[0]  # a tie: rank 0's plan is the reference
-        odd = np.flatnonzero(digests != reference).tolist()
+        odd = differing_ranks(digests)
         raise ExchangeError(f"hf_dp_balance, {where}, {phase}: the plan of rank(s) {odd} differs from "
                             f"the other ranks' (digests {[f'{int(d):013x}' for d in digests]}; raised on rank "
                             f"{ex.rank}); every rank plans from the same gathered numbers, so the planner or "

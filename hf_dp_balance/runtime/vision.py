@@ -19,8 +19,9 @@ import torch
 
 from hf_dp_balance.core.costing import item_costs
 from hf_dp_balance.core.routing import VisionRoute, route_items, rows_in_order, take_rows
-from hf_dp_balance.runtime.all_to_all import all_to_all_rows, is_collective_failure, wait_for
-from hf_dp_balance.runtime.exchange import ExchangeError, failure_detail, failure_message, read_failures
+from hf_dp_balance.runtime.all_to_all import all_to_all_rows, named_failure, wait_for
+from hf_dp_balance.runtime.exchange import (ExchangeError, differing_ranks, failure_detail, failure_message,
+                                            read_failures)
 from hf_dp_balance.runtime.logs import get_logger
 from hf_dp_balance.runtime.vision_towers import LocalItems, find_inner
 
@@ -83,10 +84,10 @@ class VisionBalancer:
             # An own communicator with the data-parallel ranks and the default backend: the
             # backward all_to_all then never interleaves with DDP's gradient
             # all-reduce on the default group (orders could differ across ranks).
-            from hf_dp_balance.runtime.parallel import DataParallelGroup, resolve_data_parallel_group
+            from hf_dp_balance.runtime.parallel import resolve_data_parallel_group
             from hf_dp_balance.runtime.side_channel import new_side_group
 
-            data_parallel = DataParallelGroup.world() if group is None else resolve_data_parallel_group(explicit=group)
+            data_parallel = resolve_data_parallel_group(explicit=group)  # None: every process
             group = new_side_group(data_parallel, self.config.timeout_s, dist.get_backend())
             self._owns_group = True  # remove() destroys it (each gloo group is a mesh of sockets and threads)
         elif made:
@@ -182,20 +183,18 @@ class VisionBalancer:
     def _collective(self, phase: str, start) -> None:
         """Post one collective on the group (`start()` calls it with `async_op=True`, returns the work) and wait
         for it at most `timeout_s`. On NCCL a timed wait blocks this thread until the collective ends, so a
-        failure raises here, named, rather than later in the backend's own watchdog. A distributed failure
-        or a timeout raises `ExchangeError` naming step, rank and phase; any other error is this rank's own
-        and is named as such."""
+        failure raises here, named, rather than later in the backend's own watchdog."""
+        self._named(phase, lambda: wait_for(start(), self.config.timeout_s))
+
+    def _named(self, phase: str, fn):
+        """fn(): a distributed failure or a timeout raises `ExchangeError` naming step, rank and phase; any other
+        error is this rank's own and is named as such."""
         try:
-            work = start()
-            if work is not None:
-                wait_for(work, self.config.timeout_s)
+            return fn()
         except ExchangeError:
             raise
         except Exception as exc:  # noqa: BLE001 - sorted into this rank's own error or the collective's
-            if not is_collective_failure(exc):
-                raise ExchangeError(f"{self._where(phase)}: failed on this rank: {type(exc).__name__}: {exc}") from exc
-            raise ExchangeError(f"{self._where(phase)}: collective failed (timeout {self.config.timeout_s:g}s; "
-                                f"a peer died, hung or failed): {exc}") from exc
+            raise named_failure(self._where(phase), self.config.timeout_s, exc) from exc
 
     def _agree(self, phase: str, value: int, error: Optional[str],
                fatal: Optional[str] = None) -> Tuple[bool, Dict[int, str]]:
@@ -240,10 +239,7 @@ class VisionBalancer:
         self._collective("plan check all_gather", lambda: dist.all_gather(every, mine, group=self.group,
                                                                           async_op=True))
         digests = torch.cat(every).cpu().numpy()
-        values, counts = np.unique(digests, return_counts=True)
-        top = np.flatnonzero(counts == counts.max())
-        reference = values[top[0]] if top.size == 1 else digests[0]
-        odd = np.flatnonzero(digests != reference).tolist()
+        odd = differing_ranks(digests)
         raise ExchangeError(f"{self._where('plan check')}: the plan of rank(s) {odd} differs from the other ranks' "
                             f"(digests {[f'{int(d):013x}' for d in digests]}); every rank plans from the same "
                             f"gathered grids, so the cost model or the planner differs on those ranks")
@@ -456,11 +452,9 @@ class VisionBalancer:
         import torch.distributed as dist
 
         if differentiable:
-            box = []
-            self._collective("embedding all_to_all", lambda: box.append(all_to_all_rows(
+            return self._named("embedding all_to_all", lambda: all_to_all_rows(
                 moved_out, route.send_out_rows, route.recv_out_rows, group=self.group,
-                where=self._where("embedding gradient all_to_all (backward)"), timeout_s=self.config.timeout_s)))
-            return box[0]
+                where=self._where("embedding gradient all_to_all (backward)"), timeout_s=self.config.timeout_s))
         back = moved_out.new_empty((sum(route.recv_out_rows), self.tower.out_width))
         self._collective("embedding all_to_all", lambda: dist.all_to_all_single(
             back, moved_out.contiguous(), output_split_sizes=route.recv_out_rows,
