@@ -75,7 +75,6 @@ class DPBalancer:
         self.sync = resolve_sync(self.config.sync, accelerator)
         self.device = getattr(accelerator, "device", None)
         self._loader_kwargs = loader_kwargs
-        self._loaders: List[Any] = []   # (BalancedLoader-like, BalancedDataLoader), in `prepare` order
         self._steps_trained = 0  # optimizer steps trained through the balanced loaders (all passes)
         # Every group, thread, hook and patch of the run: the session (the Trainer callback's too). A model
         # given here is used as is (never refitted); `cost_model_path`'s is read on rank 0 and refitted.
@@ -101,7 +100,7 @@ class DPBalancer:
         register_for_checkpointing(self.accelerator, session, session.patches)
 
     def _current_loader(self):
-        return self._loaders[-1][0] if self._loaders else None
+        return self.session.loaders[-1] if self.session.loaders else None  # the latest `prepare`d
 
     def _step(self) -> int:
         return self._steps_trained + 1  # the step in training, counted from 1 as Trainer's global_step + 1
@@ -165,7 +164,6 @@ class DPBalancer:
                                       window_state=loader.window_state, resume_in_window=loader.resume_in_window,
                                       state_owner=self.session, micro_per_step=self.gradient_accumulation_steps,
                                       raw_per_micro=loader.raw_batches_per_micro)
-        self._loaders.append((loader, balanced))
         workers = int(getattr(getattr(prepared, "base_dataloader", prepared), "num_workers", 0) or 0)
         self.session.track_loader(loader, balanced.position, balanced.restore, workers)
         return balanced
@@ -245,7 +243,6 @@ class DPBalancer:
         if self._closed:
             return
         self._closed = True
-        self._loaders = []
         self.session.close()
 
     def __enter__(self) -> "DPBalancer":

@@ -293,7 +293,7 @@ def _fits_by_itself(rank, world):
         fits = [r["step"] for r in balancer.fitter.fit_reports]
         moved = [s.moved_samples for s in balancer.step_stats]
         ids = [i for s in balancer.step_stats for mb in s.local_ids for i in mb]
-        same = balancer._loaders[0][0].cost_model is balancer.cost_model
+        same = balancer.session.loaders[0].cost_model is balancer.cost_model
     return {"digests": digests, "models": models, "metrics": metrics, "fits": fits, "moved": moved, "ids": ids,
             "loader_has_it": same}
 
@@ -365,7 +365,7 @@ def _dispatched(rank, world, kind, log):
                 syncs.append(bool(acc.sync_gradients))
         ids = [int(i) for s in balancer.step_stats for mb in s.local_ids for i in mb]
         moved = sum(s.moved_samples for s in balancer.step_stats)
-        loader_type = type(balancer._loaders[0][0]).__name__
+        loader_type = type(balancer.session.loaders[0]).__name__
     refused = ""
     if kind == "to_iterable":  # rank 0 alone would split packed rows: refused by name before anything runs
         with DPBalancer(acc, model_config=tiny_config("text"), config=cfg.replace(input="packed")) as packed:

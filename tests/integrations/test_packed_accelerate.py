@@ -30,7 +30,7 @@ def _train(acc, family, samples, balanced, hook, layout):
     with DPBalancer(acc, model=model, config=cfg, cost_model=CostModel(quadratic=1.0, linear=5.0),
                     **explicit) as balancer:
         loader = balancer.prepare(torch.utils.data.DataLoader(samples, batch_size=3, collate_fn=user_collator))
-        assert isinstance(balancer._loaders[0][0].packed_input, PackedInput)
+        assert isinstance(balancer.session.loaders[0].packed_input, PackedInput)
         for batch in loader:
             kinds.append(sorted(k for k in batch if k.startswith(("cu_seq_lens", "max_length"))))
             with acc.accumulate(model):
