@@ -25,7 +25,6 @@ Balancing options come from `HF_DP_BALANCE_*` environment variables (e.g. `HF_DP
 """
 
 import dataclasses
-import gc
 import os
 import sys
 from typing import Optional
@@ -34,7 +33,7 @@ import torch
 from transformers import HfArgumentParser
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling recipe's model and data helpers
-from sft_vlm import _attention, encode_conversation, load_model  # noqa: E402
+from sft_vlm import _attention, encode_conversation, free_process_groups, load_model  # noqa: E402
 
 from hf_dp_balance import DPBalanceCallback, PackedCollator  # noqa: E402
 from hf_dp_balance.integrations.trl import sft_config  # noqa: E402
@@ -139,13 +138,8 @@ def main(argv=None) -> None:
     trainer.train()
     if trainer.args.should_save:
         trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
-    # Process groups die here, on the main thread, not during interpreter exit, where a gloo worker thread
-    # releasing a finished collective's tensors cannot take the GIL and aborts the process ("terminate called
-    # without an active exception"): DDP and the callback hold them in reference cycles that only gc frees.
-    del trainer
-    gc.collect()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    del trainer  # its process groups go now (`free_process_groups`), not during interpreter exit
+    free_process_groups()
 
 
 if __name__ == "__main__":

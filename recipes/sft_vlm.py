@@ -83,6 +83,16 @@ def _attention(requested: Optional[str]) -> str:
     return register_varlen_attention()
 
 
+def free_process_groups() -> None:
+    """Destroy the process groups on the main thread, after the caller dropped its trainer: during interpreter
+    exit a gloo worker thread releasing a finished collective's tensors cannot take the GIL and aborts the
+    process ("terminate called without an active exception"); DDP and the callback hold the groups in
+    reference cycles that only gc frees."""
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def load_model(name: str, attn: str, dtype, weights: Optional[str] = None):
     """The model (and processor, None for tiny models) for a hub id / path or `tiny:<family>`.
 
@@ -177,13 +187,8 @@ def main(argv=None) -> None:
     trainer.train(resume_from_checkpoint=resume)  # optimizer, scheduler, RNG, data position, cost model
     if args.should_save:
         trainer.save_model(os.path.join(args.output_dir, "final"))
-    # Process groups die here, on the main thread, not during interpreter exit, where a gloo worker thread
-    # releasing a finished collective's tensors cannot take the GIL and aborts the process ("terminate called
-    # without an active exception"): DDP and the callback hold them in reference cycles that only gc frees.
-    del trainer
-    gc.collect()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    del trainer  # its process groups go now (`free_process_groups`), not during interpreter exit
+    free_process_groups()
 
 
 if __name__ == "__main__":
