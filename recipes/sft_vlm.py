@@ -48,9 +48,8 @@ import torch
 from transformers import HfArgumentParser, Trainer
 
 from hf_dp_balance import DPBalanceCallback, PackedCollator, register_varlen_attention
+from hf_dp_balance.core.families import IGNORE_INDEX
 from hf_dp_balance.integrations.arguments import DPBalanceTrainingArguments
-
-IGNORE_INDEX = -100
 
 
 @dataclass
