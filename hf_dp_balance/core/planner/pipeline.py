@@ -134,9 +134,9 @@ def _full_cap_pass(state: _State, budget: np.ndarray, tolerance: float, relocate
 
 
 def _residue_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
-    """Ladder trades at any cost per token, between near ranks and their partners only: what step 1 left
-    over the goal after the first ladder pass."""
-    _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True, partners_only=True)
+    """Ladder trades at any cost per token, of the large items whose surplus is nearest each rank's excess:
+    what step 1 left over the goal after the first ladder pass."""
+    _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True)
 
 
 def _roomy_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
