@@ -6,7 +6,8 @@ Run before and after a change that should not change plans: python bench/planner
 27df345: 6720 e229d4dd..., with lookahead e8ca8d85...; the full-cap trades, the moves budget and the repack's
 renaming by tokens change it deliberately to 6720 f745e5d1..., with lookahead 75e41161...; trades that try
 the large items nearest the cost a rank should shed first: 6720 61cebecb..., with lookahead 95bb1dd4...;
-the cap repair's retry that swaps long items for smaller ones: 6720 b61fbf70..., with lookahead ce347000...).
+the cap repair's retry that swaps long items for smaller ones: 6720 b61fbf70..., with lookahead ce347000...;
+without the second order of long items first, 3 plans differ: 6720 685c9de7..., with lookahead 1733c995...).
 """
 import hashlib, sys
 import numpy as np

@@ -42,8 +42,8 @@ def test_the_incremental_method_without_refinement_sheds_and_places_only(monkeyp
     assert refined  # deep=False alone still refines (micro_batch plans unchanged)
 
 
-@pytest.mark.parametrize("M, partners_only", [(4, True), (8, True)])
-def test_the_residue_ladder_passes_build_the_partners_ladders_only(monkeypatch, M, partners_only):
+@pytest.mark.parametrize("M", [4, 8])
+def test_the_residue_ladder_passes_trade_near_each_rank_s_excess_at_any_cost_per_token(monkeypatch, M):
     R, cap = 32, 32768
     tokens, owners, mbs = _long_tail(11, R, M, cap)
     state, budget = _state(tokens, owners, mbs, R, M, cap, 1.4e-4)
@@ -51,13 +51,13 @@ def test_the_residue_ladder_passes_build_the_partners_ladders_only(monkeypatch, 
     real = pipeline._ladder_trades
 
     def recording(st, *args, **kwargs):
-        calls.append((kwargs.get("near", False), kwargs.get("partners_only", False)))
+        calls.append((kwargs.get("near", False), kwargs.get("min_rate")))
         return real(st, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "_ladder_trades", recording)
     # the incremental method after the first pass: a no-op, so that a residue pass surely runs
     monkeypatch.setattr(pipeline, "_balance_incremental", lambda st, *a, **k: st)
     pipeline._full_cap_pass(state, budget, 0.005, True, True, long_first=None)
-    assert calls[0] == (False, False)  # the first pass: every slot's ladder
+    assert calls[0] == (False, None)  # the first pass: the items worth their tokens only (the default rate)
     residue = [c for c in calls[1:] if c[0]]
-    assert residue and all(c[1] is partners_only for c in residue)
+    assert residue and all(c[1] == 0.0 for c in residue)

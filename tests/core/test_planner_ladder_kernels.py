@@ -71,38 +71,11 @@ def test_the_pay_back_skipping_the_items_that_fit_a_s_slot_places_as_the_item_by
     assert spilled > 50 and failed > 10  # both the spilling and the failing branches were exercised
 
 
-def test_ladders_of_the_partners_only_trade_as_the_global_ladders_with_integer_costs():
-    """`_ladder_trades(partners_only=True)` builds the ladders of the ranks a round pairs, as rounds
-    first pair them; its prefix sums run over those ranks only, so costs sum in another order. With
-    integer costs and tokens every sum is exact either way: the trades must be the same."""
-    from hf_dp_balance.core.planner.chain import _ladder_trades
-    from hf_dp_balance.core.planner.state import _State, _copy_state
-    from test_planner_chain import _long_tail
-
-    traded = 0
-    for seed in range(8):
-        R, M, cap = 16 + 4 * seed, (4, 8)[seed % 2], 32768
-        tokens, owners, mbs = _long_tail(seed, R, M, cap)
-        costs = np.round(1.4e-4 * tokens ** 2) + tokens + 64.0  # integers
-        load = np.bincount(owners, weights=costs, minlength=R)
-        state = _State(costs, tokens, float(cap), np.ones(R), owners, mbs, M, load, M)
-        budget = np.full(R, load.mean())
-        for kw in ({}, {"min_rate": 0.0, "near": True}):
-            glob, part = _copy_state(state), _copy_state(state)
-            _ladder_trades(glob, budget, 0.005, **kw)
-            _ladder_trades(part, budget, 0.005, partners_only=True, **kw)
-            np.testing.assert_array_equal(part.dest, glob.dest, err_msg=f"{seed} {kw}")
-            np.testing.assert_array_equal(part.micro, glob.micro, err_msg=f"{seed} {kw}")
-            np.testing.assert_array_equal(part.load, glob.load)
-            traded += int(np.count_nonzero(glob.dest != state.dest))
-    assert traded > 100  # the trades moved items
-
-
-def test_partner_ladders_hold_the_global_large_item_orders_and_swap_searches():
-    """Built for every rank, the partner ladders' large items (by surplus, by cost) are the global
-    orders rank by rank, and the swap search gives the global answer: inside a rank's stretch the same
-    position, below it (a target the lower ranks' keys reach) no item of the rank."""
-    from hf_dp_balance.core.planner.chain import _build_partner_ladders, _cost_search, _make_ladders
+def test_the_swap_search_inside_a_rank_s_stretch_is_the_search_of_all_ranks_keys():
+    """`_cost_search` searches only inside the rank's stretch of the large items' cost keys: inside it the
+    position np.searchsorted gives on all the keys, and lo - 1 where that position falls below the stretch
+    (a target the lower ranks' keys reach: no item of the rank)."""
+    from hf_dp_balance.core.planner.chain import _cost_search, _make_ladders
     from hf_dp_balance.core.planner.state import _State
     from test_planner_chain import _long_tail
 
@@ -114,22 +87,13 @@ def test_partner_ladders_hold_the_global_large_item_orders_and_swap_searches():
         costs = 1.4e-4 * tokens ** 2 + tokens + 64.0
         load = np.bincount(owners, weights=costs, minlength=R)
         state = _State(costs, tokens, float(cap), np.ones(R), owners, mbs, M, load, M)
-        glob = _make_ladders(state, False, False)
-        part = _make_ladders(state, False, True)
-        for chunk in np.array_split(rng.permutation(R), 3):  # built in three rounds, in any rank order
-            _build_partner_ladders(state, part, chunk)
-        for r in range(R):
-            g, p = slice(glob.l_lo[r], glob.l_hi[r]), slice(part.l_lo[r], part.l_hi[r])
-            np.testing.assert_array_equal(part.large[p], glob.large[g])
-            np.testing.assert_array_equal(part.by_cost[p], glob.by_cost[g])
+        lad = _make_ladders(state, False)
         ranks = rng.integers(0, R, 400)
         # targets in the rank's stretch, above it and below it (into the ranks under it)
         target = ranks + rng.uniform(-0.6, 0.5, ranks.size)
-        g_at = _cost_search(glob, ranks, target, glob.l_lo[ranks], glob.l_hi[ranks])
-        p_at = _cost_search(part, ranks, target, part.l_lo[ranks], part.l_hi[ranks])
-        g_in = (g_at >= glob.l_lo[ranks]) & (g_at <= glob.l_hi[ranks])
-        p_in = p_at >= part.l_lo[ranks]
-        np.testing.assert_array_equal(p_in, g_in)
-        np.testing.assert_array_equal((p_at - part.l_lo[ranks])[p_in], (g_at - glob.l_lo[ranks])[g_in])
-        below += int(np.count_nonzero(~g_in))
+        lo, hi = lad.l_lo[ranks], lad.l_hi[ranks]
+        want = np.searchsorted(lad.cost_key, target)
+        assert np.all(want <= hi)  # a rank's keys stay under rank + 1/2: never past its stretch
+        np.testing.assert_array_equal(_cost_search(lad, ranks, target, lo, hi), np.where(want < lo, lo - 1, want))
+        below += int(np.count_nonzero(want < lo))
     assert below > 20  # the searches that fall below a stretch were exercised

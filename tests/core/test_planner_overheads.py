@@ -158,7 +158,7 @@ def test_item_keys_with_one_division_and_the_surplus_order_by_bits_are_as_before
             want = _item_keys_before(state.tokens, state.costs, state.cap)
         for g, w in zip(got, want):
             assert (g is None and w is None) or np.array_equal(g, w), trial
-        lad = chain._make_ladders(state, False, False)
+        lad = chain._make_ladders(state, False)
         if lad is not None:  # the large items by rank and surplus key: the stable float sort's order
             _, large, surplus, scale, _, _ = want
             key = state.dest[large] + (1.0 - (surplus + 1.0) * scale)

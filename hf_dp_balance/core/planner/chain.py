@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _Members, _State, _pair_ranks
+from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply, _first_touching
 from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _first_best, _float_order, _ranges,
                                                     _search_within, _stable_order)
@@ -22,7 +22,7 @@ _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token 
 
 
 def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate: float = _MIN_RATE,
-                   near: bool = False, partners_only: bool = False) -> bool:
+                   near: bool = False) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
     A trade sends a large item `a` (over cap x _LARGE tokens) of an over-full rank h to a slot (l, m) of a
@@ -33,8 +33,7 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
     surplus just covers h's excess) and keeps per h the option taking the most load off h per token sent
     (+ cap x _OVERHEAD), if at least `min_rate` x the mean cost per token; a partner takes one trade per
     round, an item moves once, a slot gives back once. A pass ends after 3 rounds in a row that trade for at
-    most 2% of the over-full ranks. `partners_only` builds only the ladders of the ranks a round pairs (a
-    residue pass reads few): the same trades up to the last bits of the costs' prefix sums.
+    most 2% of the over-full ranks.
     Guarantees: every item keeps one (rank, slot); no slot goes over the cap; the fullest rank never rises
     (a trade lowers the larger of its two ranks' loads); a rank keeps `state.min_count` items and a slot with
     items keeps one. Cost: one O(n) radix sort, then per round O(over-full ranks x 2 _BREADTH^3) binary
@@ -43,7 +42,7 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
     limit = budget * (1.0 + tolerance / 2.0)
     if state.cap is None or state.load.shape[0] < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
-    lad = _make_ladders(state, near, partners_only)
+    lad = _make_ladders(state, near)
     if lad is None:
         return False
     overhead, min_rate, idle = state.cap * _OVERHEAD, min_rate * lad.mean_rate, 0
@@ -51,30 +50,34 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
         over, h, l = _pair_ranks(state, budget, limit, state.load - budget, _BREADTH, k)
         if over.size == 0 or h is None:
             return over.size == 0
-        _build_partner_ladders(state, lad, np.concatenate((h, l)))  # (built at the start unless `partners_only`)
         idle = 0 if _round(state, h, l, budget, limit, lad, overhead, min_rate) > 0.02 * over.size else idle + 1
         if idle >= 3:
             return False
     return not np.any(state.load > limit)
 
 
-def _make_ladders(state: _State, near: bool, partners_only: bool):
-    """What the rounds of `_ladder_trades` read (None without large items): the large items of every rank, and
-    the ladders of every rank, or with `partners_only` of the ranks the rounds pair (`_build_partner_ladders`)."""
+def _make_ladders(state: _State, near: bool):
+    """What the rounds of `_ladder_trades` read (None without large items): the large items and the ladders of
+    every rank, the ladders built at the start of the pass (one radix sort of all the items)."""
     R, M, n = state.load.shape[0], state.M, state.costs.shape[0]
     bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
         return None
-    S, index = R * M, lambda size: np.zeros(size, dtype=np.int64)
+    slot = state.dest * M + state.micro
+    slot_items = np.bincount(slot, minlength=R * M).astype(np.int64)
+    # slot s's ladder is order[lo[s]:hi[s]] (items by slot, cheapest per token first); CT, CC: running tokens and
+    # costs along `order` after a leading 0, so that a prefix of k items of slot s holds CT[lo[s] + k] - CT[lo[s]]
+    # tokens; rank_of: each item's place in `order`
+    order = _ladders(bins, slot, _by_density(state) if R * M <= _RADIX else None)
+    hi = np.cumsum(slot_items)
+    rank_of = np.empty(n, dtype=np.int64)
+    rank_of[order] = np.arange(n)
     lad = SimpleNamespace(
-        near=near, mean_rate=mean_rate, bins=bins, surplus_scale=scale, cost_scale=cost_scale,
-        slot_items=np.bincount(state.dest * M + state.micro, minlength=S).astype(np.int64),
-        stale=np.zeros(S, dtype=bool),  # slots an original item left: their ladders no longer hold
-        moved=np.zeros(n, dtype=bool), built=np.zeros(R, dtype=bool),
-        members=_Members(state.dest, R) if partners_only else None,
-        # slot s's ladder is order[lo[s]:hi[s]]; CT, CC: running tokens and costs along `order` after a leading
-        # 0, so that a prefix of k items of slot s holds CT[lo[s] + k] - CT[lo[s]] tokens; rank_of: each item's place
-        order=index(0), CT=np.zeros(1), CC=np.zeros(1), lo=index(S), hi=index(S), rank_of=index(n))
+        near=near, mean_rate=mean_rate, bins=bins, surplus_scale=scale, cost_scale=cost_scale, slot_items=slot_items,
+        stale=np.zeros(R * M, dtype=bool),  # slots an original item left: their ladders no longer hold
+        moved=np.zeros(n, dtype=bool), order=order, lo=hi - slot_items, hi=hi, rank_of=rank_of,
+        CT=np.concatenate(([0.0], np.cumsum(state.tokens[order]))),
+        CC=np.concatenate(([0.0], np.cumsum(state.costs[order]))))
     # rank r's large items large[l_lo[r]:l_hi[r]], most cost above their tokens at the lowest density first
     # (the ones h sends), and by_cost[l_lo[r]:l_hi[r]] (those l gives back for a): sorted keys rank + a share
     # under 1/2, ties by index
@@ -88,36 +91,7 @@ def _make_ladders(state: _State, near: bool, partners_only: bool):
     # the largest cost key of the ranks below each rank (the keys ascend: the one just before its stretch): a
     # swap search whose answer falls below a partner's stretch finds no b there either
     lad.below_top = np.concatenate(([-np.inf], lad.cost_key))[starts[:-1]]
-    if not partners_only:
-        _build_partner_ladders(state, lad, np.arange(R))
     return lad
-
-
-def _build_partner_ladders(state: _State, lad, ranks: np.ndarray) -> None:
-    """Append the ladders of the slots of `ranks` not built yet, as a build of all at once holds them:
-    items of the rank at the start of the pass by slot, density bin, index (moved ones left stale slots)."""
-    new = np.unique(ranks[~lad.built[ranks]])
-    if new.size == 0:
-        return
-    lad.built[new] = True
-    R, M = state.load.shape[0], state.M
-    if lad.members is None:  # every rank, at the start of the pass: one radix sort of all the items
-        items = _ladders(lad.bins, state.dest * M + state.micro, _by_density(state) if R * M <= _RADIX else None)
-        per_slot = lad.slot_items
-    else:
-        held = np.concatenate([lad.members.of(int(r)) for r in new.tolist()])  # the ranks' items at the start
-        items = held[~lad.moved[held]]
-        slot = state.dest[items] * M + state.micro[items]
-        items = items[np.lexsort((lad.bins[items], slot))]  # (stable: index order among ties)
-        per_slot = np.bincount(slot, minlength=R * M)
-    wanted = (new[:, None] * M + np.arange(M)[None, :]).reshape(-1)  # every slot of `items`, ascending as they are
-    at, count = lad.order.size, per_slot[wanted]
-    lad.hi[wanted] = at + np.cumsum(count)
-    lad.lo[wanted] = lad.hi[wanted] - count
-    lad.rank_of[items] = at + np.arange(items.size)
-    lad.order = np.concatenate((lad.order, items))
-    lad.CT = np.concatenate((lad.CT, lad.CT[-1] + np.cumsum(state.tokens[items])))
-    lad.CC = np.concatenate((lad.CC, lad.CC[-1] + np.cumsum(state.costs[items])))
 
 
 def _item_keys(state: _State):

@@ -16,8 +16,8 @@ speed`). The goal: the fullest rank (load / budget) at or under 1 + tolerance; t
      up to `_PASSES` ladder passes at any cost per token (`_residue_trades`), then up to `_PASSES`
      that make load room where the free tokens are (`_roomy_trades`), each followed by step 1.
      At 2 to 4 micro-batches the long items are first assigned to ranks (`assign`) where that search
-     expects to send at most `_TRUST` of the tokens; the other order runs where the first ends above
-     the trades' limit (one-for-one swaps first close a gap of a few tenths, `refine._swap_down`).
+     expects to send at most `_TRUST` of the tokens; one-for-one swaps then close a gap of a few tenths
+     over the trades' limit (`refine._swap_down`).
    - First for a milder cost: small-change trades (`trade`), step 1.
    Both end with small-change trades, a polish, and sending home the items a detour took away (`home`).
 3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending fewer
@@ -86,27 +86,20 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
 
 
 def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, relocate: bool, ladder: bool = True):
-    """Step 2; None when the start breaks the cap (a repair: step 1 does it) or no plan is found. Where
-    both orders of long items first run, the plan within the trades' limit sending fewer tokens wins,
-    else the lower fullest rank. Works on `origin` itself (spoilt when it returns None)."""
+    """Step 2; None when the start breaks the cap (a repair: step 1 does it) or no plan is found. Works on
+    `origin` itself (spoilt when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
     if not ladder or not _long_first_applies(origin):
         return _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=None)
-    start, spare = origin.dest.copy(), _copy_state(origin)
+    start = origin.dest.copy()
     assigned = _assign_long(origin, budget, tolerance)
     trusted = assigned[2] <= _TRUST * float(origin.tokens.sum())
-    first = _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=assigned if trusted else None)
+    plan = _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=assigned if trusted else None)
     limit = (1.0 + tolerance / 2.0) * (1.0 + 1e-9)
-    if trusted and first is not None and limit < _fullest(first, budget) <= 1.0 + tolerance:
-        _swap_down(first, budget * (1.0 + tolerance / 2.0), start)  # a rank a few tenths over: single swaps
-    if first is not None and _fullest(first, budget) <= limit:
-        return first
-    second = _full_cap_pass(spare, budget, tolerance, relocate, ladder, long_first=None if trusted else assigned)
-    plans = [p for p in (first, second) if p is not None]
-    if not plans:
-        return None
-    return _fewest_sent(plans, budget, limit, start) or min(plans, key=lambda p: _fullest(p, budget))
+    if trusted and plan is not None and limit < _fullest(plan, budget) <= 1.0 + tolerance:
+        _swap_down(plan, budget * (1.0 + tolerance / 2.0), start)  # a rank a few tenths over: single swaps
+    return plan
 
 
 def _full_cap_pass(state: _State, budget: np.ndarray, tolerance: float, relocate: bool, ladder: bool, long_first):
@@ -141,9 +134,9 @@ def _full_cap_pass(state: _State, budget: np.ndarray, tolerance: float, relocate
 
 
 def _residue_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
-    """Ladder trades at any cost per token, between near ranks and their partners only: what step 1 left
-    over the goal after the first ladder pass."""
-    _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True, partners_only=True)
+    """Ladder trades at any cost per token, of the large items whose surplus is nearest each rank's excess:
+    what step 1 left over the goal after the first ladder pass."""
+    _ladder_trades(state, budget, tolerance, min_rate=0.0, near=True)
 
 
 def _roomy_trades(state: _State, budget: np.ndarray, tolerance: float) -> None:
