@@ -18,8 +18,7 @@ def _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slot
     2. Items above the flat water level are heavy: micro-batch m cannot finish before F_m = max_r (heavy load
        of slot (r, m)) / s_r. Its level is T_m = max(F_m, W), W the common level at which the slots hold the
        light load: a micro-batch that waits for a heavy item anyway is filled up to it, the others get less.
-    3. Shed / place / refine the slots toward budgets T_m * s_r.
-    """
+    3. Shed / place / refine the slots toward budgets T_m * s_r."""
     R, S = spd.shape[0], spd.shape[0] * num_mb
     load = np.bincount(own * num_mb + mb, weights=c, minlength=S).reshape(R, num_mb)
     perm = np.argsort(-load, axis=1, kind="stable")  # perm[r, k]: old micro-batch that becomes k
