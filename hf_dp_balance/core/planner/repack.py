@@ -1,5 +1,5 @@
-"""The repack fallback (pipeline steps 4-5): ranks re-placed from scratch by capped LPT. It sends most items
-of the ranks it takes, so it runs only where steps 1-2 end above twice the tolerance."""
+"""The repack fallback: ranks re-placed from scratch by capped LPT. It sends most items of the ranks it takes,
+so the pipeline runs it only where the incremental method and the trades end above twice the tolerance."""
 
 from __future__ import annotations
 
@@ -46,10 +46,9 @@ def _repack_until(base: _State, origin: _State, budget: np.ndarray, tolerance: f
 
 
 def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarray, start: np.ndarray) -> _State:
-    """Re-place every item of `ranks` by capped LPT onto `ranks` (heaviest first to the least full, load /
-    budget, whose emptiest slot has token room), rename those ranks toward the items' owners in `start`,
-    then the incremental method's extra passes and polish. Cost: O(n) numpy + O(pooled items x log |ranks|)
-    Python + the matching."""
+    """Re-place every item of `ranks` onto `ranks` by capped LPT (`_place_lpt`), rename those ranks toward the
+    items' owners in `start`, then the extra passes and polish. Cost: O(n) numpy + O(pooled items x
+    log |ranks|) Python + the matching."""
     inside = np.zeros(budget.shape[0], dtype=bool)
     inside[ranks] = True
     pool = np.flatnonzero(inside[state.dest])
