@@ -30,8 +30,7 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
             j = last  # fits no room: the roomiest rank (LPT)
         t = slots.item_tok[k] if cap is not None else 0.0
         if j <= last and cap is not None and slots.free[ranks[j]] < t:
-            # the best fit lacks token room: the first of the next 16 larger rooms (or, from the roomiest, smaller
-            # ones) whose rank has it; None: none has
+            # no token room there: the first of the next 16 larger rooms (from the roomiest: smaller) whose rank has it
             step = -1 if j == last and rooms[j] < c else 1
             near = range(j + step, j + 17 * step, step)
             j = next((x for x in near if 0 <= x <= last and slots.free[ranks[x]] >= t), None)
@@ -89,7 +88,7 @@ class _SlotTokens:
         self.single = self.tracked and state.cap is not None and state.M == 1  # plan_balance: one slot per rank
         if self.tracked:
             self.item_tok = state.tokens[pool].tolist()
-            if state.cap is not None:  # (one numpy pass, not R Python min calls: the same values)
+            if state.cap is not None:
                 self.free = (state.cap - state.slot_tok.min(axis=1)).tolist()
 
     def add(self, k: int, r: int) -> None:
