@@ -52,8 +52,7 @@ def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, toleranc
     """One shed / place pass (tokens over the cap, and with `shed_cost` load over budget), the extra passes,
     then `_polish`."""
     limit = budget * (1.0 + tolerance / 2.0)
-    # the token repair first: a slot over the cap gives away a few small items, so an item the cost
-    # shedding then takes from it still fits back home (after the repair, its slot has room)
+    # the token repair first: then an item the cost shedding takes from a repaired slot still fits back home
     repair = _shed_tokens(state, swap=not shed_cost)  # the retry of a repair swaps long items for smaller ones
     pool = _shed_rounds(state, budget, slack, relocate=relocate) if shed_cost else repair[:0]
     if repair.size:

@@ -1,6 +1,5 @@
-"""The one-for-one kernels: the best single move or swap from the fullest rank (`_refine`), the swaps that
-bring a rank just over a limit under it (`_swap_down`), and the item-count fixes. A one-for-one swap is
-written once: `_swap_fits` tests it against the cap (also for home.py), `_apply_swap` makes it."""
+"""The one-for-one kernels: the best move or swap from the fullest rank (`_refine`), swaps that bring a rank just
+over a limit under it (`_swap_down`), the item-count fixes. Swaps: tested by `_swap_fits`, made by `_apply_swap`."""
 
 from __future__ import annotations
 
@@ -127,8 +126,7 @@ def _swap_may_fit(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.
 
 
 def _fill_short_ranks(state: _State) -> None:
-    """Give every rank at least `min_count` items: a short rank takes the cheapest item (ties: lowest
-    index) of the rank with the most items that fits its emptiest slot."""
+    """Every rank gets `min_count` items: a short rank takes the cheapest fitting item of the rank with the most."""
     if state.count is None:
         return
     for r in np.flatnonzero(state.count < state.min_count).tolist():
@@ -152,8 +150,7 @@ def _fill_empty_slots(state: _State) -> None:
     if M == 1:
         return
     if state.slot_tok is not None and state.tokens.size:
-        # every slot holds at least half the fewest tokens of any item: none is empty (the running
-        # sums stray from exact by far less), and the O(n) count per slot is not needed
+        # a slot with half the fewest tokens of any item is not empty (the running sums err far less): no O(n) count
         least = float(state.tokens.min())
         if least > 0 and float(state.slot_tok.min()) >= 0.5 * least:
             return

@@ -172,9 +172,8 @@ def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float, largest:
 
 
 def _swap_smaller(state: _State, s: int, slot_of: np.ndarray, excess: float, room: np.ndarray) -> bool:
-    """Swap one item of slot s for a smaller one of a slot whose `room` takes the difference: the smallest
-    difference covering `excess`, else the largest (ties: lowest pair); False if none fits. Loads are left to
-    the refinement that follows. O(items of s x items)."""
+    """Swap an item of slot s for a smaller one of a slot whose `room` takes the difference, the smallest covering
+    `excess`, else the largest; False if none fits. Loads are left to the refinement after. O(items of s x items)."""
     mine, theirs = np.flatnonzero(slot_of == s), np.flatnonzero((slot_of != s) & (state.dest >= 0))
     drop = state.tokens[mine][:, None] - state.tokens[theirs][None, :]
     fits = (drop > 0) & (drop <= room[slot_of[theirs]][None, :])
