@@ -14,10 +14,9 @@ _REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first re
 
 def _repack_until(base: _State, origin: _State, budget: np.ndarray, tolerance: float, start: np.ndarray,
                   stop_at: float, none_yet: bool) -> list:
-    """Repacks of the ranks above the goal in `base` and the K emptiest, K = 2 x (over-full ranks) +
-    _REPACK_START, doubled until one is within the goal, one does not beat `stop_at`, or every rank is in
-    (then from `origin`: a from-scratch LPT). Returns the plans made; raises the last _Infeasible when none
-    is and `none_yet` (no other attempt to fall back on)."""
+    """Repacks of the ranks above the goal in `base` and the K emptiest, K = 2 x (over-full ranks) + _REPACK_START,
+    doubled until one is within the goal, one does not beat `stop_at`, or every rank is in (then from `origin`: a
+    from-scratch LPT). Returns the plans made; with `none_yet` (no fallback), raises the last _Infeasible if none."""
     goal, R = 1.0 + tolerance, budget.shape[0]
     full = base.load / np.maximum(budget, np.finfo(np.float64).tiny)
     if base is origin and base.cap is not None:

@@ -19,15 +19,13 @@ _WINDOW = 4  # large items of h tried per pair: this many each side of the cost 
 def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    Each round pairs the over-full ranks h, most over first, with _BREADTH partners l under budget (one beyond
-    _FEW_SLOTS slots: their items give one partner choice enough). A trade sends h's item `a` to l: a large one
-    (over cap x _LARGE tokens; the _WINDOW each side of the cost h should shed, doubled each time h found no
-    trade) into l's roomiest slot or for a large item `b` of l, the receiving slot paying back the fewest of its
-    small items (<= cap x _SMALL tokens) that make room; or a smaller one alone where it fits. Per h: the trade
-    taking the most load off h per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a partner
-    trades once per round, an item moves once. Guarantees: no slot goes over the cap, the fullest rank never
-    rises, ranks keep `state.min_count` items. Cost: one O(n) grouping, then O(items of the pairs' windows x
-    options) numpy per round."""
+    Each round pairs the over-full ranks h, most over first, with _BREADTH ranks l under budget (one beyond
+    _FEW_SLOTS slots). A trade sends h's item `a` to l: a large one (over cap x _LARGE tokens; the _WINDOW each
+    side of the cost h should shed) into l's roomiest slot or for a large item `b` of l, that slot paying back
+    the fewest small items (<= cap x _SMALL tokens) that make room; or a smaller one alone where it fits. Per h,
+    the trade taking the most load off h per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a
+    partner trades once per round, an item moves once. Never breaks the cap or `state.min_count`; the fullest
+    rank never rises. Cost: one O(n) grouping, then O(items of the pairs' windows x options) numpy per round."""
     cap, R = state.cap, state.load.shape[0]
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
@@ -120,9 +118,8 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
 
 
 def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.ndarray:
-    """A trade's score, the load it takes off h per token sent (+ overhead), where `ok` and it lowers h by
-    `delta`, keeps l within its limit and h (sending one item, taking `n_back`) and l (the reverse) keep
-    `state.min_count` items; -inf elsewhere."""
+    """A trade's score, the load it takes off h per token sent (+ overhead); -inf unless `ok`, `delta` > 0, l stays
+    within its limit and h (sends one item, takes `n_back`) and l keep `state.min_count` items."""
     ok = ok & (delta > 0) & (state.load[l] + delta <= limit[l])
     if state.count is not None:
         ok = ok & (state.count[h] - 1 + n_back >= state.min_count) & (state.count[l] + 1 - n_back >= state.min_count)
@@ -213,8 +210,7 @@ def _worth_searching(state, o, best_move, excess, limit, overhead) -> np.ndarray
 
 
 def _first_touching(num_ranks: int, *ranks: np.ndarray) -> np.ndarray:
-    """Which candidates are the first (in their order) to touch every rank they name in `ranks`: taking
-    those, each rank is in one at most."""
+    """Which candidates come first (in their order) at every rank they name: taking those, each rank is in one."""
     n = ranks[0].size
     first = np.full(num_ranks, n, dtype=np.int64)
     for r in ranks:

@@ -1,6 +1,5 @@
-"""Indexes the trades read, so that a round does no O(n) work: running sums searched for the fewest
-items that free t tokens (`_PayBack`), items by rank and cost under one sorted key
-(`_by_rank_and_cost`), searches inside known stretches of a long sorted array (`_search_within`)."""
+"""Indexes the trades read, so that a round does no O(n) work: running sums of small items (`_PayBack`), items by
+rank and cost under one sorted key (`_by_rank_and_cost`), searches within known stretches (`_search_within`)."""
 
 from __future__ import annotations
 
@@ -63,9 +62,8 @@ class _PayBack:
         self.items = order[:0]  # the last search's small items, grouped by the slots it read
 
     def search(self, slot: np.ndarray, need: np.ndarray):
-        """((tokens, cost, count) of the fewest small items of `slot` (index order) that free `need`
-        tokens, the first and the last position of them in `items` (last = first - 1 if none),
-        whether the slot has them)."""
+        """((tokens, cost, count) of the fewest small items of `slot` (index order) that free `need` tokens,
+        their first and last position in `items` (last = first - 1 if none), whether the slot has them)."""
         sums = [np.zeros(slot.size) for _ in range(3)]
         lo, j, feasible = np.zeros(slot.size, dtype=np.int64), np.full(slot.size, -1, dtype=np.int64), need <= 0
         idx = np.flatnonzero(~feasible)
