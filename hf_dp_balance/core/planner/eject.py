@@ -11,9 +11,9 @@ from hf_dp_balance.core.planner.trade_index import _rank_starts, _search_within,
 
 def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> bool:
     """One-for-many exchange for the fullest rank h (load / budget); True if it applied one. A heavy item `a` of
-    h (the lightest that alone brings h within its limit, or h's heaviest) moves to a receiver that sheds its
-    heaviest movable items (those that fit the largest free room elsewhere) until its load and receiving slot
-    are within limit and cap, the fewest items (ties: lowest load after, lowest index); the shed items are
+    h (tried: the lightest that alone brings h within its limit, and h's heaviest) goes to the receiver that
+    sheds the fewest items (ties: lowest load after, lowest index): its heaviest movable ones (those that fit the
+    largest free room elsewhere) until its load and receiving slot are within limit and cap; the shed items are
     placed by best fit. Cost: one O(n log n) sort plus O(n) numpy per candidate."""
     costs, R = state.costs, state.load.shape[0]
     safe = np.maximum(budget, np.finfo(np.float64).tiny)

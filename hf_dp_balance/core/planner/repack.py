@@ -27,7 +27,6 @@ def _repack_until(base: _State, origin: _State, budget: np.ndarray, tolerance: f
     made, failure = [], None
     while True:
         k = min(k, R)
-        # the over-full ranks and then the emptiest ones (ties: lowest index)
         ranks = np.sort(np.lexsort((np.arange(R), -full))[:over].tolist() +
                         [r for r in np.lexsort((np.arange(R), full)).tolist() if full[r] <= goal][:max(k - over, 0)])
         repacked = None

@@ -188,12 +188,11 @@ def _swap_smaller(state: _State, s: int, slot_of: np.ndarray, excess: float, roo
 
 
 def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reserved: np.ndarray) -> bool:
-    """Repair slot s, `excess` tokens over the cap, by a one-for-many swap; True if done.
-
-    An item i of s that covers the excess alone (fewest tokens first) goes to a slot s2 with room (the 16
-    roomiest, most room first; `reserved` room is not free), which gives s back its largest items that fit
-    (ties: lowest index), t_i - room(s2) (so s2 holds i) to t_i - excess (so s ends within the cap) tokens in
-    all. Loads are left to the refinement that follows. O(items of s x partners)."""
+    """Repair slot s, `excess` tokens over the cap, by a one-for-many swap; True if done. An item i of s that
+    covers the excess alone (fewest tokens first) goes to a slot s2 with room (the 16 roomiest, most room first;
+    `reserved` room is not free), which gives s back its largest items that fit, t_i - room(s2) (so s2 holds i)
+    to t_i - excess (so s ends within the cap) tokens in all. Loads are left to the refinement that follows.
+    O(items of s x partners)."""
     tok, M = state.tokens, state.M
     free = state.cap - state.slot_tok.reshape(-1) - reserved
     free[s] = -np.inf

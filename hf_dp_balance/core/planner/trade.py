@@ -88,7 +88,7 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
     pos, ga = _window(large, h, want, window)
-    ok = np.flatnonzero(~moved[l_order[pos]])  # filters index by np.flatnonzero: faster than random boolean masks
+    ok = np.flatnonzero(~moved[l_order[pos]])  # index arrays, not boolean masks: faster on random masks
     pa, ga = pos[ok], ga[ok]  # positions of the items a in `large`
     recv = np.argmin(state.slot_tok[l], axis=1)
     moves = _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead)
