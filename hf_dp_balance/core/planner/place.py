@@ -78,9 +78,8 @@ def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.nd
 
 
 class _SlotTokens:
-    """Tokens per slot while a pool is placed (Python lists, of the ranks placed on only: a pool is small
-    against R x M slots), and each rank's token room (`free`: cap - tokens of its emptiest slot; None without a
-    cap); `commit` writes loads, slots, item counts and ranks back to the state."""
+    """Tokens per slot while a pool is placed (Python lists of the ranks placed on only: a pool is small), each
+    rank's token room (`free`: cap - its emptiest slot's tokens; None without a cap); `commit` writes them back."""
 
     def __init__(self, state: _State, pool: np.ndarray):
         self.state, self.slots, self.rows, self.free = state, [0] * pool.size, {}, None

@@ -44,9 +44,8 @@ def _repack_until(base: _State, origin: _State, budget: np.ndarray, tolerance: f
 
 
 def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarray, start: np.ndarray) -> _State:
-    """Re-place every item of `ranks` onto `ranks` by capped LPT (`_place_lpt`), rename those ranks toward the
-    items' owners in `start`, then the extra passes and polish. Cost: O(n) numpy + O(pooled items x
-    log |ranks|) Python + the matching."""
+    """Re-place every item of `ranks` onto `ranks` by capped LPT, rename them toward the items' owners in `start`
+    (`_relabel`), then the extra passes and polish. Cost: O(n) numpy, O(pooled x log |ranks|) Python, the matching."""
     inside = np.zeros(budget.shape[0], dtype=bool)
     inside[ranks] = True
     pool = np.flatnonzero(inside[state.dest])
@@ -61,10 +60,9 @@ def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarr
 
 
 def _relabel(state: _State, budget: np.ndarray, ranks: np.ndarray, pool: np.ndarray, start: np.ndarray) -> None:
-    """Rename `ranks` (whose items are `pool`, freshly placed) so that most tokens go back to their owner in
-    `start`: a maximum-weight matching (scipy linear_sum_assignment) of the new contents to the ranks, weight
-    = tokens (items when no tokens are given) the rank already owns. Only where those ranks have one budget
-    and no fixed load (a renaming then changes no time). O(pool + K^3) for K ranks."""
+    """Rename the K `ranks` (their items `pool`, freshly placed) so that most tokens go back to their owner in `start`:
+    a maximum-weight matching (scipy linear_sum_assignment), weight = tokens (items without tokens) a rank already
+    owns. Only where those ranks share one budget and no fixed load (renaming then changes no time). O(pool + K^3)."""
     K = ranks.shape[0]
     if K < 2 or np.any(budget[ranks] != budget[ranks[0]]) or np.any(state.fixed[ranks] != 0):
         return
