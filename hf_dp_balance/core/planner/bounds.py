@@ -21,9 +21,8 @@ def lower_bound(costs, num_ranks: int, *, prior_loads=None, speeds=None) -> floa
 
 
 def _fill_time(total: float, prior: np.ndarray, speeds: np.ndarray) -> float:
-    """Time T at which the ranks absorb `total` work on top of their fixed loads: the smallest T with
-    sum_r max(0, T*s_r - p_r) >= total (piecewise linear, increasing in T). O(R log R). (Not the look-ahead's
-    `_cost_level_over_bounds`: a cost level over per-step floors counted in its total, one speed.)"""
+    """The smallest time T at which the ranks absorb `total` work on top of their fixed loads:
+    sum_r max(0, T*s_r - p_r) >= total (piecewise linear, increasing in T). O(R log R)."""
     start = prior / speeds
     order = np.argsort(start, kind="stable")
     a, cum_s, cum_p = start[order], np.cumsum(speeds[order]), np.cumsum(prior[order])

@@ -10,12 +10,11 @@ from hf_dp_balance.core.planner.trade_index import _rank_starts, _search_within,
 
 
 def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> bool:
-    """One-for-many exchange for the fullest rank h (by load / budget): a heavy item `a` of h moves to
-    a receiver r that sheds its heaviest movable items (those that fit the largest free room elsewhere)
-    until its load and receiving slot are back within limit and cap; the shed items are placed by best
-    fit. Candidates for `a`: the lightest item of h that alone brings h within its limit, and h's
-    heaviest. The receiver sheds the fewest items (ties: lowest load after, lowest index). Returns
-    whether it applied one. Cost: one O(n log n) sort plus O(n) numpy per candidate."""
+    """One-for-many exchange for the fullest rank h (load / budget); True if it applied one. A heavy item `a` of
+    h (tried: the lightest that alone brings h within its limit, and h's heaviest) goes to the receiver that
+    sheds the fewest items (ties: lowest load after, lowest index): its heaviest movable ones (those that fit the
+    largest free room elsewhere) until its load and receiving slot are within limit and cap; the shed items are
+    placed by best fit. Cost: one O(n log n) sort plus O(n) numpy per candidate."""
     costs, R = state.costs, state.load.shape[0]
     safe = np.maximum(budget, np.finfo(np.float64).tiny)
     h = int(np.argmax(state.load / safe))
@@ -55,8 +54,7 @@ def _eject(state: _State, budget: np.ndarray, limit: np.ndarray, wide: bool) -> 
 
 
 def _pool(state: _State, h: int, recv_slot: np.ndarray) -> np.ndarray:
-    """The items that could shed: not on h, in the slot of their rank that would receive `a`, by rank,
-    heaviest first (ties: index; two stable sorts, the ranks' a radix sort)."""
+    """Items that could shed: not on h, in their rank's receiving slot; by rank, heaviest first (ties: index)."""
     pool = np.flatnonzero((state.dest != h) & (state.micro == recv_slot[state.dest]))
     pool = pool[np.argsort(-state.costs[pool], kind="stable")]
     return pool[_stable_order(state.dest[pool], state.load.shape[0])]
@@ -64,11 +62,10 @@ def _pool(state: _State, h: int, recv_slot: np.ndarray) -> np.ndarray:
 
 def _receiver(state: _State, a: int, h: int, sel: np.ndarray, recv_slot: np.ndarray, limit: np.ndarray,
               safe: np.ndarray):
-    """(key, rank, items it sheds) of the best receiver of item `a` of the fullest rank h, or None.
-    `sel`: the items that may shed, by rank, heaviest first; rank r sheds the fewest first ones that
-    bring its load with `a` within limit[r] and its receiving slot within the cap (one search of the
-    running sums each, `_search_within`). The key ranks the candidates `a`: first those that bring h
-    within its limit, then (items shed, load after)."""
+    """(key, rank, items it sheds) of the best receiver of item `a` of the fullest rank h, or None. `sel`: the
+    items that may shed, by rank, heaviest first; rank r sheds the fewest first ones that bring its load with
+    `a` within limit[r] and its receiving slot within the cap (a search of the running sums each). The key
+    ranks the candidates `a`: first those that bring h within its limit, then (items shed, load after)."""
     R, ca = state.load.shape[0], float(state.costs[a])
     starts = _rank_starts(state.dest[sel], R)
     lo, hi = starts[:-1], starts[1:]

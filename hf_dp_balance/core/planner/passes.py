@@ -13,14 +13,12 @@ from hf_dp_balance.core.planner.state import _PASSES, _Infeasible, _State, _copy
 
 def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, relocate: bool = True,
                          deep: bool = True, refine: bool = True) -> _State:
-    """Shed, place, refine (docs/planner.md) toward per-rank `budget` loads, then the item-count fixes; returns
-    the final state. Raises _Infeasible. `deep` False: no one-for-many exchanges; `refine` False (with `deep`
-    False): shed and place only (where ladder trades follow that do that work).
+    """Shed, place, refine toward per-rank `budget` loads, then the item-count fixes; raises _Infeasible.
+    `deep` False: no one-for-many exchanges; `refine` False too: shed and place only (ladder trades follow).
 
-    When the placement breaks the token cap and shedding for cost takes an item that no slot can hold any
-    more, the cap is repaired alone (token shedding, with swaps for smaller items where the slot's items fit
-    nowhere, then refine / exchanges, which keep the cap): the repair moves a few small items instead of
-    failing over to a repack that moves most of them."""
+    When the placement breaks the cap and the cost shedding fails (it took an item no slot can hold any more),
+    the cap is repaired alone: token shedding (swapping for smaller items where needed), then refine and
+    exchanges, which keep the cap. A few small items move, instead of a repack that moves most of them."""
     repair_only = _copy_state(state) if state.cap is not None and bool(np.any(state.slot_tok > state.cap)) else None
     slack = budget * (tolerance / 2.0)
     try:
@@ -33,9 +31,8 @@ def _balance_incremental(state: _State, budget: np.ndarray, tolerance: float, re
 
 def _balance_shedding(state: _State, budget: np.ndarray, slack: np.ndarray, tolerance: float,
                       relocate: bool, deep: bool, refine: bool = True) -> _State:
-    """`_balance_once`; when some item is over its own rank's budget on its own (speeds or fixed loads
-    differ), both relocating it to a faster rank and leaving it are tried: the lower fullest rank wins
-    (ties: fewer moves)."""
+    """`_balance_once`; when an item alone is over its rank's budget (speeds or fixed loads differ), both with
+    and without relocating it to a faster rank: the lower fullest rank wins (ties: fewer moves)."""
     misplaced = relocate and state.costs.size and float(state.costs.max()) > float((budget + slack).min()) and bool(
         np.any(state.costs > (budget + slack)[state.dest]))
     if not misplaced:
@@ -55,8 +52,7 @@ def _balance_once(state: _State, budget: np.ndarray, slack: np.ndarray, toleranc
     """One shed / place pass (tokens over the cap, and with `shed_cost` load over budget), the extra passes,
     then `_polish`."""
     limit = budget * (1.0 + tolerance / 2.0)
-    # the token repair first: a slot over the cap gives away a few small items, so an item the cost
-    # shedding then takes from it still fits back home (after the repair, its slot has room)
+    # the token repair first: then an item the cost shedding takes from a repaired slot still fits back home
     repair = _shed_tokens(state, swap=not shed_cost)  # the retry of a repair swaps long items for smaller ones
     pool = _shed_rounds(state, budget, slack, relocate=relocate) if shed_cost else repair[:0]
     if repair.size:

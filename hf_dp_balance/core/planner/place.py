@@ -30,8 +30,7 @@ def _place_best_fit(state: _State, pool: np.ndarray, limit: np.ndarray, lpt_host
             j = last  # fits no room: the roomiest rank (LPT)
         t = slots.item_tok[k] if cap is not None else 0.0
         if j <= last and cap is not None and slots.free[ranks[j]] < t:
-            # the best fit lacks token room: the first of the next 16 larger rooms (or, from the roomiest, smaller
-            # ones) whose rank has it; None: none has
+            # no token room there: the first of the next 16 larger rooms (from the roomiest: smaller) whose rank has it
             step = -1 if j == last and rooms[j] < c else 1
             near = range(j + step, j + 17 * step, step)
             j = next((x for x in near if 0 <= x <= last and slots.free[ranks[x]] >= t), None)
@@ -79,9 +78,8 @@ def _place_lpt(state: _State, pool: np.ndarray, budget: np.ndarray, ranks: np.nd
 
 
 class _SlotTokens:
-    """Tokens per slot while a pool is placed (Python lists, of the ranks placed on only: a pool is small
-    against R x M slots), and each rank's token room (`free`: cap - tokens of its emptiest slot; None without a
-    cap); `commit` writes loads, slots, item counts and ranks back to the state."""
+    """Tokens per slot while a pool is placed (Python lists of the ranks placed on only: a pool is small), each
+    rank's token room (`free`: cap - its emptiest slot's tokens; None without a cap); `commit` writes them back."""
 
     def __init__(self, state: _State, pool: np.ndarray):
         self.state, self.slots, self.rows, self.free = state, [0] * pool.size, {}, None
@@ -89,7 +87,7 @@ class _SlotTokens:
         self.single = self.tracked and state.cap is not None and state.M == 1  # plan_balance: one slot per rank
         if self.tracked:
             self.item_tok = state.tokens[pool].tolist()
-            if state.cap is not None:  # (one numpy pass, not R Python min calls: the same values)
+            if state.cap is not None:
                 self.free = (state.cap - state.slot_tok.min(axis=1)).tolist()
 
     def add(self, k: int, r: int) -> None:

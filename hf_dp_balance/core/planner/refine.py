@@ -1,6 +1,5 @@
-"""The one-for-one kernels: the best single move or swap from the fullest rank (`_refine`), the swaps that
-bring a rank just over a limit under it (`_swap_down`), and the item-count fixes. A one-for-one swap is
-written once: `_swap_fits` tests it against the cap (also for home.py), `_apply_swap` makes it."""
+"""The one-for-one kernels: the best move or swap from the fullest rank (`_refine`), swaps that bring a rank just
+over a limit under it (`_swap_down`), the item-count fixes. Swaps: tested by `_swap_fits`, made by `_apply_swap`."""
 
 from __future__ import annotations
 
@@ -13,12 +12,11 @@ from hf_dp_balance.core.planner.trade_index import _ranges
 def _refine(state: _State, budget: np.ndarray, goal: float, max_iters: int, candidates: int = 2) -> None:
     """Best single move or swap between the fullest rank and the emptiest ranks, until `goal`.
 
-    Fullness is load / budget. Each iteration applies, for the fullest rank h and the `candidates`
-    emptiest, the move (an item of h to a candidate's emptiest slot) or swap (items of h and of a
-    candidate trade slots) within the cap that minimises the larger fullness of the two. A rank nothing
-    helps is skipped (the exchanges of `_polish` need the others near their budgets); stops when the
-    fullest rank not skipped is at or under `goal`. O(items of h x items of the candidates) per
-    iteration; O(its items x log theirs) for a rank the screens rule out."""
+    Fullness is load / budget. Each iteration applies, between the fullest rank h and the `candidates` emptiest,
+    the move (an item of h to a candidate's emptiest slot) or swap within the cap and item counts that minimises
+    the larger fullness of the two, if it lowers h's. A rank nothing helps is skipped (the exchanges of `_polish`
+    need the others near their budgets) until the fullest rank left is within `goal`. O(items of h x items of
+    the candidates) per iteration, O(its items x log theirs) for a rank the screens rule out."""
     budget = np.maximum(budget, np.finfo(np.float64).tiny)  # a zero budget: any load is "very full"
     members = None
     stuck = np.zeros(budget.shape[0], dtype=bool)  # ranks nothing helped (skipped, the next fullest goes on)
@@ -128,8 +126,7 @@ def _swap_may_fit(state: _State, mine: np.ndarray, theirs: np.ndarray, cand: np.
 
 
 def _fill_short_ranks(state: _State) -> None:
-    """Give every rank at least `min_count` items: a short rank takes the cheapest item (ties: lowest
-    index) of the rank with the most items that fits its emptiest slot."""
+    """Every rank gets `min_count` items: a short rank takes the cheapest fitting item of the rank with the most."""
     if state.count is None:
         return
     for r in np.flatnonzero(state.count < state.min_count).tolist():
@@ -153,8 +150,7 @@ def _fill_empty_slots(state: _State) -> None:
     if M == 1:
         return
     if state.slot_tok is not None and state.tokens.size:
-        # every slot holds at least half the fewest tokens of any item: none is empty (the running
-        # sums stray from exact by far less), and the O(n) count per slot is not needed
+        # a slot with half the fewest tokens of any item is not empty (the running sums err far less): no O(n) count
         least = float(state.tokens.min())
         if least > 0 and float(state.slot_tok.min()) >= 0.5 * least:
             return
@@ -173,12 +169,11 @@ def _fill_empty_slots(state: _State) -> None:
 
 
 def _swap_down(state: _State, limit: np.ndarray, start: np.ndarray, rounds: int = _ROUNDS) -> int:
-    """One-for-one swaps for a rank a few tenths over a limit that holds little but its own long items, one
-    per micro-batch (the item count keeps them there). While the fullest rank h (load / limit) is over
-    its limit: the swap of an item a of h with an item b of another rank l that leaves both within their
-    limits and slots within the cap, the fewest tokens newly sent (against `start`) first, then the
-    lowest (a, b). Stops at the first h with none; item counts never change. Returns the swaps made.
-    O(n) numpy per swap."""
+    """One-for-one swaps for a rank a few tenths over a limit that holds little but its own long items, one per
+    micro-batch (the item count keeps them there). While the fullest rank h (load / limit) is over its limit:
+    the swap of an item a of h with an item b of another rank l that leaves both within their limits and slots
+    within the cap, fewest tokens newly sent (against `start`) first, then lowest (a, b). Stops at the first h
+    with none; item counts never change. Returns the swaps made. O(n) numpy per swap."""
     tok, cost = state.tokens, state.costs
     by_cost = np.argsort(cost, kind="stable")
     cost_sorted = cost[by_cost]

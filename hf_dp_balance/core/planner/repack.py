@@ -1,5 +1,5 @@
-"""The repack fallback (pipeline steps 4-5): ranks re-placed from scratch by capped LPT. It sends most items
-of the ranks it takes, so it runs only where steps 1-2 end above twice the tolerance."""
+"""The repack fallback: ranks re-placed from scratch by capped LPT. It sends most items of the ranks it takes,
+so the pipeline runs it only where the incremental method and the trades end above twice the tolerance."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ _REPACK_START = 8  # emptiest ranks joined to the over-full ones in the first re
 
 def _repack_until(base: _State, origin: _State, budget: np.ndarray, tolerance: float, start: np.ndarray,
                   stop_at: float, none_yet: bool) -> list:
-    """Repacks of the ranks above the goal in `base` and the K emptiest, K = 2 x (over-full ranks) +
-    _REPACK_START, doubled until one is within the goal, one does not beat `stop_at`, or every rank is in
-    (then from `origin`: a from-scratch LPT). Returns the plans made; raises the last _Infeasible when none
-    is and `none_yet` (no other attempt to fall back on)."""
+    """Repacks of the ranks above the goal in `base` and the K emptiest, K = 2 x (over-full ranks) + _REPACK_START,
+    doubled until one is within the goal, one does not beat `stop_at`, or every rank is in (then from `origin`: a
+    from-scratch LPT). Returns the plans made; with `none_yet` (no fallback), raises the last _Infeasible if none."""
     goal, R = 1.0 + tolerance, budget.shape[0]
     full = base.load / np.maximum(budget, np.finfo(np.float64).tiny)
     if base is origin and base.cap is not None:
@@ -28,7 +27,6 @@ def _repack_until(base: _State, origin: _State, budget: np.ndarray, tolerance: f
     made, failure = [], None
     while True:
         k = min(k, R)
-        # the over-full ranks and then the emptiest ones (ties: lowest index)
         ranks = np.sort(np.lexsort((np.arange(R), -full))[:over].tolist() +
                         [r for r in np.lexsort((np.arange(R), full)).tolist() if full[r] <= goal][:max(k - over, 0)])
         repacked = None
@@ -46,10 +44,8 @@ def _repack_until(base: _State, origin: _State, budget: np.ndarray, tolerance: f
 
 
 def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarray, start: np.ndarray) -> _State:
-    """Re-place every item of `ranks` by capped LPT onto `ranks` (heaviest first to the least full, load /
-    budget, whose emptiest slot has token room), rename those ranks toward the items' owners in `start`,
-    then the incremental method's extra passes and polish. Cost: O(n) numpy + O(pooled items x log |ranks|)
-    Python + the matching."""
+    """Re-place every item of `ranks` onto `ranks` by capped LPT, rename them toward the items' owners in `start`
+    (`_relabel`), then the extra passes and polish. Cost: O(n) numpy, O(pooled x log |ranks|) Python, the matching."""
     inside = np.zeros(budget.shape[0], dtype=bool)
     inside[ranks] = True
     pool = np.flatnonzero(inside[state.dest])
@@ -64,10 +60,9 @@ def _repack(state: _State, budget: np.ndarray, tolerance: float, ranks: np.ndarr
 
 
 def _relabel(state: _State, budget: np.ndarray, ranks: np.ndarray, pool: np.ndarray, start: np.ndarray) -> None:
-    """Rename `ranks` (whose items are `pool`, freshly placed) so that most tokens go back to their owner in
-    `start`: a maximum-weight matching (scipy linear_sum_assignment) of the new contents to the ranks, weight
-    = tokens (items when no tokens are given) the rank already owns. Only where those ranks have one budget
-    and no fixed load (a renaming then changes no time). O(pool + K^3) for K ranks."""
+    """Rename the K `ranks` (their items `pool`, freshly placed) so that most tokens go back to their owner in `start`:
+    a maximum-weight matching (scipy linear_sum_assignment), weight = tokens (items without tokens) a rank already
+    owns. Only where those ranks share one budget and no fixed load (renaming then changes no time). O(pool + K^3)."""
     K = ranks.shape[0]
     if K < 2 or np.any(budget[ranks] != budget[ranks[0]]) or np.any(state.fixed[ranks] != 0):
         return

@@ -7,9 +7,8 @@ from typing import Optional
 
 import numpy as np
 
-# Plan.path / StepPlan.path: "kept" (not applied: everything stays), "incremental" (shed / place / refine /
-# exchange from the current placement), "trades" (the full-cap trades' plan was kept), "repack" (the repack
-# fallback's plan was kept), "reference" (apps.reference.plan_reference_greedy, the published baseline).
+# what made a plan: "kept" (not applied), "incremental" (shed / place / refine / exchange from the current placement),
+# "trades" (the full-cap trades), "repack" (the repack fallback), "reference" (the published baseline, apps.reference)
 PATHS = ("kept", "incremental", "trades", "repack", "reference")
 
 
@@ -42,9 +41,8 @@ class Plan(_GainMixin):
 
 @dataclass(frozen=True)
 class StepPlan(_GainMixin):
-    """Destination (rank, micro-batch) slot of every item of one optimizer step. `moved` counts items whose
-    rank changes: moving between micro-batches of one rank costs no communication. Makespans follow the sync
-    mode's objective."""
+    """Destination (rank, micro-batch) slot of every item of one optimizer step; makespans follow the sync
+    mode's objective. `moved` counts rank changes only: a new micro-batch on the same rank costs no communication."""
 
     dest_rank: np.ndarray
     dest_micro_batch: np.ndarray

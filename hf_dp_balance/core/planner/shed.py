@@ -15,13 +15,11 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
                  relocate: bool = True) -> np.ndarray:
     """Items to take off every over-budget rank, chosen in vectorised rounds; removed from `state`.
 
-    Each round takes at most one item per rank still above budget + slack: the lightest that covers
-    the remaining excess alone (one move, little overshoot), else the heaviest (fewest moves). With
-    `relocate`, an item over its own rank's budget alone (a long sample on a slow rank) leaves first
-    if some rank's budget can hold it. Never taken: items heavier than the largest free room (budget
-    - load of the emptiest rank: whoever took them would be the new slowest), and a rank's last
-    `state.min_count` items. Cost: O(items on over ranks) numpy per round.
-    """
+    Each round takes at most one item per rank still above budget + slack: the lightest that covers the remaining
+    excess alone (one move, little overshoot), else the heaviest (fewest moves). With `relocate`, an item over its
+    own rank's budget alone (a long sample on a slow rank) leaves first if some rank's budget can hold it. Never
+    taken: items heavier than the largest free room (whoever took them would be the new slowest), and a rank's
+    last `state.min_count` items. Cost: O(items on over ranks) numpy per round."""
     excess = state.load - budget
     room = float(np.max(-excess))
     over = excess > slack
@@ -80,15 +78,12 @@ def _shed_rounds(state: _State, budget: np.ndarray, slack: np.ndarray, max_round
 def _shed_tokens(state: _State, swap: bool = False) -> np.ndarray:
     """Items to take off every slot over the token cap, few and small; removed from `state`.
 
-    Only needed when the placement already breaks the cap. Per slot, the first that works: its items
-    move to its rank's other slots (`_repair_within_rank`); it sheds by `_cover_excess` among its items
-    that fit some other slot's room (a slot a few tokens over gives away one small item, which any slot
-    with a little room takes); one of its items is swapped for small items of a roomier slot
-    (`_token_swap`, for a slot of long videos); with `swap` (the retry when what it shed found no place),
-    one of its items is swapped for a smaller one of a slot with room for the difference (`_swap_smaller`)
-    and these rules are tried again (up to _ROUNDS swaps); it sheds by `_cover_excess` among all its items.
-    Python over the items of the offending slots.
-    """
+    Per slot over the cap, the first rule that works: (1) its items move within its rank (`_repair_within_rank`);
+    (2) it sheds the `_cover_excess` items among those some other slot has room for (a slot a few tokens over
+    gives away one small item); (3) one item goes for small items of a roomier slot (`_token_swap`: long videos);
+    (4) with `swap` (the retry when what it shed found no place), one item goes for a smaller one (`_swap_smaller`)
+    and the rules run again, up to _ROUNDS times; (5) it sheds the `_cover_excess` items among all of its items.
+    Python over the items of the offending slots."""
     over = np.flatnonzero(state.slot_tok.reshape(-1) > state.cap) if state.cap is not None else []
     if len(over) == 0:
         return np.zeros(0, dtype=np.int64)
@@ -129,10 +124,9 @@ def _shed_tokens(state: _State, swap: bool = False) -> np.ndarray:
 
 def _repair_within_rank(state: _State, s: int, items: np.ndarray, slot_of: np.ndarray, excess: float,
                         reserved: np.ndarray) -> bool:
-    """Repair slot s by moving items to its rank's other micro-batches (their free room less what is
-    `reserved`); True if done. Its items are taken by the `_cover_excess` rule among those that fit the
-    roomiest of those slots, each placed best fit; nothing moves unless all of them fit and s keeps an
-    item. A rank's load is the sum of its micro-batches' (`sync="step"`), so this costs nothing."""
+    """Repair slot s by moving items to its rank's other slots (their room less what is `reserved`); True if
+    done. The `_cover_excess` items among those that fit the roomiest slot go best fit, all or none, and s keeps
+    an item. Free: under sync="step" a rank's load is the sum of its micro-batches'."""
     M, r = state.M, s // state.M
     if M < 2:
         return False
@@ -162,9 +156,8 @@ def _best_fit(room: np.ndarray, items: list, tokens: np.ndarray) -> list:
 
 
 def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float, largest: float = np.inf):
-    """Items (of one slot, of at most `largest` tokens) whose tokens cover `excess`: repeatedly the one
-    with the fewest tokens that covers what is left alone, else the one with the most tokens (ties:
-    lowest index); None if they cannot cover it."""
+    """Items (of one slot, of at most `largest` tokens) covering `excess` tokens: repeatedly the fewest-token
+    one that covers what is left alone, else the one with the most tokens (ties: lowest index); None if none."""
     items = items[tokens[items] <= largest]
     items = items[np.lexsort((items, tokens[items]))].tolist()  # fewest tokens first
     values = [float(tokens[i]) for i in items]
@@ -179,9 +172,8 @@ def _cover_excess(items: np.ndarray, tokens: np.ndarray, excess: float, largest:
 
 
 def _swap_smaller(state: _State, s: int, slot_of: np.ndarray, excess: float, room: np.ndarray) -> bool:
-    """Swap one item of slot s for a smaller item of another slot whose `room` takes the difference: the
-    smallest difference that covers `excess`, else the largest (ties: lowest pair); False if none fits.
-    Loads are left to the refinement that follows. O(items of s x items)."""
+    """Swap an item of slot s for a smaller one of a slot whose `room` takes the difference, the smallest covering
+    `excess`, else the largest; False if none fits. Loads are left to the refinement after. O(items of s x items)."""
     mine, theirs = np.flatnonzero(slot_of == s), np.flatnonzero((slot_of != s) & (state.dest >= 0))
     drop = state.tokens[mine][:, None] - state.tokens[theirs][None, :]
     fits = (drop > 0) & (drop <= room[slot_of[theirs]][None, :])
@@ -196,13 +188,11 @@ def _swap_smaller(state: _State, s: int, slot_of: np.ndarray, excess: float, roo
 
 
 def _token_swap(state: _State, s: int, slot_of: np.ndarray, excess: float, reserved: np.ndarray) -> bool:
-    """Repair slot s, `excess` tokens over the cap, by a one-for-many swap; True if done.
-
-    One item i of s that covers the excess alone (fewest tokens first) goes to a slot s2 with room
-    (most room first, among the 16 roomiest; `reserved` room is not free), which gives s back its
-    largest items that fit (ties: lowest index), totalling between t_i - room(s2) (so s2 holds i) and
-    t_i - excess (so s ends within the cap). Loads are left to the refinement that follows. Moves 1 +
-    a few items. O(items of s x partners)."""
+    """Repair slot s, `excess` tokens over the cap, by a one-for-many swap; True if done. An item i of s that
+    covers the excess alone (fewest tokens first) goes to a slot s2 with room (the 16 roomiest, most room first;
+    `reserved` room is not free), which gives s back its largest items that fit, t_i - room(s2) (so s2 holds i)
+    to t_i - excess (so s ends within the cap) tokens in all. Loads are left to the refinement that follows.
+    O(items of s x partners)."""
     tok, M = state.tokens, state.M
     free = state.cap - state.slot_tok.reshape(-1) - reserved
     free[s] = -np.inf

@@ -10,17 +10,15 @@ from hf_dp_balance.core.planner.state import _State
 
 
 def _plan_step_slots(c, own, mb, tok, cap, spd, num_mb, tolerance, need_all_slots):
-    """sync="micro_batch": balance the R*M slots as ranks of their own, toward per-micro-batch levels.
+    """Balance the R*M slots as ranks of their own, toward one level per micro-batch.
 
-    1. Each rank orders its micro-batches by load, heaviest first (free: nothing leaves the rank). Aligning the
-       sorted slots minimises the sum over micro-batches of the slowest slot for the given slot contents, and it
-       gathers the heavy samples of all ranks in the first micro-batches.
-    2. Items heavier than the flat water level are "heavy": micro-batch m cannot finish before F_m = max_r heavy
-       load of slot (r, m) / s_r. Levels T_m = max(F_m, W), with W the common level at which all slots together
-       hold the light load: slots of a micro-batch that waits for a heavy item anyway are filled up to it, the
-       other micro-batches get less.
-    3. Shed / place / refine the slots toward budgets T_m * s_r.
-    """
+    1. Each rank sorts its micro-batches by load, heaviest first (free: nothing leaves the rank). For the given
+       slot contents this minimises the sum over micro-batches of the slowest slot, and it gathers the heavy
+       samples of all ranks in the first micro-batches.
+    2. Items above the flat water level are heavy: micro-batch m cannot finish before F_m = max_r (heavy load
+       of slot (r, m)) / s_r. Its level is T_m = max(F_m, W), W the common level at which the slots hold the
+       light load: a micro-batch that waits for a heavy item anyway is filled up to it, the others get less.
+    3. Shed / place / refine the slots toward budgets T_m * s_r."""
     R, S = spd.shape[0], spd.shape[0] * num_mb
     load = np.bincount(own * num_mb + mb, weights=c, minlength=S).reshape(R, num_mb)
     perm = np.argsort(-load, axis=1, kind="stable")  # perm[r, k]: old micro-batch that becomes k

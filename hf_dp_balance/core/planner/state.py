@@ -25,10 +25,9 @@ class _Infeasible(Exception):
 
 
 class _State:
-    """R ranks with M slots each (micro-batches; M = 1 for plan_balance): cost balanced per rank, tokens
-    capped per slot. Tokens per slot are tracked under a cap and with M > 1 (to spread arriving items over
-    the slots; an item counts 1 when no tokens are given); items per rank only when ranks need a minimum
-    count. `move` and `_remove` keep every total consistent."""
+    """R ranks of M slots (micro-batches; M = 1 for plan_balance): cost balanced per rank, tokens capped per slot.
+    Tokens per slot are tracked under a cap or with M > 1 (to spread arriving items; an item counts 1 without
+    tokens), items per rank only when ranks need a minimum count. `move` and `_remove` keep all totals consistent."""
 
     def __init__(self, costs, tokens, cap, speeds, dest, micro, num_slots, load, min_count, fixed=None,
                  slot_tok=None):
@@ -88,8 +87,7 @@ def _copy_state(state: _State) -> _State:
 
 
 def _smallest_room(room: list, t: float) -> int:
-    """Index of the smallest room >= t (the first of equal ones), -1 if none: best fit, what
-    `argmin(where(room >= t, room, inf))` picks, on a Python list (a few slots: no numpy call per item)."""
+    """Index of the smallest room >= t (the first of equal ones), -1 if none: best fit on a short Python list."""
     best, at = np.inf, -1
     for k, v in enumerate(room):
         if t <= v < best:
@@ -98,17 +96,15 @@ def _smallest_room(room: list, t: float) -> int:
 
 
 def _sent(state: _State, start: np.ndarray) -> float:
-    """What a plan sends over the side network: tokens of the items that change rank (items when no tokens
-    are given)."""
+    """What a plan sends: tokens of the items that change rank (items when no tokens are given)."""
     away = state.dest != start
     return float(state.tokens[away].sum()) if state.tokens is not None else float(np.count_nonzero(away))
 
 
 def _pair_ranks(state: _State, budget: np.ndarray, limit: np.ndarray, under_key: np.ndarray, partners: int, k: int):
-    """(over-full ranks, h, l) of round k of a trade pass: every rank over `limit`, most over its budget
-    first, meets `partners` ranks under budget (lowest `under_key` first; ties: lowest index), from its own
-    place in that order, shifted every round so that a pair that found no trade meets new ranks. h and l
-    are None when no rank is under budget."""
+    """(over-full ranks, h, l) of round k of a trade pass: each rank over `limit`, most over its budget first,
+    meets `partners` ranks under budget (by `under_key`, then index) from its own place in that order, shifted
+    each round so that a pair that found no trade meets new ranks; h, l are None when no rank is under budget."""
     over = np.flatnonzero(state.load > limit)
     under = np.flatnonzero(state.load < budget)
     if over.size == 0 or under.size == 0:
@@ -137,7 +133,6 @@ class _Members:
 
     def __init__(self, dest: np.ndarray, num_ranks: int):
         self.cache = {}
-        # numpy's stable sort of a 16-bit key is a radix sort, 4-5x faster than its merge sort of int64 (same order)
         self.order = _stable_order(dest, num_ranks)
         self.bounds = _rank_starts(dest, num_ranks)  # (from the counts per rank, not a search of dest[order])
 

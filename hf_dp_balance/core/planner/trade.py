@@ -1,9 +1,8 @@
 """Trades for a full token cap: one item for a few small ones, between paired ranks, in vectorised rounds.
 
-With fixed-length packing every slot is filled to the cap, so an item can move only where a slot has
-room for it (a few hundred tokens): only exchanges help. An exchange costs the tokens it sends over the
-side network (both ways), so a trade is judged by the load it takes off the fuller rank per token sent.
-"""
+With fixed-length packing every slot is filled to the cap, so an item moves only where a slot has room for it
+(a few hundred tokens): only exchanges help. An exchange costs the tokens it sends (both ways), so a trade is
+judged by the load it takes off the fuller rank per token sent."""
 
 from __future__ import annotations
 
@@ -20,16 +19,13 @@ _WINDOW = 4  # large items of h tried per pair: this many each side of the cost 
 def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    Each round pairs the over-full ranks h, most over first, with _BREADTH partners l under budget (one
-    beyond _FEW_SLOTS slots: their items give one partner choice enough). A trade sends h's item `a` to l:
-    a large one (over cap x _LARGE tokens; the _WINDOW each side of the cost h should shed, doubled each
-    time h found no trade) into l's roomiest slot or for a large item `b` of l, the receiving slot paying
-    back the fewest of its small items (<= cap x _SMALL tokens) that make room; or a smaller one alone
-    where it fits. Per h: the trade taking the most load off h per token sent (+ cap x _OVERHEAD) that
-    keeps l within its limit; a partner trades once per round, an item moves once. Guarantees: no slot
-    goes over the cap, the fullest rank never rises, ranks keep `state.min_count` items. Cost: one O(n)
-    grouping, then O(items of the pairs' windows x options) numpy per round.
-    """
+    Each round pairs the over-full ranks h, most over first, with _BREADTH ranks l under budget (one beyond
+    _FEW_SLOTS slots). A trade sends h's item `a` to l: a large one (over cap x _LARGE tokens; the _WINDOW each
+    side of the cost h should shed) into l's roomiest slot or for a large item `b` of l, that slot paying back
+    the fewest small items (<= cap x _SMALL tokens) that make room; or a smaller one alone where it fits. Per h,
+    the trade taking the most load off h per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a
+    partner trades once per round, an item moves once. Never breaks the cap or `state.min_count`; the fullest
+    rank never rises. Cost: one O(n) grouping, then O(items of the pairs' windows x options) numpy per round."""
     cap, R = state.cap, state.load.shape[0]
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
@@ -48,7 +44,6 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
         traded = _round(state, h, l, reach[h], budget, limit, pay_back, rest_items, large, moved, cap * _OVERHEAD)
         if traded.size == 0 and bool(np.all(failed_before[h] & (reach[h] >= R_items))):
             return False  # every rank failed before and has now tried all its items
-        # a rank that found no trade among its items nearest what it should shed tries twice as many next
         failed = h[~np.isin(h, traded)]  # repeats are harmless: every copy writes the same value
         failed_before[failed] = True
         reach[failed] = np.minimum(reach[failed] * 2, R_items)
@@ -86,16 +81,14 @@ def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray
 
 
 def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead) -> np.ndarray:
-    """One trade per over-full rank h (pairs (h[i], l[i]), each h in one run of adjacent pairs), each rank
-    under budget in at most one; applied; returns the ranks h that traded. Tried: h's other items moved alone
-    (`_best_moves`); h's large items (the `window` each side of the cost h should shed) as `_large_options`,
-    topped up with the fewest small items of the receiving slot that make room (`_PayBack`) into a's slot."""
+    """Apply the best trade of each over-full rank h (pairs h[i], l[i], a run per h; a second by the rules of
+    `_choose_and_apply`), each rank under budget in at most one; returns the ranks h that traded. Tried: h's
+    other items alone (`_best_moves`), its large items (`_large_options`) with small items paid back (`_PayBack`)."""
     l_order, l_tok, l_cost = large[0], large[4], large[5]  # by rank, cheapest first within one
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
     pos, ga = _window(large, h, want, window)
-    # (filters index by np.flatnonzero: numpy's boolean-mask indexing of random masks is 2-4x slower)
-    ok = np.flatnonzero(~moved[l_order[pos]])
+    ok = np.flatnonzero(~moved[l_order[pos]])  # index arrays, not boolean masks: faster on random masks
     pa, ga = pos[ok], ga[ok]  # positions of the items a in `large`
     recv = np.argmin(state.slot_tok[l], axis=1)
     moves = _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead)
@@ -112,7 +105,6 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
     # only a pair's best can win: the options that cannot beat it go no further (no search)
     keep = np.flatnonzero(_worth_searching(state, o, best_move, excess, limit, overhead))
     o = {k: v[keep] for k, v in o.items()}
-    # the receiving slot pays back the fewest of its small items (index order) that free enough
     (back_tok, back_cost, n_back), o["lo"], o["j"], feasible = pay_back.search(o["ll"] * state.M + o["m"], o["need"])
     back_tok = np.where(feasible, back_tok, np.inf) + o["tb"]
     fits = feasible & (back_tok <= o["ta"] + (state.cap - state.slot_tok[o["hl"], o["ma"]]))  # into a's slot on h
@@ -126,9 +118,8 @@ def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, move
 
 
 def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.ndarray:
-    """A trade's score, the load it takes off h per token sent (+ overhead), where `ok` and it lowers h by
-    `delta`, keeps l within its limit and h (sending one item, taking `n_back`) and l (the reverse) keep
-    `state.min_count` items; -inf elsewhere."""
+    """A trade's score, the load it takes off h per token sent (+ overhead); -inf unless `ok`, `delta` > 0, l stays
+    within its limit and h (sends one item, takes `n_back`) and l keep `state.min_count` items."""
     ok = ok & (delta > 0) & (state.load[l] + delta <= limit[l])
     if state.count is not None:
         ok = ok & (state.count[h] - 1 + n_back >= state.min_count) & (state.count[l] + 1 - n_back >= state.min_count)
@@ -206,9 +197,8 @@ def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarr
 
 def _worth_searching(state, o, best_move, excess, limit, overhead) -> np.ndarray:
     """Which large-item options `o` of `_round` can still be their pair's best (`best_move`: its best move's
-    score): one needing no pay-back scores at least that and every such option of the pair; one needing
-    a pay-back has a bound min(c_a - c_b, what h sheds, room of l) / (t_a + t_b + need + overhead) not
-    below them."""
+    score): one needing no pay-back scores at least that and every such option of the pair; one needing a
+    pay-back has a bound min(c_a - c_b, what h sheds, room of l) / (t_a + t_b + need + overhead) not below."""
     hl, ll, ta, tb, dc, g = o["hl"], o["ll"], o["ta"], o["tb"], o["ca"] - o["cb"], o["g"]
     zero = o["need"] <= 0
     fits = zero & (tb <= ta + (state.cap - state.slot_tok[hl, o["ma"]]))
@@ -220,8 +210,7 @@ def _worth_searching(state, o, best_move, excess, limit, overhead) -> np.ndarray
 
 
 def _first_touching(num_ranks: int, *ranks: np.ndarray) -> np.ndarray:
-    """Which candidates are the first (in their order) to touch every rank they name in `ranks`: taking
-    those, each rank is in one at most."""
+    """Which candidates come first (in their order) at every rank they name: taking those, each rank is in one."""
     n = ranks[0].size
     first = np.full(num_ranks, n, dtype=np.int64)
     for r in ranks:
