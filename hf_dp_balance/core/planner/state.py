@@ -129,7 +129,7 @@ def _group_starts(keys: np.ndarray) -> np.ndarray:
 
 
 class _Members:
-    """Items of each rank (index order), built once per `_refine` or ladder pass and patched on every move."""
+    """Items of each rank (index order), built once per `_refine` or long-item pass and patched on every move."""
 
     def __init__(self, dest: np.ndarray, num_ranks: int):
         self.cache = {}
