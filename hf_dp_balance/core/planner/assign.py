@@ -2,12 +2,11 @@
 
 At max_tokens = the pack length, 2-4 micro-batches and a strongly quadratic cost, the imbalance sits in the
 long items (over a quarter of the cap). Load sent to a rank with free tokens is cheap (about its tokens of
-short items); between two full ranks it is dear (an item one way, about as many tokens back). So a descent
-over moves and swaps of long items between ranks first picks each one's rank, minimising their tokens away
-from home plus what each rank's short items are then expected to send (`_assign_long`); the long items move
-(each into its rank's roomiest slot, made room for inside the rank: `_mend`), the short items of the ranks
-over their limit flow to the ranks with room (`_short_flow`), and slots left over the cap are mended inside
-their rank or spill (`_repair`). The incremental method and the trades finish (pipeline.py).
+short items), between two full ranks dear (an item one way, as many tokens back). So a descent over moves and
+swaps of long items between ranks first picks their ranks, minimising their tokens away from home plus what
+each rank's short items are then expected to send (`_assign_long`); the long items move, each into its rank's
+roomiest slot made room for inside the rank (`_mend`); the short items of ranks over their limit flow to ranks
+with room (`_short_flow`); slots left over the cap are mended inside their rank or spill (`_repair`).
 """
 
 from __future__ import annotations
@@ -24,23 +23,20 @@ _NEAR = 32  # candidates per long item and side: receivers nearest in load room,
 
 
 def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
-    """Estimated tokens a rank's short items will send, from its load over the limit `x` (negative: under) and
-    its free tokens `room` (negative: over M x cap): the tokens that carry the load excess out at _DENSITY, or
-    those over M x cap, whichever is more, plus _DEAD_TOKENS per token over M x cap they do not carry, plus
-    _DEAD per unit of a deficit the free tokens cannot take at _DENSITY."""
+    """Estimated tokens a rank's short items will send, from its load over the limit `x` and its free tokens
+    `room`: those that carry the load excess out at _DENSITY, or those over M x cap if more (each of these at
+    1 + _DEAD_TOKENS), plus _DEAD per unit of a deficit the free tokens cannot take at _DENSITY."""
     carried = np.maximum(x, 0.0) / _DENSITY
     return (carried + (1.0 + _DEAD_TOKENS) * np.maximum(-room - carried, 0.0)
             + _DEAD * np.maximum(-x - _DENSITY * np.maximum(room, 0.0), 0.0))
 
 
 def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: int = 128, stop_share: float = 1e-4):
-    """(long items, their ranks, the estimate at those ranks in tokens): a descent from the current ranks on
-    the long items' tokens away from home plus `_rank_charge` summed over the ranks. Each sweep applies the
-    improving best options (`_best_option`) of the long items on ranks with a charge, best first, each rank
-    and item at most once; the next scores only the items of changed ranks and those whose option lost, a full
-    sweep when none is left. Ends when a full sweep gains under `stop_share` of the tokens. State unchanged."""
-    R, tok = state.load.shape[0], state.tokens
-    lg = np.flatnonzero(tok > state.cap * _LONG)
+    """(long items, their ranks, the estimate there in tokens): a descent on the long items' tokens away from
+    home plus `_rank_charge` summed over the ranks. A sweep applies the improving best options (`_best_option`)
+    of the long items on ranks with a charge, best first, each rank and item at most once; the next scores the
+    items of changed ranks and those whose option lost (all when none), until a full one gains < `stop_share`."""
+    R, tok, lg = state.load.shape[0], state.tokens, np.flatnonzero(state.tokens > state.cap * _LONG)
     if lg.size == 0:
         return lg, lg, 0.0
     home, cl, tl = state.dest[lg], state.costs[lg], tok[lg]
@@ -66,8 +62,7 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
                 d[a], gained = s, gained - gk
                 if b >= 0:  # a swap: b goes back
                     used[b], d[b] = True, r
-        full = bool(todo.all())
-        if full and gained < stop:
+        if todo.all() and gained < stop:
             break
         CL, TL = np.bincount(d, weights=cl, minlength=R), np.bincount(d, weights=tl, minlength=R)
         todo = used_rank[d]  # the items of changed ranks, and options that lost to another
@@ -77,10 +72,9 @@ def _assign_long(state: _State, budget: np.ndarray, tolerance: float, sweeps: in
 
 
 def _best_option(act, d, home, cl, tl, x, room, f, by_cost, off):
-    """The best option of each long item a in `act` (on rank r = d[a]): (its gain, the other rank, the swap
-    partner or -1 for a move). Moves: to the ranks at `off` around a's best fit in load room (x + c_a just
-    under 0); swaps: with the long items at `off` around the cost that leaves r at its limit. A gain: both
-    ranks' charges after - before plus the items' tokens away after - before (none with the item's own rank)."""
+    """(gain, other rank, swap partner or -1 for a move) of the best option of each long item a in `act`: a move
+    to a rank at `off` around a's best fit in load room, or a swap with a long item at `off` around the cost
+    that leaves a's rank at its limit. A gain: both ranks' charges and the items' tokens away, after - before."""
     r, ca, ta, ha = d[act], cl[act][:, None], tl[act][:, None], home[act][:, None]
     away = (r[:, None] != ha) * 1.0
     f_left = _rank_charge(x[r] - cl[act], room[r] + tl[act]) - f[r]
@@ -101,8 +95,7 @@ def _best_option(act, d, home, cl, tl, x, room, f, by_cost, off):
 
 
 def _offsets(num_ranks: int) -> np.ndarray:
-    """The candidate window around a best fit: _NEAR places either side, every (R // 512)-th above 512 ranks
-    (an eighth of the ranks, and of the long items, ~R, at any R)."""
+    """A best fit's window: _NEAR places each side, spread above 512 ranks to span an eighth of them."""
     return np.arange(-_NEAR, _NEAR) * max(1, num_ranks // 512)
 
 
@@ -117,24 +110,20 @@ def _long_first(state: _State, budget: np.ndarray, tolerance: float, assigned=No
     items, ranks, _ = _assign_long(state, budget, tolerance) if assigned is None else assigned
     if items.size == 0:
         return
-    move = np.flatnonzero(state.dest[items] != ranks)
-    move = move[np.argsort(-state.tokens[items[move]], kind="stable")]  # longest first
+    order = np.argsort(-state.tokens[items], kind="stable")  # longest first
     members = _Members(state.dest, state.load.shape[0])  # the items of each rank before the moves
-    for i, r in zip(items[move].tolist(), ranks[move].tolist()):
-        if state.count is None or state.count[state.dest[i]] - 1 >= state.min_count:
+    for i, r in zip(items[order].tolist(), ranks[order].tolist()):
+        if state.dest[i] != r and (state.count is None or state.count[state.dest[i]] > state.min_count):
             m = int(np.argmax(state.cap - state.slot_tok[r]))
             _mend(state, r, m, float(state.tokens[i]), members.of(r))
             state.move(i, r, m)
-    limit = budget * (1.0 + tolerance / 2.0)
-    _short_flow(state, limit, tolerance, state.cap * _LONG)
-    _repair(state, limit)
+    _short_flow(state, budget * (1.0 + tolerance / 2.0), tolerance, state.cap * _LONG)
 
 
 def _mend(state: _State, r: int, m: int, need: float, members: np.ndarray, steps: int = 64) -> bool:
-    """Free `need` tokens under the cap in slot (r, m) by moves and swaps of r's items between its slots (they
-    send nothing): each step moves an item of m, or swaps it for a smaller one, into a slot with room for the
-    difference, shedding what just covers the shortfall (else the most it can), with the fewest tokens shifted.
-    `members`: indexes that hold r's items (others may be among them). True when the slot has that room."""
+    """Free `need` tokens in slot (r, m) (True if done) by moving an item of m, or swapping it for a smaller one,
+    into another of r's slots with room: the step that covers the shortfall (else the most of it) shifting the
+    fewest tokens, until done or none helps. `members`: indexes that hold r's items (others may be among them)."""
     items, M = members[state.dest[members] == r], state.M
     for _ in range(steps):
         room = state.cap - state.slot_tok[r]
@@ -157,10 +146,10 @@ def _mend(state: _State, r: int, m: int, need: float, members: np.ndarray, steps
 
 
 def _short_flow(state: _State, limit: np.ndarray, tolerance: float, small: float, over_shoot: float = 0.5) -> None:
-    """Ranks over their load `limit` (most over first) send items of at most `small` tokens until they are
-    not, each to the rank with load and token room whose load room per free token is nearest the item's cost
-    per token, into its best-fitting slot. An item goes only if its cost is at most twice the rank's excess, or
-    that excess plus `over_shoot` x the rank's tolerance."""
+    """Ranks over their `limit` (most over first) send items of at most `small` tokens costing under twice their
+    excess (or it plus `over_shoot` x their tolerance) until under it, each to the rank with load and token room
+    whose load room per free token is nearest the item's cost per token, into its best-fitting slot; then
+    `_repair`."""
     R, cap, full, tok = state.load.shape[0], state.cap, state.cap * state.M, state.tokens
     dens = state.costs / np.maximum(tok, 1e-300)
     room, fit, ratio = np.empty(R), np.empty(R), np.empty(R)
@@ -174,9 +163,7 @@ def _short_flow(state: _State, limit: np.ndarray, tolerance: float, small: float
     update(np.arange(R))
     members, over = _Members(state.dest, R), state.load - limit
     for h in np.flatnonzero(over > 0)[np.argsort(-over[over > 0], kind="stable")].tolist():
-        slack = over_shoot * float(limit[h] * (tolerance / 2.0))  # the overshoot a sender is allowed
-        mine = members.of(h)
-        mine = mine[(state.dest[mine] == h) & (tok[mine] <= small)]
+        mine = members.of(h)[tok[members.of(h)] <= small]  # (all still on h: only h sends them)
         over_load, over_tok = float(state.load[h] - limit[h]), float(state.slot_tok[h].sum() - full)
         # densest first (fewest tokens for the load); over in tokens too: the density that ends both
         key = np.abs(np.log(dens[mine]) - np.log(over_load / over_tok)) if over_tok > 0 else -dens[mine]
@@ -184,7 +171,7 @@ def _short_flow(state: _State, limit: np.ndarray, tolerance: float, small: float
             if over_load <= 0 or (state.count is not None and state.count[h] <= state.min_count):
                 break
             ci, ti = float(state.costs[i]), float(tok[i])
-            if ci > over_load + slack and ci > 2.0 * over_load:
+            if ci > over_load + over_shoot * tolerance / 2.0 * limit[h] and ci > 2.0 * over_load:
                 continue
             near = np.where((room >= ci) & (fit >= ti), np.abs(ratio - np.log(dens[i])), np.inf)
             near[h] = np.inf
@@ -193,6 +180,7 @@ def _short_flow(state: _State, limit: np.ndarray, tolerance: float, small: float
                 state.move(i, r, max(_smallest_room((cap - state.slot_tok[r]).tolist(), ti), 0))
                 update([h, r])
                 over_load = float(state.load[h] - limit[h])
+    _repair(state, limit)
 
 
 def _repair(state: _State, limit: np.ndarray) -> None:
@@ -207,11 +195,10 @@ def _repair(state: _State, limit: np.ndarray) -> None:
                 continue
             mine = mine[(state.micro[mine] == m) & (state.dest[mine] == h)]
             for i in mine[np.argsort(tok[mine], kind="stable")][:-1].tolist():
-                if state.slot_tok[h, m] <= cap or (state.count is not None and state.count[h] - 1 < state.min_count):
-                    break
                 free = cap - state.slot_tok
                 fits = (free >= tok[i]) & (np.arange(free.shape[0]) != h)[:, None]
-                if not fits.any():
+                if state.slot_tok[h, m] <= cap or not fits.any() or (state.count is not None
+                                                                     and state.count[h] <= state.min_count):
                     break
                 r = int(np.argmin(np.where(fits.any(axis=1), (state.load + state.costs[i]) / limit, np.inf)))
                 state.move(i, r, int(np.argmin(np.where(fits[r], free[r], np.inf))))
