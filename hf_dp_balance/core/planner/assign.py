@@ -1,12 +1,12 @@
 """Long items assigned to ranks first at a full cap, then short items as the filler.
 
 At max_tokens = the pack length, 2-4 micro-batches and a strongly quadratic cost, the imbalance sits in the
-long items (over a quarter of the cap). Load sent to a rank with free tokens is cheap (about its tokens of
+long items (over a quarter of the cap): load sent to a rank with free tokens is cheap (about its tokens of
 short items), between two full ranks dear (an item one way, as many tokens back). So a descent over moves and
-swaps of long items between ranks first picks their ranks, minimising their tokens away from home plus what
-each rank's short items are then expected to send (`_assign_long`); the long items move, each into its rank's
-roomiest slot made room for inside the rank (`_mend`); the short items of ranks over their limit flow to ranks
-with room (`_short_flow`); slots left over the cap are mended inside their rank or spill (`_repair`).
+swaps of long items between ranks picks their ranks first, minimising their tokens away from home plus what
+the ranks' short items are then expected to send (`_assign_long`); each moves into its rank's roomiest slot
+(room made inside the rank: `_mend`); short items of ranks over their limit flow to ranks with room, and
+slots left over the cap are mended or spill (`_short_flow`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ _NEAR = 32  # candidates per long item and side: receivers nearest in load room,
 
 def _rank_charge(x: np.ndarray, room: np.ndarray) -> np.ndarray:
     """Estimated tokens a rank's short items will send, from its load over the limit `x` and its free tokens
-    `room`: those that carry the load excess out at _DENSITY, or those over M x cap if more (each of these at
-    1 + _DEAD_TOKENS), plus _DEAD per unit of a deficit the free tokens cannot take at _DENSITY."""
+    `room`: those that carry the excess out at _DENSITY, 1 + _DEAD_TOKENS per token over M x cap beyond them,
+    and _DEAD per unit of a load deficit that the free tokens cannot take at _DENSITY."""
     carried = np.maximum(x, 0.0) / _DENSITY
     return (carried + (1.0 + _DEAD_TOKENS) * np.maximum(-room - carried, 0.0)
             + _DEAD * np.maximum(-x - _DENSITY * np.maximum(room, 0.0), 0.0))
@@ -146,20 +146,18 @@ def _mend(state: _State, r: int, m: int, need: float, members: np.ndarray, steps
 
 
 def _short_flow(state: _State, limit: np.ndarray, tolerance: float, small: float, over_shoot: float = 0.5) -> None:
-    """Ranks over their `limit` (most over first) send items of at most `small` tokens costing under twice their
-    excess (or it plus `over_shoot` x their tolerance) until under it, each to the rank with load and token room
-    whose load room per free token is nearest the item's cost per token, into its best-fitting slot; then
+    """Ranks over their `limit` (most over first) send items of at most `small` tokens and of at most twice their
+    excess (or it plus `over_shoot` x their half tolerance) until under it, each to the rank with load and token
+    room whose load room per free token is nearest the item's cost per token, into its best-fitting slot; then
     `_repair`."""
     R, cap, full, tok = state.load.shape[0], state.cap, state.cap * state.M, state.tokens
     dens = state.costs / np.maximum(tok, 1e-300)
     room, fit, ratio = np.empty(R), np.empty(R), np.empty(R)
-
     def update(r):  # load room, the largest item the rank's tokens take, log(load room per free token)
         room[r] = limit[r] - state.load[r]
         free = full - state.slot_tok[r].sum(axis=-1)
         ratio[r] = np.log(np.maximum(room[r], 1e-9) / np.maximum(free, 1.0))
         fit[r] = np.minimum((cap - state.slot_tok[r]).max(axis=-1), free)
-
     update(np.arange(R))
     members, over = _Members(state.dest, R), state.load - limit
     for h in np.flatnonzero(over > 0)[np.argsort(-over[over > 0], kind="stable")].tolist():
@@ -184,16 +182,14 @@ def _short_flow(state: _State, limit: np.ndarray, tolerance: float, small: float
 
 
 def _repair(state: _State, limit: np.ndarray) -> None:
-    """Every slot over the cap is mended inside its rank (`_mend`), else sends its smallest items (it keeps
-    one), each to the slot with room for it on the rank (other than its own) that ends least full against its
-    `limit`; the loads this raises are left to the trades."""
+    """Every slot over the cap is mended inside its rank (`_mend`), else sends its smallest items but one, each
+    to the slot with room on another rank that ends least full against its `limit` (the trades mend loads)."""
     cap, tok, members = state.cap, state.tokens, _Members(state.dest, state.load.shape[0])
     for h in np.flatnonzero((state.slot_tok > cap).any(axis=1)).tolist():
         for m in np.flatnonzero(state.slot_tok[h] > cap).tolist():
-            mine = members.of(h)
-            if _mend(state, h, m, 0.0, mine):
+            if _mend(state, h, m, 0.0, members.of(h)):
                 continue
-            mine = mine[(state.micro[mine] == m) & (state.dest[mine] == h)]
+            mine = np.flatnonzero((state.dest == h) & (state.micro == m))
             for i in mine[np.argsort(tok[mine], kind="stable")][:-1].tolist():
                 free = cap - state.slot_tok
                 fits = (free >= tok[i]) & (np.arange(free.shape[0]) != h)[:, None]
