@@ -171,7 +171,7 @@ def _short_flow(state: _State, limit: np.ndarray, tolerance: float, small: float
             ci, ti = float(state.costs[i]), float(tok[i])
             if ci > over_load + over_shoot * tolerance / 2.0 * limit[h] and ci > 2.0 * over_load:
                 continue
-            near = np.where((room >= ci) & (fit >= ti), np.abs(ratio - np.log(dens[i])), np.inf)
+            near = np.where((room >= ci) & (fit >= ti), np.abs(ratio - np.log(max(dens[i], 1e-300))), np.inf)
             near[h] = np.inf
             r = int(np.argmin(near))
             if near[r] < np.inf:  # a rank with room for it
