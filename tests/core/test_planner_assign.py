@@ -1,10 +1,11 @@
 """Long items first at a full cap (core/planner/assign.py): assign the long items, then short ones as filler."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from hf_dp_balance.core.planner import assign, pipeline, plan_step, repack
-from hf_dp_balance.core.planner.assign import _fix_slots
+from hf_dp_balance.core.planner.assign import _mend
 from hf_dp_balance.core.planner.state import _State, _fullest, _smallest_room
 from test_planner_chain import _long_tail
 
@@ -36,27 +37,47 @@ def test_long_items_first_send_fewer_tokens_than_the_trades_alone(monkeypatch):
     assert np.mean(new) < 0.8 * np.mean(old), (new, old)
 
 
-def test_fix_slots_mends_a_slot_over_the_cap_inside_the_rank():
-    # rank 0: slot 0 holds 30 + 5 tokens (cap 32), slot 1 holds 20: moving the 5 (or a swap) mends it, and
-    # no item leaves the rank
-    tokens = np.array([30.0, 5.0, 20.0, 4.0, 10.0])
-    owners = np.array([0, 0, 0, 1, 1])
-    micro = np.array([0, 0, 1, 0, 1])
+def _slots_state(tokens, owners, micro, M=2, cap=32.0):
     costs = tokens.copy()
-    state = _State(costs, tokens, 32.0, np.ones(2), owners, micro, 2, np.bincount(owners, weights=costs), 0)
-    assert _fix_slots(state, 0)
+    R = int(owners.max()) + 1
+    return _State(costs, tokens, cap, np.ones(R), owners, micro, M, np.bincount(owners, weights=costs), 0)
+
+
+def _assert_slot_totals(state, M=2):
+    slots = np.bincount(state.dest * M + state.micro, weights=state.tokens, minlength=state.slot_tok.size)
+    np.testing.assert_allclose(state.slot_tok.reshape(-1), slots)
+
+
+def test_mend_brings_a_slot_over_the_cap_under_it_inside_the_rank():
+    # rank 0: slot 0 holds 30 + 5 tokens (cap 32), slot 1 holds 20: moving the 5 mends it, and no item leaves
+    # the rank
+    tokens, owners, micro = np.array([30.0, 5.0, 20.0, 4.0, 10.0]), np.array([0, 0, 0, 1, 1]), np.array([0, 0, 1, 0, 1])
+    state = _slots_state(tokens, owners, micro)
+    assert _mend(state, 0, 0, 0.0, np.arange(5))
     assert np.array_equal(state.dest, owners)
-    assert state.slot_tok.max() <= 32.0
-    np.testing.assert_allclose(state.slot_tok.reshape(-1),
-                               np.bincount(state.dest * 2 + state.micro, weights=tokens, minlength=4))
+    assert state.slot_tok.max() <= 32.0 and list(state.micro[:2]) == [0, 1]
+    _assert_slot_totals(state)
 
 
-def test_fix_slots_says_so_when_the_rank_cannot_hold_its_tokens():
-    tokens = np.array([30.0, 20.0, 20.0])
-    owners = np.zeros(3, dtype=np.int64)
-    micro = np.array([0, 0, 1])
-    state = _State(tokens.copy(), tokens, 32.0, np.ones(1), owners, micro, 2, np.array([70.0]), 0)
-    assert not _fix_slots(state, 0)
+def test_mend_makes_room_for_a_long_item_by_a_swap_where_no_move_fits():
+    # slot 0 holds 20 + 10 (2 free), slot 1 holds 6 + 22 (4 free): room for 6 more in slot 0 takes the
+    # swap of its 10 for the 6 (no item of slot 0 fits slot 1 alone); a rank that cannot: False, nothing moves
+    tokens, owners, micro = np.array([20.0, 10.0, 6.0, 22.0]), np.zeros(4, dtype=np.int64), np.array([0, 0, 1, 1])
+    state = _slots_state(tokens, owners, micro)
+    assert _mend(state, 0, 0, 6.0, np.arange(4))
+    assert list(state.micro) == [0, 1, 0, 1] and np.array_equal(state.dest, owners)
+    assert 32.0 - state.slot_tok[0, 0] >= 6.0 and state.slot_tok.max() <= 32.0
+    _assert_slot_totals(state)
+    state = _slots_state(tokens, owners, micro)
+    assert not _mend(state, 0, 0, 12.0, np.arange(4))  # (the most it can shed is 4)
+    assert np.array_equal(state.dest, owners) and state.slot_tok.max() <= 32.0
+    _assert_slot_totals(state)
+
+
+def test_mend_says_so_when_the_rank_cannot_hold_its_tokens():
+    tokens, owners, micro = np.array([30.0, 20.0, 20.0]), np.zeros(3, dtype=np.int64), np.array([0, 0, 1])
+    state = _slots_state(tokens, owners, micro)
+    assert not _mend(state, 0, 0, 0.0, np.arange(3))
     assert np.array_equal(state.dest, owners)
 
 
@@ -166,3 +187,48 @@ def test_the_search_windows_span_the_same_share_of_the_ranks_at_any_size():
         off = assign._offsets(R)
         assert off.size == 64 and off[0] == -32 * (R // 512) and np.all(np.diff(off) == R // 512)
         assert (off[-1] - off[0] + R // 512) / R == 64 / 512  # an eighth of the ranks, as at 512
+
+
+def test_the_long_item_search_lowers_what_it_estimates_and_leaves_the_state_alone():
+    # 64 x 4 full 32K packs, strongly quadratic: the ranks it returns for the long items (all items over a
+    # quarter of the cap) cost less by its own measure (tokens away from home + the ranks' charges) than
+    # leaving them home, the estimate it returns is that measure, and the state it read is unchanged
+    from test_planner_chain import _state
+
+    R, M, pack = 64, 4, 32768
+    tokens, owners, mbs = _long_tail(0, R, M, pack)
+    state, budget = _state(tokens, owners, mbs, R, M, pack, 1.4e-4)
+    dest, load, slot_tok = state.dest.copy(), state.load.copy(), state.slot_tok.copy()
+    items, ranks, estimate = assign._assign_long(state, budget, 0.005)
+    assert np.array_equal(state.dest, dest) and np.array_equal(state.load, load)
+    assert np.array_equal(state.slot_tok, slot_tok)
+    assert np.array_equal(items, np.flatnonzero(tokens > pack * assign._LONG))
+
+    def measure(at):
+        shift = [np.bincount(at, weights=w, minlength=R) - np.bincount(owners[items], weights=w, minlength=R)
+                 for w in (state.costs[items], tokens[items])]
+        x = load + shift[0] - budget * (1.0 + 0.005 / 2.0)
+        room = pack * M - slot_tok.sum(axis=1) - shift[1]
+        return float(tokens[items][at != owners[items]].sum() + assign._rank_charge(x, room).sum())
+
+    assert np.any(ranks != owners[items])
+    assert estimate == pytest.approx(measure(ranks), rel=1e-9)
+    assert measure(ranks) < 0.5 * measure(owners[items])  # (1.0e6 against 4.0e6 tokens here)
+
+
+def test_long_items_first_keep_every_item_once_the_totals_and_the_cap_where_ranks_have_room():
+    # _long_first on its own (the pipeline's first order): every item still in exactly one slot, the
+    # per-rank and per-slot totals those of the items, no slot over the cap (46K tokens without `_repair`),
+    # every rank keeps M items
+    from test_planner_chain import _state
+
+    R, M, pack = 48, 3, 32768
+    tokens, owners, mbs = _long_tail(1, R, M, pack)
+    state, budget = _state(tokens, owners, mbs, R, M, pack, 1.4e-4)
+    assign._long_first(state, budget, 0.005)
+    assert np.any(state.dest != owners)
+    assert np.all((state.dest >= 0) & (state.dest < R)) and np.all((state.micro >= 0) & (state.micro < M))
+    np.testing.assert_allclose(state.load, np.bincount(state.dest, weights=state.costs, minlength=R))
+    _assert_slot_totals(state, M)
+    assert state.slot_tok.max() <= pack
+    assert np.all(np.bincount(state.dest, minlength=R) >= M)
