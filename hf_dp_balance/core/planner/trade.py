@@ -31,17 +31,17 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
     moved = np.zeros(state.costs.shape[0], dtype=bool)
-    order, slot_starts, large, rest_items = _trade_index(state, limit)
+    order, slot_starts, large, rest = _trade_index(state, limit)
     pay_back = _PayBack(order, slot_starts, state.tokens, state.costs, cap * _SMALL, moved)
     reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
     failed_before = np.zeros(R, dtype=bool)
-    R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max()))
+    R_items = int(max(np.diff(large[1]).max(), np.diff(rest[1]).max()))
     partners = _BREADTH if state.M <= _FEW_SLOTS else 1
     for k in range(_ROUNDS * _BREADTH // partners):
         over, h, l = _pair_ranks(state, budget, limit, state.load - limit, partners, k)
         if over.size == 0 or h is None:
             return over.size == 0
-        traded = _round(state, h, l, reach[h], budget, limit, pay_back, rest_items, large, moved, cap * _OVERHEAD)
+        traded = _round(state, h, l, reach[h], budget, limit, pay_back, rest, large, moved, cap * _OVERHEAD)
         if traded.size == 0 and bool(np.all(failed_before[h] & (reach[h] >= R_items))):
             return False  # every rank failed before and has now tried all its items
         failed = h[~np.isin(h, traded)]  # repeats are harmless: every copy writes the same value
@@ -52,68 +52,58 @@ def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
 
 def _trade_index(state: _State, limit: np.ndarray):
     """What the rounds of `_trade` read: the items grouped by slot (`order`, where each slot's begin), and
-    by rank, cheapest first, with their tokens, costs and slots: the large items of every rank, the
-    others of the ranks over `limit` (only they shed: a trade never puts a rank over)."""
-    R, M, tok, cost = state.load.shape[0], state.M, state.tokens, state.costs
+    by rank, cheapest first (`_by_rank_and_cost`): the large items of every rank, the others of the ranks
+    over `limit` (only they shed: a trade never puts a rank over)."""
+    R, M, cost = state.load.shape[0], state.M, state.costs
     slot = state.dest * M + state.micro
     order, slot_starts = _stable_order(slot, R * M), _rank_starts(slot, R * M)  # items by slot, so by rank
     scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
-
-    def indexed(items):  # (items, starts, key, scale) by rank and cost, then their tokens, costs and slots
-        got = _by_rank_and_cost(items, state.dest, cost, scale, R)
-        return got + (tok[got[0]], cost[got[0]], state.micro[got[0]])
-
-    is_large = tok[order] > state.cap * _LARGE
-    over = np.flatnonzero(state.load > limit)
+    is_large = state.tokens[order] > state.cap * _LARGE
     rank_starts = slot_starts[::M]  # `order` is rank-major: a rank's items are one stretch of it
+    over = np.flatnonzero(state.load > limit)
     at, _ = _ranges(rank_starts[over], rank_starts[over + 1])
-    rest = order[at[np.flatnonzero(~is_large[at])]]
-    return order, slot_starts, indexed(order[np.flatnonzero(is_large)]), indexed(rest)
+    large, rest = order[np.flatnonzero(is_large)], order[at[np.flatnonzero(~is_large[at])]]
+    return order, slot_starts, *(_by_rank_and_cost(x, state.dest, cost, scale, R) for x in (large, rest))
 
 
 def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray):
-    """(positions in `index`, pair of each): the `reach` items of each of `ranks` each side of the cost
-    `want` it should shed (a cheaper one sheds less, a dearer one overshoots or needs more sent back)."""
-    _, starts, key, scale = index[:4]
+    """(items, pair of each): the `reach` items of `index` of each of `ranks` each side of the cost `want` it
+    should shed (a cheaper one sheds less, a dearer one overshoots or needs more sent back)."""
+    items, starts, key, scale = index
     near = np.searchsorted(key, ranks + np.minimum(want * scale, 0.5))
     lo = np.maximum(near - reach, starts[ranks])
-    return _ranges(lo, np.maximum(np.minimum(near + reach, starts[ranks + 1]), lo))
+    pos, pair = _ranges(lo, np.maximum(np.minimum(near + reach, starts[ranks + 1]), lo))
+    return items[pos], pos, pair
 
 
-def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead) -> np.ndarray:
+def _round(state, h, l, reach, budget, limit, pay_back, rest, large, moved, overhead) -> np.ndarray:
     """Apply the best trade of each over-full rank h (pairs h[i], l[i], a run per h; a second by the rules of
     `_choose_and_apply`), each rank under budget in at most one; returns the ranks h that traded. Tried: h's
     other items alone (`_best_moves`), its large items (`_large_options`) with small items paid back (`_PayBack`)."""
-    l_order, l_tok, l_cost = large[0], large[4], large[5]  # by rank, cheapest first within one
+    tok, cost = state.tokens, state.costs
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
-    pos, ga = _window(large, h, want, window)
-    ok = np.flatnonzero(~moved[l_order[pos]])  # index arrays, not boolean masks: faster on random masks
-    pa, ga = pos[ok], ga[ok]  # positions of the items a in `large`
     recv = np.argmin(state.slot_tok[l], axis=1)
-    moves = _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead)
-    if pa.size + moves["a"].size == 0:
+    moves = _best_moves(state, h, l, want, reach, recv, rest, moved, excess, limit, overhead)
+    a, pos, g = _window(large, h, want, reach)
+    ok = np.flatnonzero(~moved[a])  # index arrays, not boolean masks: faster on random masks
+    a, pos, g = a[ok], pos[ok], g[ok]
+    if a.size + moves["a"].size == 0:
         return h[:0]
-    # a large a scores at most min(c_a, what h sheds, room of l) / (t_a + overhead) whatever comes
-    # back: one below its pair's best move cannot win
+    # a large a scores at most min(c_a, what h sheds, room of l) / (t_a + overhead) whatever comes back:
+    # one below its pair's best move cannot win
     best_move = np.full(h.size, -np.inf)
     best_move[moves["g"]] = moves["score"]
-    ll_a = l[ga]
-    bound = np.minimum(np.minimum(l_cost[pa], excess[h[ga]]), limit[ll_a] - state.load[ll_a]) / (l_tok[pa] + overhead)
-    ok = np.flatnonzero(bound >= best_move[ga])
-    o = _large_options(state, h, l, pa[ok], ga[ok], want, recv, large, moved)
-    # only a pair's best can win: the options that cannot beat it go no further (no search)
-    keep = np.flatnonzero(_worth_searching(state, o, best_move, excess, limit, overhead))
-    o = {k: v[keep] for k, v in o.items()}
-    (back_tok, back_cost, n_back), o["lo"], o["j"], feasible = pay_back.search(o["ll"] * state.M + o["m"], o["need"])
-    back_tok = np.where(feasible, back_tok, np.inf) + o["tb"]
-    fits = feasible & (back_tok <= o["ta"] + (state.cap - state.slot_tok[o["hl"], o["ma"]]))  # into a's slot on h
+    bound = np.minimum(np.minimum(cost[a], excess[h[g]]), limit[l[g]] - state.load[l[g]]) / (tok[a] + overhead)
+    ok = np.flatnonzero(bound >= best_move[g])
+    o = _large_options(state, h, l, pos[ok], g[ok], want, recv, large, moved)
+    (back_tok, back_cost, n_back), o["lo"], o["j"], found = pay_back.search(o["ll"] * state.M + o["m"], o["need"])
+    back_tok = np.where(found, back_tok, np.inf) + o["tb"]
+    fits = found & (back_tok <= o["ta"] + (state.cap - state.slot_tok[o["hl"], o["ma"]]))  # into a's slot on h
     o["delta"] = o["ca"] - (back_cost + o["cb"])
     o["score"] = _score(state, o["hl"], o["ll"], o["delta"], o["ta"] + back_tok, fits, n_back + o["has_b"], excess,
                         limit, overhead)
-    o["a"], o["b"] = l_order[o["pa"]], np.where(o["has_b"], l_order[o["pbs"]], -1)
-    # every candidate, the moves first (as they were tried first)
-    cand = {k: np.concatenate((moves[k], o[k])) for k in moves}
+    cand = {k: np.concatenate((moves[k], o[k])) for k in moves}  # the moves first (as they were tried first)
     return _choose_and_apply(state, h.size, budget, pay_back, moved, cand)
 
 
@@ -126,45 +116,41 @@ def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.
     return np.where(ok, np.minimum(delta, excess[h]) / (sent + overhead), -np.inf)
 
 
-def _large_options(state, h, l, pa, ga, want, recv, large, moved) -> dict:
-    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`, pair `ga`)
+def _large_options(state, h, l, pos, g, want, recv, large, moved) -> dict:
+    """The large-item options of `_round`, those without b first: each a (position `pos` in `large`, pair `g`)
     into l's roomiest slot `recv`, and for the b of l (never moved) nearest in cost below and above c_a - want;
     "need": the tokens a small pay-back must free."""
-    l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large
-    ll_a = l[ga]
-    p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
-    lo_b, hi_b = l_starts[ll_a], l_starts[ll_a + 1]
-    options = [(pa, ga, np.full(pa.size, -1, dtype=np.int64))]
+    items, starts, key, scale = large
+    tok, cost, micro, ll = state.tokens, state.costs, state.micro, l[g]
+    p_hi = np.searchsorted(key, ll + np.maximum(cost[items[pos]] - want[g], 0.0) * scale)
+    options = [(pos, g, np.full(pos.size, -1, dtype=np.int64))]
     for p_b in (p_hi - 1, p_hi):
-        inside = np.flatnonzero((p_b >= lo_b) & (p_b < hi_b))
-        inside = inside[np.flatnonzero(~moved[l_order[p_b[inside]]])]
-        options.append((pa[inside], ga[inside], p_b[inside]))
-    alone = pa.size
-    pa, g, pb = (np.concatenate(x) for x in zip(*options))
-    b_pos, none = pb[alone:], np.zeros(alone)
-    o = {"g": g, "has_b": pb >= 0, "pa": pa, "pbs": np.maximum(pb, 0),
-         "m": np.concatenate((recv[g[:alone]], l_micro[b_pos])),
-         "tb": np.concatenate((none, l_tok[b_pos])), "cb": np.concatenate((none, l_cost[b_pos])),
-         "ta": l_tok[pa], "ca": l_cost[pa], "ma": l_micro[pa], "hl": h[g], "ll": l[g]}
+        inside = np.flatnonzero((p_b >= starts[ll]) & (p_b < starts[ll + 1]))
+        inside = inside[np.flatnonzero(~moved[items[p_b[inside]]])]
+        options.append((pos[inside], g[inside], items[p_b[inside]]))
+    pos, g, b = (np.concatenate(x) for x in zip(*options))
+    a, has_b, b_or_a = items[pos], b >= 0, np.where(b >= 0, b, items[pos])
+    o = {"a": a, "b": b, "g": g, "has_b": has_b, "hl": h[g], "ll": l[g], "ta": tok[a], "ca": cost[a], "ma": micro[a],
+         "m": np.where(has_b, micro[b_or_a], recv[g]), "tb": np.where(has_b, tok[b_or_a], 0.0),
+         "cb": np.where(has_b, cost[b_or_a], 0.0)}
     o["need"] = np.maximum(o["ta"] - o["tb"] - (state.cap - state.slot_tok[o["ll"], o["m"]]), 0.0)
     return o
 
 
-def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead) -> dict:
+def _best_moves(state, h, l, want, reach, recv, rest, moved, excess, limit, overhead) -> dict:
     """The moves of `_round` (candidates as it keeps them): per pair, h's first partner only, the best
-    other item of h (the `window` each side of the cost h should shed, never moved: the best is the
+    other item of h (the `reach` each side of the cost h should shed, never moved: the best is the
     cheapest that covers it or the dearest short of it) that fits l's roomiest slot `recv` as it is."""
-    first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
-    movable, mv_tok, mv_cost, mv_micro = rest_items[0], rest_items[4], rest_items[5], rest_items[6]
-    room = state.cap - state.slot_tok[l[first_partner], recv[first_partner]]
-    pos, gi = _window(rest_items, h[first_partner], want[first_partner], window[first_partner])
-    ok = np.flatnonzero(~moved[movable[pos]] & (mv_tok[pos] <= room[gi]))
-    pos, go = pos[ok], first_partner[gi[ok]]
-    score = _score(state, h[go], l[go], mv_cost[pos], mv_tok[pos], True, 0, excess, limit, overhead)
-    keep = _first_best(go, score, h.size)  # only a pair's best move can win (ties: the first)
-    pos, go, n = pos[keep], go[keep], keep.size
-    return {"a": movable[pos], "g": go, "b": np.full(n, -1), "m": recv[go], "ma": mv_micro[pos], "hl": h[go],
-            "ll": l[go], "delta": mv_cost[pos], "lo": np.zeros(n, dtype=np.int64), "j": np.full(n, -1, dtype=np.int64),
+    first = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
+    room = state.cap - state.slot_tok[l[first], recv[first]]
+    a, _, gi = _window(rest, h[first], want[first], reach[first])
+    ok = np.flatnonzero(~moved[a] & (state.tokens[a] <= room[gi]))
+    a, g = a[ok], first[gi[ok]]
+    score = _score(state, h[g], l[g], state.costs[a], state.tokens[a], True, 0, excess, limit, overhead)
+    keep = _first_best(g, score, h.size)  # only a pair's best move can win (ties: the first)
+    a, g, n = a[keep], g[keep], keep.size
+    return {"a": a, "g": g, "b": np.full(n, -1), "m": recv[g], "ma": state.micro[a], "hl": h[g], "ll": l[g],
+            "delta": state.costs[a], "lo": np.zeros(n, dtype=np.int64), "j": np.full(n, -1, dtype=np.int64),
             "score": score[keep]}
 
 
@@ -193,20 +179,6 @@ def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarr
            np.concatenate((cand["m"][first], ma[first][back_of])))
     moved[items] = True
     return hl[first]
-
-
-def _worth_searching(state, o, best_move, excess, limit, overhead) -> np.ndarray:
-    """Which large-item options `o` of `_round` can still be their pair's best (`best_move`: its best move's
-    score): one needing no pay-back scores at least that and every such option of the pair; one needing a
-    pay-back has a bound min(c_a - c_b, what h sheds, room of l) / (t_a + t_b + need + overhead) not below."""
-    hl, ll, ta, tb, dc, g = o["hl"], o["ll"], o["ta"], o["tb"], o["ca"] - o["cb"], o["g"]
-    zero = o["need"] <= 0
-    fits = zero & (tb <= ta + (state.cap - state.slot_tok[hl, o["ma"]]))
-    score = _score(state, hl, ll, dc, ta + tb, fits, o["has_b"].astype(np.int64), excess, limit, overhead)
-    best = best_move.copy()
-    np.maximum.at(best, g, score)
-    bound = np.minimum(np.minimum(dc, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + o["need"] + overhead)
-    return np.where(zero, np.isfinite(score) & (score >= best[g]), bound >= best[g])
 
 
 def _first_touching(num_ranks: int, *ranks: np.ndarray) -> np.ndarray:
