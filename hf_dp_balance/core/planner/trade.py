@@ -66,44 +66,53 @@ def _trade_index(state: _State, limit: np.ndarray):
     return order, slot_starts, *(_by_rank_and_cost(x, state.dest, cost, scale, R) for x in (large, rest))
 
 
-def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray):
-    """(items, pair of each): the `reach` items of `index` of each of `ranks` each side of the cost `want` it
-    should shed (a cheaper one sheds less, a dearer one overshoots or needs more sent back)."""
+def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray, moved: np.ndarray):
+    """(items, pair of each): the never-moved of the `reach` items of `index` of each of `ranks` each side of
+    the cost `want` it should shed (a cheaper one sheds less, a dearer one overshoots or needs more sent back)."""
     items, starts, key, scale = index
     near = np.searchsorted(key, ranks + np.minimum(want * scale, 0.5))
     lo = np.maximum(near - reach, starts[ranks])
     pos, pair = _ranges(lo, np.maximum(np.minimum(near + reach, starts[ranks + 1]), lo))
-    return items[pos], pos, pair
+    keep = np.flatnonzero(~moved[items[pos]])  # index arrays, not boolean masks: faster on random masks
+    return items[pos[keep]], pair[keep]
 
 
 def _round(state, h, l, reach, budget, limit, pay_back, rest, large, moved, overhead) -> np.ndarray:
     """Apply the best trade of each over-full rank h (pairs h[i], l[i], a run per h; a second by the rules of
     `_choose_and_apply`), each rank under budget in at most one; returns the ranks h that traded. Tried: h's
-    other items alone (`_best_moves`), its large items (`_large_options`) with small items paid back (`_PayBack`)."""
-    tok, cost = state.tokens, state.costs
+    other items alone into l's roomiest slot where they fit it as it is (h's first partner only), and its large
+    items into that slot or for the b of l nearest in cost below and above c_a - want, the receiving slot
+    paying back the fewest small items that make room (`_PayBack`)."""
+    tok, cost, micro, cap = state.tokens, state.costs, state.micro, state.cap
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
     recv = np.argmin(state.slot_tok[l], axis=1)
-    moves = _best_moves(state, h, l, want, reach, recv, rest, moved, excess, limit, overhead)
-    a, pos, g = _window(large, h, want, reach)
-    ok = np.flatnonzero(~moved[a])  # index arrays, not boolean masks: faster on random masks
-    a, pos, g = a[ok], pos[ok], g[ok]
-    if a.size + moves["a"].size == 0:
-        return h[:0]
-    # a large a scores at most min(c_a, what h sheds, room of l) / (t_a + overhead) whatever comes back:
-    # one below its pair's best move cannot win
-    best_move = np.full(h.size, -np.inf)
-    best_move[moves["g"]] = moves["score"]
-    bound = np.minimum(np.minimum(cost[a], excess[h[g]]), limit[l[g]] - state.load[l[g]]) / (tok[a] + overhead)
-    ok = np.flatnonzero(bound >= best_move[g])
-    o = _large_options(state, h, l, pos[ok], g[ok], want, recv, large, moved)
-    (back_tok, back_cost, n_back), o["lo"], o["j"], found = pay_back.search(o["ll"] * state.M + o["m"], o["need"])
-    back_tok = np.where(found, back_tok, np.inf) + o["tb"]
-    fits = found & (back_tok <= o["ta"] + (state.cap - state.slot_tok[o["hl"], o["ma"]]))  # into a's slot on h
-    o["delta"] = o["ca"] - (back_cost + o["cb"])
-    o["score"] = _score(state, o["hl"], o["ll"], o["delta"], o["ta"] + back_tok, fits, n_back + o["has_b"], excess,
-                        limit, overhead)
-    cand = {k: np.concatenate((moves[k], o[k])) for k in moves}  # the moves first (as they were tried first)
+    first = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
+    alone, g = _window(rest, h[first], want[first], reach[first], moved)
+    g = first[g]
+    fit = np.flatnonzero(tok[alone] <= cap - state.slot_tok[l[g], recv[g]])
+    options = [(alone[fit], g[fit], np.full(fit.size, -1))]
+    items, starts, key, scale = large
+    a, g = _window(large, h, want, reach, moved)
+    options.append((a, g, np.full(a.size, -1)))
+    ll = l[g]
+    p_hi = np.searchsorted(key, ll + np.maximum(cost[a] - want[g], 0.0) * scale)
+    for p_b in (p_hi - 1, p_hi):
+        inside = np.flatnonzero((p_b >= starts[ll]) & (p_b < starts[ll + 1]))
+        inside = inside[np.flatnonzero(~moved[items[p_b[inside]]])]
+        options.append((a[inside], g[inside], items[p_b[inside]]))
+    a, g, b = (np.concatenate(x) for x in zip(*options))  # the moves first (as they were tried first)
+    has_b, hl, ll, ta = b >= 0, h[g], l[g], tok[a]
+    b_or_a = np.where(has_b, b, a)
+    m, tb, cb = np.where(has_b, micro[b_or_a], recv[g]), *(np.where(has_b, x[b_or_a], 0.0) for x in (tok, cost))
+    need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # what a small pay-back must free
+    (back_tok, back_cost, n_back), lo, j, found = pay_back.search(ll * state.M + m, need)
+    back_tok = np.where(found, back_tok, np.inf) + tb
+    fits = found & (back_tok <= ta + (cap - state.slot_tok[hl, micro[a]]))  # into a's slot on h
+    delta = cost[a] - (back_cost + cb)
+    score = _score(state, hl, ll, delta, ta + back_tok, fits, n_back + has_b, excess, limit, overhead)
+    cand = {"a": a, "b": b, "g": g, "hl": hl, "ll": ll, "m": m, "ma": micro[a], "delta": delta, "score": score,
+            "lo": lo, "j": j}
     return _choose_and_apply(state, h.size, budget, pay_back, moved, cand)
 
 
@@ -114,44 +123,6 @@ def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.
     if state.count is not None:
         ok = ok & (state.count[h] - 1 + n_back >= state.min_count) & (state.count[l] + 1 - n_back >= state.min_count)
     return np.where(ok, np.minimum(delta, excess[h]) / (sent + overhead), -np.inf)
-
-
-def _large_options(state, h, l, pos, g, want, recv, large, moved) -> dict:
-    """The large-item options of `_round`, those without b first: each a (position `pos` in `large`, pair `g`)
-    into l's roomiest slot `recv`, and for the b of l (never moved) nearest in cost below and above c_a - want;
-    "need": the tokens a small pay-back must free."""
-    items, starts, key, scale = large
-    tok, cost, micro, ll = state.tokens, state.costs, state.micro, l[g]
-    p_hi = np.searchsorted(key, ll + np.maximum(cost[items[pos]] - want[g], 0.0) * scale)
-    options = [(pos, g, np.full(pos.size, -1, dtype=np.int64))]
-    for p_b in (p_hi - 1, p_hi):
-        inside = np.flatnonzero((p_b >= starts[ll]) & (p_b < starts[ll + 1]))
-        inside = inside[np.flatnonzero(~moved[items[p_b[inside]]])]
-        options.append((pos[inside], g[inside], items[p_b[inside]]))
-    pos, g, b = (np.concatenate(x) for x in zip(*options))
-    a, has_b, b_or_a = items[pos], b >= 0, np.where(b >= 0, b, items[pos])
-    o = {"a": a, "b": b, "g": g, "has_b": has_b, "hl": h[g], "ll": l[g], "ta": tok[a], "ca": cost[a], "ma": micro[a],
-         "m": np.where(has_b, micro[b_or_a], recv[g]), "tb": np.where(has_b, tok[b_or_a], 0.0),
-         "cb": np.where(has_b, cost[b_or_a], 0.0)}
-    o["need"] = np.maximum(o["ta"] - o["tb"] - (state.cap - state.slot_tok[o["ll"], o["m"]]), 0.0)
-    return o
-
-
-def _best_moves(state, h, l, want, reach, recv, rest, moved, excess, limit, overhead) -> dict:
-    """The moves of `_round` (candidates as it keeps them): per pair, h's first partner only, the best
-    other item of h (the `reach` each side of the cost h should shed, never moved: the best is the
-    cheapest that covers it or the dearest short of it) that fits l's roomiest slot `recv` as it is."""
-    first = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
-    room = state.cap - state.slot_tok[l[first], recv[first]]
-    a, _, gi = _window(rest, h[first], want[first], reach[first])
-    ok = np.flatnonzero(~moved[a] & (state.tokens[a] <= room[gi]))
-    a, g = a[ok], first[gi[ok]]
-    score = _score(state, h[g], l[g], state.costs[a], state.tokens[a], True, 0, excess, limit, overhead)
-    keep = _first_best(g, score, h.size)  # only a pair's best move can win (ties: the first)
-    a, g, n = a[keep], g[keep], keep.size
-    return {"a": a, "g": g, "b": np.full(n, -1), "m": recv[g], "ma": state.micro[a], "hl": h[g], "ll": l[g],
-            "delta": state.costs[a], "lo": np.zeros(n, dtype=np.int64), "j": np.full(n, -1, dtype=np.int64),
-            "score": score[keep]}
 
 
 def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarray:
