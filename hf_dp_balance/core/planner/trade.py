@@ -12,41 +12,37 @@ from hf_dp_balance.core.planner.state import _BREADTH, _FEW_SLOTS, _LARGE, _OVER
 from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _first_best, _PayBack, _ranges,
                                                     _rank_starts, _stable_order)
 
-_SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
-_WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
-
 
 def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
     Each round pairs the over-full ranks h, most over first, with _BREADTH ranks l under budget (one beyond
-    _FEW_SLOTS slots). A trade sends h's item `a` to l: a large one (over cap x _LARGE tokens; the _WINDOW each
-    side of the cost h should shed) into l's roomiest slot or for a large item `b` of l, that slot paying back
-    the fewest small items (<= cap x _SMALL tokens) that make room; or a smaller one alone where it fits. Per h,
-    the trade taking the most load off h per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a
-    partner trades once per round, an item moves once. Never breaks the cap or `state.min_count`; the fullest
-    rank never rises. Cost: one O(n) grouping, then O(items of the pairs' windows x options) numpy per round."""
+    _FEW_SLOTS slots). A trade sends h's item `a` to l: a large one (over cap x _LARGE tokens) into l's roomiest
+    slot or for a large item `b` of l, that slot paying back the fewest small items (at most half a large one's
+    tokens) that make room; or a smaller one alone where it fits. Per h, the trade taking the most load off h
+    per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a partner trades once per round, an item
+    moves once. The items tried are the 2 x _BREADTH each side of the cost h should shed, twice as many after
+    a round where h found none. Never breaks the cap or `state.min_count`; the fullest rank never rises.
+    Cost: one O(n) grouping, then O(items of the pairs' windows x options) numpy per round."""
     cap, R = state.cap, state.load.shape[0]
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
     moved = np.zeros(state.costs.shape[0], dtype=bool)
     order, slot_starts, large, rest = _trade_index(state, limit)
-    pay_back = _PayBack(order, slot_starts, state.tokens, state.costs, cap * _SMALL, moved)
-    reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
-    failed_before = np.zeros(R, dtype=bool)
-    R_items = int(max(np.diff(large[1]).max(), np.diff(rest[1]).max()))
+    pay_back = _PayBack(order, slot_starts, state.tokens, state.costs, cap * _LARGE / 2.0, moved)
+    reach = np.full(R, 2 * _BREADTH, dtype=np.int64)  # items each side tried per rank
+    most = int(max(np.diff(large[1]).max(), np.diff(rest[1]).max()))  # the most items a rank has in one index
     partners = _BREADTH if state.M <= _FEW_SLOTS else 1
     for k in range(_ROUNDS * _BREADTH // partners):
         over, h, l = _pair_ranks(state, budget, limit, state.load - limit, partners, k)
         if over.size == 0 or h is None:
             return over.size == 0
         traded = _round(state, h, l, reach[h], budget, limit, pay_back, rest, large, moved, cap * _OVERHEAD)
-        if traded.size == 0 and bool(np.all(failed_before[h] & (reach[h] >= R_items))):
-            return False  # every rank failed before and has now tried all its items
+        if traded.size == 0 and bool(np.all(reach[h] >= most)):
+            return False  # every rank has tried all its items
         failed = h[~np.isin(h, traded)]  # repeats are harmless: every copy writes the same value
-        failed_before[failed] = True
-        reach[failed] = np.minimum(reach[failed] * 2, R_items)
+        reach[failed] = np.minimum(reach[failed] * 2, most)
     return not np.any(state.load > limit)
 
 
@@ -78,11 +74,12 @@ def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray
 
 
 def _round(state, h, l, reach, budget, limit, pay_back, rest, large, moved, overhead) -> np.ndarray:
-    """Apply the best trade of each over-full rank h (pairs h[i], l[i], a run per h; a second by the rules of
-    `_choose_and_apply`), each rank under budget in at most one; returns the ranks h that traded. Tried: h's
-    other items alone into l's roomiest slot where they fit it as it is (h's first partner only), and its large
-    items into that slot or for the b of l nearest in cost below and above c_a - want, the receiving slot
-    paying back the fewest small items that make room (`_PayBack`)."""
+    """Apply the best trade of each over-full rank h (pairs h[i], l[i], a run per h), each rank under budget in
+    at most one, the most over first; returns the ranks h that traded. Tried: h's other items alone into l's
+    roomiest slot where they fit it as it is (h's first partner only), and its large items into that slot or for
+    the b of l nearest in cost below and above c_a - want, the receiving slot paying back the fewest small items
+    that make room (`_PayBack`). Per h its best (ties: the first tried), and its second best too when the best
+    leaves it over budget and the two share no item and no slot of h."""
     tok, cost, micro, cap = state.tokens, state.costs, state.micro, state.cap
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
@@ -102,54 +99,36 @@ def _round(state, h, l, reach, budget, limit, pay_back, rest, large, moved, over
         inside = inside[np.flatnonzero(~moved[items[p_b[inside]]])]
         options.append((a[inside], g[inside], items[p_b[inside]]))
     a, g, b = (np.concatenate(x) for x in zip(*options))  # the moves first (as they were tried first)
-    has_b, hl, ll, ta = b >= 0, h[g], l[g], tok[a]
+    has_b, hl, ll, ta, ma = b >= 0, h[g], l[g], tok[a], micro[a]
     b_or_a = np.where(has_b, b, a)
     m, tb, cb = np.where(has_b, micro[b_or_a], recv[g]), *(np.where(has_b, x[b_or_a], 0.0) for x in (tok, cost))
     need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # what a small pay-back must free
-    (back_tok, back_cost, n_back), lo, j, found = pay_back.search(ll * state.M + m, need)
-    back_tok = np.where(found, back_tok, np.inf) + tb
-    fits = found & (back_tok <= ta + (cap - state.slot_tok[hl, micro[a]]))  # into a's slot on h
+    (back_tok, back_cost, n_back), lo, j, ok = pay_back.search(ll * state.M + m, need)
+    back_tok = np.where(ok, back_tok, np.inf) + tb
     delta = cost[a] - (back_cost + cb)
-    score = _score(state, hl, ll, delta, ta + back_tok, fits, n_back + has_b, excess, limit, overhead)
-    cand = {"a": a, "b": b, "g": g, "hl": hl, "ll": ll, "m": m, "ma": micro[a], "delta": delta, "score": score,
-            "lo": lo, "j": j}
-    return _choose_and_apply(state, h.size, budget, pay_back, moved, cand)
-
-
-def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.ndarray:
-    """A trade's score, the load it takes off h per token sent (+ overhead); -inf unless `ok`, `delta` > 0, l stays
-    within its limit and h (sends one item, takes `n_back`) and l keep `state.min_count` items."""
-    ok = ok & (delta > 0) & (state.load[l] + delta <= limit[l])
-    if state.count is not None:
-        ok = ok & (state.count[h] - 1 + n_back >= state.min_count) & (state.count[l] + 1 - n_back >= state.min_count)
-    return np.where(ok, np.minimum(delta, excess[h]) / (sent + overhead), -np.inf)
-
-
-def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarray:
-    """Of `_round`'s scored candidates `cand` (pair g, item a, item b or -1 sent back, into slot m of l, a's
-    slot ma on h, the pay-back's positions lo..j), applied: per over-full rank its best (ties: the first), and
-    its second best too when the best leaves it over budget and the two share no item and no slot of h; each
-    rank under budget in one, the most over first. Returns the ranks h that traded."""
-    a, b, hl, ll, ma, delta, score = (cand[k] for k in ("a", "b", "hl", "ll", "ma", "delta", "score"))
-    chosen = _first_best(cand["g"], score, P)  # ascending pair = over-full order, a run per h
+    n_back = n_back + has_b
+    ok &= (back_tok <= ta + (cap - state.slot_tok[hl, ma])) & (delta > 0) & (state.load[ll] + delta <= limit[ll])
+    if state.count is not None:  # h sends one item and takes n_back; both keep state.min_count
+        ok &= (state.count[hl] - 1 + n_back >= state.min_count) & (state.count[ll] + 1 - n_back >= state.min_count)
+    score = np.where(ok, np.minimum(delta, excess[hl]) / (ta + back_tok + overhead), -np.inf)
+    chosen = _first_best(g, score, h.size)  # ascending pair = over-full order, a run per h
     if chosen.size == 0:
-        return hl[:0]
+        return h[:0]
     chosen = chosen[np.lexsort((chosen, -score[chosen], hl[chosen]))]  # within each h: best first
     hc = hl[chosen]
     lead = np.concatenate(([True], hc[1:] != hc[:-1]))
     c0 = chosen[np.maximum.accumulate(np.where(lead, np.arange(chosen.size), 0))]  # the best of its h
     second = (~lead & np.concatenate(([False], lead[:-1]))  # the second of its h
               & (delta[c0] < state.load[hc] - budget[hc]) & (a[chosen] != a[c0]) & (ma[chosen] != ma[c0]))
-    first = np.concatenate((chosen[lead], chosen[second]))
-    first = first[_first_touching(state.load.shape[0], ll[first])]
-    paid, pg = pay_back.paid(cand["lo"][first], cand["j"][first])  # its slot's prefix up to its position
-    with_b = np.flatnonzero(b[first] >= 0)
-    items = np.concatenate((a[first], paid, b[first][with_b]))  # a to l, the rest back to h
+    t = np.concatenate((chosen[lead], chosen[second]))
+    t = t[_first_touching(state.load.shape[0], ll[t])]
+    paid, pg = pay_back.paid(lo[t], j[t])  # the receiving slot's small items up to the position found
+    with_b = np.flatnonzero(b[t] >= 0)
+    moving = np.concatenate((a[t], paid, b[t][with_b]))  # a to l, the rest back to h
     back_of = np.concatenate((pg, with_b))
-    _apply(state, items, np.concatenate((ll[first], hl[first][back_of])),
-           np.concatenate((cand["m"][first], ma[first][back_of])))
-    moved[items] = True
-    return hl[first]
+    _apply(state, moving, np.concatenate((ll[t], hl[t][back_of])), np.concatenate((m[t], ma[t][back_of])))
+    moved[moving] = True
+    return hl[t]
 
 
 def _first_touching(num_ranks: int, *ranks: np.ndarray) -> np.ndarray:
