@@ -80,3 +80,35 @@ def test_search_within_a_stretch_answers_as_numpy_searches_all(values, queries, 
     assert np.array_equal(_search_within(a, v, lo, hi, side), want)
     assert np.array_equal(_search_within(a, v, lo, hi, side, "high"), np.minimum(want, hi))
     assert np.array_equal(_search_within(a, v, lo, hi, side, "both"), np.clip(want, lo, hi))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), slots=st.integers(1, 6), queries=st.integers(0, 12))
+def test_pay_back_is_the_shortest_prefix_of_a_slots_small_unmoved_items_that_frees_the_need(seed, slots, queries):
+    """The trades' pay-back (trade_index._PayBack.search / paid), against a loop over each slot's items in
+    index order: the first prefix of its small items that never moved whose tokens reach `need`, their
+    token and cost sums and count; none where they never reach it; nothing for a need <= 0."""
+    from hf_dp_balance.core.planner.trade_index import _PayBack, _rank_starts, _stable_order
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 30))
+    slot_of = rng.integers(0, slots, n)
+    tok = rng.choice([0.0, 10.0, 40.0, 100.0, 500.0], n)
+    cost = rng.random(n) * 10
+    moved = rng.random(n) < 0.2
+    order, starts = _stable_order(slot_of, slots), _rank_starts(slot_of, slots)
+    pay_back = _PayBack(order, starts, tok, cost, 100.0, moved)
+    slot = rng.integers(0, slots, queries)
+    need = rng.choice([-5.0, 0.0, 10.0, 45.0, 150.0, 1000.0], queries)
+    (back_tok, back_cost, count), lo, j, found = pay_back.search(slot, need)
+    paid, of = pay_back.paid(lo, j)
+    for q in range(queries):
+        small = [i for i in order if slot_of[i] == slot[q] and tok[i] <= 100.0 and not moved[i]]
+        want = [] if need[q] <= 0 else None
+        for k in range(1, len(small) + 1):
+            if want is None and tok[small[:k]].sum() >= need[q]:
+                want = small[:k]
+        assert found[q] == (want is not None), q
+        if want is not None:
+            assert list(paid[of == q]) == want and count[q] == len(want)
+            assert back_tok[q] == pytest.approx(tok[want].sum()) and back_cost[q] == pytest.approx(cost[want].sum())

@@ -12,201 +12,123 @@ from hf_dp_balance.core.planner.state import _BREADTH, _FEW_SLOTS, _LARGE, _OVER
 from hf_dp_balance.core.planner.trade_index import (_by_rank_and_cost, _first_best, _PayBack, _ranges,
                                                     _rank_starts, _stable_order)
 
-_SMALL = 1.0 / 32.0  # items of at most this share of the cap are the small change a trade pays back with
-_WINDOW = 4  # large items of h tried per pair: this many each side of the cost it should shed
-
 
 def _trade(state: _State, budget: np.ndarray, tolerance: float) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
     Each round pairs the over-full ranks h, most over first, with _BREADTH ranks l under budget (one beyond
-    _FEW_SLOTS slots). A trade sends h's item `a` to l: a large one (over cap x _LARGE tokens; the _WINDOW each
-    side of the cost h should shed) into l's roomiest slot or for a large item `b` of l, that slot paying back
-    the fewest small items (<= cap x _SMALL tokens) that make room; or a smaller one alone where it fits. Per h,
-    the trade taking the most load off h per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a
-    partner trades once per round, an item moves once. Never breaks the cap or `state.min_count`; the fullest
-    rank never rises. Cost: one O(n) grouping, then O(items of the pairs' windows x options) numpy per round."""
+    _FEW_SLOTS slots). A trade sends h's item `a` to l: a large one (over cap x _LARGE tokens) into l's roomiest
+    slot or for a large item `b` of l, that slot paying back the fewest small items (at most half a large one's
+    tokens) that make room; or a smaller one alone where it fits. Per h, the trade taking the most load off h
+    per token sent (+ cap x _OVERHEAD) that keeps l within its limit; a partner trades once per round, an item
+    moves once. The items tried are the 2 x _BREADTH each side of the cost h should shed, twice as many after
+    a round where h found none. Never breaks the cap or `state.min_count`; the fullest rank never rises.
+    Cost: one O(n) grouping, then O(items of the pairs' windows x options) numpy per round."""
     cap, R = state.cap, state.load.shape[0]
     limit = budget * (1.0 + tolerance / 2.0)
     if cap is None or R < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
     moved = np.zeros(state.costs.shape[0], dtype=bool)
-    order, slot_starts, large, rest_items = _trade_index(state, limit)
-    pay_back = _PayBack(order, slot_starts, state.tokens, state.costs, cap * _SMALL, moved)
-    reach = np.full(R, _WINDOW, dtype=np.int64)  # items each side tried per rank, doubled when it finds no trade
-    failed_before = np.zeros(R, dtype=bool)
-    R_items = int(max(np.diff(large[1]).max(), np.diff(rest_items[1]).max()))
+    order, slot_starts, large, rest = _trade_index(state, limit)
+    pay_back = _PayBack(order, slot_starts, state.tokens, state.costs, cap * _LARGE / 2.0, moved)
+    reach = np.full(R, 2 * _BREADTH, dtype=np.int64)  # items each side tried per rank
+    most = int(max(np.diff(large[1]).max(), np.diff(rest[1]).max()))  # the most items a rank has in one index
     partners = _BREADTH if state.M <= _FEW_SLOTS else 1
     for k in range(_ROUNDS * _BREADTH // partners):
         over, h, l = _pair_ranks(state, budget, limit, state.load - limit, partners, k)
         if over.size == 0 or h is None:
             return over.size == 0
-        traded = _round(state, h, l, reach[h], budget, limit, pay_back, rest_items, large, moved, cap * _OVERHEAD)
-        if traded.size == 0 and bool(np.all(failed_before[h] & (reach[h] >= R_items))):
-            return False  # every rank failed before and has now tried all its items
+        traded = _round(state, h, l, reach[h], budget, limit, pay_back, rest, large, moved, cap * _OVERHEAD)
+        if traded.size == 0 and bool(np.all(reach[h] >= most)):
+            return False  # every rank has tried all its items
         failed = h[~np.isin(h, traded)]  # repeats are harmless: every copy writes the same value
-        failed_before[failed] = True
-        reach[failed] = np.minimum(reach[failed] * 2, R_items)
+        reach[failed] = np.minimum(reach[failed] * 2, most)
     return not np.any(state.load > limit)
 
 
 def _trade_index(state: _State, limit: np.ndarray):
     """What the rounds of `_trade` read: the items grouped by slot (`order`, where each slot's begin), and
-    by rank, cheapest first, with their tokens, costs and slots: the large items of every rank, the
-    others of the ranks over `limit` (only they shed: a trade never puts a rank over)."""
-    R, M, tok, cost = state.load.shape[0], state.M, state.tokens, state.costs
+    by rank, cheapest first (`_by_rank_and_cost`): the large items of every rank, the others of the ranks
+    over `limit` (only they shed: a trade never puts a rank over)."""
+    R, M, cost = state.load.shape[0], state.M, state.costs
     slot = state.dest * M + state.micro
     order, slot_starts = _stable_order(slot, R * M), _rank_starts(slot, R * M)  # items by slot, so by rank
     scale = 1.0 / (float(cost.max()) * 2.0 + 1.0)
-
-    def indexed(items):  # (items, starts, key, scale) by rank and cost, then their tokens, costs and slots
-        got = _by_rank_and_cost(items, state.dest, cost, scale, R)
-        return got + (tok[got[0]], cost[got[0]], state.micro[got[0]])
-
-    is_large = tok[order] > state.cap * _LARGE
-    over = np.flatnonzero(state.load > limit)
+    is_large = state.tokens[order] > state.cap * _LARGE
     rank_starts = slot_starts[::M]  # `order` is rank-major: a rank's items are one stretch of it
+    over = np.flatnonzero(state.load > limit)
     at, _ = _ranges(rank_starts[over], rank_starts[over + 1])
-    rest = order[at[np.flatnonzero(~is_large[at])]]
-    return order, slot_starts, indexed(order[np.flatnonzero(is_large)]), indexed(rest)
+    large, rest = order[np.flatnonzero(is_large)], order[at[np.flatnonzero(~is_large[at])]]
+    return order, slot_starts, *(_by_rank_and_cost(x, state.dest, cost, scale, R) for x in (large, rest))
 
 
-def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray):
-    """(positions in `index`, pair of each): the `reach` items of each of `ranks` each side of the cost
-    `want` it should shed (a cheaper one sheds less, a dearer one overshoots or needs more sent back)."""
-    _, starts, key, scale = index[:4]
+def _window(index: tuple, ranks: np.ndarray, want: np.ndarray, reach: np.ndarray, moved: np.ndarray):
+    """(items, pair of each): the never-moved of the `reach` items of `index` of each of `ranks` each side of
+    the cost `want` it should shed (a cheaper one sheds less, a dearer one overshoots or needs more sent back)."""
+    items, starts, key, scale = index
     near = np.searchsorted(key, ranks + np.minimum(want * scale, 0.5))
     lo = np.maximum(near - reach, starts[ranks])
-    return _ranges(lo, np.maximum(np.minimum(near + reach, starts[ranks + 1]), lo))
+    pos, pair = _ranges(lo, np.maximum(np.minimum(near + reach, starts[ranks + 1]), lo))
+    keep = np.flatnonzero(~moved[items[pos]])  # index arrays, not boolean masks: faster on random masks
+    return items[pos[keep]], pair[keep]
 
 
-def _round(state, h, l, window, budget, limit, pay_back, rest_items, large, moved, overhead) -> np.ndarray:
-    """Apply the best trade of each over-full rank h (pairs h[i], l[i], a run per h; a second by the rules of
-    `_choose_and_apply`), each rank under budget in at most one; returns the ranks h that traded. Tried: h's
-    other items alone (`_best_moves`), its large items (`_large_options`) with small items paid back (`_PayBack`)."""
-    l_order, l_tok, l_cost = large[0], large[4], large[5]  # by rank, cheapest first within one
+def _round(state, h, l, reach, budget, limit, pay_back, rest, large, moved, overhead) -> np.ndarray:
+    """Apply the best trade of each over-full rank h (pairs h[i], l[i], a run per h), each rank under budget in
+    at most one, the most over first; returns the ranks h that traded. Tried: h's other items alone into l's
+    roomiest slot where they fit it as it is (h's first partner only), and its large items into that slot or for
+    the b of l nearest in cost below and above c_a - want, the receiving slot paying back the fewest small items
+    that make room (`_PayBack`). Per h its best (ties: the first tried), and its second best too when the best
+    leaves it over budget and the two share no item and no slot of h."""
+    tok, cost, micro, cap = state.tokens, state.costs, state.micro, state.cap
     excess = state.load - budget
     want = np.minimum(excess[h], limit[l] - state.load[l])
-    pos, ga = _window(large, h, want, window)
-    ok = np.flatnonzero(~moved[l_order[pos]])  # index arrays, not boolean masks: faster on random masks
-    pa, ga = pos[ok], ga[ok]  # positions of the items a in `large`
     recv = np.argmin(state.slot_tok[l], axis=1)
-    moves = _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead)
-    if pa.size + moves["a"].size == 0:
-        return h[:0]
-    # a large a scores at most min(c_a, what h sheds, room of l) / (t_a + overhead) whatever comes
-    # back: one below its pair's best move cannot win
-    best_move = np.full(h.size, -np.inf)
-    best_move[moves["g"]] = moves["score"]
-    ll_a = l[ga]
-    bound = np.minimum(np.minimum(l_cost[pa], excess[h[ga]]), limit[ll_a] - state.load[ll_a]) / (l_tok[pa] + overhead)
-    ok = np.flatnonzero(bound >= best_move[ga])
-    o = _large_options(state, h, l, pa[ok], ga[ok], want, recv, large, moved)
-    # only a pair's best can win: the options that cannot beat it go no further (no search)
-    keep = np.flatnonzero(_worth_searching(state, o, best_move, excess, limit, overhead))
-    o = {k: v[keep] for k, v in o.items()}
-    (back_tok, back_cost, n_back), o["lo"], o["j"], feasible = pay_back.search(o["ll"] * state.M + o["m"], o["need"])
-    back_tok = np.where(feasible, back_tok, np.inf) + o["tb"]
-    fits = feasible & (back_tok <= o["ta"] + (state.cap - state.slot_tok[o["hl"], o["ma"]]))  # into a's slot on h
-    o["delta"] = o["ca"] - (back_cost + o["cb"])
-    o["score"] = _score(state, o["hl"], o["ll"], o["delta"], o["ta"] + back_tok, fits, n_back + o["has_b"], excess,
-                        limit, overhead)
-    o["a"], o["b"] = l_order[o["pa"]], np.where(o["has_b"], l_order[o["pbs"]], -1)
-    # every candidate, the moves first (as they were tried first)
-    cand = {k: np.concatenate((moves[k], o[k])) for k in moves}
-    return _choose_and_apply(state, h.size, budget, pay_back, moved, cand)
-
-
-def _score(state, h, l, delta, sent, ok, n_back, excess, limit, overhead) -> np.ndarray:
-    """A trade's score, the load it takes off h per token sent (+ overhead); -inf unless `ok`, `delta` > 0, l stays
-    within its limit and h (sends one item, takes `n_back`) and l keep `state.min_count` items."""
-    ok = ok & (delta > 0) & (state.load[l] + delta <= limit[l])
-    if state.count is not None:
-        ok = ok & (state.count[h] - 1 + n_back >= state.min_count) & (state.count[l] + 1 - n_back >= state.min_count)
-    return np.where(ok, np.minimum(delta, excess[h]) / (sent + overhead), -np.inf)
-
-
-def _large_options(state, h, l, pa, ga, want, recv, large, moved) -> dict:
-    """The large-item options of `_round`, those without b first: each a (position `pa` in `large`, pair `ga`)
-    into l's roomiest slot `recv`, and for the b of l (never moved) nearest in cost below and above c_a - want;
-    "need": the tokens a small pay-back must free."""
-    l_order, l_starts, l_key, scale, l_tok, l_cost, l_micro = large
-    ll_a = l[ga]
-    p_hi = np.searchsorted(l_key, ll_a + np.maximum(l_cost[pa] - want[ga], 0.0) * scale)
-    lo_b, hi_b = l_starts[ll_a], l_starts[ll_a + 1]
-    options = [(pa, ga, np.full(pa.size, -1, dtype=np.int64))]
+    first = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
+    alone, g = _window(rest, h[first], want[first], reach[first], moved)
+    g = first[g]
+    fit = np.flatnonzero(tok[alone] <= cap - state.slot_tok[l[g], recv[g]])
+    options = [(alone[fit], g[fit], np.full(fit.size, -1))]
+    items, starts, key, scale = large
+    a, g = _window(large, h, want, reach, moved)
+    options.append((a, g, np.full(a.size, -1)))
+    ll = l[g]
+    p_hi = np.searchsorted(key, ll + np.maximum(cost[a] - want[g], 0.0) * scale)
     for p_b in (p_hi - 1, p_hi):
-        inside = np.flatnonzero((p_b >= lo_b) & (p_b < hi_b))
-        inside = inside[np.flatnonzero(~moved[l_order[p_b[inside]]])]
-        options.append((pa[inside], ga[inside], p_b[inside]))
-    alone = pa.size
-    pa, g, pb = (np.concatenate(x) for x in zip(*options))
-    b_pos, none = pb[alone:], np.zeros(alone)
-    o = {"g": g, "has_b": pb >= 0, "pa": pa, "pbs": np.maximum(pb, 0),
-         "m": np.concatenate((recv[g[:alone]], l_micro[b_pos])),
-         "tb": np.concatenate((none, l_tok[b_pos])), "cb": np.concatenate((none, l_cost[b_pos])),
-         "ta": l_tok[pa], "ca": l_cost[pa], "ma": l_micro[pa], "hl": h[g], "ll": l[g]}
-    o["need"] = np.maximum(o["ta"] - o["tb"] - (state.cap - state.slot_tok[o["ll"], o["m"]]), 0.0)
-    return o
-
-
-def _best_moves(state, h, l, want, window, recv, rest_items, moved, excess, limit, overhead) -> dict:
-    """The moves of `_round` (candidates as it keeps them): per pair, h's first partner only, the best
-    other item of h (the `window` each side of the cost h should shed, never moved: the best is the
-    cheapest that covers it or the dearest short of it) that fits l's roomiest slot `recv` as it is."""
-    first_partner = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1])))
-    movable, mv_tok, mv_cost, mv_micro = rest_items[0], rest_items[4], rest_items[5], rest_items[6]
-    room = state.cap - state.slot_tok[l[first_partner], recv[first_partner]]
-    pos, gi = _window(rest_items, h[first_partner], want[first_partner], window[first_partner])
-    ok = np.flatnonzero(~moved[movable[pos]] & (mv_tok[pos] <= room[gi]))
-    pos, go = pos[ok], first_partner[gi[ok]]
-    score = _score(state, h[go], l[go], mv_cost[pos], mv_tok[pos], True, 0, excess, limit, overhead)
-    keep = _first_best(go, score, h.size)  # only a pair's best move can win (ties: the first)
-    pos, go, n = pos[keep], go[keep], keep.size
-    return {"a": movable[pos], "g": go, "b": np.full(n, -1), "m": recv[go], "ma": mv_micro[pos], "hl": h[go],
-            "ll": l[go], "delta": mv_cost[pos], "lo": np.zeros(n, dtype=np.int64), "j": np.full(n, -1, dtype=np.int64),
-            "score": score[keep]}
-
-
-def _choose_and_apply(state, P, budget, pay_back, moved, cand: dict) -> np.ndarray:
-    """Of `_round`'s scored candidates `cand` (pair g, item a, item b or -1 sent back, into slot m of l, a's
-    slot ma on h, the pay-back's positions lo..j), applied: per over-full rank its best (ties: the first), and
-    its second best too when the best leaves it over budget and the two share no item and no slot of h; each
-    rank under budget in one, the most over first. Returns the ranks h that traded."""
-    a, b, hl, ll, ma, delta, score = (cand[k] for k in ("a", "b", "hl", "ll", "ma", "delta", "score"))
-    chosen = _first_best(cand["g"], score, P)  # ascending pair = over-full order, a run per h
+        inside = np.flatnonzero((p_b >= starts[ll]) & (p_b < starts[ll + 1]))
+        inside = inside[np.flatnonzero(~moved[items[p_b[inside]]])]
+        options.append((a[inside], g[inside], items[p_b[inside]]))
+    a, g, b = (np.concatenate(x) for x in zip(*options))  # the moves first (as they were tried first)
+    has_b, hl, ll, ta, ma = b >= 0, h[g], l[g], tok[a], micro[a]
+    b_or_a = np.where(has_b, b, a)
+    m, tb, cb = np.where(has_b, micro[b_or_a], recv[g]), *(np.where(has_b, x[b_or_a], 0.0) for x in (tok, cost))
+    need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # what a small pay-back must free
+    (back_tok, back_cost, n_back), lo, j, ok = pay_back.search(ll * state.M + m, need)
+    back_tok = np.where(ok, back_tok, np.inf) + tb
+    delta = cost[a] - (back_cost + cb)
+    n_back = n_back + has_b
+    ok &= (back_tok <= ta + (cap - state.slot_tok[hl, ma])) & (delta > 0) & (state.load[ll] + delta <= limit[ll])
+    if state.count is not None:  # h sends one item and takes n_back; both keep state.min_count
+        ok &= (state.count[hl] - 1 + n_back >= state.min_count) & (state.count[ll] + 1 - n_back >= state.min_count)
+    score = np.where(ok, np.minimum(delta, excess[hl]) / (ta + back_tok + overhead), -np.inf)
+    chosen = _first_best(g, score, h.size)  # ascending pair = over-full order, a run per h
     if chosen.size == 0:
-        return hl[:0]
+        return h[:0]
     chosen = chosen[np.lexsort((chosen, -score[chosen], hl[chosen]))]  # within each h: best first
     hc = hl[chosen]
     lead = np.concatenate(([True], hc[1:] != hc[:-1]))
     c0 = chosen[np.maximum.accumulate(np.where(lead, np.arange(chosen.size), 0))]  # the best of its h
     second = (~lead & np.concatenate(([False], lead[:-1]))  # the second of its h
               & (delta[c0] < state.load[hc] - budget[hc]) & (a[chosen] != a[c0]) & (ma[chosen] != ma[c0]))
-    first = np.concatenate((chosen[lead], chosen[second]))
-    first = first[_first_touching(state.load.shape[0], ll[first])]
-    paid, pg = pay_back.paid(cand["lo"][first], cand["j"][first])  # its slot's prefix up to its position
-    with_b = np.flatnonzero(b[first] >= 0)
-    items = np.concatenate((a[first], paid, b[first][with_b]))  # a to l, the rest back to h
+    t = np.concatenate((chosen[lead], chosen[second]))
+    t = t[_first_touching(state.load.shape[0], ll[t])]
+    paid, pg = pay_back.paid(lo[t], j[t])  # the receiving slot's small items up to the position found
+    with_b = np.flatnonzero(b[t] >= 0)
+    moving = np.concatenate((a[t], paid, b[t][with_b]))  # a to l, the rest back to h
     back_of = np.concatenate((pg, with_b))
-    _apply(state, items, np.concatenate((ll[first], hl[first][back_of])),
-           np.concatenate((cand["m"][first], ma[first][back_of])))
-    moved[items] = True
-    return hl[first]
-
-
-def _worth_searching(state, o, best_move, excess, limit, overhead) -> np.ndarray:
-    """Which large-item options `o` of `_round` can still be their pair's best (`best_move`: its best move's
-    score): one needing no pay-back scores at least that and every such option of the pair; one needing a
-    pay-back has a bound min(c_a - c_b, what h sheds, room of l) / (t_a + t_b + need + overhead) not below."""
-    hl, ll, ta, tb, dc, g = o["hl"], o["ll"], o["ta"], o["tb"], o["ca"] - o["cb"], o["g"]
-    zero = o["need"] <= 0
-    fits = zero & (tb <= ta + (state.cap - state.slot_tok[hl, o["ma"]]))
-    score = _score(state, hl, ll, dc, ta + tb, fits, o["has_b"].astype(np.int64), excess, limit, overhead)
-    best = best_move.copy()
-    np.maximum.at(best, g, score)
-    bound = np.minimum(np.minimum(dc, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + o["need"] + overhead)
-    return np.where(zero, np.isfinite(score) & (score >= best[g]), bound >= best[g])
+    _apply(state, moving, np.concatenate((ll[t], hl[t][back_of])), np.concatenate((m[t], ma[t][back_of])))
+    moved[moving] = True
+    return hl[t]
 
 
 def _first_touching(num_ranks: int, *ranks: np.ndarray) -> np.ndarray:

@@ -21,11 +21,8 @@ def _search_within(a: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     of each stretch a[lo:hi] (numpy's search of a long `a` in random order misses the cache at every level).
     `clamp` "both": answers clamped to [lo, hi]; "high": to at most hi; else one outside is searched in all `a`."""
     lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
-    if v.size == 0:
+    if v.size == 0 or a.size == 0:  # (an empty `a` has only the stretch [0, 0]: every answer is 0)
         return lo.copy()
-    if a.size == 0:  # numpy's answer is 0 for every query
-        zero = np.zeros(v.size, dtype=np.int64)
-        return np.clip(zero, lo, hi) if clamp == "both" else np.minimum(zero, hi) if clamp == "high" else zero
     passes = np.less if side == "left" else np.less_equal  # the entries before the answer: a prefix of a[lo:hi]
     # pos = lo + how many of a[lo:hi] pass, by steps of halving powers of two (a block passes by its last entry)
     pos = lo.copy()
@@ -64,31 +61,25 @@ class _PayBack:
     def search(self, slot: np.ndarray, need: np.ndarray):
         """((tokens, cost, count) of the fewest small items of `slot` (index order) that free `need` tokens,
         their first and last position in `items` (last = first - 1 if none), whether the slot has them)."""
-        sums = [np.zeros(slot.size) for _ in range(3)]
-        lo, j, feasible = np.zeros(slot.size, dtype=np.int64), np.full(slot.size, -1, dtype=np.int64), need <= 0
-        idx = np.flatnonzero(~feasible)
-        self.items = self.order[:0]
+        n = slot.size
+        back_tok, back_cost, count = np.zeros(n), np.zeros(n), np.zeros(n)
+        lo, j, found = np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), need <= 0
+        idx = np.flatnonzero(~found)
         used, inv = np.unique(slot[idx], return_inverse=True)  # the slots asked, each query's among them
         pos, grp = _ranges(self.starts[used], self.starts[used + 1])
-        items = self.order[pos]
-        keep = np.flatnonzero((self.tok[items] <= self.small) & ~self.moved[items])  # (faster than a boolean mask)
-        items, grp = items[keep], grp[keep]
-        if items.size == 0:
-            return sums, lo, j, feasible
-        size = np.bincount(grp, minlength=used.size)
-        first = np.cumsum(size) - size
-        run_t, run_c = np.cumsum(self.tok[items]), np.cumsum(self.cost[items])
-        base_t, base_c = (np.where(first > 0, run[np.maximum(first - 1, 0)], 0.0) for run in (run_t, run_c))
-        a, b = first[inv], first[inv] + size[inv]
-        # run_t never decreases (tokens >= 0), over all the slots: a search of it, clamped to each slot's
-        # stretch, is the first position there that reaches the goal (b if none)
-        p = _search_within(run_t, need[idx] + base_t[inv], a, b, clamp="both")
-        got = np.flatnonzero(p < b)
-        idx, inv, a, p = idx[got], inv[got], a[got], p[got]
-        lo[idx], j[idx], feasible[idx] = a, p, True
-        sums[0][idx], sums[1][idx], sums[2][idx] = run_t[p] - base_t[inv], run_c[p] - base_c[inv], p - a + 1
-        self.items = items
-        return sums, lo, j, feasible
+        keep = np.flatnonzero((self.tok[self.order[pos]] <= self.small) & ~self.moved[self.order[pos]])
+        self.items = self.order[pos[keep]]  # (index arrays, not boolean masks: faster)
+        size = np.bincount(grp[keep], minlength=used.size)
+        first, size = (np.cumsum(size) - size)[inv], size[inv]
+        run_t, run_c = (np.concatenate(([0.0], np.cumsum(x[self.items]))) for x in (self.tok, self.cost))
+        # run_t[q] (the sum of items[:q]) never decreases: a search clamped to the slot's stretch is the
+        # first q there that frees `need` (past the stretch if none)
+        q = _search_within(run_t, need[idx] + run_t[first], first + 1, first + size + 1, clamp="both")
+        got = np.flatnonzero(q <= first + size)
+        idx, a, q = idx[got], first[got], q[got]
+        lo[idx], j[idx], found[idx] = a, q - 1, True
+        back_tok[idx], back_cost[idx], count[idx] = run_t[q] - run_t[a], run_c[q] - run_c[a], q - a
+        return (back_tok, back_cost, count), lo, j, found
 
     def paid(self, lo: np.ndarray, j: np.ndarray):
         """(items, index of each into lo / j): the small items at positions lo[i]..j[i] of the last search."""
