@@ -49,7 +49,7 @@ PHASES = {
                                       "pipeline._trades_first", "pipeline._lumpy", "pipeline._choose"],
     "trades: set-up and round loop": ["trade._trade"],
     "trades: index sorts (by rank and cost)": ["trade_index._by_rank_and_cost"],
-    "trades: rounds": ["trade._round", "trade._worth_searching", "trade_index._first_best", "trade._apply",
+    "trades: rounds": ["trade._round", "trade_index._first_best", "trade._apply",
                        "trade_index._PayBack.search", "trade_index._PayBack.paid", "trade_index._ranges"],
     "ladder trades (chain.py)": ["chain._ladder_trades"],
     "long items first (assign.py)": ["assign._assign_long", "assign._long_first"],
