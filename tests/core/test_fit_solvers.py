@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from hf_dp_balance.core.cost import CostModel, features_of
@@ -97,12 +97,18 @@ def test_too_few_steps_to_estimate_the_noise_keep_the_soft_max_fit():
 @given(dense=st.lists(st.floats(0.3, 1.0), min_size=2, max_size=2),
        overhead=st.lists(st.floats(0.02, 0.3), min_size=2, max_size=2),
        ranks=st.sampled_from([4, 16, 64]), seed=st.integers(0, 2**16))
+@example(dense=[0.34375, 0.5], overhead=[0.25, 0.25], ranks=64, seed=647)
 def test_noise_free_step_times_give_back_the_truth(dense, overhead, ranks, seed):
     """Zero noise: the fitted noise goes to its floor and the coefficients are the truth's, wherever the
     slowest ranks determine them (their feature rows span all four terms) and the soft-max start is in
     the truth's basin. The start is a local method: with 12 steps one draw in 8, and at 64 ranks with a
     large per-sample share some draws of 48 steps, leave it (the old fit alike) in a local optimum, 1-3%
-    off every step with a wrong split of the terms; the likelihood then stays there."""
+    off every step with a wrong split of the terms; the likelihood then stays there (the assumes set those
+    draws aside). The example: the soft-max start within 0.2% of the truth and of every step time, but a
+    noise start at the 1% floor of the residual scale let the likelihood walk to a local optimum (per-sample
+    term +4.3%, -log posterior -370.7 against -397.0 at the truth); the start's own residual scale as a
+    further noise start fixes it. Fails where the likelihood returns its start (noise 1%) or the noise
+    always starts at 1% (the example, 4.3%)."""
     rng = np.random.default_rng(seed)
     steps = 48
     feats = np.zeros((steps, ranks, 4))
