@@ -16,7 +16,7 @@ import numpy as np
 from hf_dp_balance.core.planner.state import _BREADTH, _LARGE, _OVERHEAD, _ROUNDS, _State, _pair_ranks
 from hf_dp_balance.core.planner.trade import _apply, _first_touching
 from hf_dp_balance.core.planner.trade_index import (_RADIX, _by_rank_and_cost, _first_best, _float_order, _ranges,
-                                                    _search_within)
+                                                    _search_within, _stable_order)
 
 _MIN_RATE = 0.2  # a trade sheds at least this share of the mean cost per token per token it sends
 
@@ -78,11 +78,14 @@ def _make_ladders(state: _State, near: bool):
         CC=np.concatenate(([0.0], np.cumsum(state.costs[order]))))
     # rank r's large items large[l_lo[r]:l_hi[r]], most cost above their tokens at the lowest density first
     # (the ones h sends), and by_cost[l_lo[r]:l_hi[r]] (those l gives back for a): sorted keys rank + a share
-    # of 1 (over 1/2 for large, under for by_cost), ties by index
-    key = state.dest[large] + (1.0 - (surplus + 1.0) * scale)
+    # of 1 (over 1/2 for large, under for by_cost), ties by index; grouped by rank first (a radix sort), so that
+    # the key sorts only move each rank's stretch
+    by_rank = _stable_order(state.dest[large], R)
+    mine = large[by_rank]
+    key = state.dest[mine] + (1.0 - (surplus[by_rank] + 1.0) * scale)
     by = _float_order(key)
-    lad.large, lad.surplus_key = large[by], key[by]
-    lad.by_cost, starts, lad.cost_key, _ = _by_rank_and_cost(large, state.dest, state.costs, cost_scale, R)
+    lad.large, lad.surplus_key = mine[by], key[by]
+    lad.by_cost, starts, lad.cost_key, _ = _by_rank_and_cost(mine, state.dest, state.costs, cost_scale, R)
     lad.l_lo, lad.l_hi = starts[:-1], starts[1:]
     return lad
 
