@@ -106,9 +106,9 @@ def test_options_pruned_by_their_score_bound_are_exactly_those_that_cannot_score
     unpruned = chain._evaluate
     seen = {"options": 0, "pruned": 0, "scored": 0}
 
-    def both(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate):
-        full = unpruned(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=False)
-        got = unpruned(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate)
+    def both(state, budget, lad, a, b, hl, ll, m, want, overhead, min_rate):
+        full = unpruned(state, budget, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=False)
+        got = unpruned(state, budget, lad, a, b, hl, ll, m, want, overhead, min_rate)
         bound = (state.load[hl] - budget[hl]) / (state.tokens[a] + np.where(b >= 0, state.tokens[b], 0.0) + overhead)
         seen["options"] += a.size
         seen["pruned"] += int(np.count_nonzero(bound < min_rate))

@@ -71,11 +71,11 @@ def test_the_pay_back_skipping_the_items_that_fit_a_s_slot_places_as_the_item_by
     assert spilled > 50 and failed > 10  # both the spilling and the failing branches were exercised
 
 
-def test_the_swap_search_inside_a_rank_s_stretch_is_the_search_of_all_ranks_keys():
-    """`_cost_search` searches only inside the rank's stretch of the large items' cost keys: inside it the
-    position np.searchsorted gives on all the keys, and lo - 1 where that position falls below the stretch
-    (a target the lower ranks' keys reach: no item of the rank)."""
-    from hf_dp_balance.core.planner.chain import _cost_search, _make_ladders
+def test_each_rank_s_cost_keys_lie_in_its_own_half_unit_so_a_swap_search_stays_in_its_stretch():
+    """The swap search of `_round` reads np.searchsorted of all ranks' large-item cost keys at rank + c x scale
+    (c no more than any large item's cost) and takes lo - 1 below l's stretch: that holds because rank r's keys
+    lie in [r, r + 1/2), ascending, its stretch [l_lo[r], l_hi[r]) holding exactly its unmoved large items."""
+    from hf_dp_balance.core.planner.chain import _make_ladders
     from hf_dp_balance.core.planner.state import _State
     from test_planner_chain import _long_tail
 
@@ -88,12 +88,18 @@ def test_the_swap_search_inside_a_rank_s_stretch_is_the_search_of_all_ranks_keys
         load = np.bincount(owners, weights=costs, minlength=R)
         state = _State(costs, tokens, float(cap), np.ones(R), owners, mbs, M, load, M)
         lad = _make_ladders(state, False)
-        ranks = rng.integers(0, R, 400)
-        # targets in the rank's stretch, above it and below it (into the ranks under it)
-        target = ranks + rng.uniform(-0.6, 0.5, ranks.size)
-        lo, hi = lad.l_lo[ranks], lad.l_hi[ranks]
-        want = np.searchsorted(lad.cost_key, target)
-        assert np.all(want <= hi)  # a rank's keys stay under rank + 1/2: never past its stretch
-        np.testing.assert_array_equal(_cost_search(lad, ranks, target, lo, hi), np.where(want < lo, lo - 1, want))
-        below += int(np.count_nonzero(want < lo))
+        assert np.all(np.diff(lad.cost_key) >= 0)
+        ranks = np.repeat(np.arange(R), lad.l_hi - lad.l_lo)
+        np.testing.assert_array_equal(state.dest[lad.by_cost], ranks)
+        assert np.all((lad.cost_key >= ranks) & (lad.cost_key < ranks + 0.5))
+        large = np.flatnonzero(tokens > cap / 16)
+        assert np.array_equal(np.sort(lad.by_cost), large)
+        # a target rank + c x scale with c x scale in [-0.6, 1/2) (c < 0: l should keep more than a costs)
+        # falls inside l's stretch, or below it only where c < 0 (no b of l is then worth the swap)
+        r = rng.integers(0, R, 400)
+        target = r + rng.uniform(-0.6, 0.5, r.size)
+        got = np.searchsorted(lad.cost_key, target)
+        assert np.all(got <= lad.l_hi[r])
+        assert np.all((got >= lad.l_lo[r]) | (target < r))
+        below += int(np.count_nonzero(got < lad.l_lo[r]))
     assert below > 20  # the searches that fall below a stretch were exercised

@@ -3,8 +3,9 @@ plain stable sorts they replace."""
 
 import numpy as np
 
-from hf_dp_balance.core.planner.chain import _by_density, _ladder_trades, _ladders
+from hf_dp_balance.core.planner.chain import _item_keys, _ladder_trades, _ladders, _make_ladders
 from hf_dp_balance.core.planner.state import _copy_state
+from hf_dp_balance.core.planner.trade_index import _RADIX
 from test_planner_chain import _long_tail, _state
 
 
@@ -14,16 +15,13 @@ def test_the_ladders_are_the_items_by_slot_then_density_bin_then_index():
         tokens, owners, mbs = _long_tail(seed, R, M, 32768)
         state, budget = _state(tokens, owners, mbs, R, M, 32768, 1.4e-4)
         _ladder_trades(state, budget, 0.005)  # a placement the trades changed
-        bins = state.item_memo["ladder"][0]
+        dens = np.log(state.costs / state.tokens)
+        bins = ((dens - dens.min()) * ((_RADIX - 1) / (dens.max() - dens.min()))).astype(np.uint16)
         slot = state.dest * M + state.micro
-        got = _ladders(bins, slot)
-        np.testing.assert_array_equal(got, np.lexsort((np.arange(slot.size), bins, slot)))
-        # the two radix passes (the density order kept for the call, then the slots) give the same order
-        np.testing.assert_array_equal(_ladders(bins, slot, _by_density(state)), got)
-        assert state.item_memo["by_density"] is _by_density(_copy_state(state))  # once per call
-        # and as main made them: the density order, then a stable sort by slot
-        by_density = np.argsort(bins, kind="stable")
-        np.testing.assert_array_equal(got, by_density[np.argsort(slot[by_density], kind="stable")])
+        lad = _make_ladders(state, False)
+        np.testing.assert_array_equal(lad.order, np.lexsort((np.arange(slot.size), bins, slot)))
+        # the density order is kept for the planning call (copies share it)
+        assert state.item_memo["ladder"][0] is _item_keys(_copy_state(state))[0]
 
 
 def test_the_ladders_past_16_bit_slots_keep_the_plain_sort():
@@ -33,7 +31,7 @@ def test_the_ladders_past_16_bit_slots_keep_the_plain_sort():
         slot = rng.integers(0, top, bins.size)
         slot[0] = top - 1
         want = np.lexsort((np.arange(bins.size), bins, slot))
-        np.testing.assert_array_equal(_ladders(bins, slot, np.argsort(bins, kind="stable")), want)
+        np.testing.assert_array_equal(_ladders(np.argsort(bins, kind="stable"), slot, top), want)
 
 
 def test_the_rank_starts_by_counts_are_the_searches_of_the_sorted_keys():

@@ -1,10 +1,10 @@
 """Ladder trades for a full token cap: a large item for the cheapest-per-token items of one slot.
 
-At a full cap with a strongly quadratic cost the imbalance sits in a few long samples, and no move
-fits. A long sample costs more per token than short ones, so sending it to a light rank and taking
-back as many tokens of that slot's cheapest-per-token items sheds most of its cost while every slot
-keeps its tokens. A slot's items, cheapest per token first, form a "ladder": its prefix sums give,
-for any tokens to free, the fewest items that free them and their cost, one binary search per option.
+At a full cap with a strongly quadratic cost no move fits and the imbalance sits in a few long samples,
+which cost more per token than short ones: sending one to a light rank and taking back as many tokens of
+that slot's cheapest-per-token items sheds most of its cost while every slot keeps its tokens. A slot's
+items, cheapest per token first, form its "ladder"; the ladder's running sums give, for any tokens to free,
+the fewest items that free them and their cost (one binary search per option).
 """
 
 from __future__ import annotations
@@ -25,19 +25,17 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
                    near: bool = False) -> bool:
     """Trade toward `budget` until no rank is above budget x (1 + tolerance / 2); True if it got there.
 
-    A trade sends a large item `a` (over cap x _LARGE tokens) of an over-full rank h to a slot (l, m) of a
-    rank l under budget, alone or in place of a large item `b` of that slot (b takes a's slot); (l, m) frees
-    what a needs with a prefix of its ladder: its first items move to l's other slots while they have room,
-    the rest go back to h. Each round pairs the over-full ranks, most over first, with _BREADTH partners
-    (`_pair_ranks`), tries h's large items (most cost above their tokens first; with `near`, those whose
-    surplus just covers h's excess) and keeps per h the option taking the most load off h per token sent
-    (+ cap x _OVERHEAD), if at least `min_rate` x the mean cost per token; a partner takes one trade per
-    round, an item moves once, a slot gives back once. A pass ends after 3 rounds in a row that trade for at
-    most 2% of the over-full ranks.
-    Guarantees: every item keeps one (rank, slot); no slot goes over the cap; the fullest rank never rises
-    (a trade lowers the larger of its two ranks' loads); a rank keeps `state.min_count` items and a slot with
-    items keeps one. Cost: one O(n) radix sort, then per round O(over-full ranks x 2 _BREADTH^3) binary
-    searches inside one slot's ladder each.
+    A trade sends a large item `a` (over cap x _LARGE tokens) of an over-full rank h to a slot (l, m) of a rank
+    l under budget, alone or in place of a large item `b` of l (b takes a's slot); (l, m) frees what a needs
+    with a prefix of its ladder: the first items go to l's other slots while they have room, the rest back to
+    h. A round pairs the over-full ranks, most over first, with _BREADTH partners (`_pair_ranks`), tries h's
+    large items (most cost above their tokens first; with `near`, those whose surplus just covers h's excess)
+    and keeps per h the option taking the most load off h per token sent (+ cap x _OVERHEAD), if at least
+    `min_rate` x the mean cost per token; a partner takes one trade a round, an item moves once, a slot gives
+    back once. A pass ends after 3 rounds in a row trading for at most 2% of the over-full ranks.
+    Guarantees: every item keeps one (rank, slot); no slot goes over the cap; the fullest rank never rises (a
+    trade lowers the larger of its two ranks' loads); a rank keeps `state.min_count` items, a slot with items
+    keeps one. Cost: one O(n) radix sort, then per round O(over-full ranks x 2 _BREADTH^3) binary searches.
     """
     limit = budget * (1.0 + tolerance / 2.0)
     if state.cap is None or state.load.shape[0] < 2 or not np.any(state.load > limit):
@@ -58,9 +56,9 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
 
 def _make_ladders(state: _State, near: bool):
     """What the rounds of `_ladder_trades` read (None without large items): the large items and the ladders of
-    every rank, the ladders built at the start of the pass (one radix sort of all the items)."""
+    every slot, built at the start of the pass (one radix sort of all the items)."""
     R, M, n = state.load.shape[0], state.M, state.costs.shape[0]
-    bins, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
+    by_density, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
         return None
     slot = state.dest * M + state.micro
@@ -68,36 +66,34 @@ def _make_ladders(state: _State, near: bool):
     # slot s's ladder is order[lo[s]:hi[s]] (items by slot, cheapest per token first); CT, CC: running tokens and
     # costs along `order` after a leading 0, so that a prefix of k items of slot s holds CT[lo[s] + k] - CT[lo[s]]
     # tokens; rank_of: each item's place in `order`
-    order = _ladders(bins, slot, _by_density(state) if R * M <= _RADIX else None)
+    order = _ladders(by_density, slot, R * M)
     hi = np.cumsum(slot_items)
     rank_of = np.empty(n, dtype=np.int64)
     rank_of[order] = np.arange(n)
     lad = SimpleNamespace(
-        near=near, mean_rate=mean_rate, bins=bins, surplus_scale=scale, cost_scale=cost_scale, slot_items=slot_items,
+        near=near, mean_rate=mean_rate, surplus_scale=scale, cost_scale=cost_scale, slot_items=slot_items,
         stale=np.zeros(R * M, dtype=bool),  # slots an original item left: their ladders no longer hold
         moved=np.zeros(n, dtype=bool), order=order, lo=hi - slot_items, hi=hi, rank_of=rank_of,
         CT=np.concatenate(([0.0], np.cumsum(state.tokens[order]))),
         CC=np.concatenate(([0.0], np.cumsum(state.costs[order]))))
     # rank r's large items large[l_lo[r]:l_hi[r]], most cost above their tokens at the lowest density first
     # (the ones h sends), and by_cost[l_lo[r]:l_hi[r]] (those l gives back for a): sorted keys rank + a share
-    # under 1/2, ties by index
+    # of 1 (over 1/2 for large, under for by_cost), ties by index; grouped by rank first (a radix sort), so that
+    # the key sorts only move each rank's stretch
     by_rank = _stable_order(state.dest[large], R)
-    mine, ranks = large[by_rank], state.dest[large[by_rank]]
-    key = ranks + (1.0 - (surplus[by_rank] + 1.0) * scale)
+    mine = large[by_rank]
+    key = state.dest[mine] + (1.0 - (surplus[by_rank] + 1.0) * scale)
     by = _float_order(key)
     lad.large, lad.surplus_key = mine[by], key[by]
     lad.by_cost, starts, lad.cost_key, _ = _by_rank_and_cost(mine, state.dest, state.costs, cost_scale, R)
     lad.l_lo, lad.l_hi = starts[:-1], starts[1:]
-    # the largest cost key of the ranks below each rank (the keys ascend: the one just before its stretch): a
-    # swap search whose answer falls below a partner's stretch finds no b there either
-    lad.below_top = np.concatenate(([-np.inf], lad.cost_key))[starts[:-1]]
     return lad
 
 
 def _item_keys(state: _State):
-    """Of the items alone, once per planning call (`state.item_memo`): log-spaced density bins (uint16), the
-    large items, their cost above their tokens at the lowest density and its key scale, the scale of the large
-    items' cost key, the mean cost per token."""
+    """Of the items alone, once per planning call (`state.item_memo`): the items by log-spaced density bin (16
+    bits; ties: index), the large items, their cost above their tokens at the lowest density, the key scales
+    of that surplus and of their cost (rank + value x scale stays under rank + 1/2), the mean cost per token."""
     got = state.item_memo.get("ladder")
     if got is None:
         tok, cost = state.tokens, state.costs
@@ -106,38 +102,19 @@ def _item_keys(state: _State):
         dens -= lo  # (in place: `dens` is this call's own array; the same floats as (dens - lo) * step)
         dens *= (_RADIX - 1) / max(hi - lo, 1e-12)
         large = np.flatnonzero(tok > state.cap * _LARGE)
-        got = (dens.astype(np.uint16), large, None, None, None, None)
+        got = (np.argsort(dens.astype(np.uint16), kind="stable"), large, None, None, None, None)
         if large.size:
             surplus = cost[large] - float(np.min(cost / np.maximum(tok, np.finfo(np.float64).tiny))) * tok[large]
-            scale = lambda top: 1.0 / (float(top) * 2.0 + 2.0)  # (a key rank + value x scale stays under rank + 1/2)
-            mean_rate = float(cost.sum()) / max(float(tok.sum()), 1e-300)
-            got = got[:2] + (surplus, scale(surplus.max()), scale(cost[large].max()), mean_rate)
+            scales = [1.0 / (float(top) * 2.0 + 2.0) for top in (surplus.max(), cost[large].max())]
+            got = got[:2] + (surplus, *scales, float(cost.sum()) / max(float(tok.sum()), 1e-300))
         state.item_memo["ladder"] = got
     return got
 
 
-def _by_density(state: _State) -> np.ndarray:
-    """The items by density bin (ties: index), once per planning call (`state.item_memo`)."""
-    got = state.item_memo.get("by_density")
-    if got is None:
-        got = state.item_memo["by_density"] = np.argsort(_item_keys(state)[0], kind="stable")
-    return got
-
-
-def _ladders(bins: np.ndarray, slot: np.ndarray, by_density=None) -> np.ndarray:
-    """Items grouped by slot, cheapest per token first within a slot (ties: index): a radix sort of the
-    slots in `by_density` order where every slot is under 2^16 (~2.3x faster), else a lexsort."""
-    if by_density is not None and (slot.size == 0 or int(slot.max()) < _RADIX):
-        # (narrowed before the gather: a random read of 1 MB, not 4 MB)
-        return by_density[np.argsort(slot.astype(np.uint16)[by_density], kind="stable")]
-    return np.lexsort((bins, slot))
-
-
-def _cost_search(lad, ranks: np.ndarray, target: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """np.searchsorted(the cost keys of all ranks, target) for targets rank + c x scale (c x scale < 1/2):
-    searched inside the rank's stretch [lo, hi], lo - 1 where the keys below the stretch reach it."""
-    near = _search_within(lad.cost_key, target, lo, hi, clamp="both")
-    return np.where(lad.below_top[ranks] >= target, lo - 1, near)
+def _ladders(by_density: np.ndarray, slot: np.ndarray, slots: int) -> np.ndarray:
+    """Items grouped by slot, cheapest per token first within a slot (ties: index): a stable sort by slot of
+    the density order (a radix sort where the slots fit 16 bits, narrowed before the gather)."""
+    return by_density[np.argsort((slot.astype(np.uint16) if slots <= _RADIX else slot)[by_density], kind="stable")]
 
 
 def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
@@ -163,21 +140,23 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     if a.size == 0:
         return 0
     want = np.minimum(excess[h], limit[l] - state.load[l])  # what a trade of pair i should move
-    # a alone into the _BREADTH roomiest slots of l that still give back
+    # a alone into the _BREADTH roomiest slots of l that still give back (ties: the lowest slot)
     W = min(_BREADTH, M)
-    slots = _roomiest(np.where(lad.stale.reshape(-1, M)[l], np.inf, state.slot_tok[l]), W)
+    slots = np.broadcast_to(np.arange(M), (l.size, M)) if W == M else np.argsort(
+        np.where(lad.stale.reshape(-1, M)[l], np.inf, state.slot_tok[l]), axis=1, kind="stable")[:, :W]
     a1, p1, m1 = np.repeat(a, W), np.repeat(pair, W), slots[pair].reshape(-1)
-    # a in place of l's large items b nearest in cost to c_a - want (searched inside l's stretch of the keys)
+    # a in place of l's large items b nearest in cost to c_a - want (l's keys lie in [l, l + 1/2): a search
+    # falling below l's stretch finds no b)
     lp = l[pair]
     lo, hi = lad.l_lo[lp], lad.l_hi[lp]
-    near = _cost_search(lad, lp, lp + (cost[a] - want[pair]) * lad.cost_scale, lo, hi)
+    near = np.maximum(np.searchsorted(lad.cost_key, lp + (cost[a] - want[pair]) * lad.cost_scale), lo - 1)
     pos, of = _ranges(np.maximum(near - _BREADTH // 2, lo), np.minimum(near + _BREADTH - _BREADTH // 2, hi))
     unmoved = np.flatnonzero(~lad.moved[lad.by_cost[pos]])
     of, b2 = of[unmoved], lad.by_cost[pos[unmoved]]
     a, pair = np.concatenate((a1, a[of])), np.concatenate((p1, pair[of]))
     b = np.concatenate((np.full(a1.size, -1, dtype=np.int64), b2))
     m = np.concatenate((m1, state.micro[b2]))
-    opt = _evaluate(state, budget, limit, lad, a, b, h[pair], l[pair], m, want[pair], overhead, min_rate)
+    opt = _evaluate(state, budget, lad, a, b, h[pair], l[pair], m, want[pair], overhead, min_rate)
     if opt is None:
         return 0
     # per over-full rank its best trade (ties: the first option); in over-full order, every l's first
@@ -187,13 +166,7 @@ def _round(state, h, l, budget, limit, lad, overhead, min_rate) -> int:
     return _carry_out(state, lad, {k: v[chosen] for k, v in opt.items()})
 
 
-def _roomiest(full: np.ndarray, W: int) -> np.ndarray:
-    """[P, W]: per row of `full` (tokens per slot) the W least full slots, ties by the lowest slot."""
-    P, M = full.shape
-    return np.broadcast_to(np.arange(M), (P, M)) if W >= M else np.argsort(full, axis=1, kind="stable")[:, :W]
-
-
-def _evaluate(state, budget, limit, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=True):
+def _evaluate(state, budget, lad, a, b, hl, ll, m, want, overhead, min_rate, prune=True):
     """Every option's ladder cut and score (cost taken off h per token sent); None if none is feasible.
     (l, m) frees what a needs (beyond b's tokens) with a ladder prefix: its first items move to l's other
     slots while they have room (free: same rank; 10% kept for the packing; only without b), the rest go back
