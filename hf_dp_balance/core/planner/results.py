@@ -12,40 +12,11 @@ import numpy as np
 PATHS = ("kept", "incremental", "trades", "repack", "reference")
 
 
-class _GainMixin:
-    """`gain` of a plan result: the relative cut of the slowest rank, 1 - after / before (0 when skipped)."""
-
-    @property
-    def gain(self) -> float:
-        if not self.applied or self.makespan_before <= 0:
-            return 0.0
-        return 1.0 - self.makespan_after / self.makespan_before
-
-
 @dataclass(frozen=True)
-class Plan(_GainMixin):
-    """Destination rank of every item, with the loads that justify it. Loads are in cost units (not divided
-    by speed); makespans and the lower bound are in time units (load / speed)."""
+class _Outcome:
+    """What both plan results hold: the loads that justify the destinations, in cost units (not divided by
+    speed); makespans and the lower bound in time units (load / speed)."""
 
-    dest: np.ndarray
-    applied: bool
-    reason: str
-    loads_before: np.ndarray
-    loads_after: np.ndarray
-    lower_bound: float
-    makespan_before: float
-    makespan_after: float
-    moved: int
-    path: str  # what produced `dest`: one of PATHS
-
-
-@dataclass(frozen=True)
-class StepPlan(_GainMixin):
-    """Destination (rank, micro-batch) slot of every item of one optimizer step; makespans follow the sync
-    mode's objective. `moved` counts rank changes only: a new micro-batch on the same rank costs no communication."""
-
-    dest_rank: np.ndarray
-    dest_micro_batch: np.ndarray
     applied: bool
     reason: str
     loads_before: np.ndarray
@@ -55,6 +26,29 @@ class StepPlan(_GainMixin):
     makespan_after: float
     moved: int
     path: str  # what produced the destinations: one of PATHS
+
+    @property
+    def gain(self) -> float:
+        """The relative cut of the slowest rank, 1 - after / before (0 when not applied)."""
+        if not self.applied or self.makespan_before <= 0:
+            return 0.0
+        return 1.0 - self.makespan_after / self.makespan_before
+
+
+@dataclass(frozen=True)
+class Plan(_Outcome):
+    """Destination rank of every item (`dest`), with the loads that justify it."""
+
+    dest: np.ndarray
+
+
+@dataclass(frozen=True)
+class StepPlan(_Outcome):
+    """Destination (rank, micro-batch) slot of every item of one optimizer step; makespans follow the sync
+    mode's objective. `moved` counts rank changes only: a new micro-batch on the same rank costs no communication."""
+
+    dest_rank: np.ndarray
+    dest_micro_batch: np.ndarray
 
 
 def _first(mask: np.ndarray) -> Optional[int]:
