@@ -22,9 +22,7 @@ def _send_home(state: _State, start: np.ndarray, ceiling: np.ndarray, rounds: in
     every x's _BREADTH candidates y nearest in cost, then pairs touching each rank once, most saved
     first. Returns the tokens saved. Guarantees: no slot goes over the cap; every rank and slot keeps
     its item count; no rank ends above max(its load now, `ceiling`)."""
-    R, tok, cost = state.load.shape[0], state.tokens, state.costs
-    if state.cap is None or tok is None or R < 2:
-        return 0
+    R, tok, cost = state.load.shape[0], state.tokens, state.costs  # (after full-cap trades: a cap, tokens)
     away = np.flatnonzero(state.dest != start)
     if away.size < 2 or float(tok[away].sum()) < _WORTH * float(tok.sum()):
         return 0

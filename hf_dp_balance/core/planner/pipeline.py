@@ -9,17 +9,16 @@ speed`). The goal: the fullest rank (load / budget) at or under 1 + tolerance; t
    swaps from the fullest rank), one-for-many exchanges (`eject`), the item-count fixes. Runs first
    unless the slots are full (step 2 goes first then); stops at the goal.
 2. Full-cap trades (`_full_cap_trades`), for slots filled to the cap: no large item fits anywhere and
-   only exchanges help, judged by the tokens they send. They run first when most slots have less room
-   than a large item (`_trades_first`), else only after step 1 ends above the goal.
-   - After step 1, or first for a cost whose large items are dearer per token (`_lumpy`): ladder
-     trades (`chain`); step 1 (shed and place only, from 5 micro-batches on); while above the goal,
-     up to `_PASSES` ladder passes at any cost per token (`_residue_trades`), then up to `_PASSES`
-     that make load room where the free tokens are (`_roomy_trades`), each followed by step 1.
-     At 2 to 4 micro-batches the long items are first assigned to ranks (`assign`) where that search
-     expects to send at most `_TRUST` of the tokens; one-for-one swaps then close a gap of a few tenths
-     over the trades' limit (`refine._swap_down`).
+   only exchanges help, judged by the tokens they send. First when most slots have less room than a
+   large item (`_trades_first`), else only after step 1 ends above the goal.
+   - After step 1, or first where large items are dearer per token (`_lumpy`): at 2 to 4 micro-batches
+     long items first (`assign`, where its search expects to send at most `_TRUST` of the tokens);
+     ladder trades (`chain`) and step 1; while above the goal up to `_PASSES` ladder passes at any cost
+     per token (`_residue_trades`), then up to `_PASSES` that make load room where the free tokens are
+     (`_roomy_trades`), each followed by step 1.
    - First for a milder cost: small-change trades (`trade`), step 1.
-   Both end with small-change trades, a polish, and sending home the items a detour took away (`home`).
+   Both end with small-change trades, a polish, and sending home the items a detour took away (`home`);
+   after long items first, one-for-one swaps close a gap of a few tenths over the trades' limit.
 3. Moves budget: a plan of steps 1-2 within twice the tolerance ends the call (the one sending fewer
    tokens): a repack sends most of the step again.
 4. Repack fallback (`repack`), only above that: the over-full and the emptiest ranks re-placed by
@@ -73,15 +72,13 @@ def _balance(state: _State, budget: np.ndarray, tolerance: float, relocate: bool
         if not first and (base is None or _fullest(base, budget) > 1.0 + tolerance):
             traded = _full_cap_trades(_copy_state(origin), budget, tolerance, relocate)
     plans = [p for p in (base, traded) if p is not None]
-    for plan in plans:
-        if _fullest(plan, budget) <= 1.0 + tolerance:
-            return plan
-    near = _fewest_sent(plans, budget, 1.0 + 2.0 * tolerance, start)
-    if near is not None:
-        return near
+    # the first plan at the goal, else the one sending fewest tokens within twice the tolerance (step 3)
+    done = next((p for p in plans if _fullest(p, budget) <= 1.0 + tolerance), None)
+    if done is not None or (done := _fewest_sent(plans, budget, 1.0 + 2.0 * tolerance, start)) is not None:
+        return done
     repacks = repack._repack_until(origin if base is None else base, origin, budget, tolerance, start, stop_at,
                                    none_yet=not plans)
-    tried = [p for p in (base,) if p is not None] + repacks + [p for p in (traded,) if p is not None]
+    tried = [p for p in (base, *repacks, traded) if p is not None]
     return _choose(tried, base, budget, tolerance, start, repack_gain)
 
 
@@ -90,14 +87,13 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     `origin` itself (spoilt when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
-    if not ladder or not _long_first_applies(origin):
-        return _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=None)
     start = origin.dest.copy()
-    assigned = _assign_long(origin, budget, tolerance)
-    trusted = assigned[2] <= _TRUST * float(origin.tokens.sum())
-    plan = _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=assigned if trusted else None)
+    assigned = _assign_long(origin, budget, tolerance) if ladder and _long_first_applies(origin) else None
+    if assigned is not None and assigned[2] > _TRUST * float(origin.tokens.sum()):
+        assigned = None  # its search expects to send too many tokens: the trades alone
+    plan = _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=assigned)
     limit = (1.0 + tolerance / 2.0) * (1.0 + 1e-9)
-    if trusted and plan is not None and limit < _fullest(plan, budget) <= 1.0 + tolerance:
+    if assigned is not None and plan is not None and limit < _fullest(plan, budget) <= 1.0 + tolerance:
         _swap_down(plan, budget * (1.0 + tolerance / 2.0), start)  # a rank a few tenths over: single swaps
     return plan
 
@@ -171,8 +167,7 @@ def _lumpy(state: _State) -> bool:
 def _fewest_sent(plans: list, budget: np.ndarray, bar: float, start: np.ndarray):
     """Of the plans whose fullest rank is at or under `bar`, the one sending the fewest tokens (the first of
     equals); None if none is."""
-    near = [p for p in plans if _fullest(p, budget) <= bar]
-    return min(near, key=lambda p: _sent(p, start)) if near else None
+    return min((p for p in plans if _fullest(p, budget) <= bar), key=lambda p: _sent(p, start), default=None)
 
 
 def _choose(tried: list, incremental, budget: np.ndarray, tolerance: float, start: np.ndarray,
