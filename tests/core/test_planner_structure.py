@@ -9,7 +9,7 @@ import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hf_dp_balance" / "core" / "planner"
-MAX_LINES = 2832  # all of core/planner/*.py (4,093 before the planner was made one pipeline; the aim is 2,500)
+MAX_LINES = 2500  # all of core/planner/*.py (4,093 before the planner was made one pipeline)
 MAX_CONSTANTS = 20
 MAX_FUNCTION_LINES = 80
 
