@@ -64,7 +64,7 @@ import time
 import numpy as np
 
 from cost_fit_synthetic import qwen2_7b_prior, true_model  # bench/ (run as a script: its folder is on sys.path)
-from hf_dp_balance.testing.mix import draw_mix, pack_fixed_length, truncate
+from hf_dp_balance.testing.mix import draw_mix, fixed_length_step, truncate
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model, fit_from_micro_batches
 from hf_dp_balance.core.hedge import hedged_plan, probe_plan
@@ -112,19 +112,6 @@ def unit_events_fit(feats, times, prior: CostModel, shape_prior: bool = True) ->
     return fit_ranks(feats, times, "per_rank", prior, estimate_speeds=True, shape_prior=shape_prior)[0].model
 
 
-def step_items(rng, mix: str, ranks: int, pack_tokens: int = PACK):
-    """(token lengths, start rank) of one step: the first `ranks` fixed-length packs of `pack_tokens` tokens."""
-    n = ranks * 64
-    while True:
-        lengths = truncate(draw_mix(mix, n, rng), pack_tokens).tokens
-        lengths = lengths[lengths > 0]
-        pack = pack_fixed_length(lengths, pack_tokens)
-        if pack.max() >= ranks:
-            keep = pack < ranks
-            return lengths[keep].astype(np.int64), pack[keep]
-        n *= 2
-
-
 def plan(costs, lengths, owners, ranks):
     """The planner's dest rank for these costs, cap 1.2x the mean tokens (the config's default)."""
     largest = int(np.bincount(owners, weights=lengths, minlength=ranks).max())
@@ -142,7 +129,7 @@ def cut_sums(rng, mix, ranks: int, truth: CostModel, models: dict, evals: int) -
     from the true costs makes], both priced with the true costs."""
     cut = {name: [0.0, 0.0] for name in models}
     for _ in range(evals):
-        lengths, owners = step_items(rng, mix, ranks)
+        lengths, owners = fixed_length_step(rng, mix, ranks, PACK)
         base = makespan(truth, lengths, owners, ranks)
         best = makespan(truth, lengths, plan(truth.sample_costs(lengths), lengths, owners, ranks), ranks)
         for name, model in models.items():
@@ -166,7 +153,7 @@ def warmup(rng, mix, ranks, steps, truth, prior, noise, placement="probe", micro
     slots = ranks * micro
     feats, times = [], []
     for step in range(steps):
-        lengths, owners = step_items(rng, mix, slots)
+        lengths, owners = fixed_length_step(rng, mix, slots, PACK)
         dest = owners
         zeros = np.zeros_like(owners)
 

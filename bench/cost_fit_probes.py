@@ -61,12 +61,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 import hf_dp_balance.core.fitting as fitting
-from cost_fit_plans import MIXES, PACK, TRUTHS, plan, scores, step_items, truth_of
+from cost_fit_plans import MIXES, PACK, TRUTHS, plan, scores, truth_of
 from cost_fit_synthetic import qwen2_7b_prior
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model
 from hf_dp_balance.core.hedge import PROBE_CYCLE, extrapolate, probe_hypotheses, probe_plan, worst_excess
 from hf_dp_balance.core.steps import token_cap
+from hf_dp_balance.testing.mix import fixed_length_step
 
 LAG = 2  # steps between a step's time and the plan that can use it (the loader prepares steps ahead)
 VARIANTS = ("current", "adaptive", "adaptive-wide", "per-sample", "ridge-pick", "oracle-pick", "lone-pair",
@@ -414,7 +415,7 @@ def warmup(rng, variant, probe: Probe, mix, ranks, steps, prior, noise):
     """Features [steps, ranks, 4] and step times (slowest rank, multiplicative rank noise) of the warm-up."""
     feats, times = [], []
     for step in range(steps):
-        lengths, owners = step_items(rng, mix, ranks)
+        lengths, owners = fixed_length_step(rng, mix, ranks, PACK)
         zeros = np.zeros_like(owners)
 
         def plan_costs(costs):

@@ -20,11 +20,12 @@ import time
 import numpy as np
 
 import cost_fit_probes as probes
-from cost_fit_plans import MIXES, TRUTHS, plan, scores, step_items, truth_of
+from cost_fit_plans import MIXES, PACK, TRUTHS, plan, scores, truth_of
 from cost_fit_synthetic import qwen2_7b_prior
 from hf_dp_balance.core.cost import features_of
 from hf_dp_balance.core.fitting import fit_from_micro_batches
 from hf_dp_balance.core.hedge import probe_plan
+from hf_dp_balance.testing.mix import fixed_length_step
 
 
 def micro_cell(mix, ranks, steps, first, truth, prior, draws, micro, evals=3, noise=0.03, seed=0):
@@ -38,7 +39,7 @@ def micro_cell(mix, ranks, steps, first, truth, prior, draws, micro, evals=3, no
         rng = np.random.default_rng([seed, ranks, steps, d])
         feats, times, first_fit = [], [], None
         for step in range(steps):
-            lengths, owners = step_items(rng, mix, slots)
+            lengths, owners = fixed_length_step(rng, mix, slots, PACK)
             zeros = np.zeros_like(owners)
             if step == first:
                 first_fit = fit_from_micro_batches(np.stack(feats), np.stack(times), prior, drop_first=False).model

@@ -27,13 +27,13 @@ import time
 
 import numpy as np
 
-from hf_dp_balance.testing.mix import draw_mix, truncate
+from hf_dp_balance.testing.mix import draw_mix, fixed_length_step, truncate
 from hf_dp_balance.config import DPBalanceConfig
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.hedge import probe_plan
 from hf_dp_balance.runtime.fitter import CostModelFitter
 
-from cost_fit_plans import plan, step_items  # the same steps and planner call as the simulated fits (bench/)
+from cost_fit_plans import plan  # the same steps and planner call as the simulated fits (bench/)
 
 PACK = 32768
 TRUTH = CostModel(quadratic=3.1e-9, linear=2.2e-5, per_sample=4e-3, constant=0.05)
@@ -60,7 +60,7 @@ def run_draw(ranks: int, direction: str, steps: int, draw: int, noise: float = 0
         for start, m, h in in_force:
             if start <= step:
                 model, hedged = m, h
-        lengths, owners = step_items(rng, MIXES[step % 2], ranks, PACK)
+        lengths, owners = fixed_length_step(rng, MIXES[step % 2], ranks, PACK)
         zeros = np.zeros_like(owners)
         if hedged:
             dest = probe_plan(lambda c: (plan(c, lengths, owners, ranks), zeros), model.sample_costs(lengths),
@@ -88,7 +88,7 @@ def score(model: CostModel, ranks: int, seed: int, evals: int = 3):
     got = best = 0.0
     for mix in MIXES:
         for _ in range(evals):
-            lengths, owners = step_items(rng, mix, ranks, PACK)
+            lengths, owners = fixed_length_step(rng, mix, ranks, PACK)
 
             def slowest(dest):
                 return np.bincount(dest, weights=TRUTH.sample_costs(lengths), minlength=ranks).max()

@@ -371,3 +371,17 @@ def pack_fixed_length(tokens: np.ndarray, pack: int) -> np.ndarray:
         used += t
         pack_of[i] = current
     return pack_of
+
+
+def fixed_length_step(rng: np.random.Generator, mix: str, ranks: int, pack: int) -> tuple[np.ndarray, np.ndarray]:
+    """(token lengths, start rank) of one step: `mix` drawn, truncated to `pack` and packed to fixed length, the
+    first `ranks` packs one per rank (draws of 64 samples a rank, doubled until they fill `ranks` packs)."""
+    n = ranks * 64
+    while True:
+        lengths = truncate(draw_mix(mix, n, rng), pack).tokens
+        lengths = lengths[lengths > 0]
+        pack_of = pack_fixed_length(lengths, pack)
+        if pack_of.max() >= ranks:
+            keep = pack_of < ranks
+            return lengths[keep].astype(np.int64), pack_of[keep]
+        n *= 2

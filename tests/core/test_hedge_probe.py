@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_dp_balance.testing.mix import draw_mix, pack_fixed_length, truncate
+from hf_dp_balance.testing.mix import fixed_length_step
 from hf_dp_balance.core.cost import CostModel, features_of
 from hf_dp_balance.core.fitting import fit_cost_model
 from hf_dp_balance.core.hedge import (COMPANION_POSITION, PROBE_CYCLE, PROBE_FACTOR, PROBES, extrapolate,
@@ -171,13 +171,7 @@ def _truth(attention_factor):
 def _packed_step(mix, ranks, pack, rng):
     """(lengths, owners, plan_costs) of one step: `mix` drawn into fixed-length packs of `pack` tokens, one per
     rank; `plan_costs(costs)` plans it (one micro-batch, cap 1.2x the mean or the fullest pack)."""
-    while True:
-        lengths = truncate(draw_mix(mix, ranks * 64, rng), pack).tokens
-        lengths = lengths[lengths > 0]
-        packs = pack_fixed_length(lengths, pack)
-        if packs.max() >= ranks:
-            break
-    lengths, owners = lengths[packs < ranks].astype(np.int64), packs[packs < ranks]
+    lengths, owners = fixed_length_step(rng, mix, ranks, pack)
     zeros = np.zeros_like(owners)
     cap = token_cap(lengths, ranks, None, 1.2, int(np.bincount(owners, weights=lengths).max()))
 
