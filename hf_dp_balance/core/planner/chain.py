@@ -40,7 +40,8 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
     limit = budget * (1.0 + tolerance / 2.0)
     if state.cap is None or state.load.shape[0] < 2 or not np.any(state.load > limit):
         return not np.any(state.load > limit)
-    lad = _make_ladders(state, near)
+    # only ranks under budget (partners) or over the limit (senders) ever trade: only their slots need ladders
+    lad = _make_ladders(state, near, (state.load < budget) | (state.load > limit))
     if lad is None:
         return False
     overhead, min_rate, idle = state.cap * _OVERHEAD, min_rate * lad.mean_rate, 0
@@ -54,22 +55,24 @@ def _ladder_trades(state: _State, budget: np.ndarray, tolerance: float, min_rate
     return not np.any(state.load > limit)
 
 
-def _make_ladders(state: _State, near: bool):
+def _make_ladders(state: _State, near: bool, trading=None):
     """What the rounds of `_ladder_trades` read (None without large items): the large items and the ladders of
-    every slot, built at the start of the pass (one radix sort of all the items)."""
+    the slots of the `trading` ranks (a mask; None: all), built at the start of the pass (one radix sort)."""
     R, M, n = state.load.shape[0], state.M, state.costs.shape[0]
     by_density, large, surplus, scale, cost_scale, mean_rate = _item_keys(state)
     if large.size == 0:
         return None
     slot = state.dest * M + state.micro
-    slot_items = np.bincount(slot, minlength=R * M).astype(np.int64)
+    if trading is not None:
+        by_density = by_density[trading[state.dest[by_density]]]
+    slot_items = np.bincount(slot[by_density], minlength=R * M).astype(np.int64)
     # slot s's ladder is order[lo[s]:hi[s]] (items by slot, cheapest per token first); CT, CC: running tokens and
     # costs along `order` after a leading 0, so that a prefix of k items of slot s holds CT[lo[s] + k] - CT[lo[s]]
     # tokens; rank_of: each item's place in `order`
     order = _ladders(by_density, slot, R * M)
     hi = np.cumsum(slot_items)
-    rank_of = np.empty(n, dtype=np.int64)
-    rank_of[order] = np.arange(n)
+    rank_of = np.full(n, -1, dtype=np.int64)
+    rank_of[order] = np.arange(order.size)
     lad = SimpleNamespace(
         near=near, mean_rate=mean_rate, surplus_scale=scale, cost_scale=cost_scale, slot_items=slot_items,
         stale=np.zeros(R * M, dtype=bool),  # slots an original item left: their ladders no longer hold
