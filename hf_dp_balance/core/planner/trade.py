@@ -103,6 +103,13 @@ def _round(state, h, l, reach, budget, limit, pay_back, rest, large, moved, over
     b_or_a = np.where(has_b, b, a)
     m, tb, cb = np.where(has_b, micro[b_or_a], recv[g]), *(np.where(has_b, x[b_or_a], 0.0) for x in (tok, cost))
     need = np.maximum(ta - tb - (cap - state.slot_tok[ll, m]), 0.0)  # what a small pay-back must free
+    # no option scores above its `bound`: one below what a move of its pair scores is not searched (need inf)
+    move = (b < 0) & (need <= 0) & (cost[a] > 0) & (state.load[ll] + cost[a] <= limit[ll]) & (
+        True if state.count is None else state.count[hl] > state.min_count)
+    best = np.full(h.size, -np.inf)
+    np.maximum.at(best, g[move], (np.minimum(cost[a], excess[hl]) / (ta + overhead))[move])
+    bound = np.minimum(np.minimum(cost[a] - cb, excess[hl]), limit[ll] - state.load[ll]) / (ta + tb + need + overhead)
+    need[bound < best[g]] = np.inf
     (back_tok, back_cost, n_back), lo, j, ok = pay_back.search(ll * state.M + m, need)
     back_tok = np.where(ok, back_tok, np.inf) + tb
     delta = cost[a] - (back_cost + cb)

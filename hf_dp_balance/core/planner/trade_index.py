@@ -64,7 +64,7 @@ class _PayBack:
         n = slot.size
         back_tok, back_cost, count = np.zeros(n), np.zeros(n), np.zeros(n)
         lo, j, found = np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), need <= 0
-        idx = np.flatnonzero(~found)
+        idx = np.flatnonzero(~found & (need < np.inf))  # (inf: not searched)
         used, inv = np.unique(slot[idx], return_inverse=True)  # the slots asked, each query's among them
         pos, grp = _ranges(self.starts[used], self.starts[used + 1])
         keep = np.flatnonzero((self.tok[self.order[pos]] <= self.small) & ~self.moved[self.order[pos]])
