@@ -1,8 +1,6 @@
-"""Sending items home after full-cap trades: a moved item goes back where a like one took its place.
-
-Trades in several passes leave detours: rank A sent x to B and later took y from C. When x and y are
-alike, y can take x's place on B and x go home to A: A and B change by c_x - c_y, every slot keeps
-its item count, and x no longer crosses the network (nor y, when B is y's home)."""
+"""Sending items home after full-cap trades. Trades in several passes leave detours: rank A sent x to B and
+later took y from C. Where x and y are alike, y takes x's place on B and x goes home to A: A and B change by
+c_x - c_y, every slot keeps its item count, and x no longer crosses the network (nor y, when B is y's home)."""
 
 from __future__ import annotations
 

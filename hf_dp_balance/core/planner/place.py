@@ -84,7 +84,6 @@ class _SlotTokens:
     def __init__(self, state: _State, pool: np.ndarray):
         self.state, self.slots, self.rows, self.free = state, [0] * pool.size, {}, None
         self.tracked = state.slot_tok is not None
-        self.single = self.tracked and state.cap is not None and state.M == 1  # plan_balance: one slot per rank
         if self.tracked:
             self.item_tok = state.tokens[pool].tolist()
             if state.cap is not None:
@@ -92,9 +91,7 @@ class _SlotTokens:
 
     def add(self, k: int, r: int) -> None:
         """Item k of the pool goes to rank r: its slot with the fewest tokens."""
-        if self.single:
-            self.free[r] -= self.item_tok[k]
-        elif self.tracked:
+        if self.tracked:
             if r not in self.rows:
                 self.rows[r] = self.state.slot_tok[r].tolist()
             row = self.rows[r]
@@ -107,9 +104,7 @@ class _SlotTokens:
     def commit(self, pool: np.ndarray, dest: np.ndarray) -> None:
         state, R = self.state, self.state.load.shape[0]
         state.load += np.bincount(dest, weights=state.costs[pool], minlength=R)
-        if self.single:
-            state.slot_tok[:, 0] = state.cap - np.asarray(self.free)
-        elif self.tracked:
+        if self.tracked:
             if self.rows:
                 state.slot_tok[list(self.rows)] = list(self.rows.values())
             state.micro[pool] = self.slots
