@@ -357,7 +357,8 @@ def fit_step_max_noisy(x: np.ndarray, y: np.ndarray, robust: bool, temperature: 
     x, y = x[inliers], y[inliers]
     temp = temperature if temperature is not None else ANNEAL_TEMPERATURES[-1]
     value, _ = _soft_max(x @ theta, temp * y)
-    spread = _robust_scale(value / y - 1.0)  # the residual scale the least-squares fit saw
+    own_scale = _residual_scale(value / y - 1.0)
+    spread = max(own_scale, _MIN_RELATIVE_SCALE)  # the residual scale the least-squares fit saw (`_robust_scale`)
     likelihood_rows = penalty if shape is None else np.zeros((0, N_FEATURES))
     starts = [theta]
     if shape is not None and shape.pairs:  # the prior-free start (without a prior: the same fit again)
@@ -378,7 +379,7 @@ def fit_step_max_noisy(x: np.ndarray, y: np.ndarray, robust: bool, temperature: 
     # tests/core/test_fit_solvers.py) before sigma shrinks and lands in another basin (4.3% off, 26 nats below
     # the truth). A low start alone lost 2 of 60 low-noise fits to a worse basin: the higher posterior decides.
     pairs = [(start, spread) for start in starts]
-    own = min(max(_residual_scale(value / y - 1.0), _MIN_NOISE), _MAX_NOISE)
+    own = min(max(own_scale, _MIN_NOISE), _MAX_NOISE)
     if own < spread:
         pairs.append((starts[0], own))
     best = None
