@@ -184,7 +184,12 @@ class VisionBalancer:
         """Post one collective on the group (`start()` calls it with `async_op=True`, returns the work) and wait
         for it at most `timeout_s`. On NCCL a timed wait blocks this thread until the collective ends, so a
         failure raises here, named, rather than later in the backend's own watchdog."""
-        self._named(phase, lambda: wait_for(start(), self.config.timeout_s))
+        def post_and_wait():
+            work = start()
+            if work is not None:  # (None: this rank is not in the group; nothing was posted)
+                wait_for(work, self.config.timeout_s)
+
+        self._named(phase, post_and_wait)
 
     def _named(self, phase: str, fn):
         """fn(): a distributed failure or a timeout raises `ExchangeError` naming step, rank and phase; any other
